@@ -1,0 +1,72 @@
+import numpy as np
+import pytest
+
+from kvpool_server.core import BlockAllocator, InvalidArgumentError, InvariantViolationError, OutOfBlocksError
+
+
+def test_allocate_hands_out_distinct_blocks_with_ref_one():
+    allocator = BlockAllocator(8)
+    blocks = allocator.allocate(5)
+    assert sorted(blocks.tolist()) == sorted(set(blocks.tolist()))
+    assert (allocator.ref_count[blocks] == 1).all()
+    assert allocator.num_free_blocks == 3
+    allocator.check_invariants()
+
+
+def test_block_never_handed_out_twice_until_freed():
+    allocator = BlockAllocator(4)
+    first = allocator.allocate(2).tolist()
+    second = allocator.allocate(2).tolist()
+    assert not set(first) & set(second)
+    with pytest.raises(OutOfBlocksError, match="need 1 free blocks, 0 of 4"):
+        allocator.allocate(1)
+    assert allocator.decref(np.array(first, dtype=np.int32)) == 2
+    assert sorted(allocator.allocate(2).tolist()) == sorted(first)
+    allocator.check_invariants()
+
+
+def test_out_of_blocks_changes_nothing():
+    allocator = BlockAllocator(4)
+    allocator.allocate(3)
+    before = (allocator.ref_count.copy(), allocator.free_block_ids())
+    with pytest.raises(OutOfBlocksError):
+        allocator.allocate(2)
+    assert np.array_equal(before[0], allocator.ref_count)
+    assert np.array_equal(before[1], allocator.free_block_ids())
+
+
+def test_shared_block_is_freed_only_at_zero():
+    allocator = BlockAllocator(4)
+    block = allocator.allocate_one()
+    allocator.incref(np.array([block]), times=2)
+    assert allocator.ref_count[block] == 3
+    assert not allocator.decref_one(block)
+    assert allocator.decref(np.array([block, block])) == 1
+    assert allocator.num_free_blocks == 4
+    allocator.check_invariants()
+
+
+def test_decref_with_repeated_ids_counts_each():
+    allocator = BlockAllocator(3)
+    blocks = allocator.allocate(2)
+    allocator.incref(blocks)
+    freed = allocator.decref(np.concatenate([blocks, blocks[:1]]))
+    assert freed == 1 and allocator.ref_count[blocks[1]] == 1
+    allocator.check_invariants()
+
+
+def test_fresh_pool_hands_out_block_zero_first():
+    assert BlockAllocator(5).allocate_one() == 0
+
+
+def test_check_invariants_catches_corruption():
+    allocator = BlockAllocator(4)
+    allocator.allocate(2)
+    allocator.ref_count[3] = 1  # in use by ref count, but still on the free list
+    with pytest.raises(InvariantViolationError, match="free list iff its ref count is 0"):
+        allocator.check_invariants()
+
+
+def test_zero_blocks_rejected():
+    with pytest.raises(InvalidArgumentError):
+        BlockAllocator(0)

@@ -1,0 +1,232 @@
+"""Model-based test: the vectorised manager against a plain sequential reference, step by step.
+
+The reference keeps, per sequence, its token tags and a list of abstract block ids, and applies copy-on-write one
+token at a time in batch order -- the obviously-correct semantics the batched planner must reproduce exactly
+(free block counts, copies made). Token data lives in a tag memory written through the returned slots, so every
+step also checks that each sequence reads back its own tokens through its page table.
+"""
+
+import itertools
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool_server.core import (
+    InvalidArgumentError,
+    KVCacheManager,
+    OutOfBlocksError,
+    SequenceExistsError,
+    SequenceNotFoundError,
+)
+
+from .conftest import run_copies, snapshot, tag_memory
+
+NUM_BLOCKS, BLOCK_SIZE, MAX_SEQ_LEN = 24, 4, 48
+
+
+class ReferenceModel:
+    """Sequential reference: one token at a time, copy a shared partial block before writing into it."""
+
+    def __init__(self) -> None:
+        self.tags: dict[int, list[int]] = {}
+        self.blocks: dict[int, list[int]] = {}
+        self.refs: dict[int, int] = {}
+        self.copies = 0
+        self._next_block = itertools.count()
+
+    def used(self) -> int:
+        return sum(1 for r in self.refs.values() if r > 0)
+
+    def blocks_needed(self, seq_ids: list[int], counts: list[int]) -> int:
+        """Blocks an append would take, by dry-running it on copies of the model's state."""
+        refs = dict(self.refs)
+        needed = 0
+        for seq_id, count in zip(seq_ids, counts):
+            length, last = len(self.tags[seq_id]), (self.blocks[seq_id] or [None])[-1]
+            if length % BLOCK_SIZE and refs[last] > 1:
+                refs[last] -= 1
+                needed += 1
+            needed += -(-(length + count) // BLOCK_SIZE) - -(-length // BLOCK_SIZE)
+        return needed
+
+    def append(self, seq_id: int, new_tags: list[int]) -> None:
+        blocks = self.blocks[seq_id]
+        for tag in new_tags:
+            length = len(self.tags[seq_id])
+            if length % BLOCK_SIZE == 0:
+                blocks.append(next(self._next_block))
+                self.refs[blocks[-1]] = 1
+            elif self.refs[blocks[-1]] > 1:
+                self.refs[blocks[-1]] -= 1
+                blocks[-1] = next(self._next_block)
+                self.refs[blocks[-1]] = 1
+                self.copies += 1
+            self.tags[seq_id].append(tag)
+
+    def fork(self, parent: int, children: list[int]) -> None:
+        for child in children:
+            self.tags[child] = list(self.tags[parent])
+            self.blocks[child] = list(self.blocks[parent])
+            for block in self.blocks[parent]:
+                self.refs[block] += 1
+
+    def free(self, seq_id: int) -> None:
+        for block in self.blocks.pop(seq_id):
+            self.refs[block] -= 1
+        del self.tags[seq_id]
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, max_seq_len=MAX_SEQ_LEN, max_num_seqs=12)
+        self.memory = tag_memory(self.manager)
+        self.model = ReferenceModel()
+        self.freed: list[int] = []
+        self.assigned: set[int] = set()
+        self._tag = itertools.count(1)
+
+    def live(self) -> list[int]:
+        return sorted(self.model.tags)
+
+    def _fits(self, seq_ids: list[int], counts: list[int]) -> bool:
+        return all(len(self.model.tags[s]) + c <= MAX_SEQ_LEN for s, c in zip(seq_ids, counts))
+
+    @rule(caller_id=st.none() | st.integers(1, 2**64 - 2))
+    def register(self, caller_id):
+        if len(self.model.tags) >= 12:
+            before = snapshot(self.manager)
+            try:
+                self.manager.register(caller_id)
+            except (OutOfBlocksError, SequenceExistsError):
+                assert snapshot(self.manager) == before
+                return
+            raise AssertionError("register past max_num_seqs succeeded")
+        if caller_id in self.model.tags:
+            before = snapshot(self.manager)
+            try:
+                self.manager.register(caller_id)
+            except SequenceExistsError:
+                assert snapshot(self.manager) == before
+                return
+            raise AssertionError("duplicate register succeeded")
+        seq_id = self.manager.register(caller_id)
+        assert caller_id is None or seq_id == caller_id
+        assert seq_id not in self.model.tags
+        if caller_id is None:
+            assert seq_id not in self.assigned, "the manager handed out an id twice"
+            self.assigned.add(seq_id)
+        self.model.tags[seq_id], self.model.blocks[seq_id] = [], []
+
+    @precondition(lambda self: self.model.tags)
+    @rule(data=st.data(), single=st.booleans())
+    def append(self, data, single):
+        live = self.live()
+        chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+        if single:
+            chosen = chosen[:1]
+        counts = data.draw(st.lists(st.integers(1, 9), min_size=len(chosen), max_size=len(chosen)))
+        uniform = data.draw(st.booleans())
+        if uniform:
+            counts = [counts[0]] * len(counts)
+        fits = self._fits(chosen, counts)
+        enough = self.model.blocks_needed(chosen, counts) <= NUM_BLOCKS - self.model.used()
+        before = snapshot(self.manager)
+        try:
+            if single:
+                plan = self.manager.append(chosen[0], counts[0])
+            else:
+                plan = self.manager.append_batch(chosen, counts[0] if uniform else counts)
+        except InvalidArgumentError:
+            assert not fits and snapshot(self.manager) == before
+            return
+        except OutOfBlocksError:
+            assert fits and not enough and snapshot(self.manager) == before
+            return
+        assert fits and enough, "append succeeded where the reference says it cannot"
+        run_copies(self.memory, plan.copies, BLOCK_SIZE)
+        new_tags = [next(self._tag) for _ in range(sum(counts))]
+        self.memory[plan.slot_mapping] = new_tags
+        start = 0
+        for seq_id, count in zip(chosen, counts):
+            self.model.append(seq_id, new_tags[start : start + count])
+            start += count
+
+    @precondition(lambda self: self.model.tags)
+    @rule(data=st.data(), num_children=st.integers(1, 3))
+    def fork(self, data, num_children):
+        parent = data.draw(st.sampled_from(self.live()))
+        before = snapshot(self.manager)
+        try:
+            children = self.manager.fork(parent, num_children)
+            assert not self.assigned & set(children)
+            self.assigned.update(children)
+        except OutOfBlocksError:
+            assert len(self.model.tags) + num_children > 12 and snapshot(self.manager) == before
+            return
+        assert len(self.model.tags) + num_children <= 12
+        self.model.fork(parent, children)
+
+    @precondition(lambda self: self.model.tags)
+    @rule(data=st.data())
+    def free(self, data):
+        live = self.live()
+        chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+        self.manager.free(chosen)
+        for seq_id in chosen:
+            self.model.free(seq_id)
+        self.freed.extend(chosen)
+
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data())
+    def misuse_freed(self, data):
+        gone = data.draw(st.sampled_from(self.freed))
+        if gone in self.model.tags:  # a caller re-registered the id
+            return
+        before = snapshot(self.manager)
+        for call in (
+            lambda: self.manager.free(gone),
+            lambda: self.manager.fork(gone, 1),
+            lambda: self.manager.append(gone),
+            lambda: self.manager.append_batch([*self.live()[:1], gone]),
+        ):
+            try:
+                call()
+            except SequenceNotFoundError:
+                pass
+            else:
+                raise AssertionError("an operation on a freed sequence succeeded")
+            assert snapshot(self.manager) == before
+
+    @invariant()
+    def matches_reference(self):
+        self.manager.check_invariants()
+        stats = self.manager.stats()
+        assert stats.num_blocks_used == self.model.used()
+        assert stats.num_copies == self.model.copies
+        assert stats.num_sequences == len(self.model.tags)
+        for seq_id, tags in self.model.tags.items():
+            assert self.manager.num_tokens(seq_id) == len(tags)
+            if tags:
+                read = self.memory[self.manager.slots(seq_id, 0, len(tags))]
+                assert read.tolist() == tags, f"sequence {seq_id} reads back other tokens"
+
+
+ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestManagerAgainstReference = ManagerMachine.TestCase
+
+
+def test_tag_memory_distinguishes_sequences():
+    """The data check above can fail: two sequences' tags differ in memory after divergence."""
+    manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+    memory = tag_memory(manager)
+    seq = manager.register()
+    memory[manager.append_batch([seq], 3).slot_mapping] = [1, 2, 3]
+    (child,) = manager.fork(seq, 1)
+    plan = manager.append(child)
+    memory[plan.slot_mapping] = 4  # without running the copy, the child loses its prefix
+    assert memory[manager.slots(child, 0, 4)].tolist() != [1, 2, 3, 4]
+    run_copies(memory, plan.copies, BLOCK_SIZE)
+    assert np.array_equal(memory[manager.slots(seq, 0, 3)], [1, 2, 3])
