@@ -40,8 +40,11 @@ def test_shared_block_is_freed_only_at_zero():
     block = allocator.allocate_one()
     allocator.incref(np.array([block]), times=2)
     assert allocator.ref_count[block] == 3
-    assert not allocator.decref_one(block)
+    assert allocator.num_shared_blocks == 1
+    assert allocator.decref(np.array([block])) == 0
+    allocator.check_invariants()
     assert allocator.decref(np.array([block, block])) == 1
+    assert allocator.num_shared_blocks == 0
     assert allocator.num_free_blocks == 4
     allocator.check_invariants()
 

@@ -10,7 +10,7 @@ def test_rows_grow_and_are_reused():
     assert len(set(rows)) == 5 and tables.num_rows >= 5
     tables.table[rows[0], 0] = 7
     tables.num_tokens[rows[0]] = 3
-    tables.release_rows([rows[0]])
+    tables.release_row(rows[0])
     assert tables.num_tokens[rows[0]] == 0 and (tables.table[rows[0]] == UNSET).all()
     assert rows[0] in tables.acquire_rows(1)
 

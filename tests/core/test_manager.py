@@ -63,6 +63,7 @@ def test_batch_is_all_or_nothing_on_exhaustion(manager, assert_unchanged):
     "call, error",
     [
         (lambda m, s: m.append_batch([s, 999]), SequenceNotFoundError),
+        (lambda m, s: m.append_batch([s, s + 1]), SequenceNotFoundError),
         (lambda m, s: m.append_batch([s, s]), InvalidArgumentError),
         (lambda m, s: m.append_batch([]), InvalidArgumentError),
         (lambda m, s: m.append_batch([s], 0), InvalidArgumentError),
@@ -237,11 +238,15 @@ def test_stats_internal_fragmentation_counts_each_block_once(manager):
     assert stats.num_tokens == 19 and stats.num_sequences == 4
 
 
-def test_caller_ids_and_server_ids_do_not_collide(manager):
+def test_caller_ids_and_server_ids_mix(manager):
     assert manager.register(1) == 1
-    assert manager.register() == 2
-    assert manager.fork(1, 0, [2**64 - 2]) == [2**64 - 2]
-    assert manager.append_batch(np.array([2**64 - 2, 1], dtype=np.uint64)).num_tokens == 2
+    server_id = manager.register()
+    assert server_id >= 2**63
+    assert manager.fork(1, 0, [2**63 - 1]) == [2**63 - 1]
+    plan = manager.append_batch(np.array([2**63 - 1, server_id, 1], dtype=np.uint64))
+    assert plan.num_tokens == 3
+    with pytest.raises(InvalidArgumentError):
+        manager.register(2**63)
 
 
 def test_too_many_sequences_is_resource_exhausted(assert_unchanged):

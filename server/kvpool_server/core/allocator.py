@@ -19,7 +19,9 @@ class BlockAllocator:
     Invariants (checked by ``check_invariants``):
       - a block is on the free list iff its ref count is 0;
       - the free list holds each free block exactly once, so a block id is never handed out twice;
-      - ref counts are never negative.
+      - ref counts are never negative;
+      - ``num_shared_blocks`` is the number of blocks with a ref count above 1 (kept so that, while nothing is
+        shared, appends skip the copy-on-write check and frees skip the duplicate handling).
 
     ::
 
@@ -37,6 +39,7 @@ class BlockAllocator:
         # Reversed so that block 0 is handed out first on a fresh pool.
         self._free_stack: np.ndarray = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self.num_free_blocks: int = num_blocks
+        self.num_shared_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -64,8 +67,9 @@ class BlockAllocator:
         return block_id
 
     def incref(self, block_ids: np.ndarray, times: int = 1) -> None:
-        """Add ``times`` references to each of ``block_ids`` (ids may repeat). Each must be in use."""
-        np.add.at(self.ref_count, block_ids, times)
+        """Add ``times`` references to each of ``block_ids``: distinct blocks, each in use."""
+        self.num_shared_blocks += int(np.count_nonzero(self.ref_count[block_ids] == 1))
+        self.ref_count[block_ids] += times
 
     def decref(self, block_ids: np.ndarray) -> int:
         """Drop one reference per entry of ``block_ids`` (ids may repeat); blocks reaching 0 go back on the free list.
@@ -74,21 +78,18 @@ class BlockAllocator:
         """
         if block_ids.size == 0:
             return 0
-        np.subtract.at(self.ref_count, block_ids, 1)
+        if self.num_shared_blocks == 0:  # every block in use has exactly one reference: ids are distinct
+            self.ref_count[block_ids] = 0
+            self._push(block_ids)
+            return int(block_ids.size)
         touched = np.unique(block_ids)
-        freed = touched[self.ref_count[touched] == 0]
+        shared_before = np.count_nonzero(self.ref_count[touched] > 1)
+        np.subtract.at(self.ref_count, block_ids, 1)
+        after = self.ref_count[touched]
+        self.num_shared_blocks -= int(shared_before - np.count_nonzero(after > 1))
+        freed = touched[after == 0]
         self._push(freed)
         return int(freed.size)
-
-    def decref_one(self, block_id: int) -> bool:
-        """Drop one reference to ``block_id``; returns True if it became free."""
-        count = int(self.ref_count[block_id]) - 1
-        self.ref_count[block_id] = count
-        if count == 0:
-            self._free_stack[self.num_free_blocks] = block_id
-            self.num_free_blocks += 1
-            return True
-        return False
 
     def _push(self, block_ids: np.ndarray) -> None:
         top = self.num_free_blocks
@@ -104,6 +105,10 @@ class BlockAllocator:
             raise InvariantViolationError(f"num_free_blocks {self.num_free_blocks} outside [0, {self.num_blocks}]")
         if self.ref_count_padded[-1] != 0:
             raise InvariantViolationError("the padding ref count slot was written")
+        if self.num_shared_blocks != np.count_nonzero(self.ref_count > 1):
+            raise InvariantViolationError(
+                f"num_shared_blocks={self.num_shared_blocks} but {np.count_nonzero(self.ref_count > 1)} blocks are shared"
+            )
         if (self.ref_count < 0).any():
             raise InvariantViolationError(f"negative ref counts at blocks {np.flatnonzero(self.ref_count < 0)}")
         free = self._free_stack[: self.num_free_blocks]

@@ -23,11 +23,14 @@ def plan_append_one_each(manager: KVCacheManager, rows: np.ndarray) -> AppendPla
     lengths = tables.num_tokens[rows]
     if lengths.max() >= manager.max_seq_len:
         raise _too_long(manager, rows, lengths + 1)
-    block_index, offsets = np.divmod(lengths, bs)
+    if manager.block_shift is not None:
+        block_index, offsets = lengths >> manager.block_shift, lengths & (bs - 1)
+    else:
+        block_index, offsets = np.divmod(lengths, bs)
     table = tables.table
     block_ids = table[rows, block_index]  # UNSET (-1) where a new block is needed
     # ref_count_padded[-1] is always 0, so UNSET entries read as unshared.
-    if (allocator.ref_count_padded[block_ids] > 1).any():
+    if allocator.num_shared_blocks and (allocator.ref_count_padded[block_ids] > 1).any():
         return None
     needs_block = offsets == 0
     num_new = int(np.count_nonzero(needs_block))
@@ -73,7 +76,7 @@ def plan_append_general(manager: KVCacheManager, rows: np.ndarray, counts: np.nd
     if cow_pos.size:
         src = last_block[cow_pos]
         dst = new_blocks[: cow_pos.size]
-        np.subtract.at(allocator.ref_count, src, 1)  # never reaches 0: another sharer keeps each src
+        allocator.decref(src)  # frees nothing: another sharer keeps each src
         table[rows[cow_pos], last_index[cow_pos]] = dst
         copies = np.stack([src.astype(np.int32), dst], axis=1)
     if num_grow:

@@ -53,10 +53,15 @@ class BlockTables:
             self._grow()
         return [self._free_rows.pop() for _ in range(num)]
 
-    def release_rows(self, rows: list[int]) -> None:
-        self.table[rows] = UNSET
-        self.num_tokens[rows] = 0
-        self._free_rows.extend(rows)
+    def acquire_row(self) -> int:
+        if self._free_rows:
+            return self._free_rows.pop()
+        return self.acquire_rows(1)[0]
+
+    def release_row(self, row: int) -> None:
+        self.table[row] = UNSET
+        self.num_tokens[row] = 0
+        self._free_rows.append(row)
 
     def _grow(self) -> None:
         old = self.num_rows

@@ -11,7 +11,7 @@ from kvpool_server.core.append import plan_append_general, plan_append_one_each
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.invariants import check_manager_invariants, compute_stats
-from kvpool_server.core.seq_index import SequenceIndex, check_seq_id
+from kvpool_server.core.seq_index import MAX_ROWS, SequenceIndex, check_caller_seq_id
 from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, AppendPlan, PoolStats, TokenAddress
 
 
@@ -46,20 +46,23 @@ class KVCacheManager:
     ) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
-        if max_num_seqs < 1:
-            raise InvalidArgumentError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if not 1 <= max_num_seqs <= MAX_ROWS:
+            raise InvalidArgumentError(f"max_num_seqs must be in [1, {MAX_ROWS}], got {max_num_seqs}")
         self.block_size: int = block_size
+        # log2(block_size) when it is a power of two: shifts and masks instead of division.
+        self.block_shift: int | None = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else None
         self.num_blocks: int = num_blocks
         self.max_seq_len: int = max_seq_len if max_seq_len is not None else min(num_blocks * block_size, 1 << 15)
         if self.max_seq_len < 1:
             raise InvalidArgumentError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         self.allocator: BlockAllocator = BlockAllocator(num_blocks)
         self.tables: BlockTables = BlockTables(-(-self.max_seq_len // block_size), max_num_seqs)
-        self.index: SequenceIndex = SequenceIndex()
+        self.index: SequenceIndex = SequenceIndex(self.tables.num_rows)
         self.num_copies: int = 0
         # Scratch for the duplicate-id check of a batch (stamp[row] = position in batch).
         self._stamp: np.ndarray = np.zeros(0, dtype=np.int64)
         self._arange: np.ndarray = np.arange(0, dtype=np.int64)
+        self._block_offsets: np.ndarray = np.arange(block_size, dtype=np.int64)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -69,14 +72,22 @@ class KVCacheManager:
     def register(self, seq_id: int | None = None) -> int:
         """Create an empty sequence; the manager assigns the id unless one is given."""
         if seq_id is not None:
-            check_seq_id(seq_id)
             if seq_id in self.index:
                 raise SequenceExistsError(f"sequence {seq_id} already exists")
-        row = self.tables.acquire_rows(1)[0]
+            check_caller_seq_id(seq_id)
+        row = self.tables.acquire_row()
+        if row >= self.index.row_to_id.size:
+            self.index.resize(self.tables.num_rows)
         if seq_id is None:
-            seq_id = self.index.next_seq_id()
+            seq_id = self.index.new_server_id(row)
         self.index.add(seq_id, row)
         return seq_id
+
+    def _acquire_rows(self, num: int) -> list[int]:
+        rows = self.tables.acquire_rows(num)
+        if self.tables.num_rows > self.index.row_to_id.size:
+            self.index.resize(self.tables.num_rows)
+        return rows
 
     def fork(self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = ()) -> list[int]:
         """Make children that share every block of the parent (ref counts go up, nothing is copied)."""
@@ -88,23 +99,23 @@ class KVCacheManager:
                     f"num_children={num_children} but {len(child_seq_ids)} child_seq_ids were given"
                 )
             for seq_id in child_seq_ids:
-                check_seq_id(seq_id)
                 if seq_id in self.index:
                     raise SequenceExistsError(f"sequence {seq_id} already exists")
+                check_caller_seq_id(seq_id)
             if len(set(child_seq_ids)) != len(child_seq_ids):
                 raise InvalidArgumentError("child_seq_ids repeat an id")
             num_children = len(child_seq_ids)
         elif num_children < 1:
             raise InvalidArgumentError(f"num_children must be >= 1, got {num_children}")
-        rows = self.tables.acquire_rows(num_children)
+        rows = self._acquire_rows(num_children)
         if not child_seq_ids:
-            child_seq_ids = [self.index.next_seq_id() for _ in range(num_children)]
+            child_seq_ids = [self.index.new_server_id(row) for row in rows]
         num_tokens = int(self.tables.num_tokens[parent_row])
         num_blocks = -(-num_tokens // self.block_size)
         blocks = self.tables.table[parent_row, :num_blocks]
         self.tables.table[rows, :num_blocks] = blocks
         self.tables.num_tokens[rows] = num_tokens
-        self.allocator.ref_count[blocks] += num_children  # a sequence never holds a block twice
+        self.allocator.incref(blocks, num_children)  # a sequence never holds a block twice
         for seq_id, row in zip(child_seq_ids, rows):
             self.index.add(seq_id, row)
         return child_seq_ids
@@ -114,41 +125,70 @@ class KVCacheManager:
 
         Returns the number of blocks freed.
         """
-        ids = [seq_ids] if isinstance(seq_ids, int) else [int(s) for s in seq_ids]
+        tables, bs = self.tables, self.block_size
+        if isinstance(seq_ids, int):
+            row = self.index.row(seq_id := seq_ids)
+            num_freed = self.allocator.decref(tables.table[row, : -(-int(tables.num_tokens[row]) // bs)])
+            tables.release_row(row)
+            self.index.remove(seq_id)
+            return num_freed
+        ids = [int(s) for s in seq_ids]
         if not ids:
             raise InvalidArgumentError("free needs at least one seq_id")
         rows = [self.index.row(seq_id) for seq_id in ids]
         if len(set(rows)) != len(rows):
             raise InvalidArgumentError("free names a sequence twice")
-        bs = self.block_size
-        held = [self.tables.table[row, : -(-int(self.tables.num_tokens[row]) // bs)] for row in rows]
+        held = [tables.table[row, : -(-int(tables.num_tokens[row]) // bs)] for row in rows]
         num_freed = self.allocator.decref(np.concatenate(held))
-        self.tables.release_rows(rows)
-        self.index.remove(ids)
+        for seq_id, row in zip(ids, rows):
+            tables.release_row(row)
+            self.index.remove(seq_id)
         return num_freed
 
     # ---------------------------------------------------------------- append
     def append(self, seq_id: int, num_tokens: int = 1) -> AppendPlan:
         """Append tokens to one sequence (the per-sequence path)."""
         row = self.index.row(seq_id)
-        if num_tokens != 1:
-            return self._append_rows(np.array([row]), num_tokens)
         tables, allocator, bs = self.tables, self.allocator, self.block_size
         length = int(tables.num_tokens[row])
+        block_index, offset = divmod(length, bs)
+        if offset and allocator.num_shared_blocks and allocator.ref_count[tables.table[row, block_index]] > 1:
+            return self._append_rows(np.array([row]), num_tokens)  # copy-on-write first
+        if num_tokens != 1:
+            return self._append_unshared(seq_id, row, length, num_tokens)
         if length >= self.max_seq_len:
             raise InvalidArgumentError(f"sequence {seq_id} is at max_seq_len={self.max_seq_len}")
-        block_index, offset = divmod(length, bs)
         if offset == 0:
             block_id = allocator.allocate_one()
             tables.table[row, block_index] = block_id
             new_blocks = np.array([block_id], dtype=np.int32)
         else:
             block_id = int(tables.table[row, block_index])
-            if allocator.ref_count[block_id] > 1:
-                return self._append_rows(np.array([row]), 1)  # copy-on-write
             new_blocks = EMPTY_BLOCKS
         tables.num_tokens[row] = length + 1
         return AppendPlan(np.array([block_id * bs + offset], dtype=np.int64), new_blocks, NO_COPIES)
+
+    def _append_unshared(self, seq_id: int, row: int, length: int, num_tokens: int) -> AppendPlan:
+        """Many tokens to one sequence whose last block is its own (no copy-on-write), e.g. a prefill."""
+        if num_tokens < 1:
+            raise InvalidArgumentError(f"num_tokens must be >= 1, got {num_tokens}")
+        new_length = length + num_tokens
+        if new_length > self.max_seq_len:
+            raise InvalidArgumentError(
+                f"append would grow sequence {seq_id} to {new_length} tokens, over max_seq_len={self.max_seq_len}"
+            )
+        bs = self.block_size
+        old_num_blocks, new_num_blocks = -(-length // bs), -(-new_length // bs)
+        new_blocks = self.allocator.allocate(new_num_blocks - old_num_blocks)  # raises before any change
+        table_row = self.tables.table[row]
+        table_row[old_num_blocks:new_num_blocks] = new_blocks
+        self.tables.num_tokens[row] = new_length
+        # Slots of every position in the blocks touched, then the slice that is new.
+        first_block = length // bs
+        touched = table_row[first_block:new_num_blocks].astype(np.int64) * bs
+        slots = (touched[:, None] + self._block_offsets).ravel()
+        start = length - first_block * bs
+        return AppendPlan(slots[start : start + num_tokens], new_blocks, NO_COPIES)
 
     def append_batch(self, seq_ids: Sequence[int] | np.ndarray, num_tokens: int | Sequence[int] = 1) -> AppendPlan:
         """Append ``num_tokens`` (one count for all, or one per sequence) to many sequences, atomically.
