@@ -1,0 +1,66 @@
+"""Helpers for the device tests: which backends to run, random fills, byte-level comparison.
+
+KVPOOL_TEST_BACKEND=gpu makes the GPU cases mandatory (they fail instead of skipping without a GPU), so a GPU run
+cannot pass by skipping everything; =host runs the host cases only; unset: host, plus gpu when one is available.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool_server.device import gpu_available
+
+REQUESTED = os.environ.get("KVPOOL_TEST_BACKEND", "")
+if REQUESTED not in ("", "host", "gpu"):
+    raise RuntimeError(f"KVPOOL_TEST_BACKEND must be 'gpu', 'host' or unset, got {REQUESTED!r}")
+HAVE_GPU = gpu_available()
+RUN_GPU = REQUESTED == "gpu" or (REQUESTED == "" and HAVE_GPU)
+
+needs_gpu = pytest.mark.skipif(not RUN_GPU, reason="no GPU (set KVPOOL_TEST_BACKEND=gpu to require one)")
+BACKENDS = ["host", pytest.param("gpu", marks=needs_gpu)]
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A NumPy copy of a NumPy or CuPy array."""
+    if type(x).__module__.startswith("cupy"):
+        return x.get()
+    return np.array(x, copy=True)
+
+
+def like(ref: Any, x: np.ndarray) -> Any:
+    """``x`` as an array of the same library (NumPy or CuPy) as ``ref``."""
+    if type(ref).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy.asarray(x)
+    return x
+
+
+def pool_bytes_view(pool: Any) -> Any:
+    """The pool's memory as a flat uint8 array (NumPy or CuPy), a view."""
+    return pool.blocks.reshape(-1).view(np.uint8)
+
+
+def fill_random(pool: Any, rng: np.random.Generator) -> np.ndarray:
+    """Fill the whole pool with random bytes (never left zero); returns a host copy of them."""
+    data = rng.integers(1, 256, size=pool.pool_bytes, dtype=np.uint8)  # no zero byte: a missed write shows
+    view = pool_bytes_view(pool)
+    if pool.backend == "gpu":
+        view.set(data)
+    else:
+        view[...] = data
+    return data
+
+
+def random_tokens(layout: Any, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bit patterns in the storage dtype, [n, L, 2, H, D]; compare them as bytes (they may be NaNs)."""
+    raw = rng.integers(1, 256, size=n * layout.token_bytes, dtype=np.uint8)
+    return raw.view(layout.storage_dtype).reshape(n, *layout.token_shape)
+
+
+def as_bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
