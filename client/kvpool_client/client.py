@@ -1,0 +1,282 @@
+"""KVPoolClient: a typed, synchronous API over the kvpool.v1 stubs.
+
+Every call carries a deadline (the client's ``timeout`` unless the call passes its own). Only idempotent reads
+(Stats, GetBlockTable, DescribePool, ReadKV, CheckInvariants, Health) are retried, and only on UNAVAILABLE, with
+exponential backoff inside the same deadline: a retried AppendToken, Fork, Register or Free could run twice.
+Failed calls raise the exception of errors.py that mirrors the status code.
+
+    with KVPoolClient("unix:/tmp/kvpool.sock") as client:
+        seq_id = client.register()
+        result = client.append([seq_id], 5)          # 5 prompt tokens -> result.slot_mapping (int64[5])
+        pool = client.attach()                       # the pool mapped into this process, no copy
+        pool.write_slots(result.slot_mapping, kv)    # kv: [5, num_layers, 2, num_kv_heads, head_dim]
+        assert (client.read_kv(seq_id) == kv).all()
+        client.free(seq_id)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from kvpool_client.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, from_rpc_error
+from kvpool_client.layout import KVLayout
+from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
+
+if TYPE_CHECKING:
+    from kvpool_client.attach import AttachedPool
+
+_DTYPE_NAMES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16"}
+_BACKEND_NAMES = {pb.BACKEND_GPU: "gpu", pb.BACKEND_HOST: "host"}
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff for idempotent calls that failed with UNAVAILABLE: attempt i waits initial * multiplier**i (capped,
+    with +-jitter), and never past the call's deadline."""
+
+    max_attempts: int = 4
+    initial_backoff_s: float = 0.05
+    multiplier: float = 2.0
+    max_backoff_s: float = 1.0
+    jitter: float = 0.2
+
+    def backoff(self, attempt: int) -> float:
+        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**attempt)
+        return base * (1.0 + random.uniform(-self.jitter, self.jitter))
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+class KVPoolClient:
+    """One channel to a kvpool server. Thread-safe (gRPC channels are); not fork-safe: make one per process."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 10.0,
+        retry: RetryPolicy = RetryPolicy(),
+        options: Sequence[tuple[str, Any]] = (),
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry
+        base_options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self._channel = channel or grpc.insecure_channel(target, options=base_options + list(options))
+        self._stub = pb_grpc.KVPoolServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._description: PoolDescription | None = None
+        self._attached: list[AttachedPool] = []
+
+    # ---------------------------------------------------------------- plumbing
+    def _call(self, name: str, request: Any, *, idempotent: bool, timeout: float | None, rpc: Callable | None = None):
+        rpc = rpc or getattr(self._stub, name)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        attempts = self.retry.max_attempts if idempotent else 1
+        for attempt in range(attempts):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError("deadline passed while retrying", method=name)
+            try:
+                return rpc(request, timeout=remaining)
+            except grpc.RpcError as error:
+                exc = from_rpc_error(error, name)
+                if not isinstance(exc, UnavailableError) or attempt + 1 >= attempts:
+                    raise exc from None
+            time.sleep(min(self.retry.backoff(attempt), max(0.0, deadline - time.monotonic())))
+        raise AssertionError("unreachable")
+
+    # ---------------------------------------------------------------- sequences
+    def register(self, seq_id: int | None = None, *, timeout: float | None = None) -> int:
+        """Create an empty sequence; the server assigns the id (never reused) unless ``seq_id`` is given."""
+        request = pb.RegisterSequenceRequest() if seq_id is None else pb.RegisterSequenceRequest(seq_id=seq_id)
+        return self._call("RegisterSequence", request, idempotent=False, timeout=timeout).seq_id
+
+    def append(
+        self,
+        seq_ids: int | Sequence[int] | np.ndarray,
+        num_tokens: int | Sequence[int] | np.ndarray = 1,
+        *,
+        timeout: float | None = None,
+    ) -> AppendResult:
+        """Grow every sequence of ``seq_ids`` by ``num_tokens`` (one count for all, or one each), atomically."""
+        ids = [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else [int(s) for s in seq_ids]
+        if isinstance(num_tokens, (int, np.integer)):
+            counts_field = [int(num_tokens)]
+            counts = np.full(len(ids), int(num_tokens), dtype=np.int64)
+        else:
+            counts = np.asarray(num_tokens, dtype=np.int64)
+            counts_field = counts.tolist()
+        if counts.size != len(ids) or (counts < 1).any():
+            raise InvalidArgumentError(
+                f"need one num_tokens >= 1 for all, or one per sequence; got {counts.tolist()} for {len(ids)}",
+                method="AppendToken",
+            )
+        response = self._call(
+            "AppendToken",
+            pb.AppendTokenRequest(seq_ids=ids, num_tokens=counts_field),
+            idempotent=False,
+            timeout=timeout,
+        )
+        copies = np.array([(c.src_block_id, c.dst_block_id) for c in response.copies], dtype=np.int64).reshape(-1, 2)
+        return AppendResult(
+            seq_ids=tuple(ids),
+            num_tokens=counts,
+            slot_mapping=np.array(response.slot_mapping, dtype=np.int64),
+            new_block_ids=np.array(response.new_block_ids, dtype=np.int64),
+            copies=copies,
+        )
+
+    def fork(
+        self,
+        parent_seq_id: int,
+        num_children: int = 0,
+        child_seq_ids: Sequence[int] = (),
+        *,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Children that share every block of the parent (copy-on-write); returns their ids."""
+        request = pb.ForkRequest(parent_seq_id=parent_seq_id, num_children=num_children, child_seq_ids=child_seq_ids)
+        return list(self._call("Fork", request, idempotent=False, timeout=timeout).child_seq_ids)
+
+    def free(self, seq_ids: int | Sequence[int], *, timeout: float | None = None) -> int:
+        """Release sequences (all or none); returns the number of blocks whose ref count reached 0."""
+        ids = [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else [int(s) for s in seq_ids]
+        return self._call("Free", pb.FreeRequest(seq_ids=ids), idempotent=False, timeout=timeout).num_blocks_freed
+
+    # ---------------------------------------------------------------- reads (retried on UNAVAILABLE)
+    def stats(self, *, timeout: float | None = None) -> PoolStats:
+        r = self._call("Stats", pb.StatsRequest(), idempotent=True, timeout=timeout)
+        return PoolStats(
+            num_blocks_total=r.num_blocks_total,
+            num_blocks_free=r.num_blocks_free,
+            num_blocks_used=r.num_blocks_used,
+            utilization=r.utilization,
+            num_tokens=r.num_tokens,
+            num_slots_unused=r.num_slots_unused,
+            internal_fragmentation=r.internal_fragmentation,
+            num_blocks_shared=r.num_blocks_shared,
+            num_copies=r.num_copies,
+            num_sequences=r.num_sequences,
+            block_size=r.block_size,
+            block_bytes=r.block_bytes,
+        )
+
+    def block_table(self, seq_id: int, *, timeout: float | None = None) -> BlockTable:
+        r = self._call("GetBlockTable", pb.GetBlockTableRequest(seq_id=seq_id), idempotent=True, timeout=timeout)
+        return BlockTable(np.array(r.block_ids, dtype=np.int64), r.num_tokens, r.block_size)
+
+    def describe_pool(self, *, timeout: float | None = None) -> PoolDescription:
+        r = self._call("DescribePool", pb.DescribePoolRequest(), idempotent=True, timeout=timeout)
+        lay = r.layout
+        self._description = PoolDescription(
+            layout=KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, _DTYPE_NAMES[lay.dtype]),
+            num_blocks=lay.num_blocks,
+            backend=_BACKEND_NAMES.get(r.backend, "unspecified"),
+            pool_bytes=r.pool_bytes,
+            block_bytes=lay.block_bytes,
+            token_bytes=lay.token_bytes,
+            shm_name=r.shm_name,
+            cuda_ipc_handle=bytes(r.cuda_ipc_handle),
+            cuda_device=r.cuda_device,
+            server_pid=r.server_pid,
+        )
+        return self._description
+
+    @property
+    def layout(self) -> KVLayout:
+        """The pool's layout (fetched once: it is fixed for the life of a server)."""
+        return (self._description or self.describe_pool()).layout
+
+    def read_kv(self, seq_id: int, start: int = 0, num_tokens: int = 0, *, timeout: float | None = None) -> np.ndarray:
+        """KV of tokens [start, start + num_tokens) (0: to the end) as [n, num_layers, 2, num_kv_heads, head_dim]."""
+        request = pb.ReadKVRequest(seq_id=seq_id, start_position=start, num_tokens=num_tokens)
+        r = self._call("ReadKV", request, idempotent=True, timeout=timeout)
+        layout = self.layout
+        wire = layout.storage_dtype.newbyteorder("<")
+        return np.frombuffer(r.data, dtype=wire).reshape((r.num_tokens, *layout.token_shape)).astype(
+            layout.storage_dtype
+        )
+
+    def check_invariants(self, *, timeout: float | None = None) -> InvariantReport:
+        """The server's full invariant check; a violation raises InternalError with the server's message."""
+        r = self._call("CheckInvariants", pb.CheckInvariantsRequest(), idempotent=True, timeout=timeout)
+        return InvariantReport(r.ok, r.num_blocks_checked, r.num_sequences_checked)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The standard health check's status name: "SERVING", "NOT_SERVING", ..."""
+        r = self._call(
+            "Health.Check", health_pb2.HealthCheckRequest(service=service), idempotent=True, timeout=timeout,
+            rpc=self._health.Check,
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+    def wait_until_serving(self, timeout: float = 10.0, service: str = "") -> None:
+        """Block until health says SERVING; raise DeadlineExceededError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                last = self.health(service, timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+                if last == "SERVING":
+                    return
+            except (UnavailableError, DeadlineExceededError) as error:
+                last = str(error)
+            time.sleep(0.05)
+        raise DeadlineExceededError(f"server at {self.target} not SERVING after {timeout}s ({last})", method="Health")
+
+    # ---------------------------------------------------------------- KV through the page table (remote path)
+    def write_kv(self, seq_id: int, start: int, data: np.ndarray, *, timeout: float | None = None) -> int:
+        """Write ``data`` ([n, num_layers, 2, num_kv_heads, head_dim], the pool's storage dtype) to tokens
+        [start, start + n) of a sequence; returns n. The tokens' blocks must be the sequence's own."""
+        layout = self.layout
+        data = np.asarray(data)
+        if data.ndim != 5 or data.shape[1:] != layout.token_shape:
+            raise InvalidArgumentError(
+                f"data must be [n, *{layout.token_shape}], got {data.shape}", method="WriteKV"
+            )
+        if data.dtype != layout.storage_dtype:
+            raise InvalidArgumentError(f"data must be {layout.storage_dtype}, got {data.dtype}", method="WriteKV")
+        payload = np.ascontiguousarray(data, dtype=layout.storage_dtype.newbyteorder("<")).tobytes()
+        request = pb.WriteKVRequest(seq_id=seq_id, start_position=start, data=payload)
+        return self._call("WriteKV", request, idempotent=False, timeout=timeout).num_tokens_written
+
+    # ---------------------------------------------------------------- zero-copy access
+    def attach(self) -> AttachedPool:
+        """Map the pool into this process (shared memory or CUDA IPC); closed with the client."""
+        from kvpool_client.attach import attach
+
+        pool = attach(self)
+        self._attached.append(pool)
+        return pool
+
+    # ---------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        for pool in self._attached:
+            pool.close()
+        self._attached.clear()
+        self._channel.close()
+
+    def __enter__(self) -> KVPoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
