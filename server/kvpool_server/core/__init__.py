@@ -2,6 +2,7 @@
 
 Layering, each module calling only those below it::
 
+    batch.py         SequenceBatch: a persistent decode batch over the manager
     manager.py       KVCacheManager: register / append / fork / free, plans copies
     block_tables.py  BlockTables: one page table row per sequence, token counts
     seq_index.py     SequenceIndex: seq_id -> row, scalar and vectorised
@@ -11,6 +12,7 @@ Layering, each module calling only those below it::
 """
 
 from kvpool_server.core.allocator import BlockAllocator
+from kvpool_server.core.batch import SequenceBatch
 from kvpool_server.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -33,6 +35,7 @@ __all__ = [
     "KVPoolError",
     "OutOfBlocksError",
     "PoolStats",
+    "SequenceBatch",
     "SequenceExistsError",
     "SequenceNotFoundError",
     "TokenAddress",

@@ -1,0 +1,92 @@
+import numpy as np
+import pytest
+
+from kvpool_server.core import (
+    InvalidArgumentError,
+    KVCacheManager,
+    OutOfBlocksError,
+    SequenceBatch,
+    SequenceNotFoundError,
+)
+
+from .conftest import snapshot
+
+
+def test_step_matches_append_batch():
+    stepped, direct = KVCacheManager(64, 4), KVCacheManager(64, 4)
+    batch = SequenceBatch(stepped)
+    ids_direct = []
+    for n in (3, 4, 9):
+        seq_id = stepped.register()
+        stepped.append(seq_id, n)
+        batch.add(seq_id)
+        ids_direct.append(direct.register())
+        direct.append(ids_direct[-1], n)
+    for _ in range(6):
+        assert batch.step().slot_mapping.tolist() == direct.append_batch(ids_direct).slot_mapping.tolist()
+    stepped.check_invariants()
+
+
+def test_replace_and_remove_keep_rows_right():
+    manager = KVCacheManager(64, 4)
+    batch = SequenceBatch(manager)
+    a, b, c = (manager.register() for _ in range(3))
+    for seq_id in (a, b, c):
+        batch.add(seq_id)
+    manager.free(b)
+    d = manager.register()
+    batch.replace(b, d)
+    batch.remove(a)
+    plan = batch.step()
+    assert batch.seq_ids.tolist() == [c, d]  # the last member moved into a's place
+    assert plan.slot_mapping.tolist() == [manager.translate(c, 0).slot, manager.translate(d, 0).slot]
+    with pytest.raises(InvalidArgumentError):
+        batch.add(c)
+
+
+def test_member_freed_behind_the_batch_is_refused_and_nothing_changes():
+    manager = KVCacheManager(64, 4)
+    batch = SequenceBatch(manager)
+    a, b = manager.register(), manager.register()
+    batch.add(a)
+    batch.add(b)
+    manager.free(a)
+    manager.register()  # may reuse a's row
+    before = snapshot(manager)
+    with pytest.raises(SequenceNotFoundError, match=str(a)):
+        batch.step()
+    assert snapshot(manager) == before
+
+
+def test_step_copies_on_write():
+    manager = KVCacheManager(3, 4)
+    batch = SequenceBatch(manager)
+    parent = manager.register()
+    manager.append(parent, 5)
+    (child,) = manager.fork(parent, 1)
+    batch.add(parent)
+    batch.add(child)
+    plan = batch.step()
+    assert plan.copies.shape == (1, 2) and manager.num_copies == 1
+    assert manager.block_table(parent)[1] != manager.block_table(child)[1]
+    manager.check_invariants()
+
+
+def test_step_out_of_blocks_changes_nothing():
+    manager = KVCacheManager(2, 4)
+    batch = SequenceBatch(manager)
+    a, b = manager.register(), manager.register()
+    manager.append(a, 4)
+    manager.append(b, 4)
+    batch.add(a)
+    batch.add(b)
+    before = snapshot(manager)
+    with pytest.raises(OutOfBlocksError):
+        batch.step()
+    assert snapshot(manager) == before
+    assert np.array_equal(batch.seq_ids, np.array([a, b], dtype=np.uint64))
+
+
+def test_empty_batch_is_invalid():
+    with pytest.raises(InvalidArgumentError):
+        SequenceBatch(KVCacheManager(4, 4)).step()
