@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Every GPU check of kvpool in one call to the lent H200 (the `run` tool of this workplace):
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
+# .whl holds the pure-Python wheels the GPU image lacks (grpcio-health-checking, grpcio-reflection, grpcio-status,
+# googleapis-common-protos, all matching its grpcio 1.84.0 / protobuf 7.36.2), fetched here once with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d .whl grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
+#     grpcio-status==1.84.0 googleapis-common-protos
+# Logs go to $OUT; docs/results.md quotes them.
+set -o pipefail
+OUT=${OUT:-/tmp/kvpool-gpu-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/server:$PWD/client PYTHONUNBUFFERED=1
+status=0
+step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+python3 -c "import sys, grpc, google.protobuf as p, cupy, numpy; print(sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', p.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
+
+# Issue 2: the core and device suites and the seed checks with the CuPy backend, plus the copy kernel vs memcpy.
+step "device check (pytest tests/device tests/core on the GPU + copy kernel vs memcpy)" \
+    bash -c "python3 scripts/gpu_device_check.py 2>&1 | tee $OUT/gpu_device_check.log"
+step "seed checks on the GPU pool" \
+    bash -c "KVPOOL_TEST_BACKEND=gpu python3 -m pytest -q -p no:cacheprovider -s tests/test_seed_checks.py 2>&1 | tee $OUT/seed_gpu.log"
+# Issue 3/4: a server on the CuPy backend, client processes attaching by CUDA IPC, KV verified through page tables.
+step "make run equivalent (auto backend = GPU): 100 completions, 2 client processes" \
+    bash -c "python3 scripts/run_demo.py --no-progress 2>&1 | tee $OUT/run_demo_gpu.log"
+step "beam search width 4, ShareGPT-like lengths, 2 client processes: copy-on-write on the GPU" \
+    bash -c "python3 scripts/run_demo.py --no-progress --mode beam --beam-width 4 --lengths sharegpt --completions 40 2>&1 | tee $OUT/beam_gpu.log"
+step "client attach tests (GPU case included)" \
+    bash -c "python3 -m pytest -q -p no:cacheprovider tests/client/test_attach.py 2>&1 | tee $OUT/attach_gpu.log"
+# Benchmarks on the H200 host.
+step "service benchmark (256-sequence AppendToken step vs echo), server on the GPU backend" \
+    bash -c "python3 benchmarks/bench_service.py --rounds 1 -- --backend gpu 2>&1 | tee $OUT/bench_service_gpu.log"
+step "core benchmark (in-process, one core of the H200 host)" \
+    bash -c "python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
+echo; echo "=== gpu_check status $status"
+exit $status
