@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REQS := requirements/client.txt requirements/server.txt requirements/gpu.txt requirements/loadgen.txt requirements/dev.txt
 
-.PHONY: help setup test run bench bench-service proto proto-check lint-proto docker-up docker-down clean
+.PHONY: help setup test run bench bench-service experiments proto lint-proto docker-up docker-down clean
 
 help:
 	@echo "make run     start a server (GPU if present, else host memory) and run the 100-completion simulation"
@@ -16,7 +16,7 @@ $(STAMP): $(REQS) client/pyproject.toml server/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/dev.txt
-	$(PY) -m pip install -q --no-deps -e client -e server
+	$(PY) -m pip install -q --no-deps --force-reinstall -e client -e server
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -32,6 +32,13 @@ bench: $(STAMP)
 
 bench-service: $(STAMP)
 	$(PY) benchmarks/bench_service.py
+
+experiments: $(STAMP)
+	$(PY) benchmarks/experiments.py capacity --requests 2000 --pool-blocks 4096 --json out/exp/capacity.json
+	$(PY) benchmarks/experiments.py sharing --completions 400 --json out/exp/sharing.json
+
+lint-proto: $(STAMP)
+	cd protos && ../$(VENV)/bin/buf lint
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=client --pyi_out=client --grpc_python_out=client protos/kvpool/v1/kvpool.proto

@@ -12,6 +12,7 @@ OUT=${OUT:-/tmp/kvpool-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/server:$PWD/client PYTHONUNBUFFERED=1
 status=0
+only=${1:-all}  # "device" runs only the first step (the copy-kernel figures)
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -19,20 +20,21 @@ python3 -c "import sys, grpc, google.protobuf as p, cupy, numpy; print(sys.versi
 
 # Issue 2: the core and device suites and the seed checks with the CuPy backend, plus the copy kernel vs memcpy.
 step "device check (pytest tests/device tests/core on the GPU + copy kernel vs memcpy)" \
-    bash -c "python3 scripts/gpu_device_check.py 2>&1 | tee $OUT/gpu_device_check.log"
+    bash -c "set -o pipefail; python3 scripts/gpu_device_check.py 2>&1 | tee $OUT/gpu_device_check.log"
+[ "$only" = device ] && { echo "=== gpu_check status $status"; exit $status; }
 step "seed checks on the GPU pool" \
-    bash -c "KVPOOL_TEST_BACKEND=gpu python3 -m pytest -q -p no:cacheprovider -s tests/test_seed_checks.py 2>&1 | tee $OUT/seed_gpu.log"
+    bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu python3 -m pytest -q -p no:cacheprovider -s tests/test_seed_checks.py 2>&1 | tee $OUT/seed_gpu.log"
 # Issue 3/4: a server on the CuPy backend, client processes attaching by CUDA IPC, KV verified through page tables.
 step "make run equivalent (auto backend = GPU): 100 completions, 2 client processes" \
-    bash -c "python3 scripts/run_demo.py --no-progress 2>&1 | tee $OUT/run_demo_gpu.log"
+    bash -c "set -o pipefail; python3 scripts/run_demo.py --no-progress 2>&1 | tee $OUT/run_demo_gpu.log"
 step "beam search width 4, ShareGPT-like lengths, 2 client processes: copy-on-write on the GPU" \
-    bash -c "python3 scripts/run_demo.py --no-progress --mode beam --beam-width 4 --lengths sharegpt --completions 40 2>&1 | tee $OUT/beam_gpu.log"
+    bash -c "set -o pipefail; python3 scripts/run_demo.py --no-progress --mode beam --beam-width 4 --lengths sharegpt --completions 40 2>&1 | tee $OUT/beam_gpu.log"
 step "client attach tests (GPU case included)" \
-    bash -c "python3 -m pytest -q -p no:cacheprovider tests/client/test_attach.py 2>&1 | tee $OUT/attach_gpu.log"
+    bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider tests/client/test_attach.py 2>&1 | tee $OUT/attach_gpu.log"
 # Benchmarks on the H200 host.
 step "service benchmark (256-sequence AppendToken step vs echo), server on the GPU backend" \
-    bash -c "python3 benchmarks/bench_service.py --rounds 1 -- --backend gpu 2>&1 | tee $OUT/bench_service_gpu.log"
+    bash -c "set -o pipefail; python3 benchmarks/bench_service.py --rounds 1 -- --backend gpu 2>&1 | tee $OUT/bench_service_gpu.log"
 step "core benchmark (in-process, one core of the H200 host)" \
-    bash -c "python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
+    bash -c "set -o pipefail; python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
 echo; echo "=== gpu_check status $status"
 exit $status

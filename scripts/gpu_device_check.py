@@ -179,7 +179,9 @@ def bench_small_and_slots() -> None:
         for c in (1, 16, 128, 1024):
             host = [np.stack([perm[:c], perm[c : 2 * c]], 1).astype(np.int32) for perm in
                     (rng.permutation(8192) for _ in range(NUM_SETS))]
-            dev = [cupy.asarray(h.reshape(-1)) for h in host]
+            with pool._stream:  # upload on the pool's stream, then wait: the kernel below reads these pairs
+                dev = [cupy.asarray(h.reshape(-1)) for h in host]
+            pool._stream.synchronize()
             kernel = timed(lambda i: pool.copier.launch(pool._base_ptr, dev[i % NUM_SETS].data.ptr, c, pool._stream),
                            pool._stream)
             wall = wall_median(lambda i: pool.copy_blocks(host[i % NUM_SETS]), n=60, skip=10)

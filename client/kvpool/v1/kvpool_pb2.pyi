@@ -13,19 +13,19 @@ class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKEND_GPU: _ClassVar[Backend]
     BACKEND_HOST: _ClassVar[Backend]
 
-class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    DTYPE_UNSPECIFIED: _ClassVar[DType]
-    DTYPE_FLOAT32: _ClassVar[DType]
-    DTYPE_FLOAT16: _ClassVar[DType]
-    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_GPU: Backend
 BACKEND_HOST: Backend
-DTYPE_UNSPECIFIED: DType
-DTYPE_FLOAT32: DType
-DTYPE_FLOAT16: DType
-DTYPE_BFLOAT16: DType
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
 
 class RegisterSequenceRequest(_message.Message):
     __slots__ = ("seq_id",)
@@ -156,10 +156,10 @@ class PoolLayout(_message.Message):
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: DType
+    dtype: Dtype
     block_bytes: int
     token_bytes: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_bytes: _Optional[int] = ..., token_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_bytes: _Optional[int] = ..., token_bytes: _Optional[int] = ...) -> None: ...
 
 class DescribePoolRequest(_message.Message):
     __slots__ = ()
