@@ -63,6 +63,10 @@ def _show(path: Path) -> str:
 
 
 def main(loadgen_args: list[str]) -> int:
+    if {"-h", "--help"} & set(loadgen_args):
+        print(__doc__)
+        print("usage: scripts/run_demo.py [kvpool-loadgen options]; the load generator's options follow.\n")
+        return subprocess.call(command("kvpool-loadgen", "kvpool_client.loadgen.main") + ["--help"])
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-demo-", dir="/tmp"))  # short: sun_path is 107 bytes at most
     socket_path, log_path = workdir / "kvpool.sock", workdir / "server.log"
     target = f"unix:{socket_path}"
