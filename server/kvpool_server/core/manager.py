@@ -183,6 +183,9 @@ class KVCacheManager:
         table_row = self.tables.table[row]
         table_row[old_num_blocks:new_num_blocks] = new_blocks
         self.tables.num_tokens[row] = new_length
+        if length == 0:  # a prefill: the slots are the new blocks' slots, in order
+            slots = (new_blocks.astype(np.int64)[:, None] * bs + self._block_offsets).ravel()
+            return AppendPlan(slots[:num_tokens], new_blocks, NO_COPIES)
         # Slots of every position in the blocks touched, then the slice that is new.
         first_block = length // bs
         touched = table_row[first_block:new_num_blocks].astype(np.int64) * bs
