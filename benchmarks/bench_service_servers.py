@@ -1,0 +1,192 @@
+"""The servers of benchmarks/bench_service.py, each run as its own process (see that script's docstring).
+
+``Server(kind, extra_args, transport)`` starts one and waits until it takes calls; ``.address`` is the gRPC target
+(``127.0.0.1:PORT`` or ``unix:PATH``). The in-script servers (echo, echo-aio, kvpool-aio) run this file:
+``python bench_service_servers.py --kind KIND (--port-file FILE | --unix-socket PATH) [-- kvpool-server flags]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+
+ECHO_METHOD = "/kvpool.bench.Echo/Echo"
+SERVER_ARGS = ["--backend", "host", "--head-dim", "1", "--num-blocks", str(1 << 19), "--max-seq-len", "8192"]
+
+
+def _echo(request: pb.AppendTokenRequest, context: object) -> pb.AppendTokenResponse:
+    return pb.AppendTokenResponse(slot_mapping=request.seq_ids)
+
+
+def _echo_handler() -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        "kvpool.bench.Echo",
+        {
+            "Echo": grpc.unary_unary_rpc_method_handler(
+                _echo,
+                request_deserializer=pb.AppendTokenRequest.FromString,
+                response_serializer=pb.AppendTokenResponse.SerializeToString,
+            )
+        },
+    )
+
+
+def _async_kvpool_servicer(servicer):  # type: ignore[no-untyped-def]
+    """The sync servicer's methods as coroutines (errors via ``await context.abort``)."""
+    from kvpool_server.core import KVPoolError
+    from kvpool_server.errors import status_of
+
+    class AsyncServicer(pb_grpc.KVPoolServiceServicer):
+        pass
+
+    def wrap(method):  # type: ignore[no-untyped-def]
+        inner = method.__wrapped__
+
+        async def call(self, request, context):  # type: ignore[no-untyped-def]
+            try:
+                return inner(servicer, request, context)
+            except KVPoolError as exc:
+                await context.abort(*status_of(exc))
+
+        return call
+
+    for name in pb.DESCRIPTOR.services_by_name["KVPoolService"].methods_by_name:
+        setattr(AsyncServicer, name, wrap(getattr(type(servicer), name)))
+    return AsyncServicer()
+
+
+def listen_args(port_file: str | None, unix_socket: str | None) -> list[str]:
+    """kvpool-server flags: only the unix socket (``--address ""``: no TCP), or a free TCP port -> ``port_file``."""
+    if unix_socket:
+        return ["--address", "", "--unix-socket", unix_socket]
+    return ["--address", "127.0.0.1:0", "--port-file", port_file]
+
+
+def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args: list[str]) -> None:
+    """Run one benchmark server (echo, echo-aio, kvpool-aio) on a free port or a unix socket until SIGTERM."""
+    from kvpool_server.config import load_config
+    from kvpool_server.main import grpc_options
+
+    config = load_config([*SERVER_ARGS, *extra_args, *listen_args(port_file, unix_socket)])
+    options = grpc_options(config)
+    address = f"unix:{unix_socket}" if unix_socket else config.address
+
+    def ready(port: int) -> None:  # unix: the parent waits on the socket itself
+        if port_file:
+            Path(port_file).write_text(str(port))
+
+    if kind == "echo":
+        from concurrent import futures
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
+        server.add_generic_rpc_handlers((_echo_handler(),))
+        port = server.add_insecure_port(address)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        server.start()
+        ready(port)
+        signal.sigwait({signal.SIGTERM})
+        server.stop(0)
+        return
+
+    async def run_aio() -> None:
+        server = grpc.aio.server(options=options)
+        pool = None
+        if kind == "echo-aio":
+            server.add_generic_rpc_handlers((_echo_handler(),))
+        else:
+            from kvpool_server.core import KVCacheManager
+            from kvpool_server.device import create_pool
+            from kvpool_server.service import KVPoolServicer
+
+            pool = create_pool(config.layout, backend=config.backend, **config.pool_size_kwargs())
+            manager = KVCacheManager(pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len)
+            servicer = KVPoolServicer(
+                manager, pool, max_batch=config.max_batch, max_message_bytes=config.max_message_bytes
+            )
+            pb_grpc.add_KVPoolServiceServicer_to_server(_async_kvpool_servicer(servicer), server)
+        port = server.add_insecure_port(address)
+        await server.start()
+        ready(port)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await server.stop(0)
+        if pool is not None:
+            pool.close()
+
+    asyncio.run(run_aio())
+
+
+class Server:
+    def __init__(self, kind: str, extra_args: list[str], transport: str = "tcp") -> None:
+        self.kind = kind
+        # A fresh short dir under /tmp for the port file or the socket (a socket path is at most 107 bytes).
+        self.tmpdir = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+        unix_socket = os.path.join(self.tmpdir, "s.sock") if transport == "unix" else None
+        port_file = None if unix_socket else os.path.join(self.tmpdir, "port")
+        listen = listen_args(port_file, unix_socket)
+        if kind == "kvpool":
+            script = Path(sys.executable).with_name("kvpool-server")
+            cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvpool_server"]
+            cmd += [*SERVER_ARGS, *extra_args, *listen, "--log-level", "WARNING"]
+        else:
+            cmd = [sys.executable, __file__, "--kind", kind, *listen[2:], "--", *extra_args]
+        self.proc = subprocess.Popen(cmd)
+        try:
+            self._wait_ready(kind, port_file, unix_socket)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, kind: str, port_file: str | None, unix_socket: str | None) -> None:
+        deadline = time.monotonic() + 30
+        while not (os.path.exists(unix_socket) if unix_socket else _read(port_file).isdigit()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{kind} server did not start")
+            time.sleep(0.02)
+        self.address = f"unix:{unix_socket}" if unix_socket else f"127.0.0.1:{_read(port_file)}"
+        with grpc.insecure_channel(self.address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            if kind == "kvpool":  # the real server: health SERVING (TCP: already so when the port file appears)
+                from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    raise RuntimeError(f"{kind} server not serving: {reply}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kind", choices=("echo", "echo-aio", "kvpool-aio"), required=True)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--port-file")
+    where.add_argument("--unix-socket")
+    parser.add_argument("server_args", nargs="*", help="after --: extra kvpool-server flags")
+    args = parser.parse_args()
+    serve(args.kind, args.port_file, args.unix_socket, args.server_args)
