@@ -32,17 +32,16 @@ def plan_append_one_each(manager: KVCacheManager, rows: np.ndarray) -> AppendPla
     # ref_count_padded[-1] is always 0, so UNSET entries read as unshared.
     if allocator.num_shared_blocks and (allocator.ref_count_padded[block_ids] > 1).any():
         return None
-    new_at = np.flatnonzero(offsets == 0)  # rows whose next token starts a block
-    if new_at.size:
-        new_blocks = allocator.allocate(new_at.size)  # raises OutOfBlocksError before any change
-        table[rows[new_at], block_index[new_at]] = new_blocks
-        block_ids[new_at] = new_blocks
+    needs_block = offsets == 0
+    num_new = int(np.count_nonzero(needs_block))
+    if num_new:
+        new_blocks = allocator.allocate(num_new)  # raises OutOfBlocksError before any change
+        table[rows[needs_block], block_index[needs_block]] = new_blocks
+        block_ids[needs_block] = new_blocks
     else:
         new_blocks = EMPTY_BLOCKS
     tables.num_tokens[rows] = lengths + 1
-    slots = np.multiply(block_ids, bs, dtype=np.int64)
-    slots += offsets
-    return AppendPlan(slots, new_blocks, NO_COPIES)
+    return AppendPlan(block_ids.astype(np.int64) * bs + offsets, new_blocks, NO_COPIES)
 
 
 def plan_append_general(manager: KVCacheManager, rows: np.ndarray, counts: np.ndarray) -> AppendPlan:
