@@ -12,12 +12,21 @@ OUT=${OUT:-/tmp/kvpool-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/server:$PWD/client PYTHONUNBUFFERED=1
 status=0
-only=${1:-all}  # "device" runs only the first step (the copy-kernel figures)
+only=${1:-all}  # "device": only the first step (the copy-kernel figures); "bench": only the benchmarks
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import sys, grpc, google.protobuf as p, cupy, numpy; print(sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', p.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
 
+if [ "$only" = bench ]; then
+    for transport in unix tcp; do
+        step "service benchmark over $transport, server on the GPU backend" \
+            bash -c "set -o pipefail; python3 benchmarks/bench_service.py --no-aio --rounds 2 --duration 3 --transport $transport -- --backend gpu 2>&1 | tee $OUT/bench_service_gpu_$transport.log"
+    done
+    step "core benchmark (in-process, one core of the H200 host)" \
+        bash -c "set -o pipefail; python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
+    echo "=== gpu_check status $status"; exit $status
+fi
 # Issue 2: the core and device suites and the seed checks with the CuPy backend, plus the copy kernel vs memcpy.
 step "device check (pytest tests/device tests/core on the GPU + copy kernel vs memcpy)" \
     bash -c "set -o pipefail; python3 scripts/gpu_device_check.py 2>&1 | tee $OUT/gpu_device_check.log"
