@@ -88,6 +88,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.assigned: set[int] = set()
         self._tag = itertools.count(1)
 
+    # KV memory: a tag per slot here; tests/device/test_stateful_pool.py runs the same machine on a real pool.
+    def copy_blocks(self, copies: np.ndarray) -> None:
+        run_copies(self.memory, copies, BLOCK_SIZE)
+
+    def write_tags(self, slots: np.ndarray, tags: list[int]) -> None:
+        self.memory[slots] = tags
+
+    def read_tags(self, slots: np.ndarray) -> list[int]:
+        return self.memory[slots].tolist()
+
     def live(self) -> list[int]:
         return sorted(self.model.tags)
 
@@ -146,9 +156,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert fits and not enough and snapshot(self.manager) == before
             return
         assert fits and enough, "append succeeded where the reference says it cannot"
-        run_copies(self.memory, plan.copies, BLOCK_SIZE)
+        self.copy_blocks(plan.copies)
         new_tags = [next(self._tag) for _ in range(sum(counts))]
-        self.memory[plan.slot_mapping] = new_tags
+        self.write_tags(plan.slot_mapping, new_tags)
         start = 0
         for seq_id, count in zip(chosen, counts):
             self.model.append(seq_id, new_tags[start : start + count])
@@ -210,8 +220,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for seq_id, tags in self.model.tags.items():
             assert self.manager.num_tokens(seq_id) == len(tags)
             if tags:
-                read = self.memory[self.manager.slots(seq_id, 0, len(tags))]
-                assert read.tolist() == tags, f"sequence {seq_id} reads back other tokens"
+                read = self.read_tags(self.manager.slots(seq_id, 0, len(tags)))
+                assert read == tags, f"sequence {seq_id} reads back other tokens"
 
 
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
