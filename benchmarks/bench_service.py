@@ -5,11 +5,14 @@ Every server is a separate process started by this script, one at a time:
   echo           a bare sync gRPC server whose one method returns the 256 request ids as 256 int64s
                  (AppendTokenRequest in, AppendTokenResponse out: the same message shapes as a decode step)
   kvpool         the real ``kvpool-server`` console script (sync gRPC, host backend)
+  echo-stream    the echo server's bidi EchoStream: one stream, one echo message per step (same message shapes)
+  kvpool-stream  the real ``kvpool-server``, AppendTokenStream: one stream, one message per step
   echo-aio       the echo on grpc.aio
   kvpool-aio     the kvpool servicer on grpc.aio (no thread pool; the same core, pool and servicer logic)
 
 For each: one client doing back-to-back steps (steps/s, p50, p99 latency), then ``--clients`` client processes at
-once (aggregate steps/s). For kvpool also the naive way: one unary AppendToken per sequence per step.
+once (aggregate steps/s; not for the -stream kinds, whose figure is one client holding one stream). For kvpool also
+the naive way: one unary AppendToken per sequence per step.
 Run: ``.venv/bin/python benchmarks/bench_service.py`` (``make bench-service``); ``--quick`` for a short run.
 ``--transport unix``: every server listens on a unix domain socket (in a fresh temp dir) instead of 127.0.0.1.
 The servers are in bench_service_servers.py.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import time
 
@@ -29,7 +33,7 @@ import numpy as np
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
-from bench_service_servers import ECHO_METHOD, Server  # this directory
+from bench_service_servers import ECHO_METHOD, ECHO_STREAM_METHOD, Server  # this directory
 
 NUM_SEQS = 256
 # A decode step's cost does not depend on the KV size, so the pool has tiny tokens (head_dim 1: 8 bytes) and room
@@ -38,34 +42,68 @@ RESET_EVERY = 8000  # steps; then every sequence is freed and re-registered (unt
 
 
 # ------------------------------------------------------------------------------------------------ clients
+def open_stream(call: grpc.StreamStreamMultiCallable) -> tuple:
+    """One bidi stream: (exchange(request) -> its response, close()). The same driver for echo and kvpool."""
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    responses = call(iter(requests.get, None))
+
+    def exchange(request):  # type: ignore[no-untyped-def]
+        requests.put(request)
+        return next(responses)
+
+    def close() -> None:
+        requests.put(None)
+        for _ in responses:
+            pass
+
+    return exchange, close
+
+
 def run_client(kind: str, address: str, mode: str, duration_s: float, start_at: float | None = None) -> list[float]:
     """Back-to-back steps for ``duration_s``; returns each step's latency in seconds."""
     channel = grpc.insecure_channel(address)
+    streaming = kind.endswith("-stream")
+    close = None
     if kind.startswith("echo"):
-        echo = channel.unary_unary(
-            ECHO_METHOD,
-            request_serializer=pb.AppendTokenRequest.SerializeToString,
-            response_deserializer=pb.AppendTokenResponse.FromString,
-        )
-        request = pb.AppendTokenRequest(seq_ids=range(1, NUM_SEQS + 1))
+        if streaming:
+            exchange, close = open_stream(channel.stream_stream(
+                ECHO_STREAM_METHOD,
+                request_serializer=pb.AppendTokenStreamRequest.SerializeToString,
+                response_deserializer=pb.AppendTokenStreamResponse.FromString,
+            ))
+            request = pb.AppendTokenStreamRequest(seq_ids=range(1, NUM_SEQS + 1))
+        else:
+            exchange = channel.unary_unary(
+                ECHO_METHOD,
+                request_serializer=pb.AppendTokenRequest.SerializeToString,
+                response_deserializer=pb.AppendTokenResponse.FromString,
+            )
+            request = pb.AppendTokenRequest(seq_ids=range(1, NUM_SEQS + 1))
 
         def step() -> None:
-            assert len(echo(request).slot_mapping) == NUM_SEQS
+            assert len(exchange(request).slot_mapping) == NUM_SEQS
 
         reset = None
     else:
         stub = pb_grpc.KVPoolServiceStub(channel)
         state: dict = {}
+        request_cls = pb.AppendTokenStreamRequest if streaming else pb.AppendTokenRequest
 
         def reset() -> None:
             if "ids" in state:
                 stub.Free(pb.FreeRequest(seq_ids=state["ids"]))
             state["ids"] = [stub.RegisterSequence(pb.RegisterSequenceRequest()).seq_id for _ in range(NUM_SEQS)]
-            state["batch"] = pb.AppendTokenRequest(seq_ids=state["ids"])
+            state["batch"] = request_cls(seq_ids=state["ids"])
             state["singles"] = [pb.AppendTokenRequest(seq_ids=[s]) for s in state["ids"]]
 
         reset()
-        if mode == "batched":
+        if streaming:
+            exchange, close = open_stream(stub.AppendTokenStream)
+
+            def step() -> None:
+                assert len(exchange(state["batch"]).slot_mapping) == NUM_SEQS
+
+        elif mode == "batched":
 
             def step() -> None:
                 assert len(stub.AppendToken(state["batch"]).slot_mapping) == NUM_SEQS
@@ -93,6 +131,8 @@ def run_client(kind: str, address: str, mode: str, duration_s: float, start_at: 
         if reset is not None and steps_since_reset == RESET_EVERY:
             reset()
             steps_since_reset = 0
+    if close is not None:
+        close()
     channel.close()
     return latencies
 
@@ -114,10 +154,10 @@ def summarize(latencies: list[float]) -> dict[str, float]:
 def measure(
     kind: str, duration_s: float, clients: int, naive: bool, extra_args: list[str], transport: str = "tcp"
 ) -> dict[str, dict[str, float]]:
-    server = Server(kind, extra_args, transport)
+    server = Server(kind.removesuffix("-stream"), extra_args, transport)  # -stream kinds: the same servers
     try:
         results = {"1 client": summarize(run_client(kind, server.address, "batched", duration_s))}
-        if clients > 1:
+        if clients > 1 and not kind.endswith("-stream"):
             ctx = mp.get_context("spawn")
             start_at = time.time() + 3.0  # after every client process has imported and warmed up
             with ctx.Pool(clients) as workers:
@@ -142,15 +182,16 @@ def main() -> None:
     parser.add_argument("--no-aio", action="store_true", help="skip the asyncio variants")
     parser.add_argument("--no-naive", action="store_true", help="skip the one-call-per-sequence figure")
     parser.add_argument("--quick", action="store_true", help="1 s per measurement, 1 round")
-    parser.add_argument("--kinds", default="echo,kvpool,echo-aio,kvpool-aio", help="servers to measure")
+    parser.add_argument("--kinds", default="echo,kvpool,echo-stream,kvpool-stream,echo-aio,kvpool-aio",
+                        help="servers to measure")
     parser.add_argument("server_args", nargs="*", help="after --: extra kvpool-server flags for every server")
     args = parser.parse_args()
     if args.quick:
         args.duration, args.rounds = 1.0, 1
     kinds = [k for k in args.kinds.split(",") if not (args.no_aio and k.endswith("-aio"))]
-    print(f"decode step = AppendToken of {NUM_SEQS} sequences x 1 token; {os.cpu_count()} CPUs; "
-          f"{args.duration:.0f} s per figure; {args.rounds} rounds (best and median); transport {args.transport}; "
-          f"server flags {args.server_args}")
+    print(f"decode step = AppendToken (-stream: one AppendTokenStream message) of {NUM_SEQS} sequences x 1 token; "
+          f"{os.cpu_count()} CPUs; {args.duration:.0f} s per figure; {args.rounds} rounds (best and median); "
+          f"transport {args.transport}; server flags {args.server_args}")
     rounds: dict[tuple[str, str], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for kind in kinds:
@@ -160,14 +201,15 @@ def main() -> None:
                 rounds.setdefault((kind, label), []).append(figures)
     best = {key: max(runs, key=lambda f: f["steps_per_s"]) for key, runs in rounds.items()}
     median = {key: statistics.median(f["steps_per_s"] for f in runs) for key, runs in rounds.items()}
-    print(f"{'server':<12} {'clients':<16} {'steps/s':>9} {'median':>9} {'entries/s':>11} {'p50 us':>8} {'p99 us':>8}")
+    print(f"{'server':<14} {'clients':<16} {'steps/s':>9} {'median':>9} {'entries/s':>11} {'p50 us':>8} {'p99 us':>8}")
     for (kind, label), f in best.items():
         p50 = f"{f['p50_us']:8.0f}" if "p50_us" in f else f"{'':8}"
         p99 = f"{f['p99_us']:8.0f}" if "p99_us" in f else f"{'':8}"
-        print(f"{kind:<12} {label:<16} {f['steps_per_s']:9.0f} {median[(kind, label)]:9.0f} "
+        print(f"{kind:<14} {label:<16} {f['steps_per_s']:9.0f} {median[(kind, label)]:9.0f} "
               f"{f['steps_per_s'] * NUM_SEQS:11.0f} {p50} {p99}")
     print("ratios of best (median) steps/s:")
-    for pair in (("kvpool", "echo"), ("kvpool-aio", "echo-aio"), ("kvpool-aio", "kvpool")):
+    for pair in (("kvpool", "echo"), ("kvpool-stream", "echo-stream"), ("kvpool-stream", "kvpool"),
+                 ("echo-stream", "echo"), ("kvpool-aio", "echo-aio"), ("kvpool-aio", "kvpool")):
         for label in ("1 client", f"{args.clients} clients"):
             a, b = (pair[0], label), (pair[1], label)
             if a in best and b in best:

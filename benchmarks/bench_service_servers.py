@@ -24,6 +24,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 ECHO_METHOD = "/kvpool.bench.Echo/Echo"
+ECHO_STREAM_METHOD = "/kvpool.bench.Echo/EchoStream"  # the sync echo only: bidi, one echo per request
 SERVER_ARGS = ["--backend", "host", "--head-dim", "1", "--num-blocks", str(1 << 19), "--max-seq-len", "8192"]
 
 
@@ -31,21 +32,31 @@ def _echo(request: pb.AppendTokenRequest, context: object) -> pb.AppendTokenResp
     return pb.AppendTokenResponse(slot_mapping=request.seq_ids)
 
 
-def _echo_handler() -> grpc.GenericRpcHandler:
-    return grpc.method_handlers_generic_handler(
-        "kvpool.bench.Echo",
-        {
-            "Echo": grpc.unary_unary_rpc_method_handler(
-                _echo,
-                request_deserializer=pb.AppendTokenRequest.FromString,
-                response_serializer=pb.AppendTokenResponse.SerializeToString,
-            )
-        },
-    )
+def _echo_stream(requests, context):  # type: ignore[no-untyped-def]
+    for request in requests:
+        yield pb.AppendTokenStreamResponse(slot_mapping=request.seq_ids)
+
+
+def _echo_handler(stream: bool = False) -> grpc.GenericRpcHandler:
+    methods = {
+        "Echo": grpc.unary_unary_rpc_method_handler(
+            _echo,
+            request_deserializer=pb.AppendTokenRequest.FromString,
+            response_serializer=pb.AppendTokenResponse.SerializeToString,
+        )
+    }
+    if stream:
+        methods["EchoStream"] = grpc.stream_stream_rpc_method_handler(
+            _echo_stream,
+            request_deserializer=pb.AppendTokenStreamRequest.FromString,
+            response_serializer=pb.AppendTokenStreamResponse.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler("kvpool.bench.Echo", methods)
 
 
 def _async_kvpool_servicer(servicer):  # type: ignore[no-untyped-def]
-    """The sync servicer's methods as coroutines (errors via ``await context.abort``)."""
+    """The sync servicer's unary methods as coroutines (errors via ``await context.abort``); AppendTokenStream is
+    left unimplemented (the streaming figures run on the sync server only)."""
     from kvpool_server.core import KVPoolError
     from kvpool_server.errors import status_of
 
@@ -63,8 +74,9 @@ def _async_kvpool_servicer(servicer):  # type: ignore[no-untyped-def]
 
         return call
 
-    for name in pb.DESCRIPTOR.services_by_name["KVPoolService"].methods_by_name:
-        setattr(AsyncServicer, name, wrap(getattr(type(servicer), name)))
+    for name, method in pb.DESCRIPTOR.services_by_name["KVPoolService"].methods_by_name.items():
+        if not (method.client_streaming or method.server_streaming):
+            setattr(AsyncServicer, name, wrap(getattr(type(servicer), name)))
     return AsyncServicer()
 
 
@@ -92,7 +104,7 @@ def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args:
         from concurrent import futures
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
-        server.add_generic_rpc_handlers((_echo_handler(),))
+        server.add_generic_rpc_handlers((_echo_handler(stream=True),))
         port = server.add_insecure_port(address)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         server.start()

@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "AppendStream": "kvpool_client.client",
     "KVPoolClient": "kvpool_client.client",
     "RetryPolicy": "kvpool_client.client",
     "AlreadyExistsError": "kvpool_client.errors",
@@ -40,7 +41,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from kvpool_client.client import KVPoolClient, RetryPolicy
+    from kvpool_client.client import AppendStream, KVPoolClient, RetryPolicy
     from kvpool_client.errors import (
         AlreadyExistsError,
         DeadlineExceededError,

@@ -172,13 +172,15 @@ def serve(config: ServerConfig) -> int:
 def shutdown(handle: ServerHandle, grace_s: float, drain_s: float = 0.0) -> None:
     """Stop serving without cutting off a call:
 
-    1. health goes NOT_SERVING, and the servicer refuses new calls with UNAVAILABLE (calls already inside go on);
+    1. health goes NOT_SERVING, and the servicer refuses new calls with UNAVAILABLE (calls already inside go on;
+       an AppendTokenStream finishes its message in progress, then ends with UNAVAILABLE);
     2. that lasts until no call has been refused for DRAIN_QUIET_S, or ``drain_s`` at most: it empties gRPC's
        queue of calls received but not yet started, which ``server.stop`` would end with CANCELLED, not
        UNAVAILABLE (grpc/grpc#41785);
     3. the calls still inside get up to ``grace_s`` to finish;
-    4. ``server.stop(0)``: the listener closes and what is left -- health Watch streams, calls past the grace --
-       is cancelled (waiting on Watch streams would make every shutdown last ``grace_s``);
+    4. ``server.stop(0)``: the listener closes and what is left -- health Watch streams, AppendTokenStreams idle
+       between messages, calls past the grace -- is cancelled (waiting on them would make every shutdown last
+       ``grace_s``);
     5. the pool is released.
     """
     handle.health.enter_graceful_shutdown()

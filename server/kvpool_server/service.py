@@ -7,6 +7,9 @@ leaves the pool exactly as it was; kvpool_server/errors.py turns the raised erro
 One ``threading.Lock`` covers the manager *and* the pool: a WriteKV resolves slots and writes them under the same
 hold, so a concurrent Free cannot hand those blocks to another sequence in between, and an AppendToken runs its
 copy-on-write copies (``pool.copy_blocks``) before anyone can see the new slots.
+
+AppendTokenStream is AppendToken message by message (``stream_rpc``): the request -> plan -> response path is the
+same code, ``append_rpc.append``.
 """
 
 from __future__ import annotations
@@ -15,14 +18,16 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_server.core import InvalidArgumentError, KVCacheManager, SequenceNotFoundError
+from kvpool_server.append_rpc import append, check_no_zero
+from kvpool_server.core import InvalidArgumentError, KVCacheManager
 from kvpool_server.errors import ServerShuttingDownError, abort
 
 DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
@@ -37,18 +42,51 @@ def rpc(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: KVPoolServicer, request: Any, context: Any) -> Any:
-        with self._in_flight_lock:
-            self.num_in_flight += 1
         try:
-            if self.draining:
-                self.last_refused_at = time.monotonic()
-                raise ServerShuttingDownError("kvpool-server is shutting down and takes no new calls")
+            self._admit()
             return method(self, request, context)
         except Exception as exc:
             abort(context, exc, method.__name__)
         finally:
-            with self._in_flight_lock:
-                self.num_in_flight -= 1
+            self._release()
+
+    return wrapper  # type: ignore[return-value]
+
+
+def stream_rpc(method: F) -> F:
+    """A bidirectional stream of ``method`` calls: each request answered by one response, in order.
+
+    Each message is admitted like a unary call: counted in flight -- until its response has been sent -- and
+    refused with UNAVAILABLE while draining. A stream waiting for the client's next message is not in flight, so
+    an idle stream does not hold up shutdown. Once draining, the stream ends with UNAVAILABLE at the next message
+    boundary (right after the response in progress is sent). A raised error ends the stream with its status: the
+    messages before were applied, the failing one changed nothing, later ones are never read.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: KVPoolServicer, requests: Iterator[Any], context: Any) -> Iterator[Any]:
+        admitted = False  # a message is in flight: counted until its response is sent and the next one is due
+        try:
+            while True:
+                if self.draining:
+                    self._refuse()  # still counted: the status goes out before shutdown stops the server
+                if admitted:
+                    admitted = False
+                    self._release()
+                try:
+                    request = next(requests)
+                except StopIteration:
+                    return  # the client half-closed: every message was answered; OK
+                except grpc.RpcError:
+                    return  # cancelled by the client (or its deadline passed): nobody to answer
+                admitted = True  # before _admit, which counts and then may refuse
+                self._admit()
+                yield method(self, request, context)  # resumed once gRPC has sent the response
+        except Exception as exc:
+            abort(context, exc, method.__name__)
+        finally:
+            if admitted:
+                self._release()
 
     return wrapper  # type: ignore[return-value]
 
@@ -64,7 +102,7 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
         # Shutdown state (see main.shutdown): once draining, new calls are refused with UNAVAILABLE.
         self.draining = False
         self.last_refused_at = 0.0
-        self.num_in_flight = 0  # calls inside a servicer method now
+        self.num_in_flight = 0  # calls (and AppendTokenStream messages) in progress now
         self._in_flight_lock = threading.Lock()
         layout = pool.layout
         self._token_bytes: int = layout.token_bytes
@@ -82,33 +120,13 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
 
     @rpc
     def AppendToken(self, request: pb.AppendTokenRequest, context: Any) -> pb.AppendTokenResponse:
-        seq_ids = self._batch_ids(request.seq_ids, "AppendToken")
-        counts = request.num_tokens
-        if len(counts) == 0:
-            num_tokens: int | np.ndarray = 1
-        elif len(counts) == 1:
-            num_tokens = counts[0]
-        elif len(counts) == seq_ids.size:
-            num_tokens = np.array(counts, dtype=np.int64)
-        else:
-            raise InvalidArgumentError(
-                f"{len(counts)} num_tokens values for {seq_ids.size} seq_ids: give one per seq_id, one for all, "
-                "or none (1 each)"
-            )
-        with self.lock:
-            try:
-                plan = self.manager.append_batch(seq_ids, num_tokens)
-            except SequenceNotFoundError:
-                _check_no_zero(seq_ids, "AppendToken")  # say INVALID_ARGUMENT for a 0, not NOT_FOUND
-                raise
-            if plan.copies.shape[0]:
-                self.pool.copy_blocks(plan.copies)
-        response = pb.AppendTokenResponse(
-            slot_mapping=plan.slot_mapping.tolist(), new_block_ids=plan.new_block_ids.tolist()
-        )
-        if plan.copies.shape[0]:
-            response.copies.extend(pb.BlockCopy(src_block_id=s, dst_block_id=d) for s, d in plan.copies.tolist())
-        return response
+        return append(self, request, pb.AppendTokenResponse, "AppendToken")
+
+    @stream_rpc
+    def AppendTokenStream(
+        self, request: pb.AppendTokenStreamRequest, context: Any
+    ) -> pb.AppendTokenStreamResponse:
+        return append(self, request, pb.AppendTokenStreamResponse, "AppendTokenStream")
 
     @rpc
     def Fork(self, request: pb.ForkRequest, context: Any) -> pb.ForkResponse:
@@ -123,8 +141,8 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
 
     @rpc
     def Free(self, request: pb.FreeRequest, context: Any) -> pb.FreeResponse:
-        seq_ids = self._batch_ids(request.seq_ids, "Free")
-        _check_no_zero(seq_ids, "Free")
+        seq_ids = self.batch_ids(request.seq_ids, "Free")
+        check_no_zero(seq_ids, "Free")
         with self.lock:
             num_freed = self.manager.free(seq_ids.tolist())
         return pb.FreeResponse(num_blocks_freed=num_freed)
@@ -224,19 +242,29 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
         return pb.ReadKVResponse(data=wire.tobytes(), num_tokens=num_tokens)
 
     # ---------------------------------------------------------------- helpers
-    def _batch_ids(self, seq_ids: Any, rpc: str) -> np.ndarray:
+    def _admit(self) -> None:
+        """Count one call (or stream message) in flight -- the caller must _release() it, even when this raises --
+        and refuse it with UNAVAILABLE while draining."""
+        with self._in_flight_lock:
+            self.num_in_flight += 1
+        if self.draining:
+            self._refuse()
+
+    def _release(self) -> None:
+        with self._in_flight_lock:
+            self.num_in_flight -= 1
+
+    def _refuse(self) -> None:
+        self.last_refused_at = time.monotonic()
+        raise ServerShuttingDownError("kvpool-server is shutting down and takes no new calls")
+
+    def batch_ids(self, seq_ids: Any, rpc: str) -> np.ndarray:
         """Repeated seq_ids -> uint64 array, checked: non-empty and at most max_batch ids."""
         if len(seq_ids) == 0:
             raise InvalidArgumentError(f"{rpc} needs at least one seq_id")
         if len(seq_ids) > self.max_batch:
             raise InvalidArgumentError(f"{rpc} takes at most max_batch={self.max_batch} seq_ids, got {len(seq_ids)}")
         return np.array(seq_ids, dtype=np.uint64)
-
-
-def _check_no_zero(seq_ids: np.ndarray, rpc: str) -> None:
-    """0 is proto3's unset value, never a sequence: INVALID_ARGUMENT (the core alone would say NOT_FOUND)."""
-    if not seq_ids.all():
-        raise InvalidArgumentError(f"{rpc}: seq_id 0 is not a sequence (0 means unset)")
 
 
 def _seq_id(seq_id: int, field: str = "seq_id") -> int:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/kvpool.proto\x12\tkvpool.v1\"9\n\x17RegisterSequenceRequest\x12\x13\n\x06seq_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\t\n\x07_seq_id\"*\n\x18RegisterSequenceResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"9\n\x12\x41ppendTokenRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\"7\n\tBlockCopy\x12\x14\n\x0csrc_block_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64st_block_id\x18\x02 \x01(\r\"h\n\x13\x41ppendTokenResponse\x12\x14\n\x0cslot_mapping\x18\x01 \x03(\x03\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12$\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.BlockCopy\"Q\n\x0b\x46orkRequest\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_children\x18\x02 \x01(\r\x12\x15\n\rchild_seq_ids\x18\x03 \x03(\x04\"%\n\x0c\x46orkResponse\x12\x15\n\rchild_seq_ids\x18\x01 \x03(\x04\"\x1e\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"(\n\x0c\x46reeResponse\x12\x18\n\x10num_blocks_freed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xad\x02\n\rStatsResponse\x12\x18\n\x10num_blocks_total\x18\x01 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x03 \x01(\r\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x18\n\x10num_slots_unused\x18\x06 \x01(\x04\x12\x1e\n\x16internal_fragmentation\x18\x07 \x01(\x01\x12\x19\n\x11num_blocks_shared\x18\x08 \x01(\r\x12\x12\n\nnum_copies\x18\t \x01(\x04\x12\x15\n\rnum_sequences\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0c \x01(\x04\"&\n\x14GetBlockTableRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"R\n\x15GetBlockTableResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\xbb\x01\n\nPoolLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x05\x64type\x18\x06 \x01(\x0e\x32\x10.kvpool.v1.Dtype\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x13\n\x0btoken_bytes\x18\x08 \x01(\x04\"\x15\n\x13\x44\x65scribePoolRequest\"\xca\x01\n\x14\x44\x65scribePoolResponse\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvpool.v1.PoolLayout\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.kvpool.v1.Backend\x12\x12\n\npool_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x13\n\x0b\x63uda_device\x18\x05 \x01(\x05\x12\x10\n\x08shm_name\x18\x06 \x01(\t\x12\x12\n\nserver_pid\x18\x07 \x01(\r\"F\n\x0eWriteKVRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"-\n\x0fWriteKVResponse\x12\x1a\n\x12num_tokens_written\x18\x01 \x01(\r\"K\n\rReadKVRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"2\n\x0eReadKVResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x18\n\x16\x43heckInvariantsRequest\"`\n\x17\x43heckInvariantsResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x1a\n\x12num_blocks_checked\x18\x02 \x01(\r\x12\x1d\n\x15num_sequences_checked\x18\x03 \x01(\r*E\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x42\x41\x43KEND_GPU\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_HOST\x10\x02*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x32\xe8\x05\n\rKVPoolService\x12[\n\x10RegisterSequence\x12\".kvpool.v1.RegisterSequenceRequest\x1a#.kvpool.v1.RegisterSequenceResponse\x12L\n\x0b\x41ppendToken\x12\x1d.kvpool.v1.AppendTokenRequest\x1a\x1e.kvpool.v1.AppendTokenResponse\x12\x37\n\x04\x46ork\x12\x16.kvpool.v1.ForkRequest\x1a\x17.kvpool.v1.ForkResponse\x12\x37\n\x04\x46ree\x12\x16.kvpool.v1.FreeRequest\x1a\x17.kvpool.v1.FreeResponse\x12:\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x18.kvpool.v1.StatsResponse\x12R\n\rGetBlockTable\x12\x1f.kvpool.v1.GetBlockTableRequest\x1a .kvpool.v1.GetBlockTableResponse\x12O\n\x0c\x44\x65scribePool\x12\x1e.kvpool.v1.DescribePoolRequest\x1a\x1f.kvpool.v1.DescribePoolResponse\x12@\n\x07WriteKV\x12\x19.kvpool.v1.WriteKVRequest\x1a\x1a.kvpool.v1.WriteKVResponse\x12=\n\x06ReadKV\x12\x18.kvpool.v1.ReadKVRequest\x1a\x19.kvpool.v1.ReadKVResponse\x12X\n\x0f\x43heckInvariants\x12!.kvpool.v1.CheckInvariantsRequest\x1a\".kvpool.v1.CheckInvariantsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/kvpool.proto\x12\tkvpool.v1\"9\n\x17RegisterSequenceRequest\x12\x13\n\x06seq_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\t\n\x07_seq_id\"*\n\x18RegisterSequenceResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"9\n\x12\x41ppendTokenRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\"7\n\tBlockCopy\x12\x14\n\x0csrc_block_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64st_block_id\x18\x02 \x01(\r\"h\n\x13\x41ppendTokenResponse\x12\x14\n\x0cslot_mapping\x18\x01 \x03(\x03\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12$\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.BlockCopy\"?\n\x18\x41ppendTokenStreamRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\"n\n\x19\x41ppendTokenStreamResponse\x12\x14\n\x0cslot_mapping\x18\x01 \x03(\x03\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12$\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.BlockCopy\"Q\n\x0b\x46orkRequest\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_children\x18\x02 \x01(\r\x12\x15\n\rchild_seq_ids\x18\x03 \x03(\x04\"%\n\x0c\x46orkResponse\x12\x15\n\rchild_seq_ids\x18\x01 \x03(\x04\"\x1e\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"(\n\x0c\x46reeResponse\x12\x18\n\x10num_blocks_freed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xad\x02\n\rStatsResponse\x12\x18\n\x10num_blocks_total\x18\x01 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x03 \x01(\r\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x18\n\x10num_slots_unused\x18\x06 \x01(\x04\x12\x1e\n\x16internal_fragmentation\x18\x07 \x01(\x01\x12\x19\n\x11num_blocks_shared\x18\x08 \x01(\r\x12\x12\n\nnum_copies\x18\t \x01(\x04\x12\x15\n\rnum_sequences\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0c \x01(\x04\"&\n\x14GetBlockTableRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"R\n\x15GetBlockTableResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\xbb\x01\n\nPoolLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x05\x64type\x18\x06 \x01(\x0e\x32\x10.kvpool.v1.Dtype\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x13\n\x0btoken_bytes\x18\x08 \x01(\x04\"\x15\n\x13\x44\x65scribePoolRequest\"\xca\x01\n\x14\x44\x65scribePoolResponse\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvpool.v1.PoolLayout\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.kvpool.v1.Backend\x12\x12\n\npool_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x13\n\x0b\x63uda_device\x18\x05 \x01(\x05\x12\x10\n\x08shm_name\x18\x06 \x01(\t\x12\x12\n\nserver_pid\x18\x07 \x01(\r\"F\n\x0eWriteKVRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"-\n\x0fWriteKVResponse\x12\x1a\n\x12num_tokens_written\x18\x01 \x01(\r\"K\n\rReadKVRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"2\n\x0eReadKVResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x18\n\x16\x43heckInvariantsRequest\"`\n\x17\x43heckInvariantsResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x1a\n\x12num_blocks_checked\x18\x02 \x01(\r\x12\x1d\n\x15num_sequences_checked\x18\x03 \x01(\r*E\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x42\x41\x43KEND_GPU\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_HOST\x10\x02*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x32\xcc\x06\n\rKVPoolService\x12[\n\x10RegisterSequence\x12\".kvpool.v1.RegisterSequenceRequest\x1a#.kvpool.v1.RegisterSequenceResponse\x12L\n\x0b\x41ppendToken\x12\x1d.kvpool.v1.AppendTokenRequest\x1a\x1e.kvpool.v1.AppendTokenResponse\x12\x62\n\x11\x41ppendTokenStream\x12#.kvpool.v1.AppendTokenStreamRequest\x1a$.kvpool.v1.AppendTokenStreamResponse(\x01\x30\x01\x12\x37\n\x04\x46ork\x12\x16.kvpool.v1.ForkRequest\x1a\x17.kvpool.v1.ForkResponse\x12\x37\n\x04\x46ree\x12\x16.kvpool.v1.FreeRequest\x1a\x17.kvpool.v1.FreeResponse\x12:\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x18.kvpool.v1.StatsResponse\x12R\n\rGetBlockTable\x12\x1f.kvpool.v1.GetBlockTableRequest\x1a .kvpool.v1.GetBlockTableResponse\x12O\n\x0c\x44\x65scribePool\x12\x1e.kvpool.v1.DescribePoolRequest\x1a\x1f.kvpool.v1.DescribePoolResponse\x12@\n\x07WriteKV\x12\x19.kvpool.v1.WriteKVRequest\x1a\x1a.kvpool.v1.WriteKVResponse\x12=\n\x06ReadKV\x12\x18.kvpool.v1.ReadKVRequest\x1a\x19.kvpool.v1.ReadKVResponse\x12X\n\x0f\x43heckInvariants\x12!.kvpool.v1.CheckInvariantsRequest\x1a\".kvpool.v1.CheckInvariantsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpool.v1.kvpool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKEND']._serialized_start=1792
-  _globals['_BACKEND']._serialized_end=1861
-  _globals['_DTYPE']._serialized_start=1863
-  _globals['_DTYPE']._serialized_end=1951
+  _globals['_BACKEND']._serialized_start=1969
+  _globals['_BACKEND']._serialized_end=2038
+  _globals['_DTYPE']._serialized_start=2040
+  _globals['_DTYPE']._serialized_end=2128
   _globals['_REGISTERSEQUENCEREQUEST']._serialized_start=37
   _globals['_REGISTERSEQUENCEREQUEST']._serialized_end=94
   _globals['_REGISTERSEQUENCERESPONSE']._serialized_start=96
@@ -45,40 +45,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKCOPY']._serialized_end=254
   _globals['_APPENDTOKENRESPONSE']._serialized_start=256
   _globals['_APPENDTOKENRESPONSE']._serialized_end=360
-  _globals['_FORKREQUEST']._serialized_start=362
-  _globals['_FORKREQUEST']._serialized_end=443
-  _globals['_FORKRESPONSE']._serialized_start=445
-  _globals['_FORKRESPONSE']._serialized_end=482
-  _globals['_FREEREQUEST']._serialized_start=484
-  _globals['_FREEREQUEST']._serialized_end=514
-  _globals['_FREERESPONSE']._serialized_start=516
-  _globals['_FREERESPONSE']._serialized_end=556
-  _globals['_STATSREQUEST']._serialized_start=558
-  _globals['_STATSREQUEST']._serialized_end=572
-  _globals['_STATSRESPONSE']._serialized_start=575
-  _globals['_STATSRESPONSE']._serialized_end=876
-  _globals['_GETBLOCKTABLEREQUEST']._serialized_start=878
-  _globals['_GETBLOCKTABLEREQUEST']._serialized_end=916
-  _globals['_GETBLOCKTABLERESPONSE']._serialized_start=918
-  _globals['_GETBLOCKTABLERESPONSE']._serialized_end=1000
-  _globals['_POOLLAYOUT']._serialized_start=1003
-  _globals['_POOLLAYOUT']._serialized_end=1190
-  _globals['_DESCRIBEPOOLREQUEST']._serialized_start=1192
-  _globals['_DESCRIBEPOOLREQUEST']._serialized_end=1213
-  _globals['_DESCRIBEPOOLRESPONSE']._serialized_start=1216
-  _globals['_DESCRIBEPOOLRESPONSE']._serialized_end=1418
-  _globals['_WRITEKVREQUEST']._serialized_start=1420
-  _globals['_WRITEKVREQUEST']._serialized_end=1490
-  _globals['_WRITEKVRESPONSE']._serialized_start=1492
-  _globals['_WRITEKVRESPONSE']._serialized_end=1537
-  _globals['_READKVREQUEST']._serialized_start=1539
-  _globals['_READKVREQUEST']._serialized_end=1614
-  _globals['_READKVRESPONSE']._serialized_start=1616
-  _globals['_READKVRESPONSE']._serialized_end=1666
-  _globals['_CHECKINVARIANTSREQUEST']._serialized_start=1668
-  _globals['_CHECKINVARIANTSREQUEST']._serialized_end=1692
-  _globals['_CHECKINVARIANTSRESPONSE']._serialized_start=1694
-  _globals['_CHECKINVARIANTSRESPONSE']._serialized_end=1790
-  _globals['_KVPOOLSERVICE']._serialized_start=1954
-  _globals['_KVPOOLSERVICE']._serialized_end=2698
+  _globals['_APPENDTOKENSTREAMREQUEST']._serialized_start=362
+  _globals['_APPENDTOKENSTREAMREQUEST']._serialized_end=425
+  _globals['_APPENDTOKENSTREAMRESPONSE']._serialized_start=427
+  _globals['_APPENDTOKENSTREAMRESPONSE']._serialized_end=537
+  _globals['_FORKREQUEST']._serialized_start=539
+  _globals['_FORKREQUEST']._serialized_end=620
+  _globals['_FORKRESPONSE']._serialized_start=622
+  _globals['_FORKRESPONSE']._serialized_end=659
+  _globals['_FREEREQUEST']._serialized_start=661
+  _globals['_FREEREQUEST']._serialized_end=691
+  _globals['_FREERESPONSE']._serialized_start=693
+  _globals['_FREERESPONSE']._serialized_end=733
+  _globals['_STATSREQUEST']._serialized_start=735
+  _globals['_STATSREQUEST']._serialized_end=749
+  _globals['_STATSRESPONSE']._serialized_start=752
+  _globals['_STATSRESPONSE']._serialized_end=1053
+  _globals['_GETBLOCKTABLEREQUEST']._serialized_start=1055
+  _globals['_GETBLOCKTABLEREQUEST']._serialized_end=1093
+  _globals['_GETBLOCKTABLERESPONSE']._serialized_start=1095
+  _globals['_GETBLOCKTABLERESPONSE']._serialized_end=1177
+  _globals['_POOLLAYOUT']._serialized_start=1180
+  _globals['_POOLLAYOUT']._serialized_end=1367
+  _globals['_DESCRIBEPOOLREQUEST']._serialized_start=1369
+  _globals['_DESCRIBEPOOLREQUEST']._serialized_end=1390
+  _globals['_DESCRIBEPOOLRESPONSE']._serialized_start=1393
+  _globals['_DESCRIBEPOOLRESPONSE']._serialized_end=1595
+  _globals['_WRITEKVREQUEST']._serialized_start=1597
+  _globals['_WRITEKVREQUEST']._serialized_end=1667
+  _globals['_WRITEKVRESPONSE']._serialized_start=1669
+  _globals['_WRITEKVRESPONSE']._serialized_end=1714
+  _globals['_READKVREQUEST']._serialized_start=1716
+  _globals['_READKVREQUEST']._serialized_end=1791
+  _globals['_READKVRESPONSE']._serialized_start=1793
+  _globals['_READKVRESPONSE']._serialized_end=1843
+  _globals['_CHECKINVARIANTSREQUEST']._serialized_start=1845
+  _globals['_CHECKINVARIANTSREQUEST']._serialized_end=1869
+  _globals['_CHECKINVARIANTSRESPONSE']._serialized_start=1871
+  _globals['_CHECKINVARIANTSRESPONSE']._serialized_end=1967
+  _globals['_KVPOOLSERVICE']._serialized_start=2131
+  _globals['_KVPOOLSERVICE']._serialized_end=2975
 # @@protoc_insertion_point(module_scope)

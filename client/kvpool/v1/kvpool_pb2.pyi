@@ -65,6 +65,24 @@ class AppendTokenResponse(_message.Message):
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
+class AppendTokenStreamRequest(_message.Message):
+    __slots__ = ("seq_ids", "num_tokens")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AppendTokenStreamResponse(_message.Message):
+    __slots__ = ("slot_mapping", "new_block_ids", "copies")
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
 class ForkRequest(_message.Message):
     __slots__ = ("parent_seq_id", "num_children", "child_seq_ids")
     PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class KVPoolServiceStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenResponse.FromString,
                 _registered_method=True)
+        self.AppendTokenStream = channel.stream_stream(
+                '/kvpool.v1.KVPoolService/AppendTokenStream',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenStreamRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenStreamResponse.FromString,
+                _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/kvpool.v1.KVPoolService/Fork',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ForkRequest.SerializeToString,
@@ -101,6 +106,17 @@ class KVPoolServiceServicer:
     def AppendToken(self, request, context):
         """AppendToken grows one or many sequences by N tokens each, atomically:
         either every sequence grows or nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendTokenStream(self, request_iterator, context):
+        """AppendTokenStream is AppendToken over one long-lived stream, for a scheduler's decode loop: each request is
+        applied exactly as one AppendToken call (atomically, copy-on-write copies executed before its response) and
+        answered by one response, in order. An error ends the stream with that message's status code: the messages
+        before it were applied, the failing one changed nothing, later ones are not read. While the server drains
+        for shutdown, a message in progress is finished and answered, then the stream ends with UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,6 +190,11 @@ def add_KVPoolServiceServicer_to_server(servicer, server):
                     servicer.AppendToken,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenResponse.SerializeToString,
+            ),
+            'AppendTokenStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AppendTokenStream,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenStreamRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenStreamResponse.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
                     servicer.Fork,
@@ -271,6 +292,33 @@ class KVPoolService:
             '/kvpool.v1.KVPoolService/AppendToken',
             kvpool_dot_v1_dot_kvpool__pb2.AppendTokenRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.AppendTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendTokenStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpool.v1.KVPoolService/AppendTokenStream',
+            kvpool_dot_v1_dot_kvpool__pb2.AppendTokenStreamRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.AppendTokenStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
