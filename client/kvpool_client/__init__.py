@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "AppendStream": "kvpool_client.client",
+    "AppendStream": "kvpool_client.stream",
     "KVPoolClient": "kvpool_client.client",
     "RetryPolicy": "kvpool_client.client",
     "AlreadyExistsError": "kvpool_client.errors",
@@ -41,7 +41,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from kvpool_client.client import AppendStream, KVPoolClient, RetryPolicy
+    from kvpool_client.client import KVPoolClient, RetryPolicy
+    from kvpool_client.stream import AppendStream
     from kvpool_client.errors import (
         AlreadyExistsError,
         DeadlineExceededError,
