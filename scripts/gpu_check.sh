@@ -19,11 +19,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import sys, grpc, google.protobuf as p, cupy, numpy; print(sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', p.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
 
 if [ "$only" = bench ]; then
-    for transport in unix tcp; do
+    for transport in ${TRANSPORTS:-unix tcp}; do
         step "service benchmark over $transport, server on the GPU backend" \
             bash -c "set -o pipefail; python3 benchmarks/bench_service.py --no-aio --rounds 2 --duration 3 --transport $transport -- --backend gpu 2>&1 | tee $OUT/bench_service_gpu_$transport.log"
     done
-    step "core benchmark (in-process, one core of the H200 host)" \
+    [ -n "$SKIP_CORE" ] || step "core benchmark (in-process, one core of the H200 host)" \
         bash -c "set -o pipefail; python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
     echo "=== gpu_check status $status"; exit $status
 fi
