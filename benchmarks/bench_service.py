@@ -8,6 +8,8 @@ Every server is a separate process started by this script, one at a time:
   echo-stream    the echo server's bidi EchoStream: one stream, one echo message per step (same message shapes)
   kvpool-stream  the real ``kvpool-server``, AppendTokenStream: one stream, one message per step
   echo-aio       the echo on grpc.aio
+  kvpool-inproc  the kvpool servicer in a bare sync server like echo's (no health, reflection or signal handling):
+                 a diagnostic that separates the handler's cost from the server process around it
   kvpool-aio     the kvpool servicer on grpc.aio (no thread pool; the same core, pool and servicer logic)
 
 For each: one client doing back-to-back steps (steps/s, p50, p99 latency), then ``--clients`` client processes at
@@ -209,7 +211,8 @@ def main() -> None:
               f"{f['steps_per_s'] * NUM_SEQS:11.0f} {p50} {p99}")
     print("ratios of best (median) steps/s:")
     for pair in (("kvpool", "echo"), ("kvpool-stream", "echo-stream"), ("kvpool-stream", "kvpool"),
-                 ("echo-stream", "echo"), ("kvpool-aio", "echo-aio"), ("kvpool-aio", "kvpool")):
+                 ("echo-stream", "echo"), ("kvpool-aio", "echo-aio"), ("kvpool-aio", "kvpool"),
+                 ("kvpool-inproc", "echo"), ("kvpool", "kvpool-inproc")):
         for label in ("1 client", f"{args.clients} clients"):
             a, b = (pair[0], label), (pair[1], label)
             if a in best and b in best:

@@ -100,11 +100,23 @@ def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args:
         if port_file:
             Path(port_file).write_text(str(port))
 
-    if kind == "echo":
+    if kind in ("echo", "kvpool-inproc"):
         from concurrent import futures
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
-        server.add_generic_rpc_handlers((_echo_handler(stream=True),))
+        if kind == "echo":
+            server.add_generic_rpc_handlers((_echo_handler(stream=True),))
+        else:  # the real servicer in a bare sync server: no health, reflection, signals or drain bookkeeping around it
+            from kvpool_server.core import KVCacheManager
+            from kvpool_server.device import create_pool
+            from kvpool_server.service import KVPoolServicer
+
+            pool = create_pool(config.layout, backend=config.backend, **config.pool_size_kwargs())
+            manager = KVCacheManager(pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len)
+            pb_grpc.add_KVPoolServiceServicer_to_server(
+                KVPoolServicer(manager, pool, max_batch=config.max_batch, max_message_bytes=config.max_message_bytes),
+                server,
+            )
         port = server.add_insecure_port(address)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         server.start()
@@ -195,7 +207,7 @@ def _read(path: str) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--kind", choices=("echo", "echo-aio", "kvpool-aio"), required=True)
+    parser.add_argument("--kind", choices=("echo", "echo-aio", "kvpool-aio", "kvpool-inproc"), required=True)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--port-file")
     where.add_argument("--unix-socket")

@@ -64,6 +64,7 @@ def test_batch_is_all_or_nothing_on_exhaustion(manager, assert_unchanged):
     [
         (lambda m, s: m.append_batch([s, 999]), SequenceNotFoundError),
         (lambda m, s: m.append_batch([s, s + 1]), SequenceNotFoundError),
+        (lambda m, s: m.append_batch([s, 0]), SequenceNotFoundError),
         (lambda m, s: m.append_batch([s, s]), InvalidArgumentError),
         (lambda m, s: m.append_batch([]), InvalidArgumentError),
         (lambda m, s: m.append_batch([s], 0), InvalidArgumentError),
@@ -241,12 +242,23 @@ def test_stats_internal_fragmentation_counts_each_block_once(manager):
 def test_caller_ids_and_server_ids_mix(manager):
     assert manager.register(1) == 1
     server_id = manager.register()
-    assert server_id >= 2**63
-    assert manager.fork(1, 0, [2**63 - 1]) == [2**63 - 1]
-    plan = manager.append_batch(np.array([2**63 - 1, server_id, 1], dtype=np.uint64))
-    assert plan.num_tokens == 3
-    with pytest.raises(InvalidArgumentError):
-        manager.register(2**63)
+    assert server_id != 1
+    assert manager.fork(1, 0, [2**64 - 2, 2**63]) == [2**64 - 2, 2**63]
+    plan = manager.append_batch(np.array([2**64 - 2, server_id, 1, 2**63], dtype=np.uint64))
+    assert plan.num_tokens == 4
+    for bad in (0, 2**64 - 1, 2**64):
+        with pytest.raises(InvalidArgumentError):
+            manager.register(bad)
+
+
+def test_id_zero_never_reaches_a_free_row(assert_unchanged):
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    first, second = manager.register(), manager.register()
+    manager.free(first)  # its row (0) is free now
+    with assert_unchanged(manager), pytest.raises(SequenceNotFoundError, match="sequence 0"):
+        manager.append_batch([0])
+    with assert_unchanged(manager), pytest.raises(SequenceNotFoundError):
+        manager.append_batch([second, 0])
 
 
 def test_too_many_sequences_is_resource_exhausted(assert_unchanged):

@@ -104,7 +104,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _fits(self, seq_ids: list[int], counts: list[int]) -> bool:
         return all(len(self.model.tags[s]) + c <= MAX_SEQ_LEN for s, c in zip(seq_ids, counts))
 
-    @rule(caller_id=st.none() | st.integers(1, 2**63 - 1))
+    @rule(caller_id=st.none() | st.integers(1, 2**64 - 2))
     def register(self, caller_id):
         if len(self.model.tags) >= 12:
             before = snapshot(self.manager)

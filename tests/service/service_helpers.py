@@ -59,7 +59,7 @@ def token_kv(tag: int, positions: Sequence[int] | np.ndarray) -> np.ndarray:
     """Float32 KV [n, 1, 2, 1, 64] for tokens ``positions`` of the sequence tagged ``tag``: every element an exact
     integer mixing tag, position and element index, so different tags/positions/elements differ."""
     positions = np.asarray(positions, dtype=np.int64)
-    tag %= 8_388_593  # server ids are ~2**63: fold them before mixing in int64
+    tag %= 8_388_593  # ids go up to 2**64 - 2: fold them before mixing in int64
     mixed = (tag * 1_000_003 + positions[:, None] * 7_919 + np.arange(TOKEN_FLOATS, dtype=np.int64)[None, :] * 31)
     return (mixed % (1 << 23)).astype(np.float32).reshape(len(positions), 1, 2, 1, 64)
 

@@ -57,7 +57,7 @@ class KVCacheManager:
             raise InvalidArgumentError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         self.allocator: BlockAllocator = BlockAllocator(num_blocks)
         self.tables: BlockTables = BlockTables(-(-self.max_seq_len // block_size), max_num_seqs)
-        self.index: SequenceIndex = SequenceIndex(self.tables.num_rows)
+        self.index: SequenceIndex = SequenceIndex(self.tables.num_rows, max_num_seqs)
         self.num_copies: int = 0
         # Scratch for the duplicate-id check of a batch (stamp[row] = position in batch).
         self._stamp: np.ndarray = np.zeros(0, dtype=np.int64)

@@ -6,22 +6,18 @@ import numpy as np
 
 from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError, SequenceNotFoundError
 
-# Ids are uint64. Callers may choose ids in [1, 2**63 - 1]; ids with the top bit set are the server's own:
-#   server id = 2**63 | serial << ROW_BITS | row      (serial: a counter that only goes up)
-# so the row of a server id is read off its low bits, without a search.
-ROW_BITS = 24
-MAX_ROWS = 1 << ROW_BITS
-MAX_CALLER_SEQ_ID = 2**63 - 1
-_SERVER_BIT = 1 << 63
-_ROW_MASK = np.uint64(MAX_ROWS - 1)
-_SERVER_BIT_U64 = np.uint64(_SERVER_BIT)
+# Ids are uint64; 0 is never an id (it is protobuf's "unset"). A server-assigned id is
+#   serial << row_bits | row      (serial: a counter that only goes up; row_bits = bits of max_num_seqs - 1)
+# so the row of a server id is read off its low bits, without a search, and ids stay short on the wire.
+MAX_ROWS = 1 << 24
+# 2**64 - 1 is reserved too: it is what a -1 becomes when a client's sign bug sends it as a uint64.
+MAX_SEQ_ID = 2**64 - 2
 
 
 def check_caller_seq_id(seq_id: int) -> int:
-    if not 1 <= seq_id <= MAX_CALLER_SEQ_ID:
+    if not 1 <= seq_id <= MAX_SEQ_ID:
         raise InvalidArgumentError(
-            f"a caller-chosen seq_id must be in [1, 2**63 - 1] (ids with the top bit set are assigned by the "
-            f"server), got {seq_id}"
+            f"a seq_id must be in [1, 2**64 - 2] (0 means unset; 2**64 - 1 is a -1 sent as uint64), got {seq_id}"
         )
     return seq_id
 
@@ -33,16 +29,19 @@ def _not_live(seq_id: int) -> SequenceNotFoundError:
 class SequenceIndex:
     """Maps each live seq_id to its row: one id at a time (a dict), or a whole batch with a few NumPy operations.
 
-    A server-assigned id carries its row in its low ROW_BITS bits and a never-repeating serial above them, so a
-    batch of server ids resolves as ``rows = ids & mask`` checked against ``row_to_id[rows] == ids`` -- no Python
-    loop and no search. Caller-chosen ids (top bit clear) go through the dict. Because the serial only goes up, an
-    id the server gave out is never given out again, and a stale id can never match a reused row.
+    A server-assigned id carries its row in its low ``row_bits`` bits and a never-repeating serial above them, so
+    a batch of server ids resolves as ``rows = ids & mask`` checked against ``row_to_id[rows] == ids`` -- no Python
+    loop and no search. Any id that fails that check (a caller-chosen one, say) goes through the dict. Because the
+    serial only goes up, an id the server gave out is never given out again, a stale id never matches a reused
+    row, and an id a caller holds is skipped.
 
     Invariants: ``_row_of`` and ``row_to_id`` hold the same (seq_id, row) pairs (``row_to_id`` is 0 on rows that
-    hold no sequence); a server id's low bits equal its row.
+    hold no sequence).
     """
 
-    def __init__(self, num_rows: int) -> None:
+    def __init__(self, num_rows: int, max_rows: int) -> None:
+        self.row_bits: int = max(1, (max_rows - 1).bit_length())
+        self._row_mask: np.uint64 = np.uint64((1 << self.row_bits) - 1)
         self._row_of: dict[int, int] = {}
         self.row_to_id: np.ndarray = np.zeros(num_rows, dtype=np.uint64)
         self._next_serial: int = 1
@@ -72,9 +71,10 @@ class SequenceIndex:
 
     def rows(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of a uint64 array of ids; raises SequenceNotFoundError naming the first id that is not live."""
-        rows = (seq_ids & _ROW_MASK).astype(np.intp)
+        rows = (seq_ids & self._row_mask).astype(np.intp)
         row_to_id = self.row_to_id
-        if rows.max() < row_to_id.size and (row_to_id[rows] == seq_ids).all():
+        # A free row holds 0, which is never an id: so 0 must not match one (seq_ids.all()).
+        if rows.max() < row_to_id.size and (row_to_id[rows] == seq_ids).all() and seq_ids.all():
             return rows  # the common case: every id is a live server id
         rows = rows.copy()
         for i, seq_id in enumerate(seq_ids.tolist()):
@@ -85,9 +85,11 @@ class SequenceIndex:
         return rows
 
     def new_server_id(self, row: int) -> int:
-        seq_id = _SERVER_BIT | (self._next_serial << ROW_BITS) | row
-        self._next_serial += 1
-        return seq_id
+        while True:
+            seq_id = (self._next_serial << self.row_bits) | row
+            self._next_serial += 1
+            if seq_id not in self._row_of:  # a caller may hold it
+                return seq_id
 
     def add(self, seq_id: int, row: int) -> None:
         self._row_of[seq_id] = row
@@ -103,6 +105,3 @@ class SequenceIndex:
         pairs = {int(self.row_to_id[row]): int(row) for row in live}
         if pairs != self._row_of:
             raise InvariantViolationError("the id dict and row_to_id disagree")
-        for seq_id, row in pairs.items():
-            if seq_id & _SERVER_BIT and seq_id & (MAX_ROWS - 1) != row:
-                raise InvariantViolationError(f"server id {seq_id} does not name its row {row}")
