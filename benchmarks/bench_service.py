@@ -187,7 +187,12 @@ def main() -> None:
     parser.add_argument("--kinds", default="echo,kvpool,echo-stream,kvpool-stream,echo-aio,kvpool-aio",
                         help="servers to measure")
     parser.add_argument("server_args", nargs="*", help="after --: extra kvpool-server flags for every server")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin servers to CPU 0 and this client to CPU 1 (steadier figures on a small machine)")
     args = parser.parse_args()
+    if args.pin:
+        os.environ["KVPOOL_BENCH_SERVER_CPUS"] = "0"
+        os.sched_setaffinity(0, {1})
     if args.quick:
         args.duration, args.rounds = 1.0, 1
     kinds = [k for k in args.kinds.split(",") if not (args.no_aio and k.endswith("-aio"))]

@@ -168,7 +168,11 @@ class Server:
             cmd += [*SERVER_ARGS, *extra_args, *listen, "--log-level", "WARNING"]
         else:
             cmd = [sys.executable, __file__, "--kind", kind, *listen[2:], "--", *extra_args]
-        self.proc = subprocess.Popen(cmd)
+        # KVPOOL_BENCH_SERVER_CPUS="0": pin every server to those CPUs (bench_service.py --pin sets it), so that
+        # server and client do not share a core by chance; a 2-core machine otherwise swings by +-100 us a step.
+        cpus = os.environ.get("KVPOOL_BENCH_SERVER_CPUS")
+        preexec = (lambda: os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})) if cpus else None
+        self.proc = subprocess.Popen(cmd, preexec_fn=preexec)
         try:
             self._wait_ready(kind, port_file, unix_socket)
         except BaseException:
