@@ -1,4 +1,5 @@
-"""kvpool client library: a typed gRPC client, zero-copy attach() to the pool, and the load generator.
+"""kvpool client library: a typed gRPC client (sync and asyncio), zero-copy attach() to the pool, and the load
+generator.
 
 Names are imported on first use (PEP 562), so ``kvpool_client.layout`` -- which the server's device layer shares --
 loads without grpc.
@@ -10,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "AsyncKVPoolClient": "kvpool_client.aio",
     "AppendStream": "kvpool_client.stream",
     "KVPoolClient": "kvpool_client.client",
     "RetryPolicy": "kvpool_client.client",
@@ -41,6 +43,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from kvpool_client.aio import AsyncKVPoolClient
     from kvpool_client.client import KVPoolClient, RetryPolicy
     from kvpool_client.stream import AppendStream
     from kvpool_client.errors import (

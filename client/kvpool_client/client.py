@@ -4,7 +4,8 @@ Every call carries a deadline (the client's ``timeout`` unless the call passes i
 has none unless given one). Only idempotent reads
 (Stats, GetBlockTable, DescribePool, ReadKV, CheckInvariants, Health) are retried, and only on UNAVAILABLE, with
 exponential backoff inside the same deadline: a retried AppendToken, Fork, Register or Free could run twice.
-Failed calls raise the exception of errors.py that mirrors the status code.
+Failed calls raise the exception of errors.py that mirrors the status code. AsyncKVPoolClient (aio.py) is the same
+API on grpc.aio; both build requests and parse responses through convert.py.
 
     with KVPoolClient("unix:/tmp/kvpool.sock") as client:
         seq_id = client.register()
@@ -28,26 +29,18 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_client.errors import (
-    DeadlineExceededError,
-    InvalidArgumentError,
-    UnavailableError,
-    from_rpc_error,
-)
+from kvpool_client import convert
+from kvpool_client.errors import DeadlineExceededError, UnavailableError, from_rpc_error
 from kvpool_client.layout import KVLayout
-from kvpool_client.stream import AppendStream, _append_args, _append_result
+from kvpool_client.stream import AppendStream
 from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
 
 if TYPE_CHECKING:
     from kvpool_client.attach import AttachedPool
-
-_DTYPE_NAMES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16"}
-_BACKEND_NAMES = {pb.BACKEND_GPU: "gpu", pb.BACKEND_HOST: "host"}
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,6 +62,24 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
+def time_left(deadline: float, method: str) -> float:
+    """Seconds until ``deadline`` (time.monotonic()); DeadlineExceededError once it has passed."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceededError("deadline passed while retrying", method=method)
+    return remaining
+
+
+def backoff_after(error: grpc.RpcError, method: str, attempt: int, attempts: int, retry: RetryPolicy,
+                  deadline: float) -> float:
+    """After a failed attempt: raise its exception unless it is UNAVAILABLE and attempts remain; else the seconds
+    to wait before the next one (never past ``deadline``). The sync and asyncio clients share this policy."""
+    exc = from_rpc_error(error, method)
+    if not isinstance(exc, UnavailableError) or attempt + 1 >= attempts:
+        raise exc from None
+    return min(retry.backoff(attempt), max(0.0, deadline - time.monotonic()))
+
+
 class KVPoolClient:
     """One channel to a kvpool server. Thread-safe (gRPC channels are); not fork-safe: make one per process."""
 
@@ -86,11 +97,7 @@ class KVPoolClient:
         self.target = target
         self.timeout = timeout
         self.retry = retry
-        base_options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
-        self._channel = channel or grpc.insecure_channel(target, options=base_options + list(options))
+        self._channel = channel or grpc.insecure_channel(target, options=convert.channel_options(options))
         self._stub = pb_grpc.KVPoolServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._description: PoolDescription | None = None
@@ -102,22 +109,17 @@ class KVPoolClient:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         attempts = self.retry.max_attempts if idempotent else 1
         for attempt in range(attempts):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError("deadline passed while retrying", method=name)
             try:
-                return rpc(request, timeout=remaining)
+                return rpc(request, timeout=time_left(deadline, name))
             except grpc.RpcError as error:
-                exc = from_rpc_error(error, name)
-                if not isinstance(exc, UnavailableError) or attempt + 1 >= attempts:
-                    raise exc from None
-            time.sleep(min(self.retry.backoff(attempt), max(0.0, deadline - time.monotonic())))
+                pause = backoff_after(error, name, attempt, attempts, self.retry, deadline)
+            time.sleep(pause)
         raise AssertionError("unreachable")
 
     # ---------------------------------------------------------------- sequences
     def register(self, seq_id: int | None = None, *, timeout: float | None = None) -> int:
         """Create an empty sequence; the server assigns the id (never reused) unless ``seq_id`` is given."""
-        request = pb.RegisterSequenceRequest() if seq_id is None else pb.RegisterSequenceRequest(seq_id=seq_id)
+        request = convert.register_request(seq_id)
         return self._call("RegisterSequence", request, idempotent=False, timeout=timeout).seq_id
 
     def append(
@@ -128,14 +130,14 @@ class KVPoolClient:
         timeout: float | None = None,
     ) -> AppendResult:
         """Grow every sequence of ``seq_ids`` by ``num_tokens`` (one count for all, or one each), atomically."""
-        ids, counts, counts_field = _append_args(seq_ids, num_tokens, "AppendToken")
+        ids, counts, counts_field = convert.append_args(seq_ids, num_tokens, "AppendToken")
         response = self._call(
             "AppendToken",
             pb.AppendTokenRequest(seq_ids=ids, num_tokens=counts_field),
             idempotent=False,
             timeout=timeout,
         )
-        return _append_result(ids, counts, response)
+        return convert.append_result(ids, counts, response)
 
     def append_stream(self, *, timeout: float | None = None) -> AppendStream:
         """Open an AppendTokenStream: ``.step(seq_ids, num_tokens)`` is ``append()`` on one long-lived stream.
@@ -153,51 +155,25 @@ class KVPoolClient:
         timeout: float | None = None,
     ) -> list[int]:
         """Children that share every block of the parent (copy-on-write); returns their ids."""
-        request = pb.ForkRequest(parent_seq_id=parent_seq_id, num_children=num_children, child_seq_ids=child_seq_ids)
+        request = convert.fork_request(parent_seq_id, num_children, child_seq_ids)
         return list(self._call("Fork", request, idempotent=False, timeout=timeout).child_seq_ids)
 
     def free(self, seq_ids: int | Sequence[int], *, timeout: float | None = None) -> int:
         """Release sequences (all or none); returns the number of blocks whose ref count reached 0."""
-        ids = [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else [int(s) for s in seq_ids]
-        return self._call("Free", pb.FreeRequest(seq_ids=ids), idempotent=False, timeout=timeout).num_blocks_freed
+        request = convert.free_request(seq_ids)
+        return self._call("Free", request, idempotent=False, timeout=timeout).num_blocks_freed
 
     # ---------------------------------------------------------------- reads (retried on UNAVAILABLE)
     def stats(self, *, timeout: float | None = None) -> PoolStats:
-        r = self._call("Stats", pb.StatsRequest(), idempotent=True, timeout=timeout)
-        return PoolStats(
-            num_blocks_total=r.num_blocks_total,
-            num_blocks_free=r.num_blocks_free,
-            num_blocks_used=r.num_blocks_used,
-            utilization=r.utilization,
-            num_tokens=r.num_tokens,
-            num_slots_unused=r.num_slots_unused,
-            internal_fragmentation=r.internal_fragmentation,
-            num_blocks_shared=r.num_blocks_shared,
-            num_copies=r.num_copies,
-            num_sequences=r.num_sequences,
-            block_size=r.block_size,
-            block_bytes=r.block_bytes,
-        )
+        return convert.pool_stats(self._call("Stats", pb.StatsRequest(), idempotent=True, timeout=timeout))
 
     def block_table(self, seq_id: int, *, timeout: float | None = None) -> BlockTable:
         r = self._call("GetBlockTable", pb.GetBlockTableRequest(seq_id=seq_id), idempotent=True, timeout=timeout)
-        return BlockTable(np.array(r.block_ids, dtype=np.int64), r.num_tokens, r.block_size)
+        return convert.block_table(r)
 
     def describe_pool(self, *, timeout: float | None = None) -> PoolDescription:
         r = self._call("DescribePool", pb.DescribePoolRequest(), idempotent=True, timeout=timeout)
-        lay = r.layout
-        self._description = PoolDescription(
-            layout=KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, _DTYPE_NAMES[lay.dtype]),
-            num_blocks=lay.num_blocks,
-            backend=_BACKEND_NAMES.get(r.backend, "unspecified"),
-            pool_bytes=r.pool_bytes,
-            block_bytes=lay.block_bytes,
-            token_bytes=lay.token_bytes,
-            shm_name=r.shm_name,
-            cuda_ipc_handle=bytes(r.cuda_ipc_handle),
-            cuda_device=r.cuda_device,
-            server_pid=r.server_pid,
-        )
+        self._description = convert.pool_description(r)
         return self._description
 
     @property
@@ -207,26 +183,19 @@ class KVPoolClient:
 
     def read_kv(self, seq_id: int, start: int = 0, num_tokens: int = 0, *, timeout: float | None = None) -> np.ndarray:
         """KV of tokens [start, start + num_tokens) (0: to the end) as [n, num_layers, 2, num_kv_heads, head_dim]."""
-        request = pb.ReadKVRequest(seq_id=seq_id, start_position=start, num_tokens=num_tokens)
-        r = self._call("ReadKV", request, idempotent=True, timeout=timeout)
-        layout = self.layout
-        wire = layout.storage_dtype.newbyteorder("<")
-        return np.frombuffer(r.data, dtype=wire).reshape((r.num_tokens, *layout.token_shape)).astype(
-            layout.storage_dtype
-        )
+        r = self._call("ReadKV", convert.read_kv_request(seq_id, start, num_tokens), idempotent=True, timeout=timeout)
+        return convert.kv_array(r, self.layout)
 
     def check_invariants(self, *, timeout: float | None = None) -> InvariantReport:
         """The server's full invariant check; a violation raises InternalError with the server's message."""
         r = self._call("CheckInvariants", pb.CheckInvariantsRequest(), idempotent=True, timeout=timeout)
-        return InvariantReport(r.ok, r.num_blocks_checked, r.num_sequences_checked)
+        return convert.invariant_report(r)
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The standard health check's status name: "SERVING", "NOT_SERVING", ..."""
-        r = self._call(
-            "Health.Check", health_pb2.HealthCheckRequest(service=service), idempotent=True, timeout=timeout,
-            rpc=self._health.Check,
-        )
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+        request = convert.health_request(service)
+        r = self._call("Health.Check", request, idempotent=True, timeout=timeout, rpc=self._health.Check)
+        return convert.health_status(r)
 
     def wait_until_serving(self, timeout: float = 10.0, service: str = "") -> None:
         """Block until health says SERVING; raise DeadlineExceededError after ``timeout`` seconds."""
@@ -246,16 +215,7 @@ class KVPoolClient:
     def write_kv(self, seq_id: int, start: int, data: np.ndarray, *, timeout: float | None = None) -> int:
         """Write ``data`` ([n, num_layers, 2, num_kv_heads, head_dim], the pool's storage dtype) to tokens
         [start, start + n) of a sequence; returns n. The tokens' blocks must be the sequence's own."""
-        layout = self.layout
-        data = np.asarray(data)
-        if data.ndim != 5 or data.shape[1:] != layout.token_shape:
-            raise InvalidArgumentError(
-                f"data must be [n, *{layout.token_shape}], got {data.shape}", method="WriteKV"
-            )
-        if data.dtype != layout.storage_dtype:
-            raise InvalidArgumentError(f"data must be {layout.storage_dtype}, got {data.dtype}", method="WriteKV")
-        payload = np.ascontiguousarray(data, dtype=layout.storage_dtype.newbyteorder("<")).tobytes()
-        request = pb.WriteKVRequest(seq_id=seq_id, start_position=start, data=payload)
+        request = convert.write_kv_request(seq_id, start, data, self.layout)
         return self._call("WriteKV", request, idempotent=False, timeout=timeout).num_tokens_written
 
     # ---------------------------------------------------------------- zero-copy access

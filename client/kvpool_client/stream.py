@@ -1,4 +1,5 @@
-"""AppendStream (one AppendTokenStream call) and the append argument/result helpers the unary call shares."""
+"""AppendStream: one AppendTokenStream call, ``step()`` by ``step()`` (arguments and results as convert.py builds
+them for the unary AppendToken)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import grpc
 import numpy as np
 
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool_client.errors import InvalidArgumentError, KVPoolClientError, from_rpc_error
+from kvpool_client.convert import append_args, append_result
+from kvpool_client.errors import KVPoolClientError, from_rpc_error
 from kvpool_client.types import AppendResult
 
 
@@ -43,7 +45,7 @@ class AppendStream:
         self, seq_ids: int | Sequence[int] | np.ndarray, num_tokens: int | Sequence[int] | np.ndarray = 1
     ) -> AppendResult:
         """Grow every sequence of ``seq_ids`` by ``num_tokens`` (one count for all, or one each), atomically."""
-        ids, counts, counts_field = _append_args(seq_ids, num_tokens, _STREAM)
+        ids, counts, counts_field = append_args(seq_ids, num_tokens, _STREAM)
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -56,7 +58,7 @@ class AppendStream:
                 self._fail(from_rpc_error(error, _STREAM))
             except StopIteration:  # the server ended the stream without answering: not kvpool's protocol
                 self._fail(KVPoolClientError("the server ended the stream without a response", method=_STREAM))
-        return _append_result(ids, counts, response)
+        return append_result(ids, counts, response)
 
     def _fail(self, error: KVPoolClientError) -> NoReturn:
         self._error, self._closed = error, True
@@ -84,34 +86,3 @@ class AppendStream:
 
 
 _STREAM = "AppendTokenStream"
-
-
-def _append_args(
-    seq_ids: int | Sequence[int] | np.ndarray, num_tokens: int | Sequence[int] | np.ndarray, method: str
-) -> tuple[list[int], np.ndarray, list[int]]:
-    """(ids, one count per id, the request's num_tokens field); InvalidArgumentError before anything is sent."""
-    ids = [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else [int(s) for s in seq_ids]
-    if isinstance(num_tokens, (int, np.integer)):
-        counts_field = [int(num_tokens)]
-        counts = np.full(len(ids), int(num_tokens), dtype=np.int64)
-    else:
-        counts = np.asarray(num_tokens, dtype=np.int64)
-        counts_field = counts.tolist()
-    if counts.size != len(ids) or (counts < 1).any():
-        raise InvalidArgumentError(
-            f"need one num_tokens >= 1 for all, or one per sequence; got {counts.tolist()} for {len(ids)}",
-            method=method,
-        )
-    return ids, counts, counts_field
-
-
-def _append_result(ids: list[int], counts: np.ndarray, response: Any) -> AppendResult:
-    """An AppendTokenResponse or AppendTokenStreamResponse (the same fields) as an AppendResult."""
-    copies = np.array([(c.src_block_id, c.dst_block_id) for c in response.copies], dtype=np.int64).reshape(-1, 2)
-    return AppendResult(
-        seq_ids=tuple(ids),
-        num_tokens=counts,
-        slot_mapping=np.array(response.slot_mapping, dtype=np.int64),
-        new_block_ids=np.array(response.new_block_ids, dtype=np.int64),
-        copies=copies,
-    )
