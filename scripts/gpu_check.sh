@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/kvpool-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/server:$PWD/client PYTHONUNBUFFERED=1
 status=0
-only=${1:-all}  # "device": only the first step (the copy-kernel figures); "bench": only the benchmarks
+only=${1:-all}  # "device": only the first step (copy kernel); "bench": only the benchmarks; "client": demo, beam, attach
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -25,6 +25,13 @@ if [ "$only" = bench ]; then
     done
     [ -n "$SKIP_CORE" ] || step "core benchmark (in-process, one core of the H200 host)" \
         bash -c "set -o pipefail; python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = client ]; then
+    step "make run equivalent on the GPU" bash -c "set -o pipefail; python3 scripts/run_demo.py --no-progress 2>&1 | tee $OUT/run_demo_gpu.log"
+    step "beam search width 4 on the GPU" \
+        bash -c "set -o pipefail; python3 scripts/run_demo.py --no-progress --mode beam --beam-width 4 --lengths sharegpt --completions 40 2>&1 | tee $OUT/beam_gpu.log"
+    step "client attach tests" bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider tests/client/test_attach.py 2>&1 | tee $OUT/attach_gpu.log"
     echo "=== gpu_check status $status"; exit $status
 fi
 # Issue 2: the core and device suites and the seed checks with the CuPy backend, plus the copy kernel vs memcpy.
