@@ -22,7 +22,7 @@ def plan_append_one_each(manager: KVCacheManager, rows: np.ndarray) -> AppendPla
     tables, allocator, bs = manager.tables, manager.allocator, manager.block_size
     lengths = tables.num_tokens[rows]
     if lengths.max() >= manager.max_seq_len:
-        raise _too_long(manager, rows, lengths + 1)
+        raise _too_long(manager, lengths + 1)
     if manager.block_shift is not None:
         block_index, offsets = lengths >> manager.block_shift, lengths & (bs - 1)
     else:
@@ -56,7 +56,7 @@ def plan_append_general(manager: KVCacheManager, rows: np.ndarray, counts: np.nd
     lengths = tables.num_tokens[rows]
     new_lengths = lengths + counts
     if new_lengths.max() > manager.max_seq_len:
-        raise _too_long(manager, rows, new_lengths)
+        raise _too_long(manager, new_lengths)
     old_num_blocks = -(-lengths // bs)
     grow = -(-new_lengths // bs) - old_num_blocks
 
@@ -105,7 +105,7 @@ def _drop_last_owners(cow_pos: np.ndarray, last_block: np.ndarray, ref_count: np
     return cow_pos[keep]
 
 
-def _too_long(manager: KVCacheManager, rows: np.ndarray, new_lengths: np.ndarray) -> InvalidArgumentError:
+def _too_long(manager: KVCacheManager, new_lengths: np.ndarray) -> InvalidArgumentError:
     worst = int(np.argmax(new_lengths))
     return InvalidArgumentError(
         f"append would grow a sequence to {int(new_lengths[worst])} tokens, over max_seq_len={manager.max_seq_len}"

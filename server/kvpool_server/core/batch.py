@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool_server.core.append import plan_append_general, plan_append_one_each
 from kvpool_server.core.errors import InvalidArgumentError, SequenceNotFoundError
 
 if TYPE_CHECKING:
@@ -69,8 +68,4 @@ class SequenceBatch:
         if not (self.manager.index.row_to_id[self.rows] == self.seq_ids).all():
             gone = [s for s in self.seq_ids.tolist() if s not in self.manager.index]
             raise SequenceNotFoundError(f"sequence {gone[0]} of the batch is not live (freed?)")
-        plan = plan_append_one_each(self.manager, self.rows)
-        if plan is None:  # copy-on-write
-            plan = plan_append_general(self.manager, self.rows, np.ones(self.rows.size, dtype=np.int64))
-            self.manager.num_copies += plan.copies.shape[0]
-        return plan
+        return self.manager.append_rows(self.rows, 1)

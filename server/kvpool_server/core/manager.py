@@ -76,8 +76,7 @@ class KVCacheManager:
                 raise SequenceExistsError(f"sequence {seq_id} already exists")
             check_caller_seq_id(seq_id)
         row = self.tables.acquire_row()
-        if row >= self.index.row_to_id.size:
-            self.index.resize(self.tables.num_rows)
+        self._sync_index_rows()
         if seq_id is None:
             seq_id = self.index.new_server_id(row)
         self.index.add(seq_id, row)
@@ -85,9 +84,13 @@ class KVCacheManager:
 
     def _acquire_rows(self, num: int) -> list[int]:
         rows = self.tables.acquire_rows(num)
+        self._sync_index_rows()
+        return rows
+
+    def _sync_index_rows(self) -> None:
+        """Grow the index's row_to_id when the block tables have grown."""
         if self.tables.num_rows > self.index.row_to_id.size:
             self.index.resize(self.tables.num_rows)
-        return rows
 
     def fork(self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = ()) -> list[int]:
         """Make children that share every block of the parent (ref counts go up, nothing is copied)."""
@@ -126,13 +129,7 @@ class KVCacheManager:
         Returns the number of blocks freed.
         """
         tables, bs = self.tables, self.block_size
-        if isinstance(seq_ids, int):
-            row = self.index.row(seq_id := seq_ids)
-            num_freed = self.allocator.decref(tables.table[row, : -(-int(tables.num_tokens[row]) // bs)])
-            tables.release_row(row)
-            self.index.remove(seq_id)
-            return num_freed
-        ids = [int(s) for s in seq_ids]
+        ids = [seq_ids] if isinstance(seq_ids, int) else [int(s) for s in seq_ids]
         if not ids:
             raise InvalidArgumentError("free needs at least one seq_id")
         rows = [self.index.row(seq_id) for seq_id in ids]
@@ -153,7 +150,7 @@ class KVCacheManager:
         length = int(tables.num_tokens[row])
         block_index, offset = divmod(length, bs)
         if offset and allocator.num_shared_blocks and allocator.ref_count[tables.table[row, block_index]] > 1:
-            return self._append_rows(np.array([row]), num_tokens)  # copy-on-write first
+            return self.append_rows(np.array([row]), num_tokens)  # copy-on-write first
         if num_tokens != 1:
             return self._append_unshared(seq_id, row, length, num_tokens)
         if length >= self.max_seq_len:
@@ -203,9 +200,10 @@ class KVCacheManager:
             raise InvalidArgumentError("append needs a non-empty list of seq_ids")
         rows = self.index.rows(ids)
         self._check_distinct(rows)
-        return self._append_rows(rows, num_tokens)
+        return self.append_rows(rows, num_tokens)
 
-    def _append_rows(self, rows: np.ndarray, num_tokens: int | Sequence[int]) -> AppendPlan:
+    def append_rows(self, rows: np.ndarray, num_tokens: int | Sequence[int]) -> AppendPlan:
+        """Append to already-resolved, distinct live rows (``append``, ``append_batch`` and SequenceBatch)."""
         if isinstance(num_tokens, (int, np.integer)):
             if num_tokens < 1:
                 raise InvalidArgumentError(f"num_tokens must be >= 1, got {num_tokens}")
