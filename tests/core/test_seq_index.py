@@ -6,7 +6,7 @@ from kvpool_server.core.seq_index import MAX_SEQ_ID, SequenceIndex, check_caller
 
 
 def test_server_ids_carry_their_row_never_repeat_and_stay_short():
-    index = SequenceIndex(8, max_rows=4096)
+    index = SequenceIndex(max_rows=4096)
     first = index.new_server_id(3)
     second = index.new_server_id(3)
     assert first != second
@@ -15,14 +15,14 @@ def test_server_ids_carry_their_row_never_repeat_and_stay_short():
 
 
 def test_server_ids_skip_an_id_a_caller_holds():
-    index = SequenceIndex(8, max_rows=8)
+    index = SequenceIndex(max_rows=8)
     taken = (1 << index.row_bits) | 5  # what the first server id for row 5 would be
     index.add(taken, 0)
     assert index.new_server_id(5) != taken
 
 
 def test_scalar_and_batch_lookup_agree_for_server_and_caller_ids():
-    index = SequenceIndex(8, max_rows=8)
+    index = SequenceIndex(max_rows=8)
     server_ids = [index.new_server_id(row) for row in (0, 5)]
     for seq_id, row in [(server_ids[0], 0), (server_ids[1], 5), (7, 1), (MAX_SEQ_ID, 2)]:
         index.add(seq_id, row)
@@ -34,7 +34,7 @@ def test_scalar_and_batch_lookup_agree_for_server_and_caller_ids():
 
 
 def test_stale_server_id_does_not_match_a_reused_row():
-    index = SequenceIndex(4, max_rows=4)
+    index = SequenceIndex(max_rows=4)
     old = index.new_server_id(2)
     index.add(old, 2)
     index.remove(old)
@@ -47,14 +47,34 @@ def test_stale_server_id_does_not_match_a_reused_row():
 
 
 def test_zero_never_matches_a_free_row():
-    index = SequenceIndex(4, max_rows=4)
-    index.add(index.new_server_id(1), 1)  # row 0 stays free: row_to_id[0] == 0
+    index = SequenceIndex(max_rows=4)
+    index.add(index.new_server_id(1), 1)  # rows 0, 2 and 3 stay free
     with pytest.raises(SequenceNotFoundError, match="sequence 0"):
         index.rows(np.array([0], dtype=np.uint64))
 
 
+@pytest.mark.parametrize("max_rows", [4, 5, 8])
+def test_no_value_matches_a_free_row(max_rows):
+    index = SequenceIndex(max_rows=max_rows)
+    index.add(index.new_server_id(1), 1)
+    size = index.row_to_id.size
+    candidates = list(range(2 * size)) + [2**64 - 1, 2**64 - 2, 2**63]
+    for value in candidates:
+        if value not in index:
+            with pytest.raises(SequenceNotFoundError):
+                index.rows(np.array([value], dtype=np.uint64))
+    index.check_invariants()
+
+
+def test_max_rows_is_checked():
+    with pytest.raises(InvalidArgumentError, match="max_num_seqs"):
+        SequenceIndex(max_rows=0)
+    with pytest.raises(InvalidArgumentError, match="max_num_seqs"):
+        SequenceIndex(max_rows=(1 << 20) + 1)
+
+
 def test_missing_caller_id_is_named():
-    index = SequenceIndex(4, max_rows=4)
+    index = SequenceIndex(max_rows=4)
     index.add(10, 0)
     with pytest.raises(SequenceNotFoundError, match="sequence 11 is not live"):
         index.rows(np.array([10, 11], dtype=np.uint64))
@@ -62,14 +82,17 @@ def test_missing_caller_id_is_named():
         index.rows(np.array([2**40 + 3], dtype=np.uint64))
 
 
-def test_resize_keeps_entries():
-    index = SequenceIndex(2, max_rows=16)
-    seq_id = index.new_server_id(1)
-    index.add(seq_id, 1)
-    index.resize(16)
-    index.add(index.new_server_id(12), 12)
-    assert index.rows(np.array([seq_id], dtype=np.uint64)).tolist() == [1]
+def test_every_row_of_the_id_space_resolves_without_resizing():
+    index = SequenceIndex(max_rows=16)
+    ids = [index.new_server_id(row) for row in (1, 12, 15)]
+    for seq_id, row in zip(ids, (1, 12, 15)):
+        index.add(seq_id, row)
+    assert index.rows(np.array(ids[::-1], dtype=np.uint64)).tolist() == [15, 12, 1]
     index.check_invariants()
+    index.remove(ids[1])
+    index.check_invariants()
+    with pytest.raises(SequenceNotFoundError):
+        index.rows(np.array([ids[1]], dtype=np.uint64))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2**64 - 1, 2**64])

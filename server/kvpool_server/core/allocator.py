@@ -55,7 +55,7 @@ class BlockAllocator:
         top = self.num_free_blocks
         block_ids = self._free_stack[top - num : top][::-1].copy()
         self.num_free_blocks = top - num
-        self.ref_count[block_ids] = 1
+        self.ref_count.put(block_ids, 1)
         return block_ids
 
     def allocate_one(self) -> int:
@@ -79,7 +79,7 @@ class BlockAllocator:
         if block_ids.size == 0:
             return 0
         if self.num_shared_blocks == 0:  # every block in use has exactly one reference: ids are distinct
-            self.ref_count[block_ids] = 0
+            self.ref_count.put(block_ids, 0)
             self._push(block_ids)
             return int(block_ids.size)
         touched = np.unique(block_ids)

@@ -13,35 +13,41 @@ import numpy as np
 from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, AppendPlan
 
+# A 0-d array, not a Python int: NumPy adds it to an array faster (no scalar conversion per call).
+ONE = np.array(1, dtype=np.int64)
+ONE.flags.writeable = False
+
 if TYPE_CHECKING:
     from kvpool_server.core.manager import KVCacheManager
 
 
 def plan_append_one_each(manager: KVCacheManager, rows: np.ndarray) -> AppendPlan | None:
-    """One token for each row: the decode step. Returns None when a row needs copy-on-write (the general path)."""
-    tables, allocator, bs = manager.tables, manager.allocator, manager.block_size
-    lengths = tables.num_tokens[rows]
-    if lengths.max() >= manager.max_seq_len:
+    """One token for each row: the decode step. Returns None when a row needs copy-on-write (the general path).
+
+    Written for NumPy's per-call cost, which is most of a step's cost at these sizes: gathers (``take``) and
+    scatters (``put``) through the tables' lookups instead of arithmetic on the whole batch, and a reduction only
+    where one is unavoidable (``count_nonzero``, the cheapest).
+    """
+    tables, allocator = manager.tables, manager.allocator
+    lengths = tables.num_tokens.take(rows)
+    if np.count_nonzero(tables.at_limit.take(lengths)):
         raise _too_long(manager, lengths + 1)
-    if manager.block_shift is not None:
-        block_index, offsets = lengths >> manager.block_shift, lengths & (bs - 1)
-    else:
-        block_index, offsets = np.divmod(lengths, bs)
-    table = tables.table
-    block_ids = table[rows, block_index]  # UNSET (-1) where a new block is needed
-    # ref_count_padded[-1] is always 0, so UNSET entries read as unshared.
-    if allocator.num_shared_blocks and (allocator.ref_count_padded[block_ids] > 1).any():
-        return None
-    needs_block = offsets == 0
-    num_new = int(np.count_nonzero(needs_block))
-    if num_new:
-        new_blocks = allocator.allocate(num_new)  # raises OutOfBlocksError before any change
-        table[rows[needs_block], block_index[needs_block]] = new_blocks
-        block_ids[needs_block] = new_blocks
+    if allocator.num_shared_blocks:
+        # The block each row writes into; UNSET (-1, whose padded ref count is 0) where a new block starts.
+        current = tables.table[rows, tables.block_index.take(lengths)]
+        if np.count_nonzero(allocator.ref_count_padded.take(current) > 1):
+            return None
+    slots = tables.next_slot.take(rows)
+    opening = tables.starts_block.take(lengths).nonzero()[0]
+    if opening.size:
+        new_blocks = allocator.allocate(opening.size)  # raises OutOfBlocksError before any change
+        tables.table[rows.take(opening), tables.block_index.take(lengths.take(opening))] = new_blocks
+        slots.put(opening, new_blocks * manager.block_size_array)
     else:
         new_blocks = EMPTY_BLOCKS
-    tables.num_tokens[rows] = lengths + 1
-    return AppendPlan(block_ids.astype(np.int64) * bs + offsets, new_blocks, NO_COPIES)
+    tables.next_slot.put(rows, slots + ONE)
+    tables.num_tokens.put(rows, lengths + ONE)
+    return AppendPlan(slots, new_blocks, NO_COPIES)
 
 
 def plan_append_general(manager: KVCacheManager, rows: np.ndarray, counts: np.ndarray) -> AppendPlan:
@@ -84,12 +90,21 @@ def plan_append_general(manager: KVCacheManager, rows: np.ndarray, counts: np.nd
         first = np.repeat(old_num_blocks - (np.cumsum(grow) - grow), grow)
         table[grow_rows, first + np.arange(num_grow)] = new_blocks[cow_pos.size :]
     tables.num_tokens[rows] = new_lengths
+    _set_next_slots(manager, rows, new_lengths)
 
     num_new_tokens = int(counts.sum())
     starts = np.cumsum(counts) - counts
     positions = np.repeat(lengths - starts, counts) + np.arange(num_new_tokens)
     block_ids = table[np.repeat(rows, counts), positions // bs].astype(np.int64)
     return AppendPlan(block_ids * bs + positions % bs, new_blocks, copies)
+
+
+def _set_next_slots(manager: KVCacheManager, rows: np.ndarray, lengths: np.ndarray) -> None:
+    """Recompute ``next_slot`` of rows that now hold ``lengths`` tokens (only partly filled last blocks need it)."""
+    bs, tables = manager.block_size, manager.tables
+    partial = lengths % bs != 0
+    rows, lengths = rows[partial], lengths[partial]
+    tables.next_slot[rows] = tables.table[rows, lengths // bs].astype(np.int64) * bs + lengths % bs
 
 
 def _drop_last_owners(cow_pos: np.ndarray, last_block: np.ndarray, ref_count: np.ndarray) -> np.ndarray:

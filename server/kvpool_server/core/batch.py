@@ -65,7 +65,7 @@ class SequenceBatch:
         """One token for every member; raises (changing nothing) if any member is gone or the pool is full."""
         if not self._position:
             raise InvalidArgumentError("the batch is empty")
-        if not (self.manager.index.row_to_id[self.rows] == self.seq_ids).all():
+        if np.count_nonzero(self.manager.index.row_to_id.take(self.rows) != self.seq_ids):
             gone = [s for s in self.seq_ids.tolist() if s not in self.manager.index]
             raise SequenceNotFoundError(f"sequence {gone[0]} of the batch is not live (freed?)")
         return self.manager.append_rows(self.rows, 1)

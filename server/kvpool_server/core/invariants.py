@@ -32,8 +32,18 @@ def check_manager_invariants(manager: KVCacheManager) -> None:
     free_rows = tables.free_rows()
     if len(set(free_rows)) != len(free_rows) or set(free_rows) & set(rows.tolist()):
         raise InvariantViolationError("a row is free twice, or free and live")
-    if free_rows and ((tables.num_tokens[free_rows] != 0).any() or (tables.table[free_rows] != UNSET).any()):
-        raise InvariantViolationError("a free row still holds tokens or blocks")
+    if free_rows and (
+        (tables.num_tokens[free_rows] != 0).any()
+        or (tables.next_slot[free_rows] != 0).any()
+        or (tables.table[free_rows] != UNSET).any()
+    ):
+        raise InvariantViolationError("a free row still holds tokens, a next slot or blocks")
+    partial = lengths % bs != 0
+    rows_p, lengths_p = rows[partial], lengths[partial]
+    expected_next = tables.table[rows_p, lengths_p // bs].astype(np.int64) * bs + lengths_p % bs
+    if not np.array_equal(tables.next_slot[rows_p], expected_next):
+        bad = rows_p[tables.next_slot[rows_p] != expected_next][:8]
+        raise InvariantViolationError(f"next_slot disagrees with the block table at rows {bad.tolist()}")
     if len(free_rows) + rows.size != tables.num_rows:
         raise InvariantViolationError("a row is neither live nor free")
     width = np.arange(tables.max_blocks_per_seq)

@@ -11,7 +11,7 @@ from kvpool_server.core.append import plan_append_general, plan_append_one_each
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.invariants import check_manager_invariants, compute_stats
-from kvpool_server.core.seq_index import MAX_ROWS, SequenceIndex, check_caller_seq_id
+from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id
 from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, AppendPlan, PoolStats, TokenAddress
 
 
@@ -46,8 +46,6 @@ class KVCacheManager:
     ) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
-        if not 1 <= max_num_seqs <= MAX_ROWS:
-            raise InvalidArgumentError(f"max_num_seqs must be in [1, {MAX_ROWS}], got {max_num_seqs}")
         self.block_size: int = block_size
         # log2(block_size) when it is a power of two: shifts and masks instead of division.
         self.block_shift: int | None = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else None
@@ -55,14 +53,15 @@ class KVCacheManager:
         self.max_seq_len: int = max_seq_len if max_seq_len is not None else min(num_blocks * block_size, 1 << 15)
         if self.max_seq_len < 1:
             raise InvalidArgumentError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        self.index: SequenceIndex = SequenceIndex(max_num_seqs)  # checks max_num_seqs
         self.allocator: BlockAllocator = BlockAllocator(num_blocks)
-        self.tables: BlockTables = BlockTables(-(-self.max_seq_len // block_size), max_num_seqs)
-        self.index: SequenceIndex = SequenceIndex(self.tables.num_rows, max_num_seqs)
+        self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs)
         self.num_copies: int = 0
-        # Scratch for the duplicate-id check of a batch (stamp[row] = position in batch).
-        self._stamp: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._arange: np.ndarray = np.arange(0, dtype=np.int64)
-        self._block_offsets: np.ndarray = np.arange(block_size, dtype=np.int64)
+        # block_size as a 0-d int64 array: block ids (int32) times it give int64 slots without a cast.
+        self.block_size_array: np.ndarray = np.array(block_size, dtype=np.int64)
+        # Scratch for the duplicate-id check of a batch (stamp[row] = position in the batch), made once.
+        self._stamp: np.ndarray = np.zeros(self.index.row_to_id.size, dtype=np.int64)
+        self._arange: np.ndarray = np.arange(min(max_num_seqs, 1 << 16), dtype=np.int64)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -76,21 +75,10 @@ class KVCacheManager:
                 raise SequenceExistsError(f"sequence {seq_id} already exists")
             check_caller_seq_id(seq_id)
         row = self.tables.acquire_row()
-        self._sync_index_rows()
         if seq_id is None:
             seq_id = self.index.new_server_id(row)
         self.index.add(seq_id, row)
         return seq_id
-
-    def _acquire_rows(self, num: int) -> list[int]:
-        rows = self.tables.acquire_rows(num)
-        self._sync_index_rows()
-        return rows
-
-    def _sync_index_rows(self) -> None:
-        """Grow the index's row_to_id when the block tables have grown."""
-        if self.tables.num_rows > self.index.row_to_id.size:
-            self.index.resize(self.tables.num_rows)
 
     def fork(self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = ()) -> list[int]:
         """Make children that share every block of the parent (ref counts go up, nothing is copied)."""
@@ -110,7 +98,7 @@ class KVCacheManager:
             num_children = len(child_seq_ids)
         elif num_children < 1:
             raise InvalidArgumentError(f"num_children must be >= 1, got {num_children}")
-        rows = self._acquire_rows(num_children)
+        rows = self.tables.acquire_rows(num_children)
         if not child_seq_ids:
             child_seq_ids = [self.index.new_server_id(row) for row in rows]
         num_tokens = int(self.tables.num_tokens[parent_row])
@@ -118,6 +106,7 @@ class KVCacheManager:
         blocks = self.tables.table[parent_row, :num_blocks]
         self.tables.table[rows, :num_blocks] = blocks
         self.tables.num_tokens[rows] = num_tokens
+        self.tables.next_slot[rows] = self.tables.next_slot[parent_row]
         self.allocator.incref(blocks, num_children)  # a sequence never holds a block twice
         for seq_id, row in zip(child_seq_ids, rows):
             self.index.add(seq_id, row)
@@ -133,10 +122,11 @@ class KVCacheManager:
         if not ids:
             raise InvalidArgumentError("free needs at least one seq_id")
         rows = [self.index.row(seq_id) for seq_id in ids]
-        if len(set(rows)) != len(rows):
+        if len(rows) > 1 and len(set(rows)) != len(rows):
             raise InvalidArgumentError("free names a sequence twice")
-        held = [tables.table[row, : -(-int(tables.num_tokens[row]) // bs)] for row in rows]
-        num_freed = self.allocator.decref(np.concatenate(held))
+        table, num_tokens = tables.table, tables.num_tokens
+        held = [table[row, : -(-num_tokens.item(row) // bs)] for row in rows]
+        num_freed = self.allocator.decref(held[0] if len(held) == 1 else np.concatenate(held))
         for seq_id, row in zip(ids, rows):
             tables.release_row(row)
             self.index.remove(seq_id)
@@ -147,7 +137,7 @@ class KVCacheManager:
         """Append tokens to one sequence (the per-sequence path)."""
         row = self.index.row(seq_id)
         tables, allocator, bs = self.tables, self.allocator, self.block_size
-        length = int(tables.num_tokens[row])
+        length = tables.num_tokens.item(row)
         block_index, offset = divmod(length, bs)
         if offset and allocator.num_shared_blocks and allocator.ref_count[tables.table[row, block_index]] > 1:
             return self.append_rows(np.array([row]), num_tokens)  # copy-on-write first
@@ -159,11 +149,13 @@ class KVCacheManager:
             block_id = allocator.allocate_one()
             tables.table[row, block_index] = block_id
             new_blocks = np.array([block_id], dtype=np.int32)
+            slot = block_id * bs
         else:
-            block_id = int(tables.table[row, block_index])
+            slot = tables.next_slot.item(row)
             new_blocks = EMPTY_BLOCKS
         tables.num_tokens[row] = length + 1
-        return AppendPlan(np.array([block_id * bs + offset], dtype=np.int64), new_blocks, NO_COPIES)
+        tables.next_slot[row] = slot + 1
+        return AppendPlan(np.array([slot], dtype=np.int64), new_blocks, NO_COPIES)
 
     def _append_unshared(self, seq_id: int, row: int, length: int, num_tokens: int) -> AppendPlan:
         """Many tokens to one sequence whose last block is its own (no copy-on-write), e.g. a prefill."""
@@ -174,21 +166,19 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"append would grow sequence {seq_id} to {new_length} tokens, over max_seq_len={self.max_seq_len}"
             )
-        bs = self.block_size
+        tables, bs = self.tables, self.block_size
         old_num_blocks, new_num_blocks = -(-length // bs), -(-new_length // bs)
         new_blocks = self.allocator.allocate(new_num_blocks - old_num_blocks)  # raises before any change
-        table_row = self.tables.table[row]
+        table_row = tables.table[row]
         table_row[old_num_blocks:new_num_blocks] = new_blocks
-        self.tables.num_tokens[row] = new_length
-        if length == 0:  # a prefill: the slots are the new blocks' slots, in order
-            slots = (new_blocks.astype(np.int64)[:, None] * bs + self._block_offsets).ravel()
-            return AppendPlan(slots[:num_tokens], new_blocks, NO_COPIES)
-        # Slots of every position in the blocks touched, then the slice that is new.
+        tables.num_tokens[row] = new_length
+        # Slot of position p: (block of p) * bs + p % bs, through the tables' per-position lookups.
         first_block = length // bs
-        touched = table_row[first_block:new_num_blocks].astype(np.int64) * bs
-        slots = (touched[:, None] + self._block_offsets).ravel()
-        start = length - first_block * bs
-        return AppendPlan(slots[start : start + num_tokens], new_blocks, NO_COPIES)
+        touched = table_row[first_block:new_num_blocks] * self.block_size_array
+        index = tables.block_index[length:new_length]
+        slots = touched.take(index - first_block if first_block else index) + tables.offset[length:new_length]
+        tables.next_slot[row] = slots.item(-1) + 1
+        return AppendPlan(slots, new_blocks, NO_COPIES)
 
     def append_batch(self, seq_ids: Sequence[int] | np.ndarray, num_tokens: int | Sequence[int] = 1) -> AppendPlan:
         """Append ``num_tokens`` (one count for all, or one per sequence) to many sequences, atomically.
@@ -223,13 +213,11 @@ class KVCacheManager:
         return plan
 
     def _check_distinct(self, rows: np.ndarray) -> None:
-        if self._stamp.size < self.tables.num_rows:
-            self._stamp = np.zeros(self.tables.num_rows, dtype=np.int64)
         if self._arange.size < rows.size:
             self._arange = np.arange(max(rows.size, 2 * self._arange.size), dtype=np.int64)
         order = self._arange[: rows.size]
-        self._stamp[rows] = order
-        if not np.array_equal(self._stamp[rows], order):
+        self._stamp.put(rows, order)
+        if np.count_nonzero(self._stamp.take(rows) != order):
             raise InvalidArgumentError("the batch names a sequence twice")
 
     # ---------------------------------------------------------------- lookups

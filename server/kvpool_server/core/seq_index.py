@@ -9,7 +9,7 @@ from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationEr
 # Ids are uint64; 0 is never an id (it is protobuf's "unset"). A server-assigned id is
 #   serial << row_bits | row      (serial: a counter that only goes up; row_bits = bits of max_num_seqs - 1)
 # so the row of a server id is read off its low bits, without a search, and ids stay short on the wire.
-MAX_ROWS = 1 << 24
+MAX_ROWS = 1 << 20
 # 2**64 - 1 is reserved too: it is what a -1 becomes when a client's sign bug sends it as a uint64.
 MAX_SEQ_ID = 2**64 - 2
 
@@ -30,20 +30,24 @@ class SequenceIndex:
     """Maps each live seq_id to its row: one id at a time (a dict), or a whole batch with a few NumPy operations.
 
     A server-assigned id carries its row in its low ``row_bits`` bits and a never-repeating serial above them, so
-    a batch of server ids resolves as ``rows = ids & mask`` checked against ``row_to_id[rows] == ids`` -- no Python
-    loop and no search. Any id that fails that check (a caller-chosen one, say) goes through the dict. Because the
-    serial only goes up, an id the server gave out is never given out again, a stale id never matches a reused
-    row, and an id a caller holds is skipped.
+    a batch of server ids resolves as ``rows = ids & mask`` checked by ``row_to_id[rows] == ids`` -- no Python
+    loop, no search and no bounds check (``row_to_id`` has an entry for every value of the low bits). Any id that
+    fails that check (a caller-chosen one, say) goes through the dict. Because the serial only goes up, an id the
+    server gave out is never given out again, a stale id never matches a reused row, and an id a caller holds is
+    skipped.
 
-    Invariants: ``_row_of`` and ``row_to_id`` hold the same (seq_id, row) pairs (``row_to_id`` is 0 on rows that
-    hold no sequence).
+    Invariants: ``_row_of`` and the live entries of ``row_to_id`` hold the same (seq_id, row) pairs; every other
+    entry ``r`` holds ``r ^ 1``, a value whose low bits name another row, so that no id (0 and 2**64 - 1
+    included) can match a row that holds no sequence.
     """
 
-    def __init__(self, num_rows: int, max_rows: int) -> None:
+    def __init__(self, max_rows: int) -> None:
+        if not 1 <= max_rows <= MAX_ROWS:
+            raise InvalidArgumentError(f"max_num_seqs must be in [1, {MAX_ROWS}], got {max_rows}")
         self.row_bits: int = max(1, (max_rows - 1).bit_length())
         self._row_mask: np.uint64 = np.uint64((1 << self.row_bits) - 1)
         self._row_of: dict[int, int] = {}
-        self.row_to_id: np.ndarray = np.zeros(num_rows, dtype=np.uint64)
+        self.row_to_id: np.ndarray = np.arange(1 << self.row_bits, dtype=np.uint64) ^ np.uint64(1)
         self._next_serial: int = 1
 
     def __len__(self) -> int:
@@ -58,11 +62,6 @@ class SequenceIndex:
     def live_rows(self) -> np.ndarray:
         return np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
 
-    def resize(self, num_rows: int) -> None:
-        grown = np.zeros(num_rows, dtype=np.uint64)
-        grown[: self.row_to_id.size] = self.row_to_id
-        self.row_to_id = grown
-
     def row(self, seq_id: int) -> int:
         row = self._row_of.get(seq_id)
         if row is None:
@@ -71,12 +70,9 @@ class SequenceIndex:
 
     def rows(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of a uint64 array of ids; raises SequenceNotFoundError naming the first id that is not live."""
-        rows = (seq_ids & self._row_mask).astype(np.intp)
-        row_to_id = self.row_to_id
-        # A free row holds 0, which is never an id: so 0 must not match one (seq_ids.all()).
-        if rows.max() < row_to_id.size and (row_to_id[rows] == seq_ids).all() and seq_ids.all():
+        rows = (seq_ids & self._row_mask).view(np.intp)
+        if not np.count_nonzero(self.row_to_id.take(rows) != seq_ids):
             return rows  # the common case: every id is a live server id
-        rows = rows.copy()
         for i, seq_id in enumerate(seq_ids.tolist()):
             row = self._row_of.get(seq_id)
             if row is None:
@@ -97,11 +93,12 @@ class SequenceIndex:
 
     def remove(self, seq_id: int) -> int:
         row = self._row_of.pop(seq_id)
-        self.row_to_id[row] = 0
+        self.row_to_id[row] = row ^ 1
         return row
 
     def check_invariants(self) -> None:
-        live = np.flatnonzero(self.row_to_id)
-        pairs = {int(self.row_to_id[row]): int(row) for row in live}
-        if pairs != self._row_of:
+        expected = np.arange(self.row_to_id.size, dtype=np.uint64) ^ np.uint64(1)
+        for seq_id, row in self._row_of.items():
+            expected[row] = seq_id
+        if not np.array_equal(expected, self.row_to_id):
             raise InvariantViolationError("the id dict and row_to_id disagree")
