@@ -10,7 +10,10 @@ def snapshot(manager: KVCacheManager) -> tuple:
     return (
         manager.allocator.ref_count.tobytes(),
         manager.allocator.free_block_ids().tobytes(),
-        tuple((s, manager.num_tokens(s), manager.block_table(s).tobytes()) for s in seqs),
+        tuple(
+            (s, manager.num_tokens(s), manager.block_table(s).tobytes(), int(manager.tables.next_slot[manager.index.row(s)]))
+            for s in seqs
+        ),
         manager.stats(),
         manager.num_copies,
     )

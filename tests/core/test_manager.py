@@ -4,6 +4,7 @@ import pytest
 from kvpool_server.core import (
     FailedPreconditionError,
     InvalidArgumentError,
+    InvariantViolationError,
     KVCacheManager,
     OutOfBlocksError,
     SequenceExistsError,
@@ -269,3 +270,32 @@ def test_too_many_sequences_is_resource_exhausted(assert_unchanged):
     manager.register()
     with assert_unchanged(manager), pytest.raises(OutOfBlocksError):
         manager.register()
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+def test_decode_steps_write_the_slots_the_tables_name(block_size):
+    """The decode planner reads cached next slots; every slot must still be block * block_size + offset."""
+    manager = KVCacheManager(num_blocks=200, block_size=block_size, max_seq_len=64)
+    seqs = [manager.register() for _ in range(5)]
+    for i, seq in enumerate(seqs):
+        if i:  # one sequence starts empty, the others at different offsets
+            manager.append(seq, i * 2 + 1)
+    child = manager.fork(seqs[2], 1)[0]  # shared blocks send a step through copy-on-write first
+    seqs.append(child)
+    for _ in range(3 * block_size + 2):
+        before = {seq: manager.num_tokens(seq) for seq in seqs}
+        plan = manager.append_batch(seqs)
+        for seq, slot in zip(seqs, plan.slot_mapping.tolist()):
+            position = before[seq]
+            table = manager.block_table(seq)
+            assert slot == table[position // block_size] * block_size + position % block_size
+        manager.check_invariants()
+
+
+def test_check_invariants_catches_a_stale_next_slot(manager):
+    seq = manager.register()
+    manager.append(seq, 5)
+    manager.check_invariants()
+    manager.tables.next_slot[manager.index.row(seq)] += 1
+    with pytest.raises(InvariantViolationError, match="next_slot"):
+        manager.check_invariants()

@@ -6,6 +6,9 @@ import numpy as np
 
 from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError, OutOfBlocksError
 
+# 0-d arrays of the ref counts' dtype: ``put`` of one of these costs less than of a Python int.
+_ONE, _ZERO = np.array(1, dtype=np.int32), np.array(0, dtype=np.int32)
+
 
 class BlockAllocator:
     """Hands out physical block ids from a free list and counts who references each block.
@@ -55,7 +58,7 @@ class BlockAllocator:
         top = self.num_free_blocks
         block_ids = self._free_stack[top - num : top][::-1].copy()
         self.num_free_blocks = top - num
-        self.ref_count.put(block_ids, 1)
+        self.ref_count.put(block_ids, _ONE)
         return block_ids
 
     def allocate_one(self) -> int:
@@ -79,7 +82,7 @@ class BlockAllocator:
         if block_ids.size == 0:
             return 0
         if self.num_shared_blocks == 0:  # every block in use has exactly one reference: ids are distinct
-            self.ref_count.put(block_ids, 0)
+            self.ref_count.put(block_ids, _ZERO)
             self._push(block_ids)
             return int(block_ids.size)
         touched = np.unique(block_ids)

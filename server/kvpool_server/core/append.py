@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 def plan_append_one_each(manager: KVCacheManager, rows: np.ndarray) -> AppendPlan | None:
     """One token for each row: the decode step. Returns None when a row needs copy-on-write (the general path).
 
-    Written for NumPy's per-call cost, which is most of a step's cost at these sizes: gathers (``take``) and
-    scatters (``put``) through the tables' lookups instead of arithmetic on the whole batch, and a reduction only
-    where one is unavoidable (``count_nonzero``, the cheapest).
+    Written for NumPy's per-call cost, which is most of a step's cost at these sizes: gathers (``take``) through
+    the tables' per-length lookups instead of arithmetic on the whole batch, and a reduction only where one is
+    unavoidable (``count_nonzero``, the cheapest).
     """
     tables, allocator = manager.tables, manager.allocator
     lengths = tables.num_tokens.take(rows)
@@ -42,11 +42,11 @@ def plan_append_one_each(manager: KVCacheManager, rows: np.ndarray) -> AppendPla
     if opening.size:
         new_blocks = allocator.allocate(opening.size)  # raises OutOfBlocksError before any change
         tables.table[rows.take(opening), tables.block_index.take(lengths.take(opening))] = new_blocks
-        slots.put(opening, new_blocks * manager.block_size_array)
+        slots[opening] = new_blocks * manager.block_size_array
     else:
         new_blocks = EMPTY_BLOCKS
-    tables.next_slot.put(rows, slots + ONE)
-    tables.num_tokens.put(rows, lengths + ONE)
+    tables.next_slot[rows] = slots + ONE
+    tables.num_tokens[rows] = lengths + ONE
     return AppendPlan(slots, new_blocks, NO_COPIES)
 
 

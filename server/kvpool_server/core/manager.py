@@ -216,7 +216,7 @@ class KVCacheManager:
         if self._arange.size < rows.size:
             self._arange = np.arange(max(rows.size, 2 * self._arange.size), dtype=np.int64)
         order = self._arange[: rows.size]
-        self._stamp.put(rows, order)
+        self._stamp[rows] = order
         if np.count_nonzero(self._stamp.take(rows) != order):
             raise InvalidArgumentError("the batch names a sequence twice")
 
