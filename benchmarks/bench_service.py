@@ -41,6 +41,10 @@ NUM_SEQS = 256
 # A decode step's cost does not depend on the KV size, so the pool has tiny tokens (head_dim 1: 8 bytes) and room
 # for 8192 steps of 1024 sequences: no client has to free and re-register (256 extra calls) during a measurement.
 RESET_EVERY = 8000  # steps; then every sequence is freed and re-registered (untimed)
+# The echo carries the ids a fresh kvpool-server gives its first 256 sequences (serial << 12 | row, the default
+# max_num_seqs of 4096 giving 12 row bits): the same varint widths as kvpool's own requests, so that both servers
+# move the same bytes. (Ids 1..256 would be 1-2-byte varints, lighter than any real decode step.)
+ECHO_IDS = [(serial << 12) | row for row, serial in zip(range(NUM_SEQS), range(1, NUM_SEQS + 1))]
 
 
 # ------------------------------------------------------------------------------------------------ clients
@@ -73,14 +77,14 @@ def run_client(kind: str, address: str, mode: str, duration_s: float, start_at: 
                 request_serializer=pb.AppendTokenStreamRequest.SerializeToString,
                 response_deserializer=pb.AppendTokenStreamResponse.FromString,
             ))
-            request = pb.AppendTokenStreamRequest(seq_ids=range(1, NUM_SEQS + 1))
+            request = pb.AppendTokenStreamRequest(seq_ids=ECHO_IDS)
         else:
             exchange = channel.unary_unary(
                 ECHO_METHOD,
                 request_serializer=pb.AppendTokenRequest.SerializeToString,
                 response_deserializer=pb.AppendTokenResponse.FromString,
             )
-            request = pb.AppendTokenRequest(seq_ids=range(1, NUM_SEQS + 1))
+            request = pb.AppendTokenRequest(seq_ids=ECHO_IDS)
 
         def step() -> None:
             assert len(exchange(request).slot_mapping) == NUM_SEQS
