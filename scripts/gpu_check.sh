@@ -12,19 +12,29 @@ OUT=${OUT:-/tmp/kvpool-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/server:$PWD/client PYTHONUNBUFFERED=1
 status=0
-only=${1:-all}  # "device": only the first step (copy kernel); "bench": only the benchmarks; "client": demo, beam, attach
+only=${1:-all}  # "device": only the first step (copy kernel); "validate": everything but the benchmarks;
+                # "bench": only the benchmarks; "client": demo, beam, attach
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import sys, grpc, google.protobuf as p, cupy, numpy; print(sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', p.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
 
-if [ "$only" = bench ]; then
-    for transport in ${TRANSPORTS:-unix tcp}; do
-        step "service benchmark over $transport, server on the GPU backend" \
-            bash -c "set -o pipefail; python3 benchmarks/bench_service.py --no-aio --rounds 2 --duration 3 --transport $transport -- --backend gpu 2>&1 | tee $OUT/bench_service_gpu_$transport.log"
+service_benches() {  # BENCH_SPECS: transport[:pin] ..., e.g. "unix tcp unix:pin"
+    for spec in ${BENCH_SPECS:-unix tcp unix:pin}; do
+        transport=${spec%%:*}; pin=""; [ "$spec" != "$transport" ] && pin="--pin"
+        step "service benchmark over $transport $pin, server on the GPU backend" \
+            bash -c "set -o pipefail; timeout 240 python3 benchmarks/bench_service.py --no-aio --no-naive --rounds 2 --duration 3 \
+                --kinds echo,kvpool,echo-stream,kvpool-stream --transport $transport $pin -- --backend gpu 2>&1 \
+                | tee $OUT/bench_service_gpu_${transport}${pin:+_pin}.log"
     done
-    [ -n "$SKIP_CORE" ] || step "core benchmark (in-process, one core of the H200 host)" \
-        bash -c "set -o pipefail; python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
+}
+core_bench() {
+    step "core benchmark (in-process, one core of the H200 host)" \
+        bash -c "set -o pipefail; taskset -c 2 python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
+}
+if [ "$only" = bench ]; then
+    [ -n "$SKIP_CORE" ] || core_bench
+    service_benches
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = client ]; then
@@ -47,10 +57,9 @@ step "beam search width 4, ShareGPT-like lengths, 2 client processes: copy-on-wr
     bash -c "set -o pipefail; python3 scripts/run_demo.py --no-progress --mode beam --beam-width 4 --lengths sharegpt --completions 40 2>&1 | tee $OUT/beam_gpu.log"
 step "client attach tests (GPU case included)" \
     bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider tests/client/test_attach.py 2>&1 | tee $OUT/attach_gpu.log"
-# Benchmarks on the H200 host.
-step "service benchmark (256-sequence AppendToken step vs echo), server on the GPU backend" \
-    bash -c "set -o pipefail; python3 benchmarks/bench_service.py --rounds 1 -- --backend gpu 2>&1 | tee $OUT/bench_service_gpu.log"
-step "core benchmark (in-process, one core of the H200 host)" \
-    bash -c "set -o pipefail; python3 benchmarks/bench_core.py --seconds 2 2>&1 | tee $OUT/bench_core_h200.log"
+# Benchmarks on the H200 host ("validate" stops before them).
+[ "$only" = validate ] && { echo "=== gpu_check status $status"; exit $status; }
+core_bench
+service_benches
 echo; echo "=== gpu_check status $status"
 exit $status

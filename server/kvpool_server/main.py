@@ -7,6 +7,7 @@ the pool is closed (shared memory unlinked / GPU memory freed) and the process e
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -139,9 +140,20 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive after start-up (modules, generated protobuf code, the pool, the
+    manager's arrays) into the garbage collector's permanent generation, so that collections while serving scan
+    only what calls allocate: shorter GC pauses in the latency tail. vLLM does the same after start-up. Returns the
+    number of objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT, then shut down gracefully. Returns the exit code."""
     handle = create_server(config)
+    num_frozen = freeze_startup_heap()
     stop = threading.Event()
     received: list[int] = []
 
@@ -157,9 +169,10 @@ def serve(config: ServerConfig) -> int:
     if config.unix_socket:
         where.append(f"unix:{config.unix_socket}")
     logger.info(
-        "kvpool-server %d listening on %s: %s pool, %d blocks of %d tokens (%d bytes each)",
+        "kvpool-server %d listening on %s: %s pool, %d blocks of %d tokens (%d bytes each); %d start-up objects "
+        "frozen out of garbage collection",
         os.getpid(), ", ".join(where), handle.pool.backend, handle.pool.num_blocks, config.block_size,
-        config.layout.block_bytes,
+        config.layout.block_bytes, num_frozen,
     )
     while not stop.wait(3600):
         pass

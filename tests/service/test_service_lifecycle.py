@@ -3,7 +3,9 @@ a second server on a taken address failing loudly, ``python -m kvpool_server``, 
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
-from kvpool_server.main import create_server, shutdown
+from kvpool_server.main import create_server, freeze_startup_heap, shutdown
 from tests.conftest import server_command, wait_serving
 from tests.service.service_helpers import connect
 
@@ -185,3 +187,21 @@ def test_environment_configures_and_flags_override(server_factory) -> None:
         layout = stub.DescribePool(pb.DescribePoolRequest()).layout
     assert (layout.num_blocks, layout.block_size, layout.num_layers, layout.dtype) == (48, 8, 2, pb.DTYPE_FLOAT16)
     assert layout.token_bytes == 2 * 2 * 1 * 64 * 2
+
+
+def test_freeze_startup_heap_moves_live_objects_out_of_collection() -> None:
+    try:
+        num_frozen = freeze_startup_heap()
+        assert num_frozen == gc.get_freeze_count() > 1000  # at least the modules' objects
+        assert gc.get_count()[0] < 50  # a collection just ran
+    finally:
+        gc.unfreeze()
+
+
+def test_server_freezes_its_startup_heap(server) -> None:
+    deadline = time.monotonic() + 10
+    match = None
+    while match is None and time.monotonic() < deadline:
+        match = re.search(r"(\d+) start-up objects frozen out of garbage collection", server.log_path.read_text())
+        time.sleep(0.05)
+    assert match is not None and int(match.group(1)) > 1000
