@@ -191,9 +191,10 @@ def test_environment_configures_and_flags_override(server_factory) -> None:
 
 def test_freeze_startup_heap_moves_live_objects_out_of_collection() -> None:
     try:
+        assert gc.get_freeze_count() == 0
         num_frozen = freeze_startup_heap()
-        assert num_frozen == gc.get_freeze_count() > 1000  # at least the modules' objects
-        assert gc.get_count()[0] < 50  # a collection just ran
+        # At least the modules' objects; other threads of the test process may free some frozen ones meanwhile.
+        assert num_frozen > 1000 and gc.get_freeze_count() > 1000
     finally:
         gc.unfreeze()
 
