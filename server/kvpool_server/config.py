@@ -65,6 +65,26 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     shutdown_drain_s: float = 2.0
     log_level: str = "INFO"
+    # CPUs every server thread runs on, e.g. "0" or "0-3,8"; "" leaves the scheduler free. See cpu_set().
+    cpu_affinity: str = ""
+
+    def cpu_set(self) -> frozenset[int] | None:
+        """``cpu_affinity`` as a set of CPU numbers (None: no pinning); each must be one this process may use."""
+        if not self.cpu_affinity.strip():
+            return None
+        cpus: set[int] = set()
+        for part in self.cpu_affinity.split(","):
+            first, dash, last = part.strip().partition("-")
+            if not first.isdigit() or (dash and not (last.isdigit() and int(last) >= int(first))):
+                raise ConfigError(f"--cpu-affinity must be a CPU list such as 0 or 0-3,8, got {self.cpu_affinity!r}")
+            cpus.update(range(int(first), int(last if dash else first) + 1))
+        allowed = os.sched_getaffinity(0)
+        if not cpus <= allowed:
+            raise ConfigError(
+                f"--cpu-affinity names CPUs {sorted(cpus - allowed)} this process may not use "
+                f"(allowed: {sorted(allowed)})"
+            )
+        return frozenset(cpus)
 
     @property
     def layout(self) -> KVLayout:
@@ -116,6 +136,7 @@ class ServerConfig:
         for name in ("shutdown_grace_s", "shutdown_drain_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        self.cpu_set()  # raises ConfigError on a bad list
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.log_level = self.log_level.upper()
@@ -143,6 +164,8 @@ _HELP = {
     "max_batch": "most sequences in one AppendToken / Free (more: INVALID_ARGUMENT)",
     "max_message_bytes": "largest gRPC message received or sent",
     "max_workers": "gRPC server threads",
+    "cpu_affinity": "pin every server thread to these CPUs, e.g. 0 or 0-3,8 (empty: no pinning). The server runs "
+    "Python under one GIL, so one core is all it uses; pinning it keeps its threads' caches warm (docs/api.md)",
     "shutdown_grace_s": "seconds in-flight calls get to finish after SIGTERM/SIGINT",
     "shutdown_drain_s": "at shutdown, at most this many seconds of refusing new calls (UNAVAILABLE) before the "
     "listener closes; ends early once clients have gone quiet",

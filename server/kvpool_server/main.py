@@ -140,6 +140,21 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def pin_threads(cpus: frozenset[int]) -> None:
+    """Restrict every thread of this process (those grpc started at import included) to ``cpus``; threads started
+    later inherit the mask from the thread that starts them."""
+    os.sched_setaffinity(0, cpus)
+    try:
+        thread_ids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in thread_ids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread has ended
+            pass
+
+
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive after start-up (modules, generated protobuf code, the pool, the
     manager's arrays) into the garbage collector's permanent generation, so that collections while serving scan
@@ -152,6 +167,9 @@ def freeze_startup_heap() -> int:
 
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT, then shut down gracefully. Returns the exit code."""
+    cpus = config.cpu_set()
+    if cpus is not None:
+        pin_threads(cpus)  # before create_server: the threads it starts inherit the mask
     handle = create_server(config)
     num_frozen = freeze_startup_heap()
     stop = threading.Event()
@@ -170,9 +188,9 @@ def serve(config: ServerConfig) -> int:
         where.append(f"unix:{config.unix_socket}")
     logger.info(
         "kvpool-server %d listening on %s: %s pool, %d blocks of %d tokens (%d bytes each); %d start-up objects "
-        "frozen out of garbage collection",
+        "frozen out of garbage collection; CPUs %s",
         os.getpid(), ", ".join(where), handle.pool.backend, handle.pool.num_blocks, config.block_size,
-        config.layout.block_bytes, num_frozen,
+        config.layout.block_bytes, num_frozen, ",".join(map(str, sorted(cpus))) if cpus else "any",
     )
     while not stop.wait(3600):
         pass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvpool_client.layout import KVLayout
@@ -59,6 +61,10 @@ def test_sizing_choices() -> None:
         ({"head_dim": 1 << 23}, "does not fit --max-message-bytes"),
         ({"shutdown_grace_s": -1}, "--shutdown-grace-s"),
         ({"log_level": "LOUD"}, "--log-level"),
+        ({"cpu_affinity": "0-"}, "--cpu-affinity must be a CPU list"),
+        ({"cpu_affinity": "3-1"}, "--cpu-affinity must be a CPU list"),
+        ({"cpu_affinity": "x"}, "--cpu-affinity must be a CPU list"),
+        ({"cpu_affinity": "100000"}, "may not use"),
     ],
 )
 def test_validation_names_the_setting(changes: dict, message: str) -> None:
@@ -69,3 +75,14 @@ def test_validation_names_the_setting(changes: dict, message: str) -> None:
 def test_bad_environment_value_names_the_variable() -> None:
     with pytest.raises(ConfigError, match="KVPOOL_NUM_LAYERS"):
         load_config([], environ={"KVPOOL_NUM_LAYERS": "two"})
+
+
+def test_cpu_affinity_lists() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    assert ServerConfig().cpu_set() is None
+    assert ServerConfig(cpu_affinity=str(allowed[0])).cpu_set() == {allowed[0]}
+    if allowed[:2] == [0, 1]:
+        assert ServerConfig(cpu_affinity="0-1").cpu_set() == {0, 1}
+        assert ServerConfig(cpu_affinity=" 1, 0 ").cpu_set() == {0, 1}
+    assert load_config(["--cpu-affinity", str(allowed[-1])], environ={}).cpu_affinity == str(allowed[-1])
+    assert load_config([], environ={"KVPOOL_CPU_AFFINITY": str(allowed[0])}).cpu_set() == {allowed[0]}

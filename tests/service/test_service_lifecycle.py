@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
 from kvpool_server.main import create_server, freeze_startup_heap, shutdown
-from tests.conftest import server_command, wait_serving
+from tests.conftest import server_command, start_server, wait_serving
 from tests.service.service_helpers import connect
 
 
@@ -206,3 +206,16 @@ def test_server_freezes_its_startup_heap(server) -> None:
         match = re.search(r"(\d+) start-up objects frozen out of garbage collection", server.log_path.read_text())
         time.sleep(0.05)
     assert match is not None and int(match.group(1)) > 1000
+
+
+def test_cpu_affinity_pins_every_server_thread(tmp_path: Path) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    server = start_server(tmp_path, "--cpu-affinity", str(cpu))
+    try:
+        with connect(server.address) as stub:  # a call, so that the worker threads exist
+            stub.Stats(pb.StatsRequest())
+        tasks = os.listdir(f"/proc/{server.pid}/task")
+        assert len(tasks) > 2
+        assert all(os.sched_getaffinity(int(tid)) == {cpu} for tid in tasks)
+    finally:
+        assert server.stop() == 0
