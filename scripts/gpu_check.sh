@@ -23,7 +23,7 @@ service_benches() {  # BENCH_SPECS: transport[:pin] ..., e.g. "unix tcp unix:pin
     for spec in ${BENCH_SPECS:-unix tcp unix:pin}; do
         transport=${spec%%:*}; pin=""; [ "$spec" != "$transport" ] && pin="--pin"
         step "service benchmark over $transport $pin, server on the GPU backend" \
-            bash -c "set -o pipefail; timeout 240 python3 benchmarks/bench_service.py --no-aio --no-naive --rounds 2 --duration 3 \
+            bash -c "set -o pipefail; timeout 240 python3 benchmarks/bench_service.py --no-aio --no-naive --rounds ${BENCH_ROUNDS:-2} --duration 3 \
                 --kinds echo,kvpool,echo-stream,kvpool-stream --transport $transport $pin -- --backend gpu 2>&1 \
                 | tee $OUT/bench_service_gpu_${transport}${pin:+_pin}.log"
     done
