@@ -191,12 +191,14 @@ def main() -> None:
     parser.add_argument("--kinds", default="echo,kvpool,echo-stream,kvpool-stream,echo-aio,kvpool-aio",
                         help="servers to measure")
     parser.add_argument("server_args", nargs="*", help="after --: extra kvpool-server flags for every server")
-    parser.add_argument("--pin", action="store_true",
-                        help="pin servers to CPU 0 and this client to CPU 1 (steadier figures on a small machine)")
+    parser.add_argument("--pin", nargs="?", const="0,1", default=None, metavar="SERVER_CPU,CLIENT_CPU",
+                        help="pin every server to one CPU and the clients to another (default 0,1): steadier "
+                        "figures, and how a latency-sensitive server is deployed (kvpool-server --cpu-affinity)")
     args = parser.parse_args()
     if args.pin:
-        os.environ["KVPOOL_BENCH_SERVER_CPUS"] = "0"
-        os.sched_setaffinity(0, {1})
+        server_cpu, client_cpu = (int(c) for c in args.pin.split(","))
+        os.environ["KVPOOL_BENCH_SERVER_CPUS"] = str(server_cpu)
+        os.sched_setaffinity(0, {client_cpu})
     if args.quick:
         args.duration, args.rounds = 1.0, 1
     kinds = [k for k in args.kinds.split(",") if not (args.no_aio and k.endswith("-aio"))]

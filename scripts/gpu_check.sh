@@ -19,9 +19,9 @@ step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import sys, grpc, google.protobuf as p, cupy, numpy; print(sys.version.split()[0], 'grpcio', grpc.__version__, 'protobuf', p.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
 
-service_benches() {  # BENCH_SPECS: transport[:pin] ..., e.g. "unix tcp unix:pin"
-    for spec in ${BENCH_SPECS:-unix tcp unix:pin}; do
-        transport=${spec%%:*}; pin=""; [ "$spec" != "$transport" ] && pin="--pin"
+service_benches() {  # BENCH_SPECS: transport[:pin[=SERVER_CPU,CLIENT_CPU]] ..., e.g. "unix tcp unix:pin=6,7"
+    for spec in ${BENCH_SPECS:-unix tcp unix:pin=6,7}; do
+        transport=${spec%%:*}; pin=""; [ "$spec" != "$transport" ] && pin="--${spec#*:}"
         step "service benchmark over $transport $pin, server on the GPU backend" \
             bash -c "set -o pipefail; timeout 240 python3 benchmarks/bench_service.py --no-aio --no-naive --rounds ${BENCH_ROUNDS:-2} --duration 3 \
                 --kinds echo,kvpool,echo-stream,kvpool-stream --transport $transport $pin -- --backend gpu 2>&1 \
