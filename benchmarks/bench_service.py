@@ -214,12 +214,16 @@ def main() -> None:
                 rounds.setdefault((kind, label), []).append(figures)
     best = {key: max(runs, key=lambda f: f["steps_per_s"]) for key, runs in rounds.items()}
     median = {key: statistics.median(f["steps_per_s"] for f in runs) for key, runs in rounds.items()}
-    print(f"{'server':<14} {'clients':<16} {'steps/s':>9} {'median':>9} {'entries/s':>11} {'p50 us':>8} {'p99 us':>8}")
+    # p50 and p99 of the best round, and the worst p99 of any round (the figure a latency goal must meet).
+    print(f"{'server':<14} {'clients':<16} {'steps/s':>9} {'median':>9} {'entries/s':>11} {'p50 us':>8} {'p99 us':>8} "
+          f"{'worst p99':>10}")
     for (kind, label), f in best.items():
         p50 = f"{f['p50_us']:8.0f}" if "p50_us" in f else f"{'':8}"
         p99 = f"{f['p99_us']:8.0f}" if "p99_us" in f else f"{'':8}"
+        worst = max((r["p99_us"] for r in rounds[(kind, label)] if "p99_us" in r), default=None)
+        worst_p99 = f"{worst:10.0f}" if worst is not None else f"{'':10}"
         print(f"{kind:<14} {label:<16} {f['steps_per_s']:9.0f} {median[(kind, label)]:9.0f} "
-              f"{f['steps_per_s'] * NUM_SEQS:11.0f} {p50} {p99}")
+              f"{f['steps_per_s'] * NUM_SEQS:11.0f} {p50} {p99} {worst_p99}")
     print("ratios of best (median) steps/s:")
     for pair in (("kvpool", "echo"), ("kvpool-stream", "echo-stream"), ("kvpool-stream", "kvpool"),
                  ("echo-stream", "echo"), ("kvpool-aio", "echo-aio"), ("kvpool-aio", "kvpool"),
