@@ -30,8 +30,9 @@ run: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_core.py
 
+# Pinned (server on CPU 0, clients on CPU 1) where there are two CPUs: steadier figures (docs/service-bench.md).
 bench-service: $(STAMP)
-	$(PY) benchmarks/bench_service.py
+	$(PY) benchmarks/bench_service.py $(shell [ $$(nproc) -ge 2 ] && echo --pin)
 
 experiments: $(STAMP)
 	$(PY) benchmarks/experiments.py capacity --requests 2000 --pool-blocks 4096 --json out/exp/capacity.json

@@ -197,6 +197,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.pin:
         server_cpu, client_cpu = (int(c) for c in args.pin.split(","))
+        if not {server_cpu, client_cpu} <= os.sched_getaffinity(0):
+            parser.error(f"--pin={args.pin}: this process may only use CPUs {sorted(os.sched_getaffinity(0))}")
         os.environ["KVPOOL_BENCH_SERVER_CPUS"] = str(server_cpu)
         os.sched_setaffinity(0, {client_cpu})
     if args.quick:
