@@ -1,0 +1,36 @@
+"""The benchmark scripts still run and print their figures (tiny durations; nothing here is timed or compared)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_script(*args: str, timeout: float) -> str:
+    result = subprocess.run(
+        [sys.executable, *args], cwd=BENCHMARKS, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_bench_core_prints_every_mode_and_checks_invariants() -> None:
+    # bench_core calls manager.check_invariants() after each timed loop, so a broken plan fails this run.
+    out = run_script("bench_core.py", "--seconds", "0.05", "--concurrency", "32", timeout=120)
+    for mode in ("per-sequence", "batched", "persistent"):
+        assert len(re.findall(rf"{mode}:\s+[\d.]+ M token-appends/s", out)) == 2, out
+    assert re.search(r"best of 2: per-sequence [\d.]+ M/s, batched [\d.]+ M/s", out), out
+
+
+def test_bench_service_prints_a_table_and_ratios() -> None:
+    out = run_script(
+        "bench_service.py", "--duration", "0.3", "--rounds", "1", "--no-aio", "--no-naive", "--clients", "1",
+        "--kinds", "echo,kvpool,kvpool-stream", timeout=300,
+    )
+    for kind in ("echo", "kvpool", "kvpool-stream"):
+        assert re.search(rf"^{kind}\s+1 client\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+$", out, re.M), out
+    assert re.search(r"kvpool / echo \(1 client\): [\d.]+ \([\d.]+\)", out), out
