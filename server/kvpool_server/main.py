@@ -142,17 +142,23 @@ def _write_atomically(path: str, text: str) -> None:
 
 def pin_threads(cpus: frozenset[int]) -> None:
     """Restrict every thread of this process (those grpc started at import included) to ``cpus``; threads started
-    later inherit the mask from the thread that starts them."""
+    later inherit the mask from the thread that starts them. Repeats until a pass finds no thread it had not seen,
+    since a thread not yet pinned may start another one meanwhile."""
     os.sched_setaffinity(0, cpus)
-    try:
-        thread_ids = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        return
-    for tid in thread_ids:
+    pinned: set[int] = set()
+    for _ in range(10):
         try:
-            os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:  # the thread has ended
-            pass
+            thread_ids = {int(tid) for tid in os.listdir("/proc/self/task")}
+        except OSError:
+            return
+        if thread_ids <= pinned:
+            return
+        for tid in thread_ids - pinned:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:  # the thread has ended
+                pass
+        pinned |= thread_ids
 
 
 def freeze_startup_heap() -> int:
@@ -192,7 +198,9 @@ def serve(config: ServerConfig) -> int:
         os.getpid(), ", ".join(where), handle.pool.backend, handle.pool.num_blocks, config.block_size,
         config.layout.block_bytes, num_frozen, ",".join(map(str, sorted(cpus))) if cpus else "any",
     )
-    while not stop.wait(3600):
+    # Wake every second: a signal the kernel hands to another thread sets Python's flag but does not interrupt this
+    # wait, and the handler only runs once the main thread runs Python code again.
+    while not stop.wait(1.0):
         pass
     logger.info("signal %d: shutting down (grace %.1fs)", received[0], config.shutdown_grace_s)
     shutdown(handle, config.shutdown_grace_s, config.shutdown_drain_s)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class AppendPlan:
+class AppendPlan(NamedTuple):
     """What an append did, for the device layer to execute and the caller to write to.
+
+    A NamedTuple (immutable, like the frozen dataclasses below) because one is made per append, and a NamedTuple
+    costs half a frozen dataclass to build.
 
     slot_mapping:  int64 [num_new_tokens], the physical slot (block_id * block_size + offset) of every new token,
                    grouped by sequence in request order.
