@@ -47,8 +47,6 @@ class KVCacheManager:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
         self.block_size: int = block_size
-        # log2(block_size) when it is a power of two: shifts and masks instead of division.
-        self.block_shift: int | None = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else None
         self.num_blocks: int = num_blocks
         self.max_seq_len: int = max_seq_len if max_seq_len is not None else min(num_blocks * block_size, 1 << 15)
         if self.max_seq_len < 1:
