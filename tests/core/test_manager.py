@@ -299,3 +299,20 @@ def test_check_invariants_catches_a_stale_next_slot(manager):
     manager.tables.next_slot[manager.index.row(seq)] += 1
     with pytest.raises(InvariantViolationError, match="next_slot"):
         manager.check_invariants()
+
+
+@pytest.mark.parametrize("counts", [[4], [3], [1, 3], [2, 2], [1, 1, 2, 5], [7], [4, 4, 1], [2, 6, 1]])
+def test_multi_token_appends_to_one_sequence_match_the_table(counts):
+    """``append(seq, n)``: within one block (a range of slots, new block or not) and across blocks alike."""
+    manager = KVCacheManager(num_blocks=32, block_size=4, max_seq_len=40)
+    other = manager.register()
+    seq = manager.register()
+    for count in counts:
+        manager.append(other, 3)  # interleave, so that a sequence's blocks are not consecutive
+        before = manager.num_tokens(seq)
+        plan = manager.append(seq, count)
+        table = manager.block_table(seq)
+        expected = [table[p // 4] * 4 + p % 4 for p in range(before, before + count)]
+        assert plan.slot_mapping.tolist() == expected and plan.slot_mapping.dtype == np.int64
+        assert sorted(plan.new_block_ids.tolist()) == sorted(set(table.tolist()) - set(table[: -(-before // 4)].tolist()))
+        manager.check_invariants()

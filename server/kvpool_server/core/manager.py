@@ -165,13 +165,23 @@ class KVCacheManager:
                 f"append would grow sequence {seq_id} to {new_length} tokens, over max_seq_len={self.max_seq_len}"
             )
         tables, bs = self.tables, self.block_size
+        first_block = length // bs
+        if first_block == (new_length - 1) // bs:  # every new token lands in one block: the slots are a range
+            if length % bs == 0:
+                block_id = self.allocator.allocate_one()  # raises before any change
+                tables.table[row, first_block] = block_id
+                start, new_blocks = block_id * bs, np.array([block_id], dtype=np.int32)
+            else:
+                start, new_blocks = tables.next_slot.item(row), EMPTY_BLOCKS
+            tables.num_tokens[row] = new_length
+            tables.next_slot[row] = start + num_tokens
+            return AppendPlan(np.arange(start, start + num_tokens, dtype=np.int64), new_blocks, NO_COPIES)
         old_num_blocks, new_num_blocks = -(-length // bs), -(-new_length // bs)
         new_blocks = self.allocator.allocate(new_num_blocks - old_num_blocks)  # raises before any change
         table_row = tables.table[row]
         table_row[old_num_blocks:new_num_blocks] = new_blocks
         tables.num_tokens[row] = new_length
         # Slot of position p: (block of p) * bs + p % bs, through the tables' per-position lookups.
-        first_block = length // bs
         touched = table_row[first_block:new_num_blocks] * self.block_size_array
         index = tables.block_index[length:new_length]
         slots = touched.take(index - first_block if first_block else index) + tables.offset[length:new_length]
