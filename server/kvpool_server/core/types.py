@@ -1,4 +1,5 @@
-"""Results of the core: small frozen dataclasses and NumPy arrays, never protobuf messages."""
+"""Results of the core: small immutable records (a NamedTuple, frozen dataclasses) and NumPy arrays, never protobuf
+messages."""
 
 from __future__ import annotations
 
