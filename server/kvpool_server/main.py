@@ -198,8 +198,9 @@ def serve(config: ServerConfig) -> int:
         os.getpid(), ", ".join(where), handle.pool.backend, handle.pool.num_blocks, config.block_size,
         config.layout.block_bytes, num_frozen, ",".join(map(str, sorted(cpus))) if cpus else "any",
     )
-    # Wake every second: a signal the kernel hands to another thread sets Python's flag but does not interrupt this
-    # wait, and the handler only runs once the main thread runs Python code again.
+    # Wake every second: a signal delivered to another thread sets Python's flag but does not interrupt this wait,
+    # and the handler only runs once the main thread runs Python code again (a pinned server sometimes ignored
+    # SIGTERM while this waited an hour at a time).
     while not stop.wait(1.0):
         pass
     logger.info("signal %d: shutting down (grace %.1fs)", received[0], config.shutdown_grace_s)
