@@ -95,16 +95,14 @@ def plan_append_general(manager: KVCacheManager, rows: np.ndarray, counts: np.nd
     num_new_tokens = int(counts.sum())
     starts = np.cumsum(counts) - counts
     positions = np.repeat(lengths - starts, counts) + np.arange(num_new_tokens)
-    block_ids = table[np.repeat(rows, counts), positions // bs].astype(np.int64)
-    return AppendPlan(block_ids * bs + positions % bs, new_blocks, copies)
+    return AppendPlan(tables.slots(np.repeat(rows, counts), positions), new_blocks, copies)
 
 
 def _set_next_slots(manager: KVCacheManager, rows: np.ndarray, lengths: np.ndarray) -> None:
     """Recompute ``next_slot`` of rows that now hold ``lengths`` tokens (only partly filled last blocks need it)."""
-    bs, tables = manager.block_size, manager.tables
-    partial = lengths % bs != 0
+    partial = lengths % manager.block_size != 0
     rows, lengths = rows[partial], lengths[partial]
-    tables.next_slot[rows] = tables.table[rows, lengths // bs].astype(np.int64) * bs + lengths % bs
+    manager.tables.next_slot[rows] = manager.tables.slots(rows, lengths)
 
 
 def _drop_last_owners(cow_pos: np.ndarray, last_block: np.ndarray, ref_count: np.ndarray) -> np.ndarray:

@@ -91,5 +91,11 @@ class BlockTables:
         self.table, self.num_tokens, self.next_slot = table, num_tokens, next_slot
         self._free_rows[:0] = range(new - 1, old - 1, -1)
 
+    def slots(self, rows: np.ndarray | int, positions: np.ndarray) -> np.ndarray:
+        """The slot (int64) of token ``positions[i]`` of row ``rows[i]`` (or of one row): its block * block_size +
+        its offset. The positions must lie in blocks the rows hold."""
+        bs = self.block_size
+        return self.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+
     def free_rows(self) -> list[int]:
         return list(self._free_rows)

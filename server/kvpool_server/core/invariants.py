@@ -40,7 +40,7 @@ def check_manager_invariants(manager: KVCacheManager) -> None:
         raise InvariantViolationError("a free row still holds tokens, a next slot or blocks")
     partial = lengths % bs != 0
     rows_p, lengths_p = rows[partial], lengths[partial]
-    expected_next = tables.table[rows_p, lengths_p // bs].astype(np.int64) * bs + lengths_p % bs
+    expected_next = tables.slots(rows_p, lengths_p)
     if not np.array_equal(tables.next_slot[rows_p], expected_next):
         bad = rows_p[tables.next_slot[rows_p] != expected_next][:8]
         raise InvariantViolationError(f"next_slot disagrees with the block table at rows {bad.tolist()}")

@@ -254,14 +254,13 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"tokens [{start}, {start + count}) are outside sequence {seq_id} of {length} tokens"
             )
-        positions = np.arange(start, start + count, dtype=np.int64)
-        block_ids = self.tables.table[row, positions // self.block_size].astype(np.int64)
-        if for_write and (self.allocator.ref_count[block_ids] > 1).any():
+        slots = self.tables.slots(row, np.arange(start, start + count, dtype=np.int64))
+        if for_write and (self.allocator.ref_count[slots // self.block_size] > 1).any():
             raise FailedPreconditionError(
                 f"tokens [{start}, {start + count}) of sequence {seq_id} lie in blocks shared with other "
                 "sequences; append to the sequence (copy-on-write) before writing there"
             )
-        return block_ids * self.block_size + positions % self.block_size
+        return slots
 
     def stats(self) -> PoolStats:
         return compute_stats(self)
