@@ -21,7 +21,7 @@ class SequenceBatch:
     every member, all or nothing, like ``manager.append_batch(members)``; slots come in member order.
 
     Invariants: ``seq_ids`` are distinct and ``rows[i]`` is the row of ``seq_ids[i]`` as of the last change; before
-    each step one comparison (``row_to_id[rows] == seq_ids``) proves every member is still live, so a member freed
+    each step one comparison (``index.hold(rows, seq_ids)``) proves every member is still live, so a member freed
     behind the batch's back raises SequenceNotFoundError instead of touching a reused row.
     """
 
@@ -65,7 +65,7 @@ class SequenceBatch:
         """One token for every member; raises (changing nothing) if any member is gone or the pool is full."""
         if not self._position:
             raise InvalidArgumentError("the batch is empty")
-        if np.count_nonzero(self.manager.index.row_to_id.take(self.rows) != self.seq_ids):
+        if not self.manager.index.hold(self.rows, self.seq_ids):
             gone = [s for s in self.seq_ids.tolist() if s not in self.manager.index]
             raise SequenceNotFoundError(f"sequence {gone[0]} of the batch is not live (freed?)")
         return self.manager.append_rows(self.rows, 1)

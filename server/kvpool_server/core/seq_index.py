@@ -71,7 +71,7 @@ class SequenceIndex:
     def rows(self, seq_ids: np.ndarray) -> np.ndarray:
         """Rows of a uint64 array of ids; raises SequenceNotFoundError naming the first id that is not live."""
         rows = (seq_ids & self._row_mask).view(np.intp)
-        if not np.count_nonzero(self.row_to_id.take(rows) != seq_ids):
+        if self.hold(rows, seq_ids):
             return rows  # the common case: every id is a live server id
         for i, seq_id in enumerate(seq_ids.tolist()):
             row = self._row_of.get(seq_id)
@@ -79,6 +79,10 @@ class SequenceIndex:
                 raise _not_live(seq_id)
             rows[i] = row
         return rows
+
+    def hold(self, rows: np.ndarray, seq_ids: np.ndarray) -> bool:
+        """Whether row ``rows[i]`` holds live sequence ``seq_ids[i]`` for every i (one gather, one compare)."""
+        return not np.count_nonzero(self.row_to_id.take(rows) != seq_ids)
 
     def new_server_id(self, row: int) -> int:
         while True:
