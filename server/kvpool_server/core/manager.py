@@ -134,29 +134,15 @@ class KVCacheManager:
     def append(self, seq_id: int, num_tokens: int = 1) -> AppendPlan:
         """Append tokens to one sequence (the per-sequence path)."""
         row = self.index.row(seq_id)
-        tables, allocator, bs = self.tables, self.allocator, self.block_size
+        tables, allocator = self.tables, self.allocator
         length = tables.num_tokens.item(row)
-        block_index, offset = divmod(length, bs)
+        block_index, offset = divmod(length, self.block_size)
         if offset and allocator.num_shared_blocks and allocator.ref_count[tables.table[row, block_index]] > 1:
             return self.append_rows(np.array([row]), num_tokens)  # copy-on-write first
-        if num_tokens != 1:
-            return self._append_unshared(seq_id, row, length, num_tokens)
-        if length >= self.max_seq_len:
-            raise InvalidArgumentError(f"sequence {seq_id} is at max_seq_len={self.max_seq_len}")
-        if offset == 0:
-            block_id = allocator.allocate_one()
-            tables.table[row, block_index] = block_id
-            new_blocks = np.array([block_id], dtype=np.int32)
-            slot = block_id * bs
-        else:
-            slot = tables.next_slot.item(row)
-            new_blocks = EMPTY_BLOCKS
-        tables.num_tokens[row] = length + 1
-        tables.next_slot[row] = slot + 1
-        return AppendPlan(np.array([slot], dtype=np.int64), new_blocks, NO_COPIES)
+        return self._append_unshared(seq_id, row, length, num_tokens)
 
     def _append_unshared(self, seq_id: int, row: int, length: int, num_tokens: int) -> AppendPlan:
-        """Many tokens to one sequence whose last block is its own (no copy-on-write), e.g. a prefill."""
+        """Tokens to one sequence whose last block is its own (no copy-on-write): a decode token, a prefill."""
         if num_tokens < 1:
             raise InvalidArgumentError(f"num_tokens must be >= 1, got {num_tokens}")
         new_length = length + num_tokens
