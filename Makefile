@@ -12,11 +12,11 @@ help:
 	@echo "make test    run the whole test suite (no GPU needed)"
 	@echo "make bench   in-process core benchmark; make bench-service: gRPC benchmark"
 
-$(STAMP): $(REQS) client/pyproject.toml server/pyproject.toml
+$(STAMP): $(REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/dev.txt
-	$(PY) -m pip install -q --no-deps --force-reinstall -e client -e server
+	$(PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -42,7 +42,7 @@ lint-proto: $(STAMP)
 	cd protos && ../$(VENV)/bin/buf lint
 
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I protos --python_out=client --pyi_out=client --grpc_python_out=client protos/kvpool/v1/kvpool.proto
+	$(PY) -m grpc_tools.protoc -I protos --python_out=common --pyi_out=common --grpc_python_out=common protos/kvpool/v1/kvpool.proto
 
 docker-up:
 	docker compose -f docker/compose.yaml up --build -d

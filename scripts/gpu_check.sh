@@ -10,7 +10,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/kvpool-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/server:$PWD/client PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/server:$PWD/common:$PWD/client PYTHONUNBUFFERED=1
 status=0
 only=${1:-all}  # "device": only the first step (copy kernel); "validate": everything but the benchmarks;
                 # "bench": only the benchmarks; "client": demo, beam, attach

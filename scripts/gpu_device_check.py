@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = [str(ROOT / "server"), str(ROOT / "client")]
+PATHS = [str(ROOT / "server"), str(ROOT / "common"), str(ROOT / "client")]
 sys.path[:0] = PATHS
 
 import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvpool_client.layout import KVLayout  # noqa: E402
+from kvpool.layout import KVLayout  # noqa: E402
 from kvpool_server.device.copy_kernel import DEFAULT_CONFIG, BlockCopier, CopyConfig  # noqa: E402
 from kvpool_server.device.gpu_pool import GpuPool  # noqa: E402
 

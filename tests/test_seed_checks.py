@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_server.core import KVCacheManager
 from kvpool_server.device import create_pool
 

@@ -34,7 +34,7 @@ from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from kvpool_client import convert
 from kvpool_client.client import RetryPolicy, backoff_after, time_left
 from kvpool_client.errors import DeadlineExceededError, UnavailableError
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpool_client import layout as kvlayout
+from kvpool import layout as kvlayout
 from kvpool_client.errors import InvalidArgumentError
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from kvpool_client import convert
 from kvpool_client.errors import DeadlineExceededError, UnavailableError, from_rpc_error
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_client.stream import AppendStream
 from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
 

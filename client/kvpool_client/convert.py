@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client.errors import InvalidArgumentError
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

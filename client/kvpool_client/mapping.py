@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvpool_client.layout import KVLayout, blocks_view
+from kvpool.layout import KVLayout, blocks_view
+from kvpool.shm import open_shm
 
 
 class MappedPool:
@@ -58,28 +59,6 @@ class MappedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def open_shm(shm_name: str, pool_bytes: int) -> mmap.mmap:
-    """Map an existing POSIX shared-memory segment read-write, with no resource_tracker involvement.
-
-    ``multiprocessing.shared_memory.SharedMemory(name)`` would register the segment with this process's
-    resource_tracker, which unlinks it when this process exits (Python < 3.13) -- deleting the server's pool.
-    So this opens it at the OS level: ``shm_open`` + ``mmap``, nothing tracked.
-    """
-    try:
-        import _posixshmem  # CPython's shm_open, what SharedMemory itself uses
-
-        fd = _posixshmem.shm_open("/" + shm_name.lstrip("/"), os.O_RDWR, mode=0o600)
-    except ImportError:  # pragma: no cover - CPython on POSIX always has it
-        fd = os.open(os.path.join("/dev/shm", shm_name.lstrip("/")), os.O_RDWR)
-    try:
-        size = os.fstat(fd).st_size
-        if size < pool_bytes:
-            raise ValueError(f"shared memory {shm_name!r} holds {size} bytes, fewer than pool_bytes={pool_bytes}")
-        return mmap.mmap(fd, pool_bytes)
-    finally:
-        os.close(fd)
 
 
 def map_host_pool(shm_name: str, pool_bytes: int) -> MappedPool:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 
 ENV_PREFIX = "KVPOOL_"
 BACKENDS = ("auto", "gpu", "host")

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvpool_client.layout import KVLayout, gather_tokens
+from kvpool.layout import KVLayout, gather_tokens
 
 from .devtest_util import as_bytes, fill_random, needs_gpu, random_tokens, to_host
 

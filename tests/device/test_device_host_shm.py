@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_client.mapping import map_host_pool
 from kvpool_server.device import create_pool, pool as pool_module
 from kvpool_server.device.host_pool import HostPool
@@ -97,7 +97,7 @@ def test_a_mapping_of_the_wrong_size_is_refused() -> None:
 def test_the_segment_is_unlinked_when_its_owner_dies_without_closing() -> None:
     code = r"""
 import os
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_server.device.host_pool import HostPool
 pool = HostPool(KVLayout(), 4)
 print(pool.shm_name, flush=True)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from .devtest_util import BACKENDS, as_bytes, fill_random, like, random_tokens, to_host
 
-from kvpool_client.layout import KVLayout, gather_tokens, scatter_tokens
+from kvpool.layout import KVLayout, gather_tokens, scatter_tokens
 from kvpool_server.device import create_pool
 
 LAYOUTS = [

@@ -8,7 +8,7 @@ import os
 import numpy as np
 from hypothesis import settings
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_server.device import create_pool
 from tests.core.test_stateful import BLOCK_SIZE, NUM_BLOCKS, ManagerMachine
 

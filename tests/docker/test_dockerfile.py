@@ -72,7 +72,7 @@ def test_client_target_is_slim_python_without_cuda(dockerfile):
     files = requirement_closure([f for p in installs for f in p.requirement_files])
     assert "requirements/gpu.txt" not in files
     assert not [pkg for p in installs for pkg in p.packages], "the client image installs no CUDA packages"
-    assert {path for p in installs for path in p.local_paths} == {"client"}
+    assert {path for p in installs for path in p.local_paths} == {"common", "client"}
 
 
 def test_every_target_runs_as_a_non_root_user(dockerfile):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_client.loadgen.pattern import history_keys, kv_pattern, token_keys
 
 SEED_LAYOUT = KVLayout()  # 128 float32 a token

@@ -28,8 +28,8 @@ def test_generated_code_is_up_to_date(tmp_path):
     subprocess.run(cmd, check=True)
     for name in GENERATED:
         fresh = (tmp_path / "kvpool" / "v1" / name).read_text()
-        committed = (ROOT / "client" / "kvpool" / "v1" / name).read_text()
-        assert fresh == committed, f"client/kvpool/v1/{name} is stale: run `make proto`"
+        committed = (ROOT / "common" / "kvpool" / "v1" / name).read_text()
+        assert fresh == committed, f"common/kvpool/v1/{name} is stale: run `make proto`"
 
 
 def test_package_path_matches_proto_package():

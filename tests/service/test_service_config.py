@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 from kvpool_server.config import DEFAULT_POOL_BYTES, ConfigError, ServerConfig, load_config, parse_bytes
 
 

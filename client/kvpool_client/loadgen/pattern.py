@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 
 KEY_MULTIPLIER = 100003
 _BITS = {"float32": 24, "float16": 11, "bfloat16": 14}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from kvpool_client.layout import KVLayout, blocks_view
+from kvpool.layout import KVLayout, blocks_view
 from kvpool_server.device.copy_kernel import DEFAULT_CONFIG, BlockCopier, CopyConfig
 from kvpool_server.device.pool import KVPool, PoolAttachInfo
 from kvpool_server.device.slot_kernel import SlotMover

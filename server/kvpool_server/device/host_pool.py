@@ -1,6 +1,6 @@
 """HostPool: the pool in POSIX shared memory, for machines without a GPU.
 
-Other processes map it by name (``kvpool_client.mapping.map_host_pool``), the way CUDA IPC maps the GPU pool.
+Other processes map it by name (the client library's ``map_host_pool``), the way CUDA IPC maps the GPU pool.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvpool_client.layout import KVLayout, blocks_view, gather_tokens, scatter_tokens
-from kvpool_client.mapping import open_shm
+from kvpool.layout import KVLayout, blocks_view, gather_tokens, scatter_tokens
+from kvpool.shm import open_shm
 from kvpool_server.device.pool import KVPool, PoolAttachInfo
 
 

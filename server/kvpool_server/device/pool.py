@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool_client.layout import KVLayout, layer_kv
+from kvpool.layout import KVLayout, layer_kv
 
 BACKENDS = ("auto", "gpu", "host")
 
@@ -39,7 +39,7 @@ class PoolAttachInfo:
 
 
 class KVPool:
-    """Block-major KV memory ``[num_blocks, L, 2, block_size, H, D]`` (see ``kvpool_client.layout``).
+    """Block-major KV memory ``[num_blocks, L, 2, block_size, H, D]`` (see ``kvpool.layout``).
 
     Invariants:
     - One allocation of exactly ``pool_bytes == num_blocks * layout.block_bytes``, made in ``__init__`` and never

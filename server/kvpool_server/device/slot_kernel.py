@@ -1,6 +1,6 @@
 """Token scatter/gather between a dense staging buffer and the pool's slots, in one launch per chunk of tokens.
 
-It computes exactly what ``kvpool_client.layout.scatter_tokens`` / ``gather_tokens`` compute, without the index
+It computes exactly what ``kvpool.layout.scatter_tokens`` / ``gather_tokens`` compute, without the index
 arrays and temporaries that CuPy fancy indexing would allocate. One token's KV is ``2L`` rows of
 ``row_bytes = H * D * itemsize`` (row ``seg = 2 * layer + kv``); a row is contiguous in both places::
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cupy
 
-from kvpool_client.layout import KVLayout
+from kvpool.layout import KVLayout
 
 _SOURCE = r"""
 typedef {vec} vec_t;
