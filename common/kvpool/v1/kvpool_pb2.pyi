@@ -28,10 +28,14 @@ DTYPE_FLOAT16: Dtype
 DTYPE_BFLOAT16: Dtype
 
 class RegisterSequenceRequest(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "session_id", "request_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
-    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+    session_id: int
+    request_id: int
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class RegisterSequenceResponse(_message.Message):
     __slots__ = ("seq_id",)
@@ -40,12 +44,16 @@ class RegisterSequenceResponse(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
 
 class AppendTokenRequest(_message.Message):
-    __slots__ = ("seq_ids", "num_tokens")
+    __slots__ = ("seq_ids", "num_tokens", "session_id", "request_id")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    session_id: int
+    request_id: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src_block_id", "dst_block_id")
@@ -66,12 +74,16 @@ class AppendTokenResponse(_message.Message):
     def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class AppendTokenStreamRequest(_message.Message):
-    __slots__ = ("seq_ids", "num_tokens")
+    __slots__ = ("seq_ids", "num_tokens", "session_id", "request_id")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    session_id: int
+    request_id: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class AppendTokenStreamResponse(_message.Message):
     __slots__ = ("slot_mapping", "new_block_ids", "copies")
@@ -84,14 +96,18 @@ class AppendTokenStreamResponse(_message.Message):
     def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
-    __slots__ = ("parent_seq_id", "num_children", "child_seq_ids")
+    __slots__ = ("parent_seq_id", "num_children", "child_seq_ids", "session_id", "request_id")
     PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CHILDREN_FIELD_NUMBER: _ClassVar[int]
     CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     parent_seq_id: int
     num_children: int
     child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, parent_seq_id: _Optional[int] = ..., num_children: _Optional[int] = ..., child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    session_id: int
+    request_id: int
+    def __init__(self, parent_seq_id: _Optional[int] = ..., num_children: _Optional[int] = ..., child_seq_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ForkResponse(_message.Message):
     __slots__ = ("child_seq_ids",)
@@ -100,10 +116,14 @@ class ForkResponse(_message.Message):
     def __init__(self, child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "session_id", "request_id")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    session_id: int
+    request_id: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("num_blocks_freed",)
@@ -202,14 +222,16 @@ class DescribePoolResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., pool_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_device: _Optional[int] = ..., shm_name: _Optional[str] = ..., server_pid: _Optional[int] = ...) -> None: ...
 
 class WriteKVRequest(_message.Message):
-    __slots__ = ("seq_id", "start_position", "data")
+    __slots__ = ("seq_id", "start_position", "data", "session_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     data: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    session_id: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., data: _Optional[bytes] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class WriteKVResponse(_message.Message):
     __slots__ = ("num_tokens_written",)
@@ -248,3 +270,103 @@ class CheckInvariantsResponse(_message.Message):
     num_blocks_checked: int
     num_sequences_checked: int
     def __init__(self, ok: _Optional[bool] = ..., num_blocks_checked: _Optional[int] = ..., num_sequences_checked: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name", "lease_ttl_ms")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    lease_ttl_ms: int
+    def __init__(self, client_name: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "server_epoch", "lease_ttl_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    server_epoch: int
+    lease_ttl_ms: int
+    def __init__(self, session_id: _Optional[int] = ..., server_epoch: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_remaining_ms",)
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_remaining_ms: int
+    def __init__(self, lease_remaining_ms: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("num_sequences_freed", "num_blocks_freed")
+    NUM_SEQUENCES_FREED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_sequences_freed: int
+    num_blocks_freed: int
+    def __init__(self, num_sequences_freed: _Optional[int] = ..., num_blocks_freed: _Optional[int] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "client_name", "opened_unix_ms", "lease_ttl_ms", "lease_remaining_ms", "keep_alive_open", "num_sequences", "num_blocks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    OPENED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_OPEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    client_name: str
+    opened_unix_ms: int
+    lease_ttl_ms: int
+    lease_remaining_ms: int
+    keep_alive_open: bool
+    num_sequences: int
+    num_blocks: int
+    def __init__(self, session_id: _Optional[int] = ..., client_name: _Optional[str] = ..., opened_unix_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., keep_alive_open: _Optional[bool] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "server_epoch")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    server_epoch: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., server_epoch: _Optional[int] = ...) -> None: ...
+
+class ListSequencesRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class SequenceInfo(_message.Message):
+    __slots__ = ("seq_id", "session_id", "num_tokens", "num_blocks")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    session_id: int
+    num_tokens: int
+    num_blocks: int
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ListSequencesResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ...) -> None: ...

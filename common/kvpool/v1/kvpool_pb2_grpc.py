@@ -90,6 +90,31 @@ class KVPoolServiceStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/kvpool.v1.KVPoolService/OpenSession',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
+        self.KeepAlive = channel.stream_stream(
+                '/kvpool.v1.KVPoolService/KeepAlive',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvpool.v1.KVPoolService/CloseSession',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/kvpool.v1.KVPoolService/ListSessions',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.ListSequences = channel.unary_unary(
+                '/kvpool.v1.KVPoolService/ListSequences',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListSequencesRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListSequencesResponse.FromString,
+                _registered_method=True)
 
 
 class KVPoolServiceServicer:
@@ -178,6 +203,44 @@ class KVPoolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """OpenSession starts a session: every sequence registered (or forked) under its id belongs to it, and all of
+        them are freed in one sweep when the session ends -- closed, its lease expired without a heartbeat, or its
+        KeepAlive stream broken (the client process died).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request_iterator, context):
+        """KeepAlive renews a session's lease with every message. Held open by the client library for the session's
+        life: when the stream breaks (the client's connection is gone) the server ends the session at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """CloseSession ends a session and frees its sequences.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """ListSessions shows the live sessions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSequences(self, request, context):
+        """ListSequences shows the live sequences, of one session or of all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPoolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +298,31 @@ def add_KVPoolServiceServicer_to_server(servicer, server):
                     servicer.CheckInvariants,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.OpenSessionRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.stream_stream_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.KeepAliveRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CloseSessionRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListSessionsRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'ListSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSequences,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListSequencesRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListSequencesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -535,6 +623,141 @@ class KVPoolService:
             '/kvpool.v1.KVPoolService/CheckInvariants',
             kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPoolService/OpenSession',
+            kvpool_dot_v1_dot_kvpool__pb2.OpenSessionRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpool.v1.KVPoolService/KeepAlive',
+            kvpool_dot_v1_dot_kvpool__pb2.KeepAliveRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPoolService/CloseSession',
+            kvpool_dot_v1_dot_kvpool__pb2.CloseSessionRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPoolService/ListSessions',
+            kvpool_dot_v1_dot_kvpool__pb2.ListSessionsRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPoolService/ListSequences',
+            kvpool_dot_v1_dot_kvpool__pb2.ListSequencesRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.ListSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,
