@@ -34,3 +34,14 @@ class FailedPreconditionError(KVPoolError):
 
 class InvariantViolationError(KVPoolError, AssertionError):
     """check_invariants() found a broken invariant: a bug in kvpool, never the caller's fault."""
+
+
+class SessionNotFoundError(KVPoolError, KeyError):
+    """A session_id that is not live: never opened, closed, or ended when its lease expired."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ServerRestartedError(SessionNotFoundError):
+    """A session_id from an earlier start of the server: the restart lost that session and all its sequences."""
