@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docker.parsing import COMPOSE_FILE, REPO, parse_dockerfile
+from tests.docker.parsing import COMPOSE_FILE, REPO, Dockerfile
 
 
 def _compose_binary() -> Path:
@@ -121,8 +121,8 @@ def test_server_healthcheck_uses_grpc_health_checking(config):
     assert test[0] == "CMD"
     interpreter, script = test[1], test[2]
     # The script is the one this repository ships, copied to that path by the image, run by the image's venv.
-    dockerfile = parse_dockerfile()
-    copies = [c.args.split() for c in dockerfile.instructions("server", "COPY")]
+    dockerfile = Dockerfile()
+    copies = [c.split() for c in dockerfile.instructions("server", "COPY")]
     assert ["docker/healthcheck.py", script] in copies
     assert (REPO / "docker/healthcheck.py").read_text().count("grpc_health.v1") >= 1
     venv = dockerfile.env("server")["VIRTUAL_ENV"]
@@ -142,7 +142,7 @@ def test_namespaces_shared_for_cuda_ipc(config):
 
 
 def test_build_targets_exist(config):
-    stages = {stage.name for stage in parse_dockerfile().stages}
+    stages = Dockerfile().stages
     for name, target in (("server", "server"), ("loadgen", "loadgen")):
         build = config["services"][name]["build"]
         assert Path(build["context"]).resolve() == REPO
