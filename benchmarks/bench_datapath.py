@@ -70,7 +70,6 @@ def graph_time(enqueue, num_sets: int, stream: cupy.cuda.Stream) -> float:
     for i in range(GRAPH_CALLS):
         enqueue(i % num_sets, stream)
     graph = stream.end_capture()
-    graph.upload(stream)
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
     for _ in range(REPEATS):

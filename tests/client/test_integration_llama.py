@@ -19,7 +19,8 @@ from kvpool_client.integrations.hf_llama import DenseBeams, KVPoolLlama, PagedBe
 CASES = [pytest.param("cpu", "float32", id="cpu-float32")]
 if torch.cuda.is_available():
     CASES += [pytest.param("cuda", "float16", id="cuda-float16"), pytest.param("cuda", "bfloat16", id="cuda-bf16")]
-TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}  # max |logit diff|; logits are O(1) here
+# max |logit diff| / max |logit| over a step, teacher-forced (the reference decodes the same beams)
+TOLERANCE = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 
 
 def tiny_llama(dtype: str, device: str):
@@ -47,22 +48,29 @@ def test_logits_and_tokens_match_the_dense_model(server_factory, device, dtype, 
     steps = int(os.environ.get("KVPOOL_LLAMA_STEPS", "12"))
     ours: dict[int, torch.Tensor] = {}
     theirs: dict[int, torch.Tensor] = {}
+    free: dict[int, torch.Tensor] = {}
     with KVPoolClient(server.address) as client:
         runner = KVPoolLlama(model, client)
-        paged = beam_search(PagedBeams(runner), prompt, width, steps,
-                            lambda s, lg: ours.__setitem__(s, lg.float().cpu()))
-        dense = beam_search(DenseBeams(model), prompt, width, steps,
-                            lambda s, lg: theirs.__setitem__(s, lg.float().cpu()))
+        paged, decisions = beam_search(PagedBeams(runner), prompt, width, steps,
+                                       lambda s, lg: ours.__setitem__(s, lg.float().cpu()))
+        beam_search(DenseBeams(model), prompt, width, steps, lambda s, lg: theirs.__setitem__(s, lg.float().cpu()),
+                    follow=decisions)  # the same beams through the unmodified model
+        dense, _ = beam_search(DenseBeams(model), prompt, width, steps,
+                               lambda s, lg: free.__setitem__(s, lg.float().cpu()))  # its own choices
         assert client.stats().num_blocks_used == 0  # every beam freed: forks and copy-on-write balanced
     diffs = [float((ours[s] - theirs[s]).abs().max()) for s in range(steps)]
-    print(f"\n{device} {dtype} width {width}: max |logit diff| per step {['%.2e' % d for d in diffs]}")
-    assert max(diffs) < TOLERANCE[dtype]
-    assert paged == dense
+    scale = max(float(theirs[s].abs().max()) for s in range(steps))
+    print(f"\n{device} {dtype} width {width}: max |logit| {scale:.1f}, max |logit diff| per step "
+          f"{['%.2e' % d for d in diffs]}; tokens identical to the dense model's own search: {paged == dense}")
+    assert max(diffs) / scale < TOLERANCE[dtype]
+    if dtype != "bfloat16":  # bf16 rounding (8 bits of mantissa) can flip a near-tie; reported above
+        assert paged == dense
     if width == 1:  # greedy: also transformers' own generate() with its dense KV cache
         model.generation_config.eos_token_id = None
         generated = model.generate(prompt[None].to(device), max_new_tokens=steps, do_sample=False, num_beams=1,
                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        assert generated.sequences[0, len(prompt):].tolist() == paged[0]
+        same = generated.sequences[0, len(prompt):].tolist() == paged[0]
         hf_diffs = [float((ours[s][0] - generated.logits[s][0].float().cpu()).abs().max()) for s in range(steps)]
-        print(f"  vs generate() with DynamicCache: max |logit diff| {max(hf_diffs):.2e}")
-        assert max(hf_diffs) < TOLERANCE[dtype]
+        print(f"  vs generate() with DynamicCache: tokens identical {same}, max |logit diff| {max(hf_diffs):.2e}")
+        if dtype != "bfloat16":
+            assert same and max(hf_diffs) / scale < TOLERANCE[dtype]

@@ -201,24 +201,31 @@ class DenseBeams:
 
 
 def beam_search(beams: Any, prompt: torch.Tensor, width: int, steps: int,
-                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> list[list[int]]:
+                on_logits: Callable[[int, torch.Tensor], None] | None = None,
+                follow: list[tuple[list[int], list[int]]] | None = None) -> tuple[list[list[int]], list]:
     """Beam search by cumulative log-probability (no EOS, no length penalty); width 1 is greedy decoding.
-    ``on_logits(step, logits [W, V])`` sees every step's logits. Returns the generated tokens of each beam, best
-    first."""
+
+    ``on_logits(step, logits [W, V])`` sees every step's logits. ``follow``: replay these (parents, tokens)
+    decisions instead of choosing (teacher forcing: a reference computes its logits on the same beams). Returns the
+    generated tokens of each beam, best first, and the (parents, tokens) decision of every step."""
     logits = beams.start(prompt)[None]
     scores = torch.zeros(1, dtype=torch.float64)
     history: list[list[int]] = [[]]
+    decisions: list[tuple[list[int], list[int]]] = []
     for step in range(steps):
         if on_logits is not None:
             on_logits(step, logits)
         logp = torch.log_softmax(logits.double().cpu(), dim=-1) + scores[:, None]
-        top = torch.topk(logp.reshape(-1), width)
         vocab = logp.shape[1]
-        parents = (top.indices // vocab).tolist()
-        tokens = (top.indices % vocab).tolist()
-        scores = top.values
+        if follow is None:
+            top = torch.topk(logp.reshape(-1), width)
+            parents, tokens = (top.indices // vocab).tolist(), (top.indices % vocab).tolist()
+        else:
+            parents, tokens = follow[step]
+        scores = logp[parents, tokens]
+        decisions.append((parents, tokens))
         history = [history[p] + [t] for p, t in zip(parents, tokens)]
         if step + 1 < steps:
             logits = beams.step(parents, tokens)
     beams.close()
-    return history
+    return history, decisions

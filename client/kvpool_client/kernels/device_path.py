@@ -15,6 +15,7 @@ flag that ``check_slot_errors()`` (which synchronizes) turns into ``InvalidArgum
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import cupy
@@ -28,6 +29,20 @@ from kvpool_client.kernels.arrays import ACCEPTED_DTYPES, ArrayInfo, describe, i
 _H2D, _D2H = 1, 2
 
 
+_external: dict[tuple[int, int], Any] = {}
+
+
+def _wrap(ptr: int) -> Any:
+    """A CuPy handle on a stream made elsewhere (cached: a handle only names the stream)."""
+    key = (ptr, cupy.cuda.Device().id)
+    s = _external.get(key)
+    if s is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = _external[key] = cupy.cuda.ExternalStream(ptr)
+    return s
+
+
 def resolve_stream(stream: Any, args: tuple[Any, ...]) -> Any:
     """A CuPy stream for ``stream``: None (the callers' framework's current stream), a CuPy or PyTorch stream,
     or a raw ``cudaStream_t`` as an int."""
@@ -35,14 +50,14 @@ def resolve_stream(stream: Any, args: tuple[Any, ...]) -> Any:
         if any(is_torch(a) for a in args):
             import torch  # noqa: PLC0415
 
-            return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            return _wrap(torch.cuda.current_stream().cuda_stream)
         return cupy.cuda.get_current_stream()
-    if isinstance(stream, cupy.cuda.stream.BaseStream):
+    if type(stream).__module__.startswith("cupy"):
         return stream
     if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
-        return cupy.cuda.ExternalStream(stream.cuda_stream)
+        return _wrap(stream.cuda_stream)
     if isinstance(stream, int):
-        return cupy.cuda.ExternalStream(stream)
+        return _wrap(stream)
     raise InvalidArgumentError(f"stream must be a CuPy or PyTorch stream or an int, got {type(stream).__name__}")
 
 
