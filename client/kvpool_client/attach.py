@@ -6,7 +6,11 @@
     +-------------------------------+   same    |   [num_blocks, L, 2, block_size, H, D]|
           DescribePool: layout +        memory  | layer_kv(l) -> K, V views            |
           shm_name / CUDA IPC handle            | write_slots(slots, kv) / read_slots  |
+                                                | write_layer(l, slots, k, v) / read_layer|
                                                 +--------------------------------------+
+
+Data calls on a GPU pool take CuPy arrays or PyTorch tensors and run one kernel on the caller's stream without
+waiting (``kvpool_client.kernels.device_path`` says when to synchronize); NumPy data goes through pinned staging.
 
 The host backend maps POSIX shared memory (NumPy views); the GPU backend opens the CUDA IPC handle through CuPy
 (CuPy views). CuPy is imported only on the GPU path, so the client imports without it.
