@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/server:$PWD/common:$PWD/client PYTHONUNBUFFERED=1
 status=0
 only=${1:-all}  # "device": only the first step (copy kernel); "validate": everything but the benchmarks;
-                # "bench": only the benchmarks; "client": demo, beam, attach
+                # "bench": only the benchmarks; "client": demo, beam, attach; "datapath": issue 14
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -35,6 +35,13 @@ core_bench() {
 if [ "$only" = bench ]; then
     [ -n "$SKIP_CORE" ] || core_bench
     service_benches
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = datapath ]; then  # issue 14: data-path kernels, paged attention, the Llama integration, benchmark
+    step "data-path tests on the GPU (kernels vs reference, torch, two processes, paged attention, Llama)" \
+        bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider -rs -s tests/client/test_kernels_gpu.py tests/client/test_integration_llama.py tests/client/test_kernels_host.py tests/client/test_attach.py 2>&1 | tee $OUT/datapath_tests.log"
+    step "data-path benchmark (Llama-3-8B layout, CUDA IPC)" \
+        bash -c "set -o pipefail; python3 benchmarks/bench_datapath.py --json $OUT/datapath.json 2>&1 | tee $OUT/bench_datapath.log"
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = client ]; then

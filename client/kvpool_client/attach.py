@@ -6,7 +6,11 @@
     +-------------------------------+   same    |   [num_blocks, L, 2, block_size, H, D]|
           DescribePool: layout +        memory  | layer_kv(l) -> K, V views            |
           shm_name / CUDA IPC handle            | write_slots(slots, kv) / read_slots  |
+                                                | write_layer(l, slots, k, v) / read_layer|
                                                 +--------------------------------------+
+
+Data calls on a GPU pool take CuPy arrays or PyTorch tensors and run one kernel on the caller's stream without
+waiting (``kvpool_client.kernels.device_path`` says when to synchronize); NumPy data goes through pinned staging.
 
 The host backend maps POSIX shared memory (NumPy views); the GPU backend opens the CUDA IPC handle through CuPy
 (CuPy views). CuPy is imported only on the GPU path, so the client imports without it.
@@ -23,6 +27,8 @@ import numpy as np
 
 from kvpool import layout as kvlayout
 from kvpool_client.errors import InvalidArgumentError
+from kvpool_client.kernels import reference
+from kvpool_client.kernels.arrays import ACCEPTED_DTYPES, is_torch, to_numpy
 
 if TYPE_CHECKING:
     from kvpool_client.client import KVPoolClient
@@ -43,8 +49,13 @@ class AttachedPool:
             flat = flat.view(self.layout.storage_dtype)
         self._blocks = kvlayout.blocks_view(flat, self.layout, self.num_blocks)
         self._xp = np if isinstance(self._blocks, np.ndarray) else _cupy()
+        self._device: Any = None  # the GPU data path (kvpool_client.kernels.device_path), None on a host pool
         if self._xp is not np:
             self._xp.cuda.Device(description.cuda_device).use()  # the pool's device for every later kernel
+            from kvpool_client.kernels.device_path import DevicePath  # noqa: PLC0415  (imports CuPy)
+
+            self._device = DevicePath(int(self._blocks.data.ptr), self.layout, self.num_blocks,
+                                      description.cuda_device)
 
     @property
     def closed(self) -> bool:
@@ -58,56 +69,119 @@ class AttachedPool:
         return self._blocks
 
     def layer_kv(self, layer: int) -> tuple[Any, Any]:
-        """Zero-copy K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        """Zero-copy K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim] (the paged cache
+        shape of vLLM/FlashInfer kernels and ``kvpool_client.kernels.paged_attention``)."""
         if not 0 <= layer < self.layout.num_layers:
             raise IndexError(f"layer {layer} is outside 0..{self.layout.num_layers - 1}")
         return kvlayout.layer_kv(self.blocks, layer)
 
     def _check_slots(self, slots: Any) -> np.ndarray:
         if hasattr(slots, "__cuda_array_interface__"):
-            slots = slots.get()  # slots are few; bounds are checked on the host
+            raise InvalidArgumentError("the pool is in host memory: pass slots as a host array")
+        slots = to_numpy(slots)
+        if slots.size and not np.issubdtype(slots.dtype, np.integer):
+            raise InvalidArgumentError(f"slots must be integers, got {slots.dtype}")
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         limit = self.num_blocks * self.layout.block_size
         if slots.size and (slots.min() < 0 or slots.max() >= limit):
             raise InvalidArgumentError(f"slots must lie in [0, {limit}), got [{slots.min()}, {slots.max()}]")
         return slots
 
-    def write_slots(self, slots: Any, data: Any) -> None:
-        """Write token KV ``data`` [n, num_layers, 2, num_kv_heads, head_dim] into ``slots`` (int64 [n]).
+    def _host_array(self, x: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
+        if hasattr(x, "__cuda_array_interface__") or (is_torch(x) and x.is_cuda):
+            raise InvalidArgumentError(f"the pool is in host memory: pass {name} as a host array, not a device one")
+        x = to_numpy(x)
+        if tuple(x.shape) != shape:
+            raise InvalidArgumentError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+        if x.dtype.name not in ACCEPTED_DTYPES[self.layout.dtype]:
+            raise InvalidArgumentError(f"{name} must be {self.layout.storage_dtype} for a {self.layout.dtype} pool, "
+                                       f"got {x.dtype}")
+        return x
 
-        On the GPU the write is synchronized before returning, so the server and other processes see it."""
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layout.num_layers:
+            raise InvalidArgumentError(f"layer {layer} is outside 0..{self.layout.num_layers - 1}")
+
+    def write_slots(self, slots: Any, data: Any, *, stream: Any = None) -> None:
+        """Write whole tokens' KV ``data`` [n, num_layers, 2, num_kv_heads, head_dim] into ``slots`` [n].
+
+        Host pool: NumPy semantics, done on return. GPU pool: ``data`` on the device (CuPy array, PyTorch tensor)
+        is moved by one kernel enqueued on ``stream`` and the call returns at once -- synchronize the stream before
+        another process reads the slots; ``data`` in host memory (NumPy) goes through pinned staging and the call
+        returns when it is in the pool. Slots: host or device int32/int64 (see ``check_slot_errors``)."""
+        if self._device is not None:
+            self._device.move_tokens(slots, data, True, stream)
+            return
         slots = self._check_slots(slots)
-        shape = (slots.size, *self.layout.token_shape)
-        if tuple(data.shape) != shape:
-            raise InvalidArgumentError(f"data must be {shape}, got {tuple(data.shape)}")
-        if data.dtype != self.layout.storage_dtype:
-            raise InvalidArgumentError(f"data must be {self.layout.storage_dtype}, got {data.dtype}")
-        if self._xp is np:
-            kvlayout.scatter_tokens(self.blocks, slots, self.layout.block_size, data)
-        else:
-            cp = self._xp
-            block_ids, offsets = self._device_index(slots)
-            self.blocks[block_ids, :, :, offsets] = cp.asarray(data)
-            cp.cuda.get_current_stream().synchronize()
+        data = self._host_array(data, (slots.size, *self.layout.token_shape), "data")
+        reference.write_tokens(self.blocks, slots, data.view(self.layout.storage_dtype))
 
-    def read_slots(self, slots: Any) -> np.ndarray:
-        """A host copy of the KV at ``slots``, as [n, num_layers, 2, num_kv_heads, head_dim]."""
+    def read_slots(self, slots: Any, *, out: Any = None, stream: Any = None) -> Any:
+        """The KV at ``slots`` as [n, num_layers, 2, num_kv_heads, head_dim].
+
+        Without ``out``: a new host (NumPy) array, complete on return. With ``out`` (GPU pool: a device array of
+        that shape, or a host array): filled and returned; a device ``out`` is filled asynchronously on ``stream``."""
+        if self._device is not None:
+            if out is None:
+                n = self._device.checked_host_slots(slots).size if not _on_device(slots) else len(slots)
+                out = np.empty((n, *self.layout.token_shape), dtype=self.layout.storage_dtype)
+            self._device.move_tokens(slots, out, False, stream)
+            return out
         slots = self._check_slots(slots)
-        if self._xp is np:
-            return kvlayout.gather_tokens(self.blocks, slots, self.layout.block_size)
-        block_ids, offsets = self._device_index(slots)
-        return self._xp.asnumpy(self.blocks[block_ids, :, :, offsets])
+        result = reference.read_tokens(self.blocks, slots)
+        if out is None:
+            return result
+        self._host_array(out, result.shape, "out")[...] = result
+        return out
 
-    def _device_index(self, slots: np.ndarray) -> tuple[Any, Any]:
-        """(block_ids, offsets) of host slots, as device arrays (CuPy refuses implicit host conversion)."""
-        block_ids, offsets = kvlayout.split_slots(slots, self.layout.block_size)
-        return self._xp.asarray(block_ids), self._xp.asarray(offsets)
+    def write_layer(self, layer: int, slots: Any, k: Any, v: Any, *, stream: Any = None) -> None:
+        """Write one layer's new K and V, each [n, num_kv_heads, head_dim], into ``slots`` [n] -- what a frontend
+        does after each attention layer (vLLM's ``reshape_and_cache``). The first dimension of ``k``/``v`` may
+        have any stride (views of a fused QKV output are fine); GPU pool: asynchronous on ``stream``."""
+        self._check_layer(layer)
+        if self._device is not None:
+            self._device.move_layer(layer, slots, k, v, True, stream)
+            return
+        slots = self._check_slots(slots)
+        shape = (slots.size, self.layout.num_kv_heads, self.layout.head_dim)
+        k, v = self._host_array(k, shape, "k"), self._host_array(v, shape, "v")
+        dtype = self.layout.storage_dtype
+        reference.write_layer(self.blocks, layer, slots, k.view(dtype), v.view(dtype))
+
+    def read_layer(self, layer: int, slots: Any, *, out: tuple[Any, Any] | None = None,
+                   stream: Any = None) -> tuple[Any, Any]:
+        """One layer's K and V at ``slots``, each [n, num_kv_heads, head_dim]: NumPy copies on a host pool; on a
+        GPU pool new CuPy arrays (or ``out``'s device arrays), filled asynchronously on ``stream``."""
+        self._check_layer(layer)
+        if self._device is not None:
+            if out is None:
+                cp = self._xp
+                n = self._device.checked_host_slots(slots).size if not _on_device(slots) else len(slots)
+                shape = (n, self.layout.num_kv_heads, self.layout.head_dim)
+                with cp.cuda.Device(self.description.cuda_device):
+                    out = (cp.empty(shape, self.layout.storage_dtype), cp.empty(shape, self.layout.storage_dtype))
+            self._device.move_layer(layer, slots, out[0], out[1], False, stream)
+            return out
+        slots = self._check_slots(slots)
+        k, v = reference.read_layer(self.blocks, layer, slots)
+        if out is None:
+            return k, v
+        shape = k.shape
+        self._host_array(out[0], shape, "out[0]")[...] = k
+        self._host_array(out[1], shape, "out[1]")[...] = v
+        return out
+
+    def check_slot_errors(self) -> None:
+        """Raise ``InvalidArgumentError`` if a kernel since the last check was given device slots outside the pool
+        (they were skipped). Synchronizes the device. A no-op on the host pool (slots are checked up front)."""
+        if self._device is not None:
+            self._device.check_slot_errors()
 
     def close(self) -> None:
         """Drop this object's views and unmap the pool (idempotent)."""
         if self._mapped is None:
             return
-        mapped, self._mapped, self._blocks = self._mapped, None, None
+        mapped, self._mapped, self._blocks, self._device = self._mapped, None, None, None
         mapped.close()
 
     def __enter__(self) -> AttachedPool:
@@ -115,6 +189,10 @@ class AttachedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _on_device(x: Any) -> bool:
+    return hasattr(x, "__cuda_array_interface__") or (is_torch(x) and x.is_cuda)
 
 
 def _cupy() -> Any:

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""The client data path on a GPU pool, with a real model's layout, against a device memcpy of the same bytes.
+
+    python3 benchmarks/bench_datapath.py --json $OUT/datapath.json      (needs a GPU, CuPy, PyTorch, Triton)
+
+Starts a kvpool server on the GPU backend (Llama-3-8B's KV layout: 32 layers, 8 KV heads, head_dim 128, fp16,
+16-token blocks = 128 KiB a token, 2 MiB a block), attaches to it by CUDA IPC like any client, and times:
+
+1. whole-token write/read (``write_slots`` / ``read_slots(out=)``) of n tokens to random slots, device slots;
+2. per-layer write (``write_layer``) of n tokens' K and V, n = 1, 16, 256;
+3. the old path (CuPy fancy indexing, as ``write_slots`` did before) for scale;
+4. paged decode attention (Triton) over 256 sequences x 2048 tokens of layer 0, against PyTorch SDPA on dense K/V.
+
+Device time: each move is captured 20 times into a CUDA graph (rotating over input sets larger than the L2), the
+graph replayed, CUDA events around the replays, median of 15; memcpy (``cudaMemcpyAsync`` D2D of the same bytes,
+same rotation) is timed the same way in the same run. Bandwidth = bytes read + bytes written. Latency: wall time
+of one call plus a stream synchronize, median of 200. Attention: ``triton.testing.do_bench`` medians; its
+effective bandwidth counts the K/V bytes it must read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "server"), str(ROOT / "common"), str(ROOT / "client")]
+
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from kvpool_client import KVPoolClient  # noqa: E402
+from kvpool_client.kernels import torch_views  # noqa: E402
+from kvpool_client.kernels.paged_attention import paged_decode_attention  # noqa: E402
+
+L2_BYTES = 64 << 20
+GRAPH_CALLS, REPEATS = 20, 15
+
+
+def start_server(pool_gib: int) -> tuple[subprocess.Popen, str]:
+    port_file = Path("/tmp/kvpool_bench_port")
+    port_file.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path[:3] + [os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool_server", "--backend", "gpu", "--pool-bytes",
+                             f"{pool_gib}GiB", "--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128",
+                             "--block-size", "16", "--dtype", "float16", "--address", "127.0.0.1:0", "--port-file",
+                             str(port_file)], env=env)
+    for _ in range(600):
+        if port_file.exists() and port_file.read_text().strip():
+            return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the server did not start")
+
+
+def graph_time(enqueue, num_sets: int, stream: cupy.cuda.Stream) -> float:
+    """Seconds per call: GRAPH_CALLS calls (call i on input set i % num_sets) captured in a graph, replayed."""
+    for i in range(num_sets):  # warm-up, compiles kernels outside the capture
+        enqueue(i, stream)
+    stream.synchronize()
+    stream.begin_capture()
+    for i in range(GRAPH_CALLS):
+        enqueue(i % num_sets, stream)
+    graph = stream.end_capture()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(REPEATS):
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / GRAPH_CALLS)
+    return statistics.median(times)
+
+
+def memcpy_time(nbytes: int, stream: cupy.cuda.Stream) -> float:
+    sets = max(2, -(-4 * L2_BYTES // max(nbytes, 1)))
+    src = [cupy.cuda.alloc(nbytes) for _ in range(min(sets, 64))]
+    dst = [cupy.cuda.alloc(nbytes) for _ in range(min(sets, 64))]
+
+    def enqueue(i, s):
+        cupy.cuda.runtime.memcpyAsync(dst[i].ptr, src[i].ptr, nbytes, 3, s.ptr)
+
+    return graph_time(enqueue, len(src), stream)
+
+
+def latency(call, stream: cupy.cuda.Stream, n: int = 200) -> float:
+    for _ in range(10):
+        call()
+    stream.synchronize()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        stream.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_moves(pool, rows: list, results: dict) -> None:
+    layout = pool.layout
+    tb = layout.token_bytes
+    num_slots = pool.num_blocks * layout.block_size
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(0)
+    for n in (64, 256, 1024, 4096):
+        nbytes = n * tb
+        sets = max(2, min(16, -(-4 * L2_BYTES // nbytes)))
+        slots = [cupy.asarray(rng.choice(num_slots, n, replace=False)) for _ in range(sets)]
+        data = [cupy.random.standard_normal((n, *layout.token_shape), dtype=cupy.float32).astype(cupy.float16)
+                for _ in range(sets)]
+        w = graph_time(lambda i, s: pool.write_slots(slots[i], data[i], stream=s), sets, stream)
+        r = graph_time(lambda i, s: pool.read_slots(slots[i], out=data[i], stream=s), sets, stream)
+        m = memcpy_time(nbytes, stream)
+        for name, t in (("write_slots", w), ("read_slots", r)):
+            rows.append((f"{name} n={n}", nbytes, t, m))
+        results[f"tokens_{n}"] = {"bytes": nbytes, "write_s": w, "read_s": r, "memcpy_s": m}
+        if n == 256:  # the old path, for scale: fancy indexing (what write_slots did before)
+            block_ids, offsets = slots[0] // 16, slots[0] % 16
+            with stream:
+                for _ in range(3):
+                    pool.blocks[block_ids, :, :, offsets] = data[0]
+                stream.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    pool.blocks[block_ids, :, :, offsets] = data[0]
+                stream.synchronize()
+            old = (time.perf_counter() - t0) / 10
+            rows.append(("fancy-index write n=256 (old)", nbytes, old, m))
+            results["fancy_index_256_s"] = old
+    row_bytes = layout.num_kv_heads * layout.head_dim * layout.itemsize
+    for n in (1, 16, 256):
+        nbytes = 2 * n * row_bytes
+        sets = 16
+        slots = [cupy.asarray(rng.choice(num_slots, n, replace=False)) for _ in range(sets)]
+        kv = [cupy.random.standard_normal((2, n, 8, 128), dtype=cupy.float32).astype(cupy.float16)
+              for _ in range(sets)]
+        layers = rng.integers(0, 32, sets)
+        t = graph_time(lambda i, s: pool.write_layer(int(layers[i]), slots[i], kv[i][0], kv[i][1], stream=s), sets,
+                       stream)
+        m = memcpy_time(nbytes, stream)
+        lat = latency(lambda: pool.write_layer(3, slots[0], kv[0][0], kv[0][1], stream=stream), stream)
+        ts = torch.from_numpy(cupy.asnumpy(slots[0])).cuda()
+        tk = torch.randn(n, 8, 128, device="cuda", dtype=torch.float16)
+        tstream = torch.cuda.Stream()
+        cs = cupy.cuda.ExternalStream(tstream.cuda_stream)
+        lat_torch = latency(lambda: pool.write_layer(3, ts, tk, tk, stream=tstream), cs)
+        rows.append((f"write_layer n={n}", nbytes, t, m))
+        results[f"layer_{n}"] = {"bytes": nbytes, "write_s": t, "memcpy_s": m, "latency_s": lat,
+                                 "latency_torch_s": lat_torch}
+        print(f"write_layer n={n}: call + sync {lat * 1e6:.1f} us (CuPy), {lat_torch * 1e6:.1f} us (torch tensors)")
+    pool.check_slot_errors()
+
+
+def bench_attention(pool, results: dict, rows: list) -> None:
+    batch, seq_len, hq, hkv, d, bs = 256, 2048, 32, 8, 128, 16
+    whole = torch_views.blocks(pool)
+    k_cache, v_cache = whole[:, 0, 0], whole[:, 0, 1]
+    k_cache.normal_()
+    v_cache.normal_()
+    per_seq = seq_len // bs
+    perm = torch.randperm(pool.num_blocks, device="cuda")[: batch * per_seq]
+    tables = perm.view(batch, per_seq).int().contiguous()
+    lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.float16)
+    kv_bytes = 2 * batch * seq_len * hkv * d * 2
+    # dense K/V of the same tokens (the SDPA baseline and the check)
+    k_dense = k_cache[tables.long()].reshape(batch, seq_len, hkv, d).transpose(1, 2).contiguous()
+    v_dense = v_cache[tables.long()].reshape(batch, seq_len, hkv, d).transpose(1, 2).contiguous()
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, enable_gqa=True)[:, :, 0]
+    copy_src = torch.empty(kv_bytes // 2, dtype=torch.float16, device="cuda").normal_()
+    copy_dst = torch.empty_like(copy_src)
+    t_copy = triton.testing.do_bench(lambda: copy_dst.copy_(copy_src), warmup=50, rep=300, return_mode="median")
+    t_sdpa = triton.testing.do_bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, enable_gqa=True),
+        warmup=50, rep=300, return_mode="median")
+    memcpy_bw = 2 * kv_bytes / (t_copy / 1e3)
+    results["attention"] = {"kv_bytes": kv_bytes, "memcpy_ms": t_copy, "memcpy_bw": memcpy_bw, "sdpa_ms": t_sdpa,
+                            "configs": {}}
+    best = None
+    for block_n, warps, stages in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 3)]:
+        def run(bn=block_n, w=warps, st=stages):
+            return paged_decode_attention(q, k_cache, v_cache, tables, lens, block_n=bn, num_warps=w, num_stages=st)
+        try:
+            out = run()
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            t = triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")
+        except Exception as e:  # noqa: BLE001  (a config that does not compile is reported, not fatal)
+            print(f"config {block_n}/{warps}/{stages} failed: {e!r}"[:300])
+            continue
+        bw = kv_bytes / (t / 1e3)
+        results["attention"]["configs"][f"n{block_n}w{warps}s{stages}"] = {"ms": t, "bw": bw, "rel_err": err}
+        print(f"paged decode BLOCK_N={block_n} warps={warps} stages={stages}: {t:.3f} ms, {bw / 1e12:.2f} TB/s, "
+              f"{bw / memcpy_bw:.2f}x memcpy, rel err vs SDPA {err:.1e}")
+        if best is None or t < best[0]:
+            best = (t, f"paged decode n{block_n}w{warps}s{stages}", err)
+    t_b, name, err = best
+    rows.append((name + f" (err {err:.0e})", kv_bytes, t_b / 1e3, kv_bytes / memcpy_bw))
+    rows.append(("SDPA dense (same K/V)", kv_bytes, t_sdpa / 1e3, kv_bytes / memcpy_bw))
+    print(f"attention: memcpy {t_copy:.3f} ms ({memcpy_bw / 1e12:.2f} TB/s r+w), SDPA dense {t_sdpa:.3f} ms "
+          f"({kv_bytes / (t_sdpa / 1e3) / 1e12:.2f} TB/s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--pool-gib", type=int, default=66)
+    args = parser.parse_args()
+    proc, address = start_server(args.pool_gib)
+    rows: list = []
+    results: dict = {}
+    try:
+        with KVPoolClient(address) as client:
+            client.wait_until_serving(60)
+            pool = client.attach()
+            print(f"attached {pool.num_blocks} blocks of {pool.layout.block_bytes} B by CUDA IPC", flush=True)
+            bench_moves(pool, rows, results)
+            bench_attention(pool, results, rows)
+            pool.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print(f"\n{'operation':44s} {'bytes':>10s} {'time':>10s} {'GB/s':>8s} {'vs memcpy':>9s}")
+    for name, nbytes, t, m in rows:
+        moved = nbytes if name.startswith(("paged", "SDPA")) else 2 * nbytes  # attention: bytes read
+        print(f"{name:44s} {nbytes:10d} {t * 1e6:8.1f}us {moved / t / 1e9:8.0f} {m / t:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
