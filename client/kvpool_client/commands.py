@@ -16,6 +16,7 @@ Every call has a deadline: the client's ``timeout`` unless the call passes its o
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -45,6 +46,10 @@ def command(plan: Callable[Concatenate[KVPoolCommands, P], Plan[R]]) -> Callable
     def run_command(self: KVPoolCommands, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._run(plan(self, *args, **kwargs))
 
+    # help() shows what the call returns, not the plan: "Plan[int]" -> "int" (annotations are strings, PEP 563).
+    signature = inspect.signature(plan)
+    result = signature.return_annotation.removeprefix("Plan[").removesuffix("]")
+    run_command.__signature__ = signature.replace(return_annotation=result)  # type: ignore[attr-defined]
     return run_command
 
 

@@ -17,11 +17,8 @@ same way (generators in psycopg/generators.py; ``wait`` and ``wait_async`` in ps
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable, Generator, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, NamedTuple, TypeVar, Union
 
 import grpc
 
@@ -31,8 +28,7 @@ from kvpool_client.rpcs import Rpc
 R = TypeVar("R")
 
 
-@dataclass(frozen=True)
-class Attempt:
+class Attempt(NamedTuple):
     """Make ``rpc`` once with ``request``, with ``timeout`` seconds left of the call's deadline."""
 
     rpc: Rpc
@@ -40,8 +36,7 @@ class Attempt:
     timeout: float
 
 
-@dataclass(frozen=True)
-class Pause:
+class Pause(NamedTuple):
     seconds: float
 
 
@@ -50,42 +45,47 @@ Plan = Generator[Step, Any, R]
 
 
 class Steps:
-    """The steps of one plan, in order. Make each inside ``answer(step)``: the value given to its ``reply`` goes
+    """The steps of one plan, in order. Make each inside ``with steps as reply``: the value given to ``reply`` goes
     back to the plan; a grpc.RpcError raised inside is thrown into the plan as the client's exception. When the
     iteration ends, ``result`` holds what the plan returned."""
 
     def __init__(self, plan: Plan[Any]) -> None:
         self._plan = plan
-        self._resume: Callable[[], Step] = functools.partial(plan.send, None)
+        self._step: Step | None = None
+        self._answer: Any = None
+        self._error: BaseException | None = None
         self.result: Any = None
 
     def __iter__(self) -> Steps:
         return self
 
     def __next__(self) -> Step:
+        answer, error, self._answer, self._error = self._answer, self._error, None, None
         try:
-            return self._resume()
+            self._step = self._plan.send(answer) if error is None else self._plan.throw(error)
         except StopIteration as done:
             self.result = done.value
             raise StopIteration from None
+        return self._step
 
-    @contextmanager
-    def answer(self, step: Step) -> Iterator[Callable[[Any], None]]:
-        self._resume = functools.partial(self._plan.send, None)
-        try:
-            yield self._reply
-        except grpc.RpcError as error:  # grpc.aio.AioRpcError too
-            self._resume = functools.partial(self._plan.throw, from_rpc_error(error, step.rpc.name))
+    def __enter__(self) -> Callable[[Any], None]:
+        return self._reply
 
-    def _reply(self, value: Any) -> None:
-        self._resume = functools.partial(self._plan.send, value)
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: object) -> bool:
+        if not isinstance(error, grpc.RpcError):  # grpc.aio.AioRpcError is one too
+            return False
+        self._error = from_rpc_error(error, self._step.rpc.name)
+        return True
+
+    def _reply(self, answer: Any) -> None:
+        self._answer = answer
 
 
 def run(plan: Plan[R], make: Callable[[Step], Any]) -> R:
     """The plan's result, each step made by the blocking ``make`` (a call's response; None for a pause)."""
     steps = Steps(plan)
     for step in steps:
-        with steps.answer(step) as reply:
+        with steps as reply:
             reply(make(step))
     return steps.result
 
@@ -94,6 +94,6 @@ async def run_async(plan: Plan[R], make: Callable[[Step], Awaitable[Any]]) -> R:
     """``run`` for asyncio: each step is awaited."""
     steps = Steps(plan)
     for step in steps:
-        with steps.answer(step) as reply:
+        with steps as reply:
             reply(await make(step))
     return steps.result
