@@ -4,7 +4,7 @@ generator. The wire contract and the memory layout it speaks live in kvpool-comm
 
 from kvpool.layout import KVLayout
 from kvpool_client.aio import AsyncKVPoolClient
-from kvpool_client.client import KVPoolClient, RetryPolicy
+from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -16,6 +16,7 @@ from kvpool_client.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from kvpool_client.retry import RetryPolicy
 from kvpool_client.stream import AppendStream
 from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
 

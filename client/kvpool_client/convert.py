@@ -1,6 +1,6 @@
-"""Requests in, types.py out: the argument checks, request building and response parsing that KVPoolClient
-(client.py), AsyncKVPoolClient (aio.py) and AppendStream (stream.py) share, so that the sync and asyncio clients
-refuse the same bad arguments before sending and return the same values."""
+"""Requests in, types.py out: the argument checks, request building and response parsing of every call, pure
+functions with no I/O. The commands (commands.py, which both clients inherit) and AppendStream (stream.py) use
+them, so every path refuses the same bad arguments before sending and returns the same values."""
 
 from __future__ import annotations
 

@@ -79,10 +79,6 @@ class PoolStats:
     block_size: int
     block_bytes: int
 
-    @property
-    def bytes_used(self) -> int:
-        return self.num_blocks_used * self.block_bytes
-
 
 @dataclass(frozen=True)
 class PoolDescription:

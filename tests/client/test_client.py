@@ -1,21 +1,23 @@
-"""KVPoolClient against a real kvpool-server process: typed results, exception mapping, deadlines, retries."""
+"""Both clients against a real kvpool-server process, one body each: every test runs once with KVPoolClient and once
+with AsyncKVPoolClient (the ``connect`` / ``client`` fixtures of conftest.py). Typed results, the exception of each
+status code, deadlines, retries."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
 
+from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client import (
     AlreadyExistsError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     KVLayout,
-    KVPoolClient,
     NotFoundError,
     PoolStats,
     ResourceExhaustedError,
@@ -26,26 +28,22 @@ from kvpool_client.loadgen.pattern import kv_pattern, token_keys
 
 NUM_BLOCKS = 256  # the fixture's pool: 256 blocks of 16 tokens, 512 bytes a token
 BS = 16
+MISSING = 12345  # a seq_id no test registers
 
 
-@pytest.fixture
-def client(server):
-    with KVPoolClient(server.address, timeout=5.0) as c:
-        yield c
-
-
-def test_health_and_describe_pool(client):
+def test_health_describe_pool_and_layout(client, server):
     assert client.health() == "SERVING"
+    client.wait_until_serving(timeout=5.0)
     desc = client.describe_pool()
-    assert desc.layout == KVLayout()  # the seed's layout: 1 layer, 1 head, 64 dims, 16-token blocks, float32
+    assert desc.layout == KVLayout() == client.layout  # the seed's: 1 layer, 1 head, 64 dims, 16-token blocks, f32
     assert desc.backend == "host" and desc.shm_name
     assert desc.num_blocks == NUM_BLOCKS
     assert desc.block_bytes == 8192 and desc.token_bytes == 512
     assert desc.pool_bytes >= NUM_BLOCKS * 8192
-    assert desc.server_pid > 0
+    assert desc.server_pid == server.pid
 
 
-def test_register_append_block_table_free(client):
+def test_register_append_block_table_stats_free(client):
     a = client.register()
     b = client.register(seq_id=10**12)
     assert b == 10**12 and a != b
@@ -58,8 +56,7 @@ def test_register_append_block_table_free(client):
     table = client.block_table(a)
     assert table.num_tokens == 20 and table.block_size == BS and len(table.block_ids) == 2
     assert np.array_equal(table.slots(), split[a])
-    # One token each: a decode step, one value for all sequences.
-    step = client.append([a, b])
+    step = client.append([a, b])  # one token each: a decode step, one value for all sequences
     assert step.slot_mapping.shape == (2,)
     assert step.slot_mapping[0] == table.block_ids[1] * BS + 4
     stats = client.stats()
@@ -81,57 +78,64 @@ def test_fork_shares_blocks_and_append_copies_on_write(client):
     for child in children:
         assert np.array_equal(client.block_table(child).block_ids, client.block_table(parent).block_ids)
     assert client.stats().num_blocks_shared == 2
+    (named,) = client.fork(parent, child_seq_ids=[777])
+    assert named == 777
     result = client.append(children[0])  # the shared, partly filled last block is copied first
     assert result.copies.shape == (1, 2)
     src, dst = result.copies[0]
     assert src == client.block_table(parent).block_ids[1] and dst in result.new_block_ids
     assert result.slot_mapping[0] == dst * BS + 4
     assert np.array_equal(client.read_kv(children[0], 0, 20), kv)  # the copy carried the parent's KV
-    assert client.free([parent, *children]) == 3
+    report = client.check_invariants()
+    assert report.ok and report.num_sequences_checked == 4
+    assert client.free([parent, *children, named]) == 3
 
 
 def test_write_and_read_kv_ranges(client):
     seq = client.register()
     client.append(seq, 40)
     kv = kv_pattern(token_keys(seq, 0, 40), client.layout)
-    client.write_kv(seq, 0, kv[:25])
-    client.write_kv(seq, 25, kv[25:])
+    assert client.write_kv(seq, 0, kv[:25]) == 25
+    assert client.write_kv(seq, 25, kv[25:]) == 15
     whole = client.read_kv(seq)
     assert whole.shape == (40, 1, 2, 1, 64) and whole.dtype == np.float32
     assert np.array_equal(whole, kv)
     assert np.array_equal(client.read_kv(seq, 17, 5), kv[17:22])
-    with pytest.raises(InvalidArgumentError):
-        client.write_kv(seq, 0, kv[:, :, :1])  # wrong token shape: refused before sending
-    with pytest.raises(InvalidArgumentError):
-        client.write_kv(seq, 0, kv.astype(np.float64))
-    with pytest.raises(InvalidArgumentError):
-        client.read_kv(seq, 30, 20)  # past the end: the server refuses
+
+
+# (exception, the .method it names, the call): each fails and changes nothing; run against both clients.
+STATUS_CASES = [
+    (NotFoundError, "AppendToken", lambda c, seq: c.append([MISSING], 1)),
+    (NotFoundError, "Free", lambda c, seq: c.free(MISSING)),
+    (NotFoundError, "Fork", lambda c, seq: c.fork(MISSING, 1)),
+    (NotFoundError, "GetBlockTable", lambda c, seq: c.block_table(MISSING)),
+    (NotFoundError, "ReadKV", lambda c, seq: c.read_kv(MISSING)),
+    (AlreadyExistsError, "RegisterSequence", lambda c, seq: c.register(seq)),
+    (AlreadyExistsError, "Fork", lambda c, seq: c.fork(seq, child_seq_ids=[seq])),
+    (InvalidArgumentError, "AppendToken", lambda c, seq: c.append([], 1)),
+    (InvalidArgumentError, "AppendToken", lambda c, seq: c.append([seq, seq], 1)),  # the server refuses
+    (InvalidArgumentError, "AppendToken", lambda c, seq: c.append(seq, 0)),  # refused before sending
+    (InvalidArgumentError, "AppendToken", lambda c, seq: c.append([seq], [1, 2])),  # refused before sending
+    (InvalidArgumentError, "Fork", lambda c, seq: c.fork(seq, 0)),
+    (InvalidArgumentError, "Free", lambda c, seq: c.free([])),
+    (InvalidArgumentError, "ReadKV", lambda c, seq: c.read_kv(seq, 3, 20)),  # past the end
+    (InvalidArgumentError, "WriteKV", lambda c, seq: c.write_kv(seq, 0, np.zeros((1, 1, 2, 1, 64)))),  # float64
+    (InvalidArgumentError, "WriteKV", lambda c, seq: c.write_kv(seq, 0, np.zeros((1, 1, 1, 1, 64), np.float32))),
+    (ResourceExhaustedError, "AppendToken", lambda c, seq: c.append(seq, NUM_BLOCKS * BS - 5)),
+    (FailedPreconditionError, "WriteKV", lambda c, seq: c.write_kv(seq, 0, np.zeros((1, 1, 2, 1, 64), np.float32))),
+]
 
 
 def test_status_codes_raise_their_exception_and_change_nothing(client):
     seq = client.register()
     client.append(seq, 5)
-    client.fork(seq, 1)
+    client.fork(seq, 1)  # seq's block is now shared: WriteKV into it is FAILED_PRECONDITION
     before = client.stats()
-    cases = [
-        (NotFoundError, lambda: client.append([12345], 1)),
-        (NotFoundError, lambda: client.free(12345)),
-        (NotFoundError, lambda: client.fork(12345, 1)),
-        (NotFoundError, lambda: client.block_table(12345)),
-        (NotFoundError, lambda: client.read_kv(12345)),
-        (AlreadyExistsError, lambda: client.register(seq)),
-        (InvalidArgumentError, lambda: client.append([], 1)),
-        (InvalidArgumentError, lambda: client.append([seq, seq], 1)),
-        (InvalidArgumentError, lambda: client.append(seq, 0)),
-        (InvalidArgumentError, lambda: client.fork(seq, 0)),
-        (InvalidArgumentError, lambda: client.free([])),
-        (ResourceExhaustedError, lambda: client.append(seq, NUM_BLOCKS * BS - 5)),
-        (FailedPreconditionError, lambda: client.write_kv(seq, 0, np.zeros((1, 1, 2, 1, 64), np.float32))),
-    ]
-    for expected, call in cases:
+    for expected, method, call in STATUS_CASES:
         with pytest.raises(expected) as info:
-            call()
-        assert info.value.code == expected.code
+            call(client, seq)
+        assert info.value.code == expected.code and info.value.method == method
+        assert not isinstance(info.value.__context__, grpc.RpcError) or info.value.__suppress_context__
     assert client.stats() == before
 
 
@@ -142,84 +146,112 @@ def test_double_free_is_not_found(client):
         client.free(seq)
 
 
-@pytest.fixture
-def silent_server():
-    """A TCP port that completes the TCP handshake but never speaks HTTP/2: every call hangs until its deadline."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    yield f"127.0.0.1:{sock.getsockname()[1]}"
-    sock.close()
-
-
 @pytest.mark.parametrize("per_call", [False, True])
-def test_every_call_has_a_deadline(silent_server, per_call):
-    with KVPoolClient(silent_server, timeout=60 if per_call else 0.3) as client:
-        kwargs = {"timeout": 0.3} if per_call else {}
-        for call in (lambda: client.stats(**kwargs), lambda: client.register(**kwargs),
-                     lambda: client.append([1, 2], 1, **kwargs)):
-            start = time.monotonic()
-            with pytest.raises(DeadlineExceededError):
-                call()
-            assert 0.25 < time.monotonic() - start < 2.0
-
-
-def test_unreachable_server_fails_within_the_deadline(tmp_path):
-    with KVPoolClient(f"unix:{tmp_path}/nobody.sock", timeout=0.5) as client:
+def test_every_call_has_a_deadline(connect, silent_server, per_call):
+    client = connect(silent_server, timeout=60 if per_call else 0.3)
+    kwargs = {"timeout": 0.3} if per_call else {}
+    for call in (lambda: client.stats(**kwargs), lambda: client.register(**kwargs),
+                 lambda: client.append([1, 2], 1, **kwargs), lambda: client.health(**kwargs)):
         start = time.monotonic()
-        with pytest.raises((UnavailableError, DeadlineExceededError)):
-            client.stats()  # retried, but never past the deadline
-        assert time.monotonic() - start < 1.5
+        with pytest.raises(DeadlineExceededError):
+            call()
+        assert 0.25 < time.monotonic() - start < 2.0
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match="not SERVING"):
+        client.wait_until_serving(timeout=0.5)
+    assert time.monotonic() - start < 2.0
 
 
-class _FlakyRpc:
-    """Raises UNAVAILABLE ``failures`` times, then returns ``reply``; counts calls."""
+def test_unreachable_server_fails_within_the_deadline(connect, tmp_path):
+    client = connect(f"unix:{tmp_path}/nobody.sock", timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises((UnavailableError, DeadlineExceededError)):
+        client.stats()  # retried, but never past the deadline
+    assert time.monotonic() - start < 1.5
+    with pytest.raises(UnavailableError):
+        client.register()  # not retried: fails on the first UNAVAILABLE
+    assert time.monotonic() - start < 1.5
 
-    def __init__(self, failures: int, reply: object) -> None:
-        self.failures, self.reply, self.calls = failures, reply, 0
+
+class FlakyRpc:
+    """A unary stub method that fails with ``code`` ``failures`` times, then returns ``reply``; counts calls. For
+    the async client it answers as grpc.aio does: an awaitable that raises or returns when awaited."""
+
+    def __init__(self, failures: int, reply: object, *, awaitable: bool,
+                 code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        self.failures, self.reply, self.awaitable, self.code, self.calls = failures, reply, awaitable, code, 0
 
     def __call__(self, request, timeout=None):
         self.calls += 1
         assert timeout is not None and timeout > 0  # every attempt carries a deadline
-        if self.calls <= self.failures:
-            raise _Unavailable()
+        fails = self.calls <= self.failures
+        if not self.awaitable:
+            return self._answer(fails)
+
+        async def answer():
+            return self._answer(fails)
+
+        return answer()
+
+    def _answer(self, fails: bool) -> object:
+        if fails:
+            raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="refused")
         return self.reply
 
 
-class _Unavailable(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
+def test_only_idempotent_calls_are_retried(connect, tmp_path):
+    layout = pb.PoolLayout(num_blocks=8, num_layers=1, num_kv_heads=1, head_dim=64, block_size=16,
+                           dtype=pb.DTYPE_FLOAT32, block_bytes=8192, token_bytes=512)
+    client = connect(f"unix:{tmp_path}/unused.sock", retry=RetryPolicy(max_attempts=4, initial_backoff_s=0.001))
 
-    def details(self):
-        return "connection refused"
+    def flaky(failures, reply, code=grpc.StatusCode.UNAVAILABLE):
+        return FlakyRpc(failures, reply, awaitable=connect.kind == "async", code=code)
 
-
-def test_only_idempotent_calls_are_retried(tmp_path):
-    from kvpool.v1 import kvpool_pb2 as pb
-
-    client = KVPoolClient(f"unix:{tmp_path}/unused.sock", retry=RetryPolicy(max_attempts=4, initial_backoff_s=0.001))
-    client._stub.Stats = stats = _FlakyRpc(2, pb.StatsResponse(num_blocks_total=7))
-    client._stub.GetBlockTable = table = _FlakyRpc(10, None)
-    client._stub.RegisterSequence = register = _FlakyRpc(1, pb.RegisterSequenceResponse(seq_id=3))
-    client._stub.AppendToken = append = _FlakyRpc(1, None)
-    client._stub.Free = free = _FlakyRpc(1, None)
-    client._stub.Fork = fork = _FlakyRpc(1, None)
+    stub = client._stub
+    stub.Stats = stats = flaky(2, pb.StatsResponse(num_blocks_total=7))
+    stub.DescribePool = describe = flaky(3, pb.DescribePoolResponse(layout=layout, backend=pb.BACKEND_HOST))
+    stub.GetBlockTable = table = flaky(10, None)
+    stub.ReadKV = read = flaky(1, None, grpc.StatusCode.NOT_FOUND)
+    client._health.Check = check = flaky(1, health_pb2.HealthCheckResponse(status=1))  # SERVING
     assert client.stats().num_blocks_total == 7 and stats.calls == 3
+    assert client.layout.head_dim == 64 and describe.calls == 4
+    assert client.health() == "SERVING" and check.calls == 2
     with pytest.raises(UnavailableError):
         client.block_table(1)
     assert table.calls == 4  # gave up after max_attempts
-    for call, rpc in ((client.register, register), (lambda: client.append(1), append),
-                      (lambda: client.free(1), free), (lambda: client.fork(1, 1), fork)):
+    with pytest.raises(NotFoundError):
+        client.read_kv(1)
+    assert read.calls == 1  # only UNAVAILABLE is retried
+    calls = {"RegisterSequence": client.register, "AppendToken": lambda: client.append(1),
+             "Fork": lambda: client.fork(1, 1), "Free": lambda: client.free(1),
+             "WriteKV": lambda: client.write_kv(1, 0, np.zeros((1, 1, 2, 1, 64), np.float32))}
+    for name, call in calls.items():
+        setattr(stub, name, rpc := flaky(1, None))
         with pytest.raises(UnavailableError):
             call()
-        assert rpc.calls == 1, "a mutating call must never be retried"
-    client.close()
+        assert rpc.calls == 1, f"{name}: a mutating call must never be retried"
 
 
-def test_unix_socket_and_check_invariants(unix_server):
-    with KVPoolClient(unix_server.address) as client:
-        seq = client.register()
-        client.append(seq, 33)
-        report = client.check_invariants()
-        assert report.ok and report.num_sequences_checked == 1 and report.num_blocks_checked >= 3
-        client.free(seq)
+def test_backoff_never_runs_past_the_deadline(connect, tmp_path):
+    slow = RetryPolicy(max_attempts=4, initial_backoff_s=30.0, max_backoff_s=30.0)
+    client = connect(f"unix:{tmp_path}/unused.sock", timeout=0.3, retry=slow)
+    client._stub.Stats = stats = FlakyRpc(10, None, awaitable=connect.kind == "async")
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceededError, match="while retrying"):
+        client.stats()
+    assert 0.25 < time.monotonic() - start < 1.0 and stats.calls == 1
+
+
+def test_unix_socket(connect, unix_server):
+    client = connect(unix_server.address)
+    client.wait_until_serving()
+    seq = client.register()
+    client.append(seq, 33)
+    report = client.check_invariants()
+    assert report.ok and report.num_sequences_checked == 1 and report.num_blocks_checked >= 3
+    assert client.free(seq) == 3
+
+
+def test_bad_timeout_is_refused(connect):
+    with pytest.raises(ValueError, match="timeout"):
+        connect("127.0.0.1:1", timeout=0)

@@ -1,0 +1,206 @@
+"""The client API, every call written once: KVPoolClient (client.py) and AsyncKVPoolClient (aio.py) inherit these
+methods and differ only in how they open a channel and run a plan (plan.py): blocking, or awaited.
+
+A command checks its arguments and builds the request (convert.py), makes its RPC (a row of rpcs.py) through the
+retry loop (retry.py), and parses the response into types.py (convert.py again)::
+
+    @command
+    def free(self, seq_ids, *, timeout=None) -> Plan[int]:
+        response = yield from self._call(rpcs.FREE, convert.free_request(seq_ids), timeout)
+        return response.num_blocks_freed
+
+On KVPoolClient ``client.free(ids)`` returns that int; on AsyncKVPoolClient it returns an awaitable of it.
+Every call has a deadline: the client's ``timeout`` unless the call passes its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import numpy as np
+from grpc_health.v1 import health_pb2_grpc
+
+from kvpool.layout import KVLayout
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from kvpool_client import convert, rpcs
+from kvpool_client.errors import DeadlineExceededError, UnavailableError
+from kvpool_client.plan import Pause, Plan
+from kvpool_client.retry import RetryPolicy, call_with_retries
+from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
+
+P = ParamSpec("P")
+R = TypeVar("R")
+HEALTH_POLL_S = 0.05
+
+
+def command(plan: Callable[Concatenate[KVPoolCommands, P], Plan[R]]) -> Callable[Concatenate[KVPoolCommands, P], R]:
+    """A method written as a plan, returning what the client's ``_run`` makes of it: the result, or an awaitable."""
+
+    @functools.wraps(plan)
+    def run_command(self: KVPoolCommands, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run(plan(self, *args, **kwargs))
+
+    # help() shows what the call returns, not the plan: "Plan[int]" -> "int" (annotations are strings, PEP 563).
+    signature = inspect.signature(plan)
+    result = signature.return_annotation.removeprefix("Plan[").removesuffix("]")
+    run_command.__signature__ = signature.replace(return_annotation=result)  # type: ignore[attr-defined]
+    return run_command
+
+
+class KVPoolCommands(ABC):
+    """The API over one channel. A subclass supplies ``_open_channel`` (sync or grpc.aio) and ``_run``."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 10.0,
+        retry: RetryPolicy = RetryPolicy(),
+        options: Sequence[tuple[str, Any]] = (),
+        channel: Any = None,
+    ) -> None:
+        """``channel``: an open grpc.Channel (KVPoolClient) or grpc.aio.Channel (AsyncKVPoolClient) to use instead
+        of opening one to ``target``; ``options`` are added to the channel's (convert.channel_options)."""
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry
+        self._channel = channel or self._open_channel(target, convert.channel_options(options))
+        self._stub = pb_grpc.KVPoolServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._description: PoolDescription | None = None
+
+    # ---------------------------------------------------------------- what a client supplies
+    @staticmethod
+    @abstractmethod
+    def _open_channel(target: str, options: list[tuple[str, Any]]) -> Any: ...
+
+    @abstractmethod
+    def _run(self, plan: Plan[R]) -> Any:
+        """Run ``plan`` to its result (KVPoolClient), or return an awaitable of it (AsyncKVPoolClient)."""
+
+    # ---------------------------------------------------------------- plumbing
+    def _stub_method(self, rpc: rpcs.Rpc) -> Callable:
+        return getattr(self._health if rpc.stub == rpcs.HEALTH_STUB else self._stub, rpc.stub_method)
+
+    def _call(self, rpc: rpcs.Rpc, request: Any, timeout: float | None) -> Plan[Any]:
+        return call_with_retries(rpc, request, self.timeout if timeout is None else timeout, self.retry)
+
+    # ---------------------------------------------------------------- sequences
+    @command
+    def register(self, seq_id: int | None = None, *, timeout: float | None = None) -> Plan[int]:
+        """Create an empty sequence; the server assigns the id (never reused) unless ``seq_id`` is given."""
+        response = yield from self._call(rpcs.REGISTER_SEQUENCE, convert.register_request(seq_id), timeout)
+        return response.seq_id
+
+    @command
+    def append(
+        self,
+        seq_ids: int | Sequence[int] | np.ndarray,
+        num_tokens: int | Sequence[int] | np.ndarray = 1,
+        *,
+        timeout: float | None = None,
+    ) -> Plan[AppendResult]:
+        """Grow every sequence of ``seq_ids`` by ``num_tokens`` (one count for all, or one each), atomically."""
+        ids, counts, counts_field = convert.append_args(seq_ids, num_tokens, rpcs.APPEND_TOKEN.name)
+        request = pb.AppendTokenRequest(seq_ids=ids, num_tokens=counts_field)
+        response = yield from self._call(rpcs.APPEND_TOKEN, request, timeout)
+        return convert.append_result(ids, counts, response)
+
+    @command
+    def fork(
+        self,
+        parent_seq_id: int,
+        num_children: int = 0,
+        child_seq_ids: Sequence[int] = (),
+        *,
+        timeout: float | None = None,
+    ) -> Plan[list[int]]:
+        """Children that share every block of the parent (copy-on-write); returns their ids."""
+        request = convert.fork_request(parent_seq_id, num_children, child_seq_ids)
+        response = yield from self._call(rpcs.FORK, request, timeout)
+        return list(response.child_seq_ids)
+
+    @command
+    def free(self, seq_ids: int | Sequence[int], *, timeout: float | None = None) -> Plan[int]:
+        """Release sequences (all or none); returns the number of blocks whose ref count reached 0."""
+        response = yield from self._call(rpcs.FREE, convert.free_request(seq_ids), timeout)
+        return response.num_blocks_freed
+
+    # ---------------------------------------------------------------- reads (retried on UNAVAILABLE)
+    @command
+    def stats(self, *, timeout: float | None = None) -> Plan[PoolStats]:
+        response = yield from self._call(rpcs.STATS, pb.StatsRequest(), timeout)
+        return convert.pool_stats(response)
+
+    @command
+    def block_table(self, seq_id: int, *, timeout: float | None = None) -> Plan[BlockTable]:
+        response = yield from self._call(rpcs.GET_BLOCK_TABLE, pb.GetBlockTableRequest(seq_id=seq_id), timeout)
+        return convert.block_table(response)
+
+    @command
+    def describe_pool(self, *, timeout: float | None = None) -> Plan[PoolDescription]:
+        return (yield from self._describe_pool(timeout))
+
+    def _describe_pool(self, timeout: float | None) -> Plan[PoolDescription]:
+        response = yield from self._call(rpcs.DESCRIBE_POOL, pb.DescribePoolRequest(), timeout)
+        self._description = convert.pool_description(response)
+        return self._description
+
+    def _layout(self) -> Plan[KVLayout]:
+        """The pool's layout (fetched once: it is fixed for the life of a server)."""
+        return (self._description or (yield from self._describe_pool(None))).layout
+
+    @command
+    def read_kv(
+        self, seq_id: int, start: int = 0, num_tokens: int = 0, *, timeout: float | None = None
+    ) -> Plan[np.ndarray]:
+        """KV of tokens [start, start + num_tokens) (0: to the end) as [n, num_layers, 2, num_kv_heads, head_dim]."""
+        response = yield from self._call(rpcs.READ_KV, convert.read_kv_request(seq_id, start, num_tokens), timeout)
+        return convert.kv_array(response, (yield from self._layout()))
+
+    @command
+    def check_invariants(self, *, timeout: float | None = None) -> Plan[InvariantReport]:
+        """The server's full invariant check; a violation raises InternalError with the server's message."""
+        response = yield from self._call(rpcs.CHECK_INVARIANTS, pb.CheckInvariantsRequest(), timeout)
+        return convert.invariant_report(response)
+
+    @command
+    def health(self, service: str = "", *, timeout: float | None = None) -> Plan[str]:
+        """The standard health check's status name: "SERVING", "NOT_SERVING", ..."""
+        return (yield from self._health_status(service, timeout))
+
+    def _health_status(self, service: str, timeout: float | None) -> Plan[str]:
+        response = yield from self._call(rpcs.HEALTH_CHECK, convert.health_request(service), timeout)
+        return convert.health_status(response)
+
+    @command
+    def wait_until_serving(self, timeout: float = 10.0, service: str = "") -> Plan[None]:
+        """Return once health says SERVING; raise DeadlineExceededError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                last = yield from self._health_status(service, max(0.05, min(1.0, deadline - time.monotonic())))
+                if last == "SERVING":
+                    return
+            except (UnavailableError, DeadlineExceededError) as error:
+                last = str(error)
+            yield Pause(HEALTH_POLL_S)
+        raise DeadlineExceededError(f"server at {self.target} not SERVING after {timeout}s ({last})", method="Health")
+
+    # ---------------------------------------------------------------- KV through the page table (remote path)
+    @command
+    def write_kv(self, seq_id: int, start: int, data: np.ndarray, *, timeout: float | None = None) -> Plan[int]:
+        """Write ``data`` ([n, num_layers, 2, num_kv_heads, head_dim], the pool's storage dtype) to tokens
+        [start, start + n) of a sequence; returns n. The tokens' blocks must be the sequence's own."""
+        request = convert.write_kv_request(seq_id, start, data, (yield from self._layout()))
+        response = yield from self._call(rpcs.WRITE_KV, request, timeout)
+        return response.num_tokens_written

@@ -1,0 +1,41 @@
+"""The unary RPCs the clients make, one row each: the stub that serves it, its method, and whether it is retried.
+
+Idempotent means "running it twice changes nothing a second time": only those are retried, and only on
+UNAVAILABLE (retry.py). A mutating call that failed with UNAVAILABLE may or may not have run on the server, so a
+retried AppendToken could append twice and a retried RegisterSequence could register a second sequence.
+AppendTokenStream is not here: it is a bidirectional stream, made by the sync client only (stream.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KVPOOL_STUB = "kvpool"  # kvpool.v1.KVPoolService
+HEALTH_STUB = "health"  # grpc.health.v1.Health
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """One unary RPC: ``name`` is what its exceptions carry as ``.method``."""
+
+    name: str
+    idempotent: bool
+    stub: str = KVPOOL_STUB
+
+    @property
+    def stub_method(self) -> str:
+        """The stub's attribute for this RPC ("Health.Check" -> "Check")."""
+        return self.name.rsplit(".", 1)[-1]
+
+
+REGISTER_SEQUENCE = Rpc("RegisterSequence", idempotent=False)
+APPEND_TOKEN = Rpc("AppendToken", idempotent=False)
+FORK = Rpc("Fork", idempotent=False)
+FREE = Rpc("Free", idempotent=False)
+WRITE_KV = Rpc("WriteKV", idempotent=False)
+STATS = Rpc("Stats", idempotent=True)
+GET_BLOCK_TABLE = Rpc("GetBlockTable", idempotent=True)
+DESCRIBE_POOL = Rpc("DescribePool", idempotent=True)
+READ_KV = Rpc("ReadKV", idempotent=True)
+CHECK_INVARIANTS = Rpc("CheckInvariants", idempotent=True)
+HEALTH_CHECK = Rpc("Health.Check", idempotent=True, stub=HEALTH_STUB)
