@@ -334,7 +334,7 @@ class JsonLogFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-JsonLogFormatter.converter = time.gmtime  # type: ignore[assignment]
+JsonLogFormatter.converter = time.gmtime
 
 
 def configure_logging(config: ServerConfig) -> None:

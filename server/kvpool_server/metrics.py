@@ -94,35 +94,45 @@ class PoolCollector(Collector):
         return self._families(self.read_stats(), sessions)
 
     def _families(self, s: PoolStats | None, sessions: SessionGauges | None) -> list[Metric]:
+        """Every family; without ``s`` (describe) they carry no samples."""
+
+        def pool(value: Callable[[PoolStats], float]) -> float | None:
+            return None if s is None else value(s)
+
+        def sess(value: Callable[[SessionGauges], float]) -> float | None:
+            return None if sessions is None else value(sessions)
+
         def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=value)
 
         families: list[Metric] = [
-            gauge("kvpool_blocks", "Blocks in the pool (its capacity)", s and s.num_blocks_total),
-            gauge("kvpool_blocks_free", "Blocks on the free list", s and s.num_blocks_free),
-            gauge("kvpool_blocks_used", "Blocks referenced by at least one sequence", s and s.num_blocks_used),
+            gauge("kvpool_blocks", "Blocks in the pool (its capacity)", pool(lambda s: s.num_blocks_total)),
+            gauge("kvpool_blocks_free", "Blocks on the free list", pool(lambda s: s.num_blocks_free)),
+            gauge("kvpool_blocks_used", "Blocks referenced by at least one sequence", pool(lambda s: s.num_blocks_used)),
             gauge("kvpool_blocks_shared", "Blocks referenced by more than one sequence (fork sharing)",
-                  s and s.num_blocks_shared),
-            gauge("kvpool_usage_ratio", "Used blocks / all blocks", s and s.utilization),
-            gauge("kvpool_sequences", "Live sequences", s and s.num_sequences),
+                  pool(lambda s: s.num_blocks_shared)),
+            gauge("kvpool_usage_ratio", "Used blocks / all blocks", pool(lambda s: s.utilization)),
+            gauge("kvpool_sequences", "Live sequences", pool(lambda s: s.num_sequences)),
             gauge("kvpool_tokens", "Tokens over all live sequences (a shared token counts once per sequence)",
-                  s and s.num_tokens),
+                  pool(lambda s: s.num_tokens)),
             gauge("kvpool_slots_unused", "Token slots inside used blocks that hold no token (counted once a block)",
-                  s and s.num_slots_unused),
+                  pool(lambda s: s.num_slots_unused)),
             gauge("kvpool_internal_fragmentation_ratio", "Unused slots / slots of used blocks",
-                  s and s.internal_fragmentation),
-            gauge("kvpool_block_size_tokens", "Tokens a block holds", s and s.block_size),
+                  pool(lambda s: s.internal_fragmentation)),
+            gauge("kvpool_block_size_tokens", "Tokens a block holds", pool(lambda s: s.block_size)),
             CounterMetricFamily("kvpool_cow_copies", "Copy-on-write block copies since start",
-                                value=s and s.num_copies),
-            gauge("kvpool_sessions", "Live sessions", sessions and sessions.num_live),
+                                value=pool(lambda s: s.num_copies)),
+            gauge("kvpool_sessions", "Live sessions", sess(lambda g: g.num_live)),
             gauge("kvpool_ended_session_blocks", "Blocks still held by sequences of ended sessions (must be 0)",
-                  sessions and sessions.num_blocks_held_by_ended),
+                  sess(lambda g: g.num_blocks_held_by_ended)),
         ]
-        if self.block_bytes is not None:
+        block_bytes = self.block_bytes
+        if block_bytes is not None:
             families += [
-                gauge("kvpool_block_size_bytes", "Bytes of one block", self.block_bytes if s else None),
-                gauge("kvpool_pool_size_bytes", "Bytes of the whole pool", s and s.num_blocks_total * self.block_bytes),
-                gauge("kvpool_used_bytes", "Bytes of the used blocks", s and s.num_blocks_used * self.block_bytes),
+                gauge("kvpool_block_size_bytes", "Bytes of one block", pool(lambda s: block_bytes)),
+                gauge("kvpool_pool_size_bytes", "Bytes of the whole pool",
+                      pool(lambda s: s.num_blocks_total * block_bytes)),
+                gauge("kvpool_used_bytes", "Bytes of the used blocks", pool(lambda s: s.num_blocks_used * block_bytes)),
             ]
         return families
 

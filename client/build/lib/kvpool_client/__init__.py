@@ -1,0 +1,41 @@
+"""kvpool client library: a typed gRPC client (sync and asyncio), zero-copy attach() to the pool, and the load
+generator. The wire contract and the memory layout it speaks live in kvpool-common (``kvpool.v1``, ``kvpool.layout``).
+"""
+
+from kvpool.layout import KVLayout
+from kvpool_client.aio import AsyncKVPoolClient
+from kvpool_client.client import KVPoolClient, RetryPolicy
+from kvpool_client.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    KVPoolClientError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from kvpool_client.stream import AppendStream
+from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
+
+__all__ = [
+    "AlreadyExistsError",
+    "AppendResult",
+    "AppendStream",
+    "AsyncKVPoolClient",
+    "BlockTable",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "InternalError",
+    "InvalidArgumentError",
+    "KVLayout",
+    "KVPoolClient",
+    "KVPoolClientError",
+    "NotFoundError",
+    "PoolDescription",
+    "PoolStats",
+    "ResourceExhaustedError",
+    "RetryPolicy",
+    "UnavailableError",
+]

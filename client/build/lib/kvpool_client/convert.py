@@ -1,0 +1,137 @@
+"""Requests in, types.py out: the argument checks, request building and response parsing that KVPoolClient
+(client.py), AsyncKVPoolClient (aio.py) and AppendStream (stream.py) share, so that the sync and asyncio clients
+refuse the same bad arguments before sending and return the same values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+from grpc_health.v1 import health_pb2
+
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_client.errors import InvalidArgumentError
+from kvpool.layout import KVLayout
+from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+DTYPE_NAMES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16"}
+BACKEND_NAMES = {pb.BACKEND_GPU: "gpu", pb.BACKEND_HOST: "host"}
+
+
+def channel_options(options: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    """Message limits large enough for ReadKV / WriteKV of long sequences, then the caller's options."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        *options,
+    ]
+
+
+def seq_id_list(seq_ids: int | Sequence[int] | np.ndarray) -> list[int]:
+    return [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else [int(s) for s in seq_ids]
+
+
+# ---------------------------------------------------------------- sequences
+def register_request(seq_id: int | None) -> pb.RegisterSequenceRequest:
+    return pb.RegisterSequenceRequest() if seq_id is None else pb.RegisterSequenceRequest(seq_id=seq_id)
+
+
+def append_args(
+    seq_ids: int | Sequence[int] | np.ndarray, num_tokens: int | Sequence[int] | np.ndarray, method: str
+) -> tuple[list[int], np.ndarray, list[int]]:
+    """(ids, one count per id, the request's num_tokens field); InvalidArgumentError before anything is sent."""
+    ids = seq_id_list(seq_ids)
+    if isinstance(num_tokens, (int, np.integer)):
+        counts_field = [int(num_tokens)]
+        counts = np.full(len(ids), int(num_tokens), dtype=np.int64)
+    else:
+        counts = np.asarray(num_tokens, dtype=np.int64)
+        counts_field = counts.tolist()
+    if counts.size != len(ids) or (counts < 1).any():
+        raise InvalidArgumentError(
+            f"need one num_tokens >= 1 for all, or one per sequence; got {counts.tolist()} for {len(ids)}",
+            method=method,
+        )
+    return ids, counts, counts_field
+
+
+def append_result(ids: list[int], counts: np.ndarray, response: Any) -> AppendResult:
+    """An AppendTokenResponse or AppendTokenStreamResponse (the same fields) as an AppendResult."""
+    copies = np.array([(c.src_block_id, c.dst_block_id) for c in response.copies], dtype=np.int64).reshape(-1, 2)
+    return AppendResult(
+        seq_ids=tuple(ids),
+        num_tokens=counts,
+        slot_mapping=np.array(response.slot_mapping, dtype=np.int64),
+        new_block_ids=np.array(response.new_block_ids, dtype=np.int64),
+        copies=copies,
+    )
+
+
+def fork_request(parent_seq_id: int, num_children: int, child_seq_ids: Sequence[int]) -> pb.ForkRequest:
+    return pb.ForkRequest(parent_seq_id=parent_seq_id, num_children=num_children, child_seq_ids=child_seq_ids)
+
+
+def free_request(seq_ids: int | Sequence[int] | np.ndarray) -> pb.FreeRequest:
+    return pb.FreeRequest(seq_ids=seq_id_list(seq_ids))
+
+
+# ---------------------------------------------------------------- reads
+def pool_stats(r: pb.StatsResponse) -> PoolStats:
+    return PoolStats(**{f.name: getattr(r, f.name) for f in fields(PoolStats)})
+
+
+def block_table(r: pb.GetBlockTableResponse) -> BlockTable:
+    return BlockTable(np.array(r.block_ids, dtype=np.int64), r.num_tokens, r.block_size)
+
+
+def pool_description(r: pb.DescribePoolResponse) -> PoolDescription:
+    lay = r.layout
+    return PoolDescription(
+        layout=KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, DTYPE_NAMES[lay.dtype]),
+        num_blocks=lay.num_blocks,
+        backend=BACKEND_NAMES.get(r.backend, "unspecified"),
+        pool_bytes=r.pool_bytes,
+        block_bytes=lay.block_bytes,
+        token_bytes=lay.token_bytes,
+        shm_name=r.shm_name,
+        cuda_ipc_handle=bytes(r.cuda_ipc_handle),
+        cuda_device=r.cuda_device,
+        server_pid=r.server_pid,
+    )
+
+
+def invariant_report(r: pb.CheckInvariantsResponse) -> InvariantReport:
+    return InvariantReport(r.ok, r.num_blocks_checked, r.num_sequences_checked)
+
+
+def health_request(service: str) -> health_pb2.HealthCheckRequest:
+    return health_pb2.HealthCheckRequest(service=service)
+
+
+def health_status(r: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+# ---------------------------------------------------------------- KV through the page table
+def read_kv_request(seq_id: int, start: int, num_tokens: int) -> pb.ReadKVRequest:
+    return pb.ReadKVRequest(seq_id=seq_id, start_position=start, num_tokens=num_tokens)
+
+
+def kv_array(r: pb.ReadKVResponse, layout: KVLayout) -> np.ndarray:
+    """ReadKV's little-endian bytes as [n, num_layers, 2, num_kv_heads, head_dim] in the pool's storage dtype."""
+    wire = layout.storage_dtype.newbyteorder("<")
+    return np.frombuffer(r.data, dtype=wire).reshape((r.num_tokens, *layout.token_shape)).astype(layout.storage_dtype)
+
+
+def write_kv_request(seq_id: int, start: int, data: np.ndarray, layout: KVLayout) -> pb.WriteKVRequest:
+    """Checks shape and dtype (InvalidArgumentError before sending) and packs ``data`` little-endian."""
+    data = np.asarray(data)
+    if data.ndim != 5 or data.shape[1:] != layout.token_shape:
+        raise InvalidArgumentError(f"data must be [n, *{layout.token_shape}], got {data.shape}", method="WriteKV")
+    if data.dtype != layout.storage_dtype:
+        raise InvalidArgumentError(f"data must be {layout.storage_dtype}, got {data.dtype}", method="WriteKV")
+    payload = np.ascontiguousarray(data, dtype=layout.storage_dtype.newbyteorder("<")).tobytes()
+    return pb.WriteKVRequest(seq_id=seq_id, start_position=start, data=payload)

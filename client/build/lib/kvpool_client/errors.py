@@ -1,0 +1,110 @@
+"""One exception tree for the client, mirroring gRPC status codes through one table.
+
+    KVPoolClientError                 .code (grpc.StatusCode or None), .details, .method
+     ├─ NotFoundError                 NOT_FOUND            unknown or freed seq_id
+     ├─ AlreadyExistsError            ALREADY_EXISTS       caller-supplied seq_id already live
+     ├─ InvalidArgumentError          INVALID_ARGUMENT     can never succeed as written (a ValueError)
+     ├─ ResourceExhaustedError        RESOURCE_EXHAUSTED   not enough free blocks now (retry after a Free)
+     ├─ FailedPreconditionError       FAILED_PRECONDITION  valid, but the state forbids it (write to a shared block)
+     ├─ UnavailableError              UNAVAILABLE          server down, restarting or shutting down
+     ├─ DeadlineExceededError         DEADLINE_EXCEEDED    the call's deadline passed (a TimeoutError)
+     ├─ InternalError                 INTERNAL             a server bug, e.g. a violated invariant
+     ├─ CancelledError                CANCELLED
+     ├─ UnimplementedError            UNIMPLEMENTED
+     └─ UnknownError                  every other code
+
+The caller catches one class per situation; `from_rpc_error` is the only place that reads status codes.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVPoolClientError(Exception):
+    """Base of every error the client raises for a failed call."""
+
+    code: grpc.StatusCode | None = None
+
+    def __init__(self, details: str, *, code: grpc.StatusCode | None = None, method: str = "") -> None:
+        super().__init__(details)
+        self.details = details
+        self.method = method
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        name = self.code.name if self.code is not None else "CLIENT"
+        where = f" in {self.method}" if self.method else ""
+        return f"{name}{where}: {self.details}"
+
+
+class NotFoundError(KVPoolClientError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExistsError(KVPoolClientError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class InvalidArgumentError(KVPoolClientError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhaustedError(KVPoolClientError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPreconditionError(KVPoolClientError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UnavailableError(KVPoolClientError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(KVPoolClientError, TimeoutError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class InternalError(KVPoolClientError):
+    code = grpc.StatusCode.INTERNAL
+
+
+class CancelledError(KVPoolClientError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class UnimplementedError(KVPoolClientError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class UnknownError(KVPoolClientError):
+    code = grpc.StatusCode.UNKNOWN
+
+
+# The one mapping table: status code -> exception class. Codes not listed raise UnknownError (with the real code).
+ERROR_FOR_CODE: dict[grpc.StatusCode, type[KVPoolClientError]] = {
+    cls.code: cls
+    for cls in (
+        NotFoundError,
+        AlreadyExistsError,
+        InvalidArgumentError,
+        ResourceExhaustedError,
+        FailedPreconditionError,
+        UnavailableError,
+        DeadlineExceededError,
+        InternalError,
+        CancelledError,
+        UnimplementedError,
+        UnknownError,
+    )
+}
+
+
+def from_rpc_error(error: grpc.RpcError, method: str = "") -> KVPoolClientError:
+    """The client exception for a failed call (``error`` is a grpc.RpcError that is also a grpc.Call)."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    cls = ERROR_FOR_CODE.get(code, UnknownError)
+    return cls(details, code=code, method=method)

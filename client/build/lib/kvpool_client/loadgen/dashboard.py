@@ -1,0 +1,117 @@
+"""The progress bar (stderr, only on a terminal) and the end-of-run dashboard (plain text from the summary)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+class ProgressBar:
+    """``[#####.....]  42/100 completions  12,345 tokens  3.1 s`` redrawn at most 10 times a second."""
+
+    def __init__(
+        self, total: int, *, enabled: bool | None = None, stream: TextIO | None = None, width: int = 30
+    ) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.total = total
+        self.width = width
+        self.done = 0
+        self.tokens = 0
+        self._start = time.monotonic()
+        self._last_draw = 0.0
+
+    def update(self, done: int, tokens: int) -> None:
+        self.done, self.tokens = done, tokens
+        now = time.monotonic()
+        if self.enabled and (now - self._last_draw >= 0.1 or done >= self.total):
+            self._last_draw = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        filled = int(self.width * self.done / self.total) if self.total else self.width
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(
+            f"\r[{bar}] {self.done:>5}/{self.total} completions  {self.tokens:>9,} tokens  {now - self._start:6.1f} s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            if self.done < self.total:  # update() drew the final state already
+                self._draw(time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / (1 << 20):,.2f} MiB"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The dashboard as text."""
+    cfg, run, ver, mem = summary["config"], summary["run"], summary["verification"], summary["memory"]
+    lat = summary["latency"]
+    mode = cfg["mode"] + (f" (beam width {cfg['beam_width']})" if cfg["mode"] == "beam" else "")
+    mode += f" ({cfg['num_samples']} samples)" if cfg["mode"] == "parallel" else ""
+    bb = mem["block_bytes"]
+    lines = [
+        "=" * 78,
+        f" kvpool-loadgen  {cfg['target']}  backend={cfg['backend']}  mode={mode}",
+        f" {cfg['processes']} processes, {cfg['concurrency']} requests in flight, lengths={cfg['lengths']} "
+        f"(max_len {cfg['max_len']}), seed={cfg['seed']}",
+        f" pool: {mem['pool_blocks']:,} blocks x {cfg['block_size']} tokens x {cfg['token_bytes']} B/token "
+        f"= {_mib(mem['pool_blocks'] * bb)}",
+        "-" * 78,
+        f" completions            {run['completions']:>10,} / {cfg['completions']}   "
+        f"({run['sequences']:,} sequences, {run['wall_s']:.2f} s)",
+        f" token appends          {run['tokens_appended']:>10,}   in {run['append_calls']:,} AppendToken calls "
+        f"({run['decode_steps']:,} decode steps)",
+        f" KV verification errors {ver['errors']:>10,}   ({ver['tokens_verified']:,} tokens checked via "
+        f"{ver['method']})"
+        + (f"  [{ver['errors_injected']} injected by --inject-errors]" if ver.get("errors_injected") else ""),
+        "-" * 78,
+        f" utilization            peak {_pct(mem['peak_utilization']):>8}  ({mem['peak_used_blocks']:,} blocks, "
+        f"{_mib(mem['peak_used_bytes'])})   time-avg {_pct(mem['avg_utilization'])}",
+        f" internal fragmentation at peak {_pct(mem['internal_fragmentation_at_peak']):>8}   "
+        f"time-avg {_pct(mem['internal_fragmentation_avg'])}",
+        f" external fragmentation {_pct(mem['external_fragmentation']):>8}   (fixed-size blocks, no contiguity: "
+        "any free block fits)",
+        f" peak memory: paged {_mib(mem['peak_used_bytes'])} vs naive preallocation "
+        f"{_mib(mem['naive_peak_bytes'])}",
+        f"   naive = {cfg['naive_seqs']} sequences x {cfg['max_len']} tokens ({mem['naive_blocks_per_seq']} blocks "
+        f"each) = {mem['naive_peak_blocks']:,} blocks;  paged/naive = {mem['paged_over_naive_peak']:.3f}",
+        f" KV memory holding tokens (time-avg): paged {_pct(mem['kv_used_for_tokens_paged'])}, "
+        f"naive {_pct(mem['kv_used_for_tokens_naive'])}",
+    ]
+    share = summary.get("sharing")
+    if share and cfg["mode"] != "plain":
+        lines += [
+            "-" * 78,
+            f" sharing: blocks saved vs no sharing  time-avg {_pct(share['blocks_saved_avg'])}   at peak "
+            f"{_pct(share['blocks_saved_at_peak'])} ({share['peak_blocks_with_sharing']:,} vs "
+            f"{share['peak_blocks_without_sharing']:,} blocks)",
+            f"          forks {share['forks']:,}   copy-on-write copies {share['copies']:,}",
+        ]
+    lines += ["-" * 78, " RPC latency (ms)          count      p50      p99"]
+    for name, row in lat.items():
+        if row["count"]:
+            lines.append(f"   {name:<20} {row['count']:>9,} {row['p50_ms']:>8.3f} {row['p99_ms']:>8.3f}")
+    end = summary["end"]
+    lines += [
+        "-" * 78,
+        f" at the end: {end['blocks_used']} blocks used, {end['sequences']} sequences; invariants "
+        f"{'ok' if end['invariants_ok'] else 'VIOLATED: ' + end.get('invariants_error', '')}",
+    ]
+    if ver["messages"]:
+        lines += [" verification failures:"] + [f"   {m}" for m in ver["messages"]]
+    if summary.get("worker_errors"):
+        lines += [" worker failures:"] + [f"   {m.strip().splitlines()[-1]}" for m in summary["worker_errors"]]
+    lines.append(f" result: {'PASS' if summary['ok'] else 'FAIL'}")
+    lines.append("=" * 78)
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""What the load generator runs: length distributions, per-request specs and the beam rule. Pure and seeded.
+
+Request i of a run depends only on (seed, i), never on which process serves it or when, so two runs with the same
+seed run the same requests (the interleaving of processes still differs).
+
+Lengths. A request has a prompt and an output; its sequence grows to ``prompt_len + output_len`` tokens, never more
+than ``max_len``:
+  uniform   the seed's: prompt uniform in [4, 32], *target* (prompt + output) uniform in [32, max_len=256];
+            output = target - prompt (at least 1).
+  sharegpt  lognormal prompt (mean 161, sigma 1.0) and output (mean 338, sigma 0.8), clipped to max_len=2048.
+  alpaca    lognormal prompt (mean 19, sigma 0.6) and output (mean 58, sigma 0.8), clipped to max_len=2048.
+The lognormal means are those commonly quoted from the PagedAttention paper's Fig. 11; the sigmas are our choice
+(the paper gives histograms, not parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+MODES = ("plain", "beam", "parallel")
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    name: str
+    max_len: int
+    prompt_mean: float = 0.0
+    prompt_sigma: float = 0.0
+    output_mean: float = 0.0
+    output_sigma: float = 0.0
+
+    def sample(self, rng: np.random.Generator, num_outputs: int = 1) -> tuple[int, tuple[int, ...]]:
+        """(prompt_len, output_lens): ``num_outputs`` outputs for one prompt, each prompt + output <= max_len."""
+        if self.name == "uniform":
+            prompt_len = int(rng.integers(4, min(32, self.max_len - 1) + 1))
+            targets = rng.integers(32, self.max_len + 1, size=num_outputs)
+            outputs = np.maximum(targets - prompt_len, 1)
+        else:
+            prompt_len = int(np.clip(round(_lognormal(rng, self.prompt_mean, self.prompt_sigma)), 1, self.max_len - 1))
+            raw = [_lognormal(rng, self.output_mean, self.output_sigma) for _ in range(num_outputs)]
+            outputs = np.clip(np.round(raw), 1, self.max_len - prompt_len)
+        return prompt_len, tuple(int(x) for x in outputs)
+
+
+def _lognormal(rng: np.random.Generator, mean: float, sigma: float) -> float:
+    """A lognormal draw with the given *mean* (not median): mu = ln(mean) - sigma^2 / 2."""
+    return float(rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma))
+
+
+def distribution(name: str, max_len: int | None = None) -> LengthDistribution:
+    if name == "uniform":
+        return LengthDistribution("uniform", max_len or 256)
+    if name == "sharegpt":
+        return LengthDistribution("sharegpt", max_len or 2048, 161, 1.0, 338, 0.8)
+    if name == "alpaca":
+        return LengthDistribution("alpaca", max_len or 2048, 19, 0.6, 58, 0.8)
+    raise ValueError(f"unknown length distribution {name!r}; choose uniform, sharegpt or alpaca")
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request: a prompt and the output length of each of its sequences (1 for plain and beam, n for parallel)."""
+
+    index: int
+    prompt_len: int
+    output_lens: tuple[int, ...]
+
+    @property
+    def max_total_len(self) -> int:
+        return self.prompt_len + max(self.output_lens)
+
+
+def make_request(seed: int, index: int, dist: LengthDistribution, mode: str, num_samples: int = 1) -> RequestSpec:
+    """Request ``index`` of a run: depends only on (seed, index)."""
+    rng = np.random.default_rng([seed, index])
+    num_outputs = num_samples if mode == "parallel" else 1
+    prompt_len, outputs = dist.sample(rng, num_outputs)
+    return RequestSpec(index, prompt_len, outputs)
+
+
+def sequences_per_request(mode: str, beam_width: int, num_samples: int) -> int:
+    return {"plain": 1, "beam": beam_width, "parallel": num_samples}[mode]
+
+
+# ---------------------------------------------------------------- the beam rule
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def beam_score(seed: int, request_index: int, step: int, beam_name: int) -> int:
+    """A deterministic stand-in for a beam's log-probability: a hash of who and when."""
+    h = _splitmix64(seed & _MASK)
+    for part in (request_index, step, beam_name):
+        h = _splitmix64(h ^ (part & _MASK))
+    return h
+
+
+def prune_and_refork(
+    beam_names: list[int], seed: int, request_index: int, step: int
+) -> tuple[list[int], list[int]]:
+    """Every few steps: rank beams by score (ties by name); the worst half is freed, each of the best half forks
+    once, so the width stays k and the new beams share the best beams' blocks (copy-on-write on the next append).
+
+    Returns (names to free, names to fork), the latter best first.
+    """
+    k = len(beam_names)
+    num_drop = k // 2
+    ranked = sorted(beam_names, key=lambda name: (-beam_score(seed, request_index, step, name), name))
+    return ranked[k - num_drop :], ranked[:num_drop]

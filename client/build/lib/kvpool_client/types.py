@@ -1,0 +1,107 @@
+"""What the client returns: small frozen dataclasses and NumPy arrays, never protobuf messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """The answer to one AppendToken.
+
+    slot_mapping:  int64 [sum(num_tokens)], the new tokens' slots, grouped by sequence in request order::
+
+                       seq_ids    = (7,        9)
+                       num_tokens = [3,        1]
+                       slots      = [s s s  |  s]
+
+    new_block_ids: int64 [k], blocks this call allocated (copy-on-write destinations included).
+    copies:        int64 [c, 2], (src_block_id, dst_block_id) copies the server ran before it replied.
+    """
+
+    seq_ids: tuple[int, ...]
+    num_tokens: np.ndarray
+    slot_mapping: np.ndarray
+    new_block_ids: np.ndarray
+    copies: np.ndarray
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Where each sequence's slots start in ``slot_mapping`` (length len(seq_ids) + 1)."""
+        return np.concatenate(([0], np.cumsum(self.num_tokens)))
+
+    def split(self) -> dict[int, np.ndarray]:
+        """seq_id -> its slots (views into slot_mapping)."""
+        bounds = self.offsets
+        return {seq_id: self.slot_mapping[bounds[i] : bounds[i + 1]] for i, seq_id in enumerate(self.seq_ids)}
+
+    def slots_of(self, seq_id: int) -> np.ndarray:
+        i = self.seq_ids.index(seq_id)
+        bounds = self.offsets
+        return self.slot_mapping[bounds[i] : bounds[i + 1]]
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """A sequence's page table: ``block_ids[i]`` holds tokens [i * block_size, (i + 1) * block_size)."""
+
+    block_ids: np.ndarray
+    num_tokens: int
+    block_size: int
+
+    def slots(self, start: int = 0, count: int | None = None) -> np.ndarray:
+        """Slots (block_id * block_size + offset) of tokens [start, start + count), int64."""
+        stop = self.num_tokens if count is None else start + count
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise ValueError(f"tokens [{start}, {stop}) are outside a sequence of {self.num_tokens} tokens")
+        positions = np.arange(start, stop, dtype=np.int64)
+        return self.block_ids[positions // self.block_size] * self.block_size + positions % self.block_size
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Pool occupancy, as StatsResponse reports it (see the proto for each field)."""
+
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_used: int
+    utilization: float
+    num_tokens: int
+    num_slots_unused: int
+    internal_fragmentation: float
+    num_blocks_shared: int
+    num_copies: int
+    num_sequences: int
+    block_size: int
+    block_bytes: int
+
+    @property
+    def bytes_used(self) -> int:
+        return self.num_blocks_used * self.block_bytes
+
+
+@dataclass(frozen=True)
+class PoolDescription:
+    """DescribePool: the layout and how to map the pool (shm_name on the host backend, CUDA IPC on a GPU)."""
+
+    layout: KVLayout
+    num_blocks: int
+    backend: str  # "gpu" | "host"
+    pool_bytes: int
+    block_bytes: int
+    token_bytes: int
+    shm_name: str
+    cuda_ipc_handle: bytes
+    cuda_device: int
+    server_pid: int
+
+
+@dataclass(frozen=True)
+class InvariantReport:
+    ok: bool
+    num_blocks_checked: int
+    num_sequences_checked: int

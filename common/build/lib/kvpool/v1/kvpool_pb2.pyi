@@ -1,0 +1,372 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_UNSPECIFIED: _ClassVar[Backend]
+    BACKEND_GPU: _ClassVar[Backend]
+    BACKEND_HOST: _ClassVar[Backend]
+
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+BACKEND_UNSPECIFIED: Backend
+BACKEND_GPU: Backend
+BACKEND_HOST: Backend
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
+
+class RegisterSequenceRequest(_message.Message):
+    __slots__ = ("seq_id", "session_id", "request_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    session_id: int
+    request_id: int
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class RegisterSequenceResponse(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+
+class AppendTokenRequest(_message.Message):
+    __slots__ = ("seq_ids", "num_tokens", "session_id", "request_id")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    session_id: int
+    request_id: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src_block_id", "dst_block_id")
+    SRC_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    src_block_id: int
+    dst_block_id: int
+    def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ...) -> None: ...
+
+class AppendTokenResponse(_message.Message):
+    __slots__ = ("slot_mapping", "new_block_ids", "copies")
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class AppendTokenStreamRequest(_message.Message):
+    __slots__ = ("seq_ids", "num_tokens", "session_id", "request_id")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    session_id: int
+    request_id: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class AppendTokenStreamResponse(_message.Message):
+    __slots__ = ("slot_mapping", "new_block_ids", "copies")
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, slot_mapping: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("parent_seq_id", "num_children", "child_seq_ids", "session_id", "request_id")
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    parent_seq_id: int
+    num_children: int
+    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    session_id: int
+    request_id: int
+    def __init__(self, parent_seq_id: _Optional[int] = ..., num_children: _Optional[int] = ..., child_seq_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("child_seq_ids",)
+    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("seq_ids", "session_id", "request_id")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    session_id: int
+    request_id: int
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("num_blocks_freed",)
+    NUM_BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_freed: int
+    def __init__(self, num_blocks_freed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "utilization", "num_tokens", "num_slots_unused", "internal_fragmentation", "num_blocks_shared", "num_copies", "num_sequences", "block_size", "block_bytes")
+    NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_UNUSED_FIELD_NUMBER: _ClassVar[int]
+    INTERNAL_FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    NUM_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_used: int
+    utilization: float
+    num_tokens: int
+    num_slots_unused: int
+    internal_fragmentation: float
+    num_blocks_shared: int
+    num_copies: int
+    num_sequences: int
+    block_size: int
+    block_bytes: int
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., utilization: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_slots_unused: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., num_blocks_shared: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class GetBlockTableRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+
+class GetBlockTableResponse(_message.Message):
+    __slots__ = ("block_ids", "num_tokens", "block_size")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    block_size: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class PoolLayout(_message.Message):
+    __slots__ = ("num_blocks", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "block_bytes", "token_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: Dtype
+    block_bytes: int
+    token_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_bytes: _Optional[int] = ..., token_bytes: _Optional[int] = ...) -> None: ...
+
+class DescribePoolRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribePoolResponse(_message.Message):
+    __slots__ = ("layout", "backend", "pool_bytes", "cuda_ipc_handle", "cuda_device", "shm_name", "server_pid")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    layout: PoolLayout
+    backend: Backend
+    pool_bytes: int
+    cuda_ipc_handle: bytes
+    cuda_device: int
+    shm_name: str
+    server_pid: int
+    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., pool_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_device: _Optional[int] = ..., shm_name: _Optional[str] = ..., server_pid: _Optional[int] = ...) -> None: ...
+
+class WriteKVRequest(_message.Message):
+    __slots__ = ("seq_id", "start_position", "data", "session_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    start_position: int
+    data: bytes
+    session_id: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., data: _Optional[bytes] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class WriteKVResponse(_message.Message):
+    __slots__ = ("num_tokens_written",)
+    NUM_TOKENS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    num_tokens_written: int
+    def __init__(self, num_tokens_written: _Optional[int] = ...) -> None: ...
+
+class ReadKVRequest(_message.Message):
+    __slots__ = ("seq_id", "start_position", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    start_position: int
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ReadKVResponse(_message.Message):
+    __slots__ = ("data", "num_tokens")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    num_tokens: int
+    def __init__(self, data: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class CheckInvariantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckInvariantsResponse(_message.Message):
+    __slots__ = ("ok", "num_blocks_checked", "num_sequences_checked")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    num_blocks_checked: int
+    num_sequences_checked: int
+    def __init__(self, ok: _Optional[bool] = ..., num_blocks_checked: _Optional[int] = ..., num_sequences_checked: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name", "lease_ttl_ms")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    lease_ttl_ms: int
+    def __init__(self, client_name: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "server_epoch", "lease_ttl_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    server_epoch: int
+    lease_ttl_ms: int
+    def __init__(self, session_id: _Optional[int] = ..., server_epoch: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_remaining_ms",)
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_remaining_ms: int
+    def __init__(self, lease_remaining_ms: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("num_sequences_freed", "num_blocks_freed")
+    NUM_SEQUENCES_FREED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_sequences_freed: int
+    num_blocks_freed: int
+    def __init__(self, num_sequences_freed: _Optional[int] = ..., num_blocks_freed: _Optional[int] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "client_name", "opened_unix_ms", "lease_ttl_ms", "lease_remaining_ms", "keep_alive_open", "num_sequences", "num_blocks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    OPENED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_OPEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    client_name: str
+    opened_unix_ms: int
+    lease_ttl_ms: int
+    lease_remaining_ms: int
+    keep_alive_open: bool
+    num_sequences: int
+    num_blocks: int
+    def __init__(self, session_id: _Optional[int] = ..., client_name: _Optional[str] = ..., opened_unix_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., keep_alive_open: _Optional[bool] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "server_epoch")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    server_epoch: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., server_epoch: _Optional[int] = ...) -> None: ...
+
+class ListSequencesRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class SequenceInfo(_message.Message):
+    __slots__ = ("seq_id", "session_id", "num_tokens", "num_blocks")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    session_id: int
+    num_tokens: int
+    num_blocks: int
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ListSequencesResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ...) -> None: ...

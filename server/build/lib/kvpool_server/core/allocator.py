@@ -1,0 +1,125 @@
+"""BlockAllocator: the free list and reference counts of the pool's physical blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError, OutOfBlocksError
+
+# 0-d arrays of the ref counts' dtype: ``put`` of one of these costs less than of a Python int.
+_ONE, _ZERO = np.array(1, dtype=np.int32), np.array(0, dtype=np.int32)
+
+
+class BlockAllocator:
+    """Hands out physical block ids from a free list and counts who references each block.
+
+    The allocator never touches KV memory; it only decides which block ids are in use.
+
+    The free list is a stack kept in a NumPy array (``_free_stack[:num_free_blocks]``, top at the end), not a deque:
+    taking or returning k blocks is one slice, O(1) per block, with no Python loop, and the most recently freed
+    block (still warm in cache) is reused first.
+
+    Invariants (checked by ``check_invariants``):
+      - a block is on the free list iff its ref count is 0;
+      - the free list holds each free block exactly once, so a block id is never handed out twice;
+      - ref counts are never negative;
+      - ``num_shared_blocks`` is the number of blocks with a ref count above 1 (kept so that, while nothing is
+        shared, appends skip the copy-on-write check and frees skip the duplicate handling).
+
+    ::
+
+        _free_stack:  [ 7  3  9  4 | stale ... ]      ref_count:  block 4 -> 0 (free, on the stack)
+                                  ^ num_free_blocks               block 5 -> 2 (shared by two sequences)
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise InvalidArgumentError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks: int = num_blocks
+        # One extra slot that stays 0, so that looking up an UNSET (-1) block-table entry reads ref count 0.
+        self.ref_count_padded: np.ndarray = np.zeros(num_blocks + 1, dtype=np.int32)
+        self.ref_count: np.ndarray = self.ref_count_padded[:num_blocks]
+        # Reversed so that block 0 is handed out first on a fresh pool.
+        self._free_stack: np.ndarray = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self.num_free_blocks: int = num_blocks
+        self.num_shared_blocks: int = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def can_allocate(self, num: int) -> bool:
+        return num <= self.num_free_blocks
+
+    def allocate(self, num: int) -> np.ndarray:
+        """Take ``num`` free blocks, each with ref count 1. Raises OutOfBlocksError (changing nothing) if too few."""
+        if num > self.num_free_blocks:
+            raise OutOfBlocksError(f"need {num} free blocks, {self.num_free_blocks} of {self.num_blocks} are free")
+        top = self.num_free_blocks
+        block_ids = self._free_stack[top - num : top][::-1].copy()
+        self.num_free_blocks = top - num
+        self.ref_count.put(block_ids, _ONE)
+        return block_ids
+
+    def allocate_one(self) -> int:
+        if self.num_free_blocks == 0:
+            raise OutOfBlocksError(f"need 1 free block, 0 of {self.num_blocks} are free")
+        self.num_free_blocks -= 1
+        block_id = int(self._free_stack[self.num_free_blocks])
+        self.ref_count[block_id] = 1
+        return block_id
+
+    def incref(self, block_ids: np.ndarray, times: int = 1) -> None:
+        """Add ``times`` references to each of ``block_ids``: distinct blocks, each in use."""
+        self.num_shared_blocks += int(np.count_nonzero(self.ref_count[block_ids] == 1))
+        self.ref_count[block_ids] += times
+
+    def decref(self, block_ids: np.ndarray) -> int:
+        """Drop one reference per entry of ``block_ids`` (ids may repeat); blocks reaching 0 go back on the free list.
+
+        Returns how many blocks were freed.
+        """
+        if block_ids.size == 0:
+            return 0
+        if self.num_shared_blocks == 0:  # every block in use has exactly one reference: ids are distinct
+            self.ref_count.put(block_ids, _ZERO)
+            self._push(block_ids)
+            return int(block_ids.size)
+        touched = np.unique(block_ids)
+        shared_before = np.count_nonzero(self.ref_count[touched] > 1)
+        np.subtract.at(self.ref_count, block_ids, 1)
+        after = self.ref_count[touched]
+        self.num_shared_blocks -= int(shared_before - np.count_nonzero(after > 1))
+        freed = touched[after == 0]
+        self._push(freed)
+        return int(freed.size)
+
+    def _push(self, block_ids: np.ndarray) -> None:
+        top = self.num_free_blocks
+        self._free_stack[top : top + block_ids.size] = block_ids
+        self.num_free_blocks = top + int(block_ids.size)
+
+    def free_block_ids(self) -> np.ndarray:
+        """A copy of the free list, top last."""
+        return self._free_stack[: self.num_free_blocks].copy()
+
+    def check_invariants(self) -> None:
+        if not 0 <= self.num_free_blocks <= self.num_blocks:
+            raise InvariantViolationError(f"num_free_blocks {self.num_free_blocks} outside [0, {self.num_blocks}]")
+        if self.ref_count_padded[-1] != 0:
+            raise InvariantViolationError("the padding ref count slot was written")
+        if self.num_shared_blocks != np.count_nonzero(self.ref_count > 1):
+            raise InvariantViolationError(
+                f"num_shared_blocks={self.num_shared_blocks} but {np.count_nonzero(self.ref_count > 1)} blocks are shared"
+            )
+        if (self.ref_count < 0).any():
+            raise InvariantViolationError(f"negative ref counts at blocks {np.flatnonzero(self.ref_count < 0)}")
+        free = self._free_stack[: self.num_free_blocks]
+        if np.unique(free).size != free.size:
+            raise InvariantViolationError("a block is on the free list twice")
+        on_free_list = np.zeros(self.num_blocks, dtype=bool)
+        on_free_list[free] = True
+        zero_ref = self.ref_count == 0
+        if not np.array_equal(on_free_list, zero_ref):
+            bad = np.flatnonzero(on_free_list != zero_ref)
+            raise InvariantViolationError(f"a block is on the free list iff its ref count is 0; broken at {bad[:8]}")

@@ -1,0 +1,108 @@
+"""SequenceIndex: which row of the block tables holds each live sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError, SequenceNotFoundError
+
+# Ids are uint64; 0 is never an id (it is protobuf's "unset"). A server-assigned id is
+#   serial << row_bits | row      (serial: a counter that only goes up; row_bits = bits of max_num_seqs - 1)
+# so the row of a server id is read off its low bits, without a search, and ids stay short on the wire.
+MAX_ROWS = 1 << 20
+# 2**64 - 1 is reserved too: it is what a -1 becomes when a client's sign bug sends it as a uint64.
+MAX_SEQ_ID = 2**64 - 2
+
+
+def check_caller_seq_id(seq_id: int) -> int:
+    if not 1 <= seq_id <= MAX_SEQ_ID:
+        raise InvalidArgumentError(
+            f"a seq_id must be in [1, 2**64 - 2] (0 means unset; 2**64 - 1 is a -1 sent as uint64), got {seq_id}"
+        )
+    return seq_id
+
+
+def _not_live(seq_id: int) -> SequenceNotFoundError:
+    return SequenceNotFoundError(f"sequence {seq_id} is not live (never registered, or freed)")
+
+
+class SequenceIndex:
+    """Maps each live seq_id to its row: one id at a time (a dict), or a whole batch with a few NumPy operations.
+
+    A server-assigned id carries its row in its low ``row_bits`` bits and a never-repeating serial above them, so
+    a batch of server ids resolves as ``rows = ids & mask`` checked by ``row_to_id[rows] == ids`` -- no Python
+    loop, no search and no bounds check (``row_to_id`` has an entry for every value of the low bits). Any id that
+    fails that check (a caller-chosen one, say) goes through the dict. Because the serial only goes up, an id the
+    server gave out is never given out again, a stale id never matches a reused row, and an id a caller holds is
+    skipped.
+
+    Invariants: ``_row_of`` and the live entries of ``row_to_id`` hold the same (seq_id, row) pairs; every other
+    entry ``r`` holds ``r ^ 1``, a value whose low bits name another row, so that no id (0 and 2**64 - 1
+    included) can match a row that holds no sequence.
+    """
+
+    def __init__(self, max_rows: int) -> None:
+        if not 1 <= max_rows <= MAX_ROWS:
+            raise InvalidArgumentError(f"max_num_seqs must be in [1, {MAX_ROWS}], got {max_rows}")
+        self.row_bits: int = max(1, (max_rows - 1).bit_length())
+        self._row_mask: np.uint64 = np.uint64((1 << self.row_bits) - 1)
+        self._row_of: dict[int, int] = {}
+        self.row_to_id: np.ndarray = np.arange(1 << self.row_bits, dtype=np.uint64) ^ np.uint64(1)
+        self._next_serial: int = 1
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._row_of
+
+    def seq_ids(self) -> list[int]:
+        return list(self._row_of)
+
+    def live_rows(self) -> np.ndarray:
+        return np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
+
+    def row(self, seq_id: int) -> int:
+        row = self._row_of.get(seq_id)
+        if row is None:
+            raise _not_live(seq_id)
+        return row
+
+    def rows(self, seq_ids: np.ndarray) -> np.ndarray:
+        """Rows of a uint64 array of ids; raises SequenceNotFoundError naming the first id that is not live."""
+        rows = (seq_ids & self._row_mask).view(np.intp)
+        if self.hold(rows, seq_ids):
+            return rows  # the common case: every id is a live server id
+        for i, seq_id in enumerate(seq_ids.tolist()):
+            row = self._row_of.get(seq_id)
+            if row is None:
+                raise _not_live(seq_id)
+            rows[i] = row
+        return rows
+
+    def hold(self, rows: np.ndarray, seq_ids: np.ndarray) -> bool:
+        """Whether row ``rows[i]`` holds live sequence ``seq_ids[i]`` for every i (one gather, one compare)."""
+        return not np.count_nonzero(self.row_to_id.take(rows) != seq_ids)
+
+    def new_server_id(self, row: int) -> int:
+        while True:
+            seq_id = (self._next_serial << self.row_bits) | row
+            self._next_serial += 1
+            if seq_id not in self._row_of:  # a caller may hold it
+                return seq_id
+
+    def add(self, seq_id: int, row: int) -> None:
+        self._row_of[seq_id] = row
+        self.row_to_id[row] = seq_id
+
+    def remove(self, seq_id: int) -> int:
+        row = self._row_of.pop(seq_id)
+        self.row_to_id[row] = row ^ 1
+        return row
+
+    def check_invariants(self) -> None:
+        expected = np.arange(self.row_to_id.size, dtype=np.uint64) ^ np.uint64(1)
+        for seq_id, row in self._row_of.items():
+            expected[row] = seq_id
+        if not np.array_equal(expected, self.row_to_id):
+            raise InvariantViolationError("the id dict and row_to_id disagree")

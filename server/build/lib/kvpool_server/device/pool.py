@@ -1,0 +1,265 @@
+"""KVPool: the one allocation that holds every KV block, and ``create_pool`` that picks its backend and size.
+
+The core (``kvpool_server.core``) plans in block ids; the pool acts on bytes::
+
+    plan = manager.append_batch(seq_ids, num_tokens)
+    pool.copy_blocks(plan.copies)                  # copy-on-write, before anyone writes the new slots
+    pool.write_slots(plan.slot_mapping, token_kv)  # [n, L, 2, H, D] in the layout's storage dtype
+
+Two backends share this interface: ``GpuPool`` (one raw ``cudaMalloc``, exported by CUDA IPC) and ``HostPool``
+(POSIX shared memory, mapped by name). This module imports neither CuPy nor a backend until one is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpool.layout import KVLayout, layer_kv
+
+BACKENDS = ("auto", "gpu", "host")
+
+
+@dataclass(frozen=True)
+class PoolAttachInfo:
+    """What another process needs to map the pool: a shm name (host) or a CUDA IPC handle + device (gpu).
+
+    The handle names the base of the pool's dedicated allocation; block ``b`` starts at ``b * block_bytes``.
+    """
+
+    backend: str
+    pool_bytes: int
+    shm_name: str | None = None
+    cuda_ipc_handle: bytes | None = None
+    cuda_device: int | None = None
+
+
+class KVPool:
+    """Block-major KV memory ``[num_blocks, L, 2, block_size, H, D]`` (see ``kvpool.layout``).
+
+    Invariants:
+    - One allocation of exactly ``pool_bytes == num_blocks * layout.block_bytes``, made in ``__init__`` and never
+      resized; after start-up no operation allocates device memory (scratch buffers are made up front).
+    - ``blocks`` and ``layer_kv`` are views of that allocation, never copies.
+    - A copy batch is valid only if every id is in ``[0, num_blocks)``, destinations are distinct and no
+      destination is a source of the same batch (the core's copy-on-write destinations are fresh blocks), so the
+      copies of a batch are independent and may run in any order or in parallel. ``copy_blocks`` checks this.
+    - Slots of one ``write_slots`` call are distinct (the core never hands out a slot twice); if not, which write
+      wins is unspecified.
+    - Every operation has finished, on the device too, when it returns: other processes that mapped the pool see
+      its effect without further synchronisation.
+    - Operations are serialised by a lock (they share scratch buffers); ``close()`` is idempotent and after it
+      operations raise ``RuntimeError``.
+    """
+
+    backend: str = ""
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the pool needs at least one block, got num_blocks={num_blocks}")
+        self.layout = layout
+        self.num_blocks = int(num_blocks)
+        self.pool_bytes = self.num_blocks * layout.block_bytes
+        self.num_slots = self.num_blocks * layout.block_size
+        self.blocks: Any = None  # the 6-d view; set by the backend
+        self._closed = False
+        self._lock = threading.Lock()
+        # host scratch for checking a copy batch in O(c): _dst_pos[b] = position of b among the batch's dsts
+        self._dst_pos = np.full(self.num_blocks, -1, dtype=np.int64)
+        self._positions = np.arange(self.num_blocks, dtype=np.int64)
+
+    # --- public operations: validate here, act in the backend's _copy/_write/_read -------------------------------
+
+    def copy_blocks(self, copies: Any) -> int:
+        """Copy whole blocks, ``copies`` int[c, 2] of (src, dst) pairs, as one batch. Returns c."""
+        pairs = self._checked_copies(copies)
+        with self._lock:
+            self._check_open()
+            if len(pairs):
+                self._copy(pairs)
+        return len(pairs)
+
+    def write_slots(self, slots: Any, data: Any) -> None:
+        """Write token KV ``data`` [n, L, 2, H, D] (storage dtype) into ``slots`` int[n]."""
+        slots = self._checked_slots(slots)
+        data = np.ascontiguousarray(data)
+        expected = (len(slots), *self.layout.token_shape)
+        if data.shape != expected:
+            raise ValueError(f"data must have shape {expected} (n, L, 2, H, D), got {data.shape}")
+        if data.dtype != self.layout.storage_dtype:
+            raise ValueError(f"data must be {self.layout.storage_dtype} (the layout's storage dtype), got {data.dtype}")
+        with self._lock:
+            self._check_open()
+            if len(slots):
+                self._write(slots, data)
+
+    def read_slots(self, slots: Any) -> np.ndarray:
+        """Token KV at ``slots`` as a new host array [n, L, 2, H, D] of the storage dtype."""
+        slots = self._checked_slots(slots)
+        out = np.empty((len(slots), *self.layout.token_shape), dtype=self.layout.storage_dtype)
+        with self._lock:
+            self._check_open()
+            if len(slots):
+                self._read(slots, out)
+        return out
+
+    def layer_kv(self, layer: int) -> tuple[Any, Any]:
+        """Zero-copy K and V of ``layer``, each [num_blocks, block_size, H, D], block stride ``block_bytes``."""
+        self._check_open()
+        if not 0 <= layer < self.layout.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        return layer_kv(self.blocks, layer)
+
+    def attach_info(self) -> PoolAttachInfo:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the memory (unlink the shm name / free the GPU allocation). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.blocks = None
+            self._release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> KVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.pool_bytes} bytes"
+        return f"<{type(self).__name__} {self.backend} {self.num_blocks} blocks of {self.layout.block_bytes} B, {state}>"
+
+    # --- backend hooks ------------------------------------------------------------------------------------------
+
+    def _copy(self, pairs: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _write(self, slots: np.ndarray, data: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _read(self, slots: np.ndarray, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    # --- validation ---------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the pool is closed")
+
+    def _checked_copies(self, copies: Any) -> np.ndarray:
+        arr = np.asarray(copies)
+        if arr.size == 0:
+            return np.zeros((0, 2), dtype=np.int32)
+        if arr.ndim != 2 or arr.shape[1] != 2 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"copies must be an int array of shape [c, 2] (src, dst), got {arr.dtype} {arr.shape}")
+        if arr.min() < 0 or arr.max() >= self.num_blocks:
+            raise ValueError(f"copies name blocks outside [0, {self.num_blocks})")
+        pairs = np.ascontiguousarray(arr, dtype=np.int32)
+        src, dst = pairs[:, 0], pairs[:, 1]
+        positions = self._positions[: len(pairs)]
+        with self._lock:  # _dst_pos is shared scratch; stale entries from earlier batches are harmless (see below)
+            self._dst_pos[dst] = positions
+            if not np.array_equal(self._dst_pos[dst], positions):  # a repeated dst keeps only its last position
+                raise ValueError("copies must have distinct destination blocks")
+            pos = self._dst_pos[src]  # s is a dst of this batch iff pos names a position whose dst is s
+            in_batch = (pos >= 0) & (pos < len(pairs))
+            if np.any(dst[np.where(in_batch, pos, 0)][in_batch] == src[in_batch]):
+                raise ValueError("a destination block of a copy batch must not be a source of the same batch")
+        return pairs
+
+    def _checked_slots(self, slots: Any) -> np.ndarray:
+        arr = np.asarray(slots)
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"slots must be a 1-d int array, got {arr.dtype} {arr.shape}")
+        if arr.min() < 0 or arr.max() >= self.num_slots:
+            raise ValueError(f"slots must be in [0, {self.num_slots}) (num_blocks * block_size)")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def gpu_available() -> bool:
+    """True if CuPy imports, sees a CUDA device and can allocate on it."""
+    try:
+        import cupy
+
+        if not cupy.cuda.is_available():
+            return False
+        cupy.cuda.Memory(256)  # freed at once; proves the runtime and driver work, not just that a device exists
+        return True
+    except Exception:  # no CuPy, no driver, no device, or a broken CUDA install: all mean "use the host"
+        return False
+
+
+def resolve_num_blocks(
+    layout: KVLayout,
+    free_bytes: int | None,
+    pool_bytes: int | None = None,
+    num_blocks: int | None = None,
+    gpu_memory_fraction: float | None = None,
+) -> int:
+    """Blocks for exactly one of: ``num_blocks``, ``pool_bytes`` (rounded down to whole blocks), or
+    ``gpu_memory_fraction`` of ``free_bytes`` (the backend's free memory)."""
+    given = [name for name, v in (("pool_bytes", pool_bytes), ("num_blocks", num_blocks),
+                                  ("gpu_memory_fraction", gpu_memory_fraction)) if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of pool_bytes, num_blocks, gpu_memory_fraction (got {given or 'none'})")
+    if num_blocks is not None:
+        blocks = int(num_blocks)
+    elif pool_bytes is not None:
+        blocks = layout.num_blocks_for(int(pool_bytes))
+    else:
+        assert gpu_memory_fraction is not None and free_bytes is not None
+        if not 0.0 < gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
+        blocks = layout.num_blocks_for(int(free_bytes * gpu_memory_fraction))
+    if blocks < 1:
+        raise ValueError(f"the pool must hold at least one block of {layout.block_bytes} bytes")
+    return blocks
+
+
+def create_pool(
+    layout: KVLayout,
+    *,
+    backend: str = "auto",
+    pool_bytes: int | None = None,
+    num_blocks: int | None = None,
+    gpu_memory_fraction: float | None = None,
+) -> KVPool:
+    """Allocate the pool. ``backend="auto"`` takes the GPU when ``gpu_available()``, else host shared memory.
+
+    Size: exactly one of ``num_blocks``, ``pool_bytes`` or ``gpu_memory_fraction`` -- a fraction of the free GPU
+    memory (``cudaMemGetInfo``), or on the host backend of the free space of ``/dev/shm``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "gpu" if gpu_available() else "host"
+    if backend == "gpu":
+        from kvpool_server.device.gpu_pool import GpuPool, free_gpu_bytes
+
+        free = free_gpu_bytes() if gpu_memory_fraction is not None else None
+        return GpuPool(layout, resolve_num_blocks(layout, free, pool_bytes, num_blocks, gpu_memory_fraction))
+    from kvpool_server.device.host_pool import HostPool
+
+    free = _free_shm_bytes() if gpu_memory_fraction is not None else None
+    return HostPool(layout, resolve_num_blocks(layout, free, pool_bytes, num_blocks, gpu_memory_fraction))
+
+
+def _free_shm_bytes() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
