@@ -1,16 +1,36 @@
-# kvpool: `make run` and `make test` work on a fresh clone; everything else is optional.
+# kvpool: `make run` and `make test` work on a fresh clone; everything else is optional. `make help` lists all.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-REQS := requirements/client.txt requirements/server.txt requirements/gpu.txt requirements/loadgen.txt requirements/dev.txt
+GPU_STAMP := $(VENV)/.installed-gpu
+REQS := requirements/client.txt requirements/server.txt requirements/loadgen.txt requirements/dev.txt
+# GPU=1: also install CuPy (requirements/gpu.txt, ~300 MB). Without it the GPU tests skip and the server uses host memory.
+GPU ?= 0
+SETUP := $(STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
+# The proto is checked for breaking changes against this git ref (a release tag); skipped while it does not exist.
+BUF_AGAINST ?= v0.1.0
+GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
-.PHONY: help setup test run bench bench-service experiments proto lint-proto docker-up docker-down clean
+.PHONY: help setup test run bench bench-service experiments experiments-quick proto lint lint-proto buf-breaking \
+	docker-up docker-down monitoring-up clean
 
 help:
-	@echo "make run     start a server (GPU if present, else host memory) and run the 100-completion simulation"
-	@echo "make test    run the whole test suite (no GPU needed)"
-	@echo "make bench   in-process core benchmark; make bench-service: gRPC benchmark"
+	@echo "make setup              create .venv and install everything make test needs (GPU=1: CuPy too)"
+	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
+	@echo "make test               the whole test suite (no GPU needed), buf lint and buf breaking"
+	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/core/"
+	@echo "make lint-proto         buf lint (STANDARD) on protos/"
+	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
+	@echo "make bench              in-process core benchmark"
+	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
+	@echo "make experiments        capacity and sharing experiments (about 35 min on 2 cores; docs/experiments.md)"
+	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
+	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
+	@echo "make docker-up          server and load generator under docker compose (GPU host)"
+	@echo "make monitoring-up      the same plus Prometheus and Grafana (--profile monitoring; docs/ops.md)"
+	@echo "make docker-down        stop and remove the compose services and volumes"
+	@echo "make clean              remove .venv and caches"
 
 $(STAMP): $(REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,36 +39,60 @@ $(STAMP): $(REQS) common/pyproject.toml client/pyproject.toml server/pyproject.t
 	$(PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(GPU_STAMP): $(STAMP) requirements/gpu.txt
+	$(PY) -m pip install -q -r requirements/gpu.txt
+	touch $(GPU_STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+setup: $(SETUP)
 
-run: $(STAMP)
+# -p tests.skip_summary: one line saying why tests were skipped (no GPU, no CuPy, ...).
+test: $(SETUP)
+	$(PY) -m pytest -q -p tests.skip_summary tests
+	@$(MAKE) --no-print-directory buf-breaking
+
+lint: $(SETUP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+lint-proto: $(SETUP)
+	cd protos && ../$(VENV)/bin/buf lint
+
+buf-breaking: $(SETUP)
+	@if [ -z "$(GIT_DIR)" ]; then echo "buf breaking: skipped (not a git checkout)"; \
+	elif ! ref=$$(git rev-parse -q --verify "$(BUF_AGAINST)^{commit}"); then \
+		echo "buf breaking: skipped, no git ref $(BUF_AGAINST) (tag the release, or make test BUF_AGAINST=<ref>)"; \
+	else echo "buf breaking: protos/ against $(BUF_AGAINST) ($$ref)"; \
+		cd protos && ../$(VENV)/bin/buf breaking --against "$(GIT_DIR)#ref=$$ref,subdir=protos"; fi
+
+run: $(SETUP)
 	$(PY) scripts/run_demo.py
 
-bench: $(STAMP)
+bench: $(SETUP)
 	$(PY) benchmarks/bench_core.py
 
 # Pinned (server on CPU 0, clients on CPU 1) where there are two CPUs: steadier figures (docs/service-bench.md).
-bench-service: $(STAMP)
+bench-service: $(SETUP)
 	$(PY) benchmarks/bench_service.py $(shell [ $$(nproc) -ge 2 ] && echo --pin)
 
-experiments: $(STAMP)
+experiments: $(SETUP)
 	$(PY) benchmarks/experiments.py capacity --requests 2000 --pool-blocks 4096 --json out/exp/capacity.json
 	$(PY) benchmarks/experiments.py sharing --completions 400 --json out/exp/sharing.json
 
-lint-proto: $(STAMP)
-	cd protos && ../$(VENV)/bin/buf lint
+experiments-quick: $(SETUP)
+	$(PY) benchmarks/experiments.py capacity --requests 200 --pool-blocks 512 --json out/exp-quick/capacity.json
+	$(PY) benchmarks/experiments.py sharing --completions 24 --json out/exp-quick/sharing.json
 
-proto: $(STAMP)
+proto: $(SETUP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=common --pyi_out=common --grpc_python_out=common protos/kvpool/v1/kvpool.proto
 
 docker-up:
 	docker compose -f docker/compose.yaml up --build -d
 
+monitoring-up:
+	docker compose -f docker/compose.yaml --profile monitoring up --build -d
+
 docker-down:
-	docker compose -f docker/compose.yaml down -v
+	COMPOSE_PROFILES=monitoring docker compose -f docker/compose.yaml down -v
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache .mypy_cache

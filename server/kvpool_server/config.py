@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import json
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -21,7 +24,16 @@ BACKENDS = ("auto", "gpu", "host")
 DTYPES = ("float32", "float16", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_POOL_BYTES = 256 << 20
-_SUFFIXES = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+LOG_FORMATS = ("text", "json")
+# Binary multiples. KB/MB/GB are read as KiB/MiB/GiB, as Docker reads them: a pool is sized in powers of two.
+_SUFFIXES = {
+    "b": 1,
+    **{s: 1 << 10 for s in ("k", "kb", "kib")},
+    **{s: 1 << 20 for s in ("m", "mb", "mib")},
+    **{s: 1 << 30 for s in ("g", "gb", "gib")},
+    **{s: 1 << 40 for s in ("t", "tb", "tib")},
+}
+BYTES_FORMS = "bytes (268435456) or a number with KiB/MiB/GiB (256MiB, 1.5GiB; KB/MB/GB and k/m/g mean the same)"
 
 
 class ConfigError(ValueError):
@@ -29,14 +41,58 @@ class ConfigError(ValueError):
 
 
 def parse_bytes(text: str | int) -> int:
-    """``"268435456"``, ``"256MiB"``, ``"256m"``, ``"1GiB"`` -> bytes."""
+    """``"268435456"``, ``"256MiB"``, ``"256MB"``, ``"256m"``, ``"1GiB"``, ``"1.5 GiB"`` -> bytes.
+
+    Raises ConfigError saying which forms are accepted.
+    """
     if isinstance(text, int):
         return text
     value = text.strip().lower().replace("_", "")
+    number, multiple = value, 1
     for suffix in sorted(_SUFFIXES, key=len, reverse=True):
         if value.endswith(suffix):
-            return int(float(value[: -len(suffix)]) * _SUFFIXES[suffix])
-    return int(value)
+            number, multiple = value[: -len(suffix)].strip(), _SUFFIXES[suffix]
+            break
+    try:
+        amount = float(number) if "." in number or "e" in number else int(number)
+    except ValueError:
+        raise ConfigError(f"{text!r} is not a size: give {BYTES_FORMS}") from None
+    if amount != amount or amount in (float("inf"), float("-inf")):
+        raise ConfigError(f"{text!r} is not a size: give {BYTES_FORMS}")
+    return int(amount * multiple)
+
+
+def _bytes_arg(text: str) -> int:
+    """argparse ``type=`` for byte sizes: its message, not argparse's 'invalid parse_bytes value'."""
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def server_version() -> str:
+    """The installed kvpool-server distribution's version ("unknown" when run from a bare source tree)."""
+    try:
+        return importlib.metadata.version("kvpool-server")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def pool_error_message(backend: str, exc: BaseException) -> str:
+    """What to tell the user when ``create_pool`` failed: the error, and what to do about it.
+
+    main.create_server should raise ``StartupError(pool_error_message(config.backend, exc))`` where it now raises
+    ``StartupError(f"cannot create the {config.backend} pool: {exc}")``.
+    """
+    text = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
+    cuda_words = ("cuda", "cupy", "nvrtc", "libcu", "driver")
+    if backend == "gpu" and (isinstance(exc, ImportError) or any(w in text.lower() for w in cuda_words)):
+        return (f"cannot create the gpu pool: no CUDA GPU/driver found ({text}): use --backend host or auto "
+                "(KVPOOL_BACKEND=host), or install CuPy for this CUDA (`make setup GPU=1`, requirements/gpu.txt)")
+    if "/dev/shm" in text or isinstance(exc, OSError) and backend != "gpu":
+        return (f"cannot create the {backend} pool: {text} (host pools live in /dev/shm: is it large enough? "
+                "use a smaller --pool-bytes, or give the container more --shm-size)")
+    return f"cannot create the {backend} pool: {text}"
 
 
 @dataclass
@@ -65,6 +121,9 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     shutdown_drain_s: float = 2.0
     log_level: str = "INFO"
+    log_format: str = "text"  # "json": one JSON object a line (configure_logging)
+    # Prometheus metrics over HTTP on HOST:PORT ("" for none); see docs/metrics.md.
+    metrics_address: str = ""
     # CPUs every server thread runs on, e.g. "0" or "0-3,8"; "" leaves the scheduler free. See cpu_set().
     cpu_affinity: str = ""
 
@@ -140,7 +199,20 @@ class ServerConfig:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.log_level = self.log_level.upper()
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.metrics_address:
+            host, colon, port = self.metrics_address.rpartition(":")
+            if not colon or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"--metrics-address must be HOST:PORT (port 0..65535), got {self.metrics_address!r}")
         return self
+
+    def metrics_host_port(self) -> tuple[str, int] | None:
+        """``metrics_address`` split for prometheus_client (None: no metrics server)."""
+        if not self.metrics_address:
+            return None
+        host, _, port = self.metrics_address.rpartition(":")
+        return host.strip("[]") or "0.0.0.0", int(port)
 
 
 _PARSERS = {int: int, float: float, str: str}
@@ -149,7 +221,8 @@ _HELP = {
     "address": "TCP HOST:PORT to listen on (port 0: any free port; empty: no TCP)",
     "unix_socket": "also (or only) listen on this unix socket path",
     "port_file": "write the bound TCP port to this file once listening (for port 0)",
-    "pool_bytes": "pool size in bytes, suffixes KiB/MiB/GiB allowed (256MiB when no size is given)",
+    "pool_bytes": "pool size: bytes or 256MiB, 1GiB, 512MB (KB/MB/GB read as KiB/MiB/GiB); 256MiB when no size "
+    "is given",
     "num_blocks": "pool size in blocks (instead of --pool-bytes)",
     "gpu_memory_fraction": "pool size as a fraction of free GPU memory (instead of --pool-bytes)",
     "backend": "where the pool lives: auto (GPU if present, else host), gpu, host",
@@ -160,6 +233,9 @@ _HELP = {
     "dtype": "KV element type",
     "max_num_seqs": "most live sequences",
     "log_level": "DEBUG, INFO, WARNING, ERROR",
+    "log_format": "text, or json: one JSON object a line (for log shippers)",
+    "metrics_address": "serve Prometheus metrics on HOST:PORT at /metrics, e.g. 127.0.0.1:9400 (empty: off; "
+    "docs/metrics.md)",
     "max_seq_len": "longest sequence in tokens (default min(pool tokens, 32768))",
     "max_batch": "most sequences in one AppendToken / Free (more: INVALID_ARGUMENT)",
     "max_message_bytes": "largest gRPC message received or sent",
@@ -186,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvpool: KV-cache block pool of one GPU (or host memory) as a gRPC service. "
         f"Every flag can also be set by an environment variable {ENV_PREFIX}<FLAG> (e.g. KVPOOL_POOL_BYTES).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {server_version()}")
     for field in dataclasses.fields(ServerConfig):
         flag = "--" + field.name.replace("_", "-")
         typ = _field_type(field)
@@ -194,13 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
             help_text += f" (default {field.default!r})"
         kwargs: dict = {"dest": field.name, "default": None, "help": help_text.strip()}
         if field.name in _BYTE_FIELDS:
-            kwargs["type"] = parse_bytes
+            kwargs["type"] = _bytes_arg
         else:
             kwargs["type"] = typ
         if field.name == "backend":
             kwargs["choices"] = BACKENDS
         if field.name == "dtype":
             kwargs["choices"] = DTYPES
+        if field.name == "log_format":
+            kwargs["choices"] = LOG_FORMATS
         parser.add_argument(flag, **kwargs)
     return parser
 
@@ -216,13 +295,52 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
             raw = environ.get(ENV_PREFIX + field.name.upper())
             if raw is None:
                 continue
-            try:
-                value = parse_bytes(raw) if field.name in _BYTE_FIELDS else _PARSERS[_field_type(field)](raw)
-            except ValueError as exc:
-                raise ConfigError(f"{ENV_PREFIX}{field.name.upper()}={raw!r}: {exc}") from exc
+            value = _parse_env(field, raw)
         values[field.name] = value
     return ServerConfig(**values).validate()
 
 
+_EXPECTED = {int: "an integer", float: "a number such as 0.5", str: "text"}
+
+
+def _parse_env(field: dataclasses.Field, raw: str) -> object:
+    """A ``KVPOOL_*`` value, or ConfigError naming the variable, its flag and the accepted form."""
+    name, flag = ENV_PREFIX + field.name.upper(), "--" + field.name.replace("_", "-")
+    if field.name in _BYTE_FIELDS:
+        try:
+            return parse_bytes(raw)
+        except ConfigError:
+            raise ConfigError(f"{name}={raw!r} (as {flag}) is not a size: give {BYTES_FORMS}") from None
+    typ = _field_type(field)
+    try:
+        return _PARSERS[typ](raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} (as {flag}) must be {_EXPECTED[typ]}") from None
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line: ts (ISO 8601, UTC), level, logger, msg, and exc when there is a traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "pid": record.process,
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+JsonLogFormatter.converter = time.gmtime
+
+
 def configure_logging(config: ServerConfig) -> None:
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.log_format == "json":
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonLogFormatter())
+        logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
+    else:
+        logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

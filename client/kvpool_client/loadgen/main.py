@@ -24,11 +24,11 @@ import numpy as np
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import InternalError, KVPoolClientError
-from kvpool_client.loadgen import metrics
+from kvpool_client.loadgen import metrics, preflight
 from kvpool_client.loadgen.dashboard import ProgressBar, render
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER
 from kvpool_client.loadgen.sampler import StatsSampler
-from kvpool_client.loadgen.worker import WorkerConfig, worker_main
+from kvpool_client.loadgen.worker import EXHAUSTED_WAIT_S, WorkerConfig, worker_main
 from kvpool_client.loadgen.workload import MODES, distribution, make_request, sequences_per_request
 
 READY_TIMEOUT_S = 120.0
@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check KV before Free through GetBlockTable + the attached pool, ReadKV, or both")
     p.add_argument("--sample-interval-ms", type=float, default=5.0, help="Stats polling period (default 5 ms)")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of each RPC in seconds")
+    p.add_argument("--connect-timeout", type=float, default=preflight.CONNECT_TIMEOUT_S,
+                   help="seconds to wait for the server to answer SERVING at start (default %(default)s)")
+    p.add_argument("--exhausted-wait", type=float, default=EXHAUSTED_WAIT_S, metavar="S",
+                   help="seconds a step waits for other requests to free blocks when the pool is full, before the "
+                   "worker gives up (default %(default)s)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--json", metavar="PATH", help="write the summary (with downsampled series) as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of memory in use over time, paged vs naive")
     p.add_argument("--inject-errors", type=int, default=0, metavar="K",
@@ -64,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "must then report the errors and exit 1")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a tty)")
     return p
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+        return version("kvpool-client")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -76,19 +91,25 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--max-len must be >= 33 for uniform lengths (targets start at 32)")
     if a.max_len is not None and not 2 <= a.max_len < KEY_MULTIPLIER:
         p.error(f"--max-len must be in [2, {KEY_MULTIPLIER}) (token keys are seq_id * {KEY_MULTIPLIER} + position)")
-    if a.sample_interval_ms <= 0 or a.timeout <= 0:
-        p.error("--sample-interval-ms and --timeout must be > 0")
+    if a.sample_interval_ms <= 0 or a.timeout <= 0 or a.connect_timeout <= 0 or a.exhausted_wait < 0:
+        p.error("--sample-interval-ms, --timeout and --connect-timeout must be > 0, --exhausted-wait >= 0")
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     """Run the load and return the summary (see docs/loadgen.md for every field)."""
     with KVPoolClient(a.target, timeout=a.timeout) as client:
-        client.wait_until_serving(timeout=a.timeout)
+        preflight.connect(client, a.target, a.connect_timeout)
         desc = client.describe_pool()
         before = client.stats()
     layout = desc.layout
     dist = distribution(a.lengths, a.max_len)
     width = sequences_per_request(a.mode, a.beam_width, a.num_samples)
+    fit = preflight.pool_fit(desc.num_blocks, layout.block_size, dist.max_len, width, a.concurrency)
+    if not fit.one_fits:
+        raise preflight.NoRoomError(preflight.too_small_message(fit, dist.max_len))
+    if not fit.all_fit:
+        print(f"kvpool-loadgen: warning: {a.concurrency} requests in flight may need up to {fit.blocks_in_flight} "
+              f"blocks and the pool has {desc.num_blocks}: expect RESOURCE_EXHAUSTED retries", file=sys.stderr)
     num_procs = min(a.processes, a.concurrency)
     shares = [a.concurrency // num_procs + (i < a.concurrency % num_procs) for i in range(num_procs)]
 
@@ -97,7 +118,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     procs = []
     for i, share in enumerate(shares):
         cfg = WorkerConfig(i, a.target, share, a.completions, a.seed, a.lengths, dist.max_len, a.mode, a.beam_width,
-                           a.num_samples, a.prune_every, a.verify, a.timeout, a.inject_errors)
+                           a.num_samples, a.prune_every, a.verify, a.timeout, a.inject_errors,
+                           exhausted_wait_s=a.exhausted_wait)
         proc = ctx.Process(target=worker_main, args=(cfg, claim, start, events), name=f"kvpool-loadgen-{i}")
         proc.start()
         procs.append(proc)
@@ -275,10 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     check_args(parser, args)
     try:
         summary = run(args)
-    except KVPoolClientError as error:
+    except (KVPoolClientError, preflight.NoServerError, preflight.NoRoomError) as error:
         print(f"kvpool-loadgen: {error}", file=sys.stderr)
         return 2
+    summary["diagnosis"] = preflight.explain_incomplete(summary)
     print(render(summary), flush=True)
+    for line in summary["diagnosis"]:
+        print(line, flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1))

@@ -44,6 +44,7 @@ class WorkerConfig:
     verify: str = "both"  # "table" (GetBlockTable + attached pool), "readkv" (ReadKV), "both"
     timeout: float = 30.0
     inject_errors: int = 0  # self-test: corrupt one token of the first sequence verified of requests 0..k-1
+    exhausted_wait_s: float = EXHAUSTED_WAIT_S  # --exhausted-wait: how long a step waits for blocks to be freed
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Worker:
             self.latency[name].append(time.perf_counter() - start)
 
     def _append(self, name: str, seq_ids: list[int], num_tokens: int) -> Any:
-        deadline = time.monotonic() + EXHAUSTED_WAIT_S
+        deadline = time.monotonic() + self.cfg.exhausted_wait_s
         while True:
             try:
                 result = self._timed(name, self.client.append, seq_ids, num_tokens)

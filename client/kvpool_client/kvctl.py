@@ -1,0 +1,278 @@
+"""kvctl: look at (and, where the server allows, steer) a running kvpool-server.
+
+    kvctl stats                       pool occupancy: blocks, usage, tokens, fragmentation, sharing, copies
+    kvctl sessions                    live sessions (ListSessions)
+    kvctl sequences [--session S]     live sequences, of one session or all (ListSequences)
+    kvctl block-table SEQ             one sequence's page table
+    kvctl health                      gRPC health (exit 0 only when SERVING)
+    kvctl drain                       (no Drain RPC exists: says how to drain instead)
+    kvctl events                      (no event stream exists yet: says so)
+    kvctl top                         a live view: usage, rates and Stats latency, refreshed in place
+
+Every command takes --json (one JSON document; `top --json` writes one line a refresh). Exit codes: 0 done,
+1 the server answered with an error (or is not SERVING), 2 usage, 3 not available on this server, 4 no server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import grpc
+
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from kvpool_client.client import KVPoolClient
+from kvpool_client.errors import KVPoolClientError, from_rpc_error
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_AVAILABLE, EXIT_NO_SERVER = 0, 1, 2, 3, 4
+CONNECT_TIMEOUT_S = 3.0
+
+
+class NotAvailable(Exception):
+    """The server (or kvpool) does not offer this; the message says what to do instead."""
+
+
+class Ctl:
+    """One connection: the client library for what it wraps, the generated stub for what it does not yet."""
+
+    def __init__(self, target: str, timeout: float) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(target)
+        self.client = KVPoolClient(target, timeout=timeout, channel=self.channel)
+        self.stub = pb_grpc.KVPoolServiceStub(self.channel)
+
+    def connect(self) -> None:
+        """Fail fast, and clearly, when nothing answers at the target."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=min(CONNECT_TIMEOUT_S, self.timeout))
+        except grpc.FutureTimeoutError:
+            raise ConnectionError(
+                f"no kvpool-server at {self.target} (nothing answered within {min(CONNECT_TIMEOUT_S, self.timeout):g} "
+                "s): is it running? Give its address with --target HOST:PORT or unix:PATH (env KVPOOL_TARGET)"
+            ) from None
+
+    def call(self, name: str, request: Any) -> Any:
+        """A KVPoolService RPC through the generated stub; UNIMPLEMENTED becomes NotAvailable."""
+        try:
+            return getattr(self.stub, name)(request, timeout=self.timeout)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise NotAvailable(
+                    f"this kvpool-server does not implement {name} yet (UNIMPLEMENTED): it predates sessions; "
+                    "upgrade the server to list them"
+                ) from None
+            raise from_rpc_error(error, name) from None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def cmd_stats(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
+    stats = ctl.client.stats()
+    pool = ctl.client.describe_pool()
+    data = {**asdict(stats), "bytes_used": stats.bytes_used, "backend": pool.backend, "pool_bytes": pool.pool_bytes,
+            "server_pid": pool.server_pid}
+    rows = [
+        ("backend", f"{pool.backend} (server pid {pool.server_pid})"),
+        ("blocks", f"{stats.num_blocks_used:,} used / {stats.num_blocks_total:,}  ({stats.num_blocks_free:,} free)"),
+        ("usage", f"{100 * stats.utilization:.2f}%  ({_mib(stats.bytes_used)} of {_mib(pool.pool_bytes)})"),
+        ("block", f"{stats.block_size} tokens, {stats.block_bytes:,} bytes"),
+        ("sequences", f"{stats.num_sequences:,}"),
+        ("tokens", f"{stats.num_tokens:,}"),
+        ("internal fragmentation", f"{100 * stats.internal_fragmentation:.2f}%  ({stats.num_slots_unused:,} slots)"),
+        ("shared blocks", f"{stats.num_blocks_shared:,}"),
+        ("copy-on-write copies", f"{stats.num_copies:,}"),
+    ]
+    return data, _table(rows)
+
+
+def cmd_sessions(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
+    reply = ctl.call("ListSessions", pb.ListSessionsRequest())
+    sessions = [
+        {"session_id": s.session_id, "client_name": s.client_name, "opened_unix_ms": s.opened_unix_ms,
+         "lease_ttl_ms": s.lease_ttl_ms, "lease_remaining_ms": s.lease_remaining_ms,
+         "keep_alive_open": s.keep_alive_open, "num_sequences": s.num_sequences, "num_blocks": s.num_blocks}
+        for s in reply.sessions
+    ]
+    header = ("session", "client", "opened", "lease left", "keep-alive", "sequences", "blocks")
+    lines = [(hex(s["session_id"]), s["client_name"] or "-",
+              time.strftime("%H:%M:%S", time.localtime(s["opened_unix_ms"] / 1000)),
+              f"{s['lease_remaining_ms'] / 1000:.1f}/{s['lease_ttl_ms'] / 1000:.1f} s",
+              "open" if s["keep_alive_open"] else "-", s["num_sequences"], s["num_blocks"]) for s in sessions]
+    text = _columns(header, lines) + f"\n{len(sessions)} sessions (server epoch {reply.server_epoch:#x})"
+    return {"server_epoch": reply.server_epoch, "sessions": sessions}, text
+
+
+def cmd_sequences(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
+    reply = ctl.call("ListSequences", pb.ListSequencesRequest(session_id=args.session))
+    seqs = [{"seq_id": s.seq_id, "session_id": s.session_id, "num_tokens": s.num_tokens, "num_blocks": s.num_blocks}
+            for s in reply.sequences]
+    lines = [(s["seq_id"], hex(s["session_id"]) if s["session_id"] else "-", s["num_tokens"], s["num_blocks"])
+             for s in seqs]
+    text = _columns(("seq_id", "session", "tokens", "blocks"), lines) + f"\n{len(seqs)} sequences"
+    return {"session_id": args.session, "sequences": seqs}, text
+
+
+def cmd_block_table(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
+    table = ctl.client.block_table(args.seq_id)
+    block_ids = [int(b) for b in table.block_ids]
+    data = {"seq_id": args.seq_id, "num_tokens": table.num_tokens, "block_size": table.block_size,
+            "block_ids": block_ids}
+    text = (f"sequence {args.seq_id}: {table.num_tokens} tokens in {len(block_ids)} blocks of {table.block_size}\n"
+            + "\n".join(f"  [{i * table.block_size:>6}, {min((i + 1) * table.block_size, table.num_tokens):>6}) "
+                        f"-> block {b}" for i, b in enumerate(block_ids)))
+    return data, text
+
+
+def cmd_health(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
+    status = ctl.client.health(args.service)
+    data = {"service": args.service, "status": status}
+    if status != "SERVING":
+        args.exit_code = EXIT_ERROR
+    return data, f"{args.service or 'server'}: {status}"
+
+
+def cmd_drain(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
+    raise NotAvailable(
+        "kvpool-server has no Drain RPC (kvpool.v1 has none). To drain a server, send it SIGTERM "
+        "(`kill -TERM PID`, `docker compose stop server`): it goes NOT_SERVING, refuses new calls with UNAVAILABLE, "
+        "lets calls in flight finish (--shutdown-grace-s), then exits"
+    )
+
+
+def cmd_events(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
+    names = {m.name for m in pb.DESCRIPTOR.services_by_name["KVPoolService"].methods}
+    streams = sorted(n for n in names if "event" in n.lower() or n.lower().startswith("watch"))
+    raise NotAvailable(
+        "event stream not available on this server: kvpool.v1 has no event RPC yet"
+        + (f" (this kvctl knows {', '.join(streams)}, but not how to read it: upgrade kvctl)" if streams else "")
+        + "; `kvctl top` polls Stats instead"
+    )
+
+
+COMMANDS: dict[str, Callable[[Ctl, argparse.Namespace], tuple[dict, str]]] = {
+    "stats": cmd_stats, "sessions": cmd_sessions, "sequences": cmd_sequences, "block-table": cmd_block_table,
+    "health": cmd_health, "drain": cmd_drain, "events": cmd_events,
+}
+
+
+# ---------------------------------------------------------------------------------------------- output helpers
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):,.2f} MiB"
+
+
+def _table(rows: Sequence[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _columns(header: Sequence[str], lines: Sequence[Sequence[Any]]) -> str:
+    cells = [list(map(str, header))] + [[str(c) for c in line] for line in lines]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths)))
+                     for row in cells)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def version() -> str:
+    try:
+        return importlib.metadata.version("kvpool-client")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _target_options(suppress: bool) -> argparse.ArgumentParser:
+    """The options every command takes, before or after its name. The copy on the subcommands has no defaults
+    (SUPPRESS), so ``kvctl --target X stats`` is not reset by the subcommand's own default."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default=default(os.environ.get("KVPOOL_TARGET", "127.0.0.1:50051")),
+                        help="server address: HOST:PORT or unix:PATH (env KVPOOL_TARGET; default 127.0.0.1:50051)")
+    common.add_argument("--unix-socket", metavar="PATH", default=default(None),
+                        help="the server's unix socket (same as --target unix:PATH)")
+    common.add_argument("--timeout", type=float, default=default(10.0), help="deadline of each RPC in seconds (default 10)")
+    common.add_argument("--json", action="store_true", default=default(False), help="print JSON instead of text")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _target_options(suppress=True)
+    parser = argparse.ArgumentParser(prog="kvctl", description=__doc__, parents=[_target_options(suppress=False)],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("stats", parents=[common], help="pool occupancy")
+    sub.add_parser("sessions", parents=[common], help="live sessions")
+    p = sub.add_parser("sequences", parents=[common], help="live sequences")
+    p.add_argument("--session", type=lambda t: int(t, 0), default=0, help="only this session's (0x... or decimal)")
+    p = sub.add_parser("block-table", parents=[common], help="one sequence's page table")
+    p.add_argument("seq_id", type=int)
+    p = sub.add_parser("health", parents=[common], help="gRPC health status")
+    p.add_argument("--service", default="", help="service name ('' for the server as a whole)")
+    sub.add_parser("drain", parents=[common], help="drain the server (admin)")
+    sub.add_parser("events", parents=[common], help="follow the server's event stream")
+    p = sub.add_parser("top", parents=[common], help="live view, refreshed in place")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.unix_socket:
+        args.target = f"unix:{args.unix_socket}"
+    args.exit_code = EXIT_OK
+    if args.command in ("drain", "events"):  # decided without a server: fail before connecting
+        return _report_not_available(args, COMMANDS[args.command], None)
+    ctl = Ctl(args.target, args.timeout)
+    try:
+        ctl.connect()
+        if args.command == "top":
+            from kvpool_client.kvctl_top import run_top
+
+            return run_top(ctl.client, args)
+        data, text = COMMANDS[args.command](ctl, args)
+    except ConnectionError as exc:
+        return _fail(args, EXIT_NO_SERVER, str(exc))
+    except NotAvailable as exc:
+        return _fail(args, EXIT_NOT_AVAILABLE, str(exc))
+    except KVPoolClientError as exc:
+        return _fail(args, EXIT_ERROR, str(exc))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        ctl.close()
+    print(json.dumps(data, indent=1) if args.json else text)
+    return args.exit_code
+
+
+def _report_not_available(args: argparse.Namespace, command: Callable, ctl: Ctl | None) -> int:
+    try:
+        command(ctl, args)
+    except NotAvailable as exc:
+        return _fail(args, EXIT_NOT_AVAILABLE, str(exc))
+    return EXIT_OK
+
+
+def _fail(args: argparse.Namespace, code: int, message: str) -> int:
+    if args.json:
+        print(json.dumps({"error": message, "exit_code": code, "target": args.target}))
+    print(f"kvctl {args.command}: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

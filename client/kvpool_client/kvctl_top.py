@@ -1,0 +1,112 @@
+"""``kvctl top``: poll Stats and show usage, rates and latency, refreshed in place (``rich``), or JSON lines.
+
+Rates come from the difference of two Stats replies over the time between them; latency is that of the Stats call
+itself as kvctl measures it (the server's own RPC latency is on its metrics endpoint, docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool_client.client import KVPoolClient
+from kvpool_client.types import PoolStats
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float  # time.monotonic() when the reply came
+    stats: PoolStats
+    latency_s: float
+
+
+def rates(prev: Sample, cur: Sample) -> dict[str, float]:
+    """Per-second changes between two samples (tokens and sequences can fall: frees)."""
+    dt = max(cur.at - prev.at, 1e-9)
+    a, b = prev.stats, cur.stats
+    return {
+        "tokens_per_s": (b.num_tokens - a.num_tokens) / dt,
+        "blocks_per_s": (b.num_blocks_used - a.num_blocks_used) / dt,
+        "sequences_per_s": (b.num_sequences - a.num_sequences) / dt,
+        "cow_copies_per_s": (b.num_copies - a.num_copies) / dt,
+    }
+
+
+def snapshot(samples: deque[Sample]) -> dict:
+    """What one refresh shows, as a dict (the --json line, and what the table is drawn from)."""
+    cur = samples[-1]
+    s = cur.stats
+    latencies = np.array([x.latency_s for x in samples]) * 1e3
+    return {
+        "time": time.time(),
+        "blocks_used": s.num_blocks_used, "blocks_total": s.num_blocks_total, "blocks_free": s.num_blocks_free,
+        "usage_ratio": s.utilization, "bytes_used": s.bytes_used, "sequences": s.num_sequences,
+        "tokens": s.num_tokens, "internal_fragmentation_ratio": s.internal_fragmentation,
+        "blocks_shared": s.num_blocks_shared, "cow_copies": s.num_copies,
+        **(rates(samples[-2], cur) if len(samples) > 1 else dict.fromkeys(
+            ("tokens_per_s", "blocks_per_s", "sequences_per_s", "cow_copies_per_s"), 0.0)),
+        "stats_latency_ms_p50": float(np.percentile(latencies, 50)),
+        "stats_latency_ms_max": float(latencies.max()),
+    }
+
+
+def render(view: dict, target: str, interval: float):  # -> rich renderable
+    from rich.table import Table
+
+    table = Table(title=f"kvctl top  {target}  (every {interval:g} s; Ctrl-C to quit)", title_justify="left",
+                  show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column()
+    width = 30
+    filled = int(round(view["usage_ratio"] * width))
+    bar = "[green]" + "█" * filled + "[/green]" + "·" * (width - filled)
+    table.add_row("usage", f"{100 * view['usage_ratio']:.2f}%", bar)
+    table.add_row("blocks", f"{view['blocks_used']:,} / {view['blocks_total']:,}",
+                  f"{view['bytes_used'] / (1 << 20):,.2f} MiB used, {view['blocks_free']:,} free")
+    table.add_row("sequences", f"{view['sequences']:,}", f"{view['sequences_per_s']:+,.1f}/s")
+    table.add_row("tokens", f"{view['tokens']:,}", f"{view['tokens_per_s']:+,.0f}/s")
+    table.add_row("fragmentation", f"{100 * view['internal_fragmentation_ratio']:.2f}%", "internal (last blocks)")
+    table.add_row("shared blocks", f"{view['blocks_shared']:,}", "")
+    table.add_row("CoW copies", f"{view['cow_copies']:,}", f"{view['cow_copies_per_s']:,.1f}/s")
+    table.add_row("Stats latency", f"{view['stats_latency_ms_p50']:.2f} ms", f"p50; max {view['stats_latency_ms_max']:.2f} ms")
+    return table
+
+
+def run_top(client: KVPoolClient, args: argparse.Namespace, window: int = 60) -> int:
+    samples: deque[Sample] = deque(maxlen=window)
+
+    def poll() -> dict:
+        started = time.perf_counter()
+        stats = client.stats()
+        samples.append(Sample(time.monotonic(), stats, time.perf_counter() - started))
+        return snapshot(samples)
+
+    count = 0
+    try:
+        if args.json:
+            while not args.iterations or count < args.iterations:
+                print(json.dumps(poll()), flush=True)
+                count += 1
+                if not args.iterations or count < args.iterations:
+                    time.sleep(args.interval)
+            return 0
+        try:
+            from rich.live import Live
+        except ImportError:
+            print("kvctl top: needs the `rich` package: pip install 'kvpool-client[cli]' (or requirements/loadgen.txt)")
+            return 3
+        with Live(render(poll(), args.target, args.interval), auto_refresh=False) as live:
+            count = 1
+            while not args.iterations or count < args.iterations:
+                time.sleep(args.interval)
+                live.update(render(poll(), args.target, args.interval), refresh=True)
+                count += 1
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,92 @@
+"""What kvpool-loadgen checks before it starts workers, and how it explains a run that did not complete.
+
+- ``connect(client, target, timeout)``: a short wait for the server; "no kvpool-server at TARGET" instead of a
+  silent 30 s wait on a wrong ``--target``.
+- ``pool_fit(...)``: can one request fit the pool at all (else there is no point starting), and can all those in
+  flight at once (else they will queue on RESOURCE_EXHAUSTED and may stall)?
+- ``explain_incomplete(summary)``: the lines that say *why* fewer requests completed than asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_client.client import KVPoolClient
+from kvpool_client.errors import DeadlineExceededError, UnavailableError
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+class NoServerError(RuntimeError):
+    """Nothing answered at the target; the message says where we looked and what to check."""
+
+
+class NoRoomError(RuntimeError):
+    """Not even one request fits the pool: the run could never complete one."""
+
+
+def connect(client: KVPoolClient, target: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    try:
+        client.wait_until_serving(timeout=timeout)
+    except (DeadlineExceededError, UnavailableError) as error:
+        raise NoServerError(
+            f"no kvpool-server at {target} (not SERVING within {timeout:g} s: {getattr(error, 'details', error)}). "
+            "Is it running? Give its address with --target HOST:PORT or unix:PATH (env KVPOOL_TARGET); "
+            "--connect-timeout waits longer for one that is starting"
+        ) from None
+
+
+@dataclass(frozen=True)
+class PoolFit:
+    blocks_per_request: int  # most blocks one request can hold: max_len tokens in each of its sequences
+    blocks_in_flight: int  # all requests in flight at their longest
+    num_blocks: int
+
+    @property
+    def one_fits(self) -> bool:
+        return self.blocks_per_request <= self.num_blocks
+
+    @property
+    def all_fit(self) -> bool:
+        return self.blocks_in_flight <= self.num_blocks
+
+    def advice(self) -> str:
+        return ("give the server a bigger pool (--pool-bytes / KVPOOL_POOL_BYTES), or ask for less: "
+                "--concurrency, --max-len, --beam-width / --num-samples")
+
+
+def pool_fit(num_blocks: int, block_size: int, max_len: int, sequences_per_request: int, concurrency: int) -> PoolFit:
+    """Upper bounds (beams share their prompt's blocks, so these overstate beam and parallel modes)."""
+    per_request = -(-max_len // block_size) * sequences_per_request
+    return PoolFit(per_request, per_request * concurrency, num_blocks)
+
+
+def too_small_message(fit: PoolFit, max_len: int) -> str:
+    return (f"the pool is too small for this load: one request may need {fit.blocks_per_request} blocks "
+            f"({max_len} tokens a sequence) but the pool has {fit.num_blocks}; {fit.advice()}")
+
+
+def explain_incomplete(summary: dict[str, Any]) -> list[str]:
+    """Why ``run.completions`` fell short of ``config.completions`` (empty when it did not)."""
+    cfg, run = summary["config"], summary["run"]
+    if run["completions"] >= cfg["completions"]:
+        return []
+    lines = [f"only {run['completions']} of {cfg['completions']} requests completed:"]
+    errors = " ".join(summary.get("worker_errors", []))
+    exhausted = "RESOURCE_EXHAUSTED" in errors or run.get("resource_exhausted_retries", 0) > 0
+    mem = summary.get("memory", {})
+    num_blocks = summary["end"]["blocks_total"]
+    fit = pool_fit(num_blocks, cfg["block_size"], cfg["max_len"], cfg["sequences_per_request"], cfg["concurrency"])
+    if exhausted or not fit.all_fit:
+        lines.append(f"  the pool ran out of blocks (RESOURCE_EXHAUSTED): {cfg['concurrency']} requests in flight "
+                     f"may hold up to {fit.blocks_in_flight} blocks, the pool has {num_blocks} "
+                     f"(peak use {mem.get('peak_used_blocks', '?')})")
+        lines.append(f"  {fit.advice()}")
+    if "DEADLINE_EXCEEDED" in errors or "UNAVAILABLE" in errors:
+        lines.append("  calls timed out or the server went away: see the worker failures above (--timeout)")
+    if summary.get("worker_errors") and len(lines) == 1:
+        lines.append("  a worker failed: see the worker failures above")
+    if len(lines) == 1:
+        lines.append("  no worker reported an error: see the server's log")
+    return lines

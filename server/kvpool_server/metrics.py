@@ -1,0 +1,325 @@
+"""Prometheus metrics of one kvpool-server (``--metrics-address HOST:PORT``; every name is listed in docs/metrics.md).
+
+Two kinds, on a registry of their own (never prometheus_client's global one, so two servers in one process -- the
+tests -- do not collide):
+
+- the pool's state, read from the manager when Prometheus scrapes (``PoolCollector``): blocks, usage, sequences,
+  tokens, fragmentation, sharing, copy-on-write copies, sessions. Nothing is kept in step with the manager, so
+  these can never drift from ``Stats``;
+- what happened, counted as it happens: RPC latency by method and status code, appends, forks, session
+  reclamations. ``MetricsInterceptor`` does the RPC, append and fork counting from outside the servicer; session
+  reclamation is reported by whoever reclaims (``KVPoolMetrics.session_reclaimed``).
+
+Wiring (main.py; ``--metrics-address`` is in config.py)::
+
+    metrics = KVPoolMetrics() if config.metrics_address else None
+    server = grpc.server(executor, options=..., interceptors=[metrics.interceptor()] if metrics else None)
+    ...                                                      # once the servicer exists:
+    if metrics:
+        metrics.watch_pool(locked_stats(manager, servicer.lock), block_bytes=config.layout.block_bytes)
+        metrics_http = start_metrics_server(config.metrics_address, metrics.registry)   # .close() at shutdown
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpool_server.core.types import PoolStats
+
+KVPOOL_SERVICE = "kvpool.v1.KVPoolService"
+# RPC latency buckets: 50 us .. 10 s. A decode step over a unix socket takes ~0.1-1 ms; a big ReadKV, tens of ms.
+RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+# Reclamation latency (a session's end -> its blocks back on the free list): the sweep runs every few 100 ms.
+RECLAIM_BUCKETS = (1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Why a session ended, as label values; SessionTable's end_reason strings map onto these.
+RECLAIM_REASONS = ("closed", "lease_expired", "stream_broken", "server_shutdown")
+_REASON_WORDS = {"close": "closed", "expire": "lease_expired", "lease": "lease_expired", "stream": "stream_broken",
+                 "keep-alive": "stream_broken", "keepalive": "stream_broken", "shutdown": "server_shutdown"}
+
+
+@dataclass(frozen=True)
+class SessionGauges:
+    """The sessions' state at scrape time. ``num_blocks_held_by_ended`` counts blocks still referenced by sequences
+    of sessions that have ended: reclamation frees them in the same sweep, so it must read 0."""
+
+    num_live: int
+    num_blocks_held_by_ended: int
+
+
+def locked_stats(manager: Any, lock: threading.Lock) -> Callable[[], PoolStats]:
+    """A stats reader for ``watch_pool`` that takes the servicer's lock, so a scrape never sees half a call."""
+
+    def read() -> PoolStats:
+        with lock:
+            return manager.stats()
+
+    return read
+
+
+def reason_label(reason: str) -> str:
+    """A reclamation reason as a label value: one of RECLAIM_REASONS when the words say which, else a slug."""
+    text = reason.strip().lower()
+    if text in RECLAIM_REASONS:
+        return text
+    for word, label in _REASON_WORDS.items():
+        if word in text:
+            return label
+    return re.sub(r"[^a-z0-9]+", "_", text).strip("_") or "unknown"
+
+
+class PoolCollector(Collector):
+    """The pool's gauges, computed from ``read_stats()`` (and ``read_sessions()``) at every scrape."""
+
+    def __init__(self, read_stats: Callable[[], PoolStats], read_sessions: Callable[[], SessionGauges] | None = None,
+                 *, block_bytes: int | None = None) -> None:
+        self.read_stats = read_stats
+        self.read_sessions = read_sessions
+        self.block_bytes = block_bytes
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(None, None)
+
+    def collect(self) -> Iterable[Metric]:
+        sessions = self.read_sessions() if self.read_sessions is not None else SessionGauges(0, 0)
+        return self._families(self.read_stats(), sessions)
+
+    def _families(self, s: PoolStats | None, sessions: SessionGauges | None) -> list[Metric]:
+        """Every family; without ``s`` (describe) they carry no samples."""
+
+        def pool(value: Callable[[PoolStats], float]) -> float | None:
+            return None if s is None else value(s)
+
+        def sess(value: Callable[[SessionGauges], float]) -> float | None:
+            return None if sessions is None else value(sessions)
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        families: list[Metric] = [
+            gauge("kvpool_blocks", "Blocks in the pool (its capacity)", pool(lambda s: s.num_blocks_total)),
+            gauge("kvpool_blocks_free", "Blocks on the free list", pool(lambda s: s.num_blocks_free)),
+            gauge("kvpool_blocks_used", "Blocks referenced by at least one sequence", pool(lambda s: s.num_blocks_used)),
+            gauge("kvpool_blocks_shared", "Blocks referenced by more than one sequence (fork sharing)",
+                  pool(lambda s: s.num_blocks_shared)),
+            gauge("kvpool_usage_ratio", "Used blocks / all blocks", pool(lambda s: s.utilization)),
+            gauge("kvpool_sequences", "Live sequences", pool(lambda s: s.num_sequences)),
+            gauge("kvpool_tokens", "Tokens over all live sequences (a shared token counts once per sequence)",
+                  pool(lambda s: s.num_tokens)),
+            gauge("kvpool_slots_unused", "Token slots inside used blocks that hold no token (counted once a block)",
+                  pool(lambda s: s.num_slots_unused)),
+            gauge("kvpool_internal_fragmentation_ratio", "Unused slots / slots of used blocks",
+                  pool(lambda s: s.internal_fragmentation)),
+            gauge("kvpool_block_size_tokens", "Tokens a block holds", pool(lambda s: s.block_size)),
+            CounterMetricFamily("kvpool_cow_copies", "Copy-on-write block copies since start",
+                                value=pool(lambda s: s.num_copies)),
+            gauge("kvpool_sessions", "Live sessions", sess(lambda g: g.num_live)),
+            gauge("kvpool_ended_session_blocks", "Blocks still held by sequences of ended sessions (must be 0)",
+                  sess(lambda g: g.num_blocks_held_by_ended)),
+        ]
+        block_bytes = self.block_bytes
+        if block_bytes is not None:
+            families += [
+                gauge("kvpool_block_size_bytes", "Bytes of one block", pool(lambda s: block_bytes)),
+                gauge("kvpool_pool_size_bytes", "Bytes of the whole pool",
+                      pool(lambda s: s.num_blocks_total * block_bytes)),
+                gauge("kvpool_used_bytes", "Bytes of the used blocks", pool(lambda s: s.num_blocks_used * block_bytes)),
+            ]
+        return families
+
+
+class KVPoolMetrics:
+    """The server's metrics: a registry, the event counters and histograms, and (after ``watch_pool``) the pool."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rpc_duration = Histogram("kvpool_rpc_duration_seconds", "Time to serve an RPC (a stream: its whole life)",
+                                      ["method", "code"], buckets=RPC_BUCKETS, registry=r)
+        self.append_calls = Counter("kvpool_append_calls", "AppendToken calls and AppendTokenStream messages served",
+                                    registry=r)
+        self.appended_tokens = Counter("kvpool_appended_tokens", "Tokens appended (slots handed out)", registry=r)
+        self.forks = Counter("kvpool_forks", "Fork calls served", registry=r)
+        self.fork_children = Counter("kvpool_fork_children", "Sequences created by Fork", registry=r)
+        self.sessions_reclaimed = Counter("kvpool_sessions_reclaimed", "Sessions ended and their sequences freed",
+                                          ["reason"], registry=r)
+        self.reclaimed_sequences = Counter("kvpool_session_reclaimed_sequences",
+                                           "Sequences freed by session reclamation", registry=r)
+        self.reclaimed_blocks = Counter("kvpool_session_reclaimed_blocks",
+                                        "Blocks returned to the free list by session reclamation", registry=r)
+        self.reclaim_duration = Histogram("kvpool_session_reclaim_duration_seconds",
+                                          "From a session's end (lease deadline, stream break, close) to its blocks "
+                                          "being free", ["reason"], buckets=RECLAIM_BUCKETS, registry=r)
+        for reason in RECLAIM_REASONS:  # every reason's series exists from the start, at 0
+            self.sessions_reclaimed.labels(reason)
+            self.reclaim_duration.labels(reason)
+        self.pool_collector: PoolCollector | None = None
+
+    def watch_pool(self, read_stats: Callable[[], PoolStats], read_sessions: Callable[[], SessionGauges] | None = None,
+                   *, block_bytes: int | None = None) -> PoolCollector:
+        """Export the pool's gauges, read at scrape time from ``read_stats()`` (e.g. ``locked_stats(...)``)."""
+        if self.pool_collector is not None:
+            raise ValueError("watch_pool() was already called on these metrics")
+        self.pool_collector = PoolCollector(read_stats, read_sessions, block_bytes=block_bytes)
+        self.registry.register(self.pool_collector)
+        return self.pool_collector
+
+    # ------------------------------------------------------------------ hooks
+    def observe_rpc(self, method: str, code_name: str, seconds: float) -> None:
+        """One RPC served: ``method`` "AppendToken", ``code_name`` "OK" / "NOT_FOUND" / ..., wall seconds."""
+        self.rpc_duration.labels(method, code_name).observe(seconds)
+
+    def count_append(self, num_calls: int, num_tokens: int) -> None:
+        """``num_calls`` AppendToken calls (or stream messages) that handed out ``num_tokens`` slots, all applied."""
+        self.append_calls.inc(num_calls)
+        self.appended_tokens.inc(num_tokens)
+
+    def count_fork(self, num_children: int) -> None:
+        """One Fork that created ``num_children`` sequences."""
+        self.forks.inc()
+        self.fork_children.inc(num_children)
+
+    def session_reclaimed(self, reason: str, latency_s: float, num_sequences: int = 0, num_blocks: int = 0) -> None:
+        """A session ended and its sequences were freed. Call it from the reclamation sweep (and CloseSession, with
+        reason "closed"): ``latency_s`` from the moment the session ended (its lease deadline, the stream break, the
+        close request) to its blocks being free; ``num_blocks`` as Free reports them (ref count reached 0)."""
+        label = reason_label(reason)
+        self.sessions_reclaimed.labels(label).inc()
+        self.reclaim_duration.labels(label).observe(max(0.0, latency_s))
+        self.reclaimed_sequences.inc(num_sequences)
+        self.reclaimed_blocks.inc(num_blocks)
+
+    def interceptor(self) -> MetricsInterceptor:
+        return MetricsInterceptor(self)
+
+    def metric_names(self) -> set[str]:
+        """Every sample name this registry exposes (``_bucket``/``_count``/``_sum``/``_total`` included)."""
+        return {sample.name for family in self.registry.collect() for sample in family.samples}
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Times every KVPoolService call (by method and final status code) and counts appends and forks from the
+    requests and responses, without the servicer knowing. For the synchronous ``grpc.server``; an asyncio server
+    calls ``observe_rpc`` / ``count_append`` / ``count_fork`` from its own wrapper."""
+
+    def __init__(self, metrics: KVPoolMetrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(handler_call_details)
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service != KVPOOL_SERVICE:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(method, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _unary(self, method: str, behavior: Callable) -> Callable:
+        metrics = self.metrics
+
+        def timed(request: Any, context: grpc.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = "UNKNOWN"
+            try:
+                response = behavior(request, context)
+                code = _code_name(context, "OK")
+                if code == "OK":
+                    _count(metrics, method, response)
+                return response
+            except BaseException:
+                code = _code_name(context, "UNKNOWN")
+                raise
+            finally:
+                metrics.observe_rpc(method, code, time.perf_counter() - started)
+
+        return timed
+
+    def _stream(self, method: str, behavior: Callable) -> Callable:
+        metrics = self.metrics
+
+        def timed(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            started = time.perf_counter()
+            code = "UNKNOWN"
+            try:
+                for response in behavior(requests, context):
+                    _count(metrics, method, response)
+                    yield response
+                code = _code_name(context, "OK")
+            except GeneratorExit:
+                code = "CANCELLED"
+                raise
+            except BaseException:
+                code = _code_name(context, "UNKNOWN")
+                raise
+            finally:
+                metrics.observe_rpc(method, code, time.perf_counter() - started)
+
+        return timed
+
+
+def _code_name(context: grpc.ServicerContext, default: str) -> str:
+    try:
+        code = context.code()
+    except (AttributeError, NotImplementedError):
+        return default
+    if code is None:
+        return default
+    return code.name if isinstance(code, grpc.StatusCode) else str(code)
+
+
+def _count(metrics: KVPoolMetrics, method: str, response: Any) -> None:
+    if method in ("AppendToken", "AppendTokenStream"):
+        metrics.count_append(1, len(response.slot_mapping))
+    elif method == "Fork":
+        metrics.count_fork(len(response.child_seq_ids))
+
+
+class MetricsHTTPServer:
+    """``start_metrics_server``'s result: where it listens, and ``close()``."""
+
+    def __init__(self, server: Any, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+        self.host, self.port = server.server_address[:2]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+def start_metrics_server(address: str, registry: CollectorRegistry) -> MetricsHTTPServer:
+    """Serve ``registry`` in Prometheus text format at http://ADDRESS/metrics from a daemon thread (port 0: any free
+    port; ``.port`` says which). Raises OSError naming the address when it cannot listen."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit():
+        raise ValueError(f"metrics address must be HOST:PORT, got {address!r}")
+    try:
+        server, thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=registry)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot serve metrics on {address}: {exc.strerror} (address in use?)") from exc
+    return MetricsHTTPServer(server, thread)
