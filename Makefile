@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 GPU_STAMP := $(VENV)/.installed-gpu
 REQS := requirements/client.txt requirements/server.txt requirements/loadgen.txt requirements/dev.txt
-# GPU=1: also install CuPy (requirements/gpu.txt, ~300 MB). Without it the GPU tests skip and the server uses host memory.
-GPU ?= 0
+# GPU=1: also install CuPy (requirements/gpu.txt, ~300 MB). The default is 1 where nvidia-smi lists a GPU, so that
+# `make run` uses the GPU there; without CuPy the GPU tests skip and the server uses host memory.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 SETUP := $(STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 # The proto is checked for breaking changes against this git ref (a release tag); skipped while it does not exist.
 BUF_AGAINST ?= v0.1.0
@@ -16,7 +17,7 @@ GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/
 	docker-up docker-down monitoring-up clean
 
 help:
-	@echo "make setup              create .venv and install everything make test needs (GPU=1: CuPy too)"
+	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
 	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
 	@echo "make test               the whole test suite (no GPU needed), buf lint and buf breaking"
 	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/core/"
