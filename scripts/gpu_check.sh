@@ -40,7 +40,7 @@ fi
 if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device
     # Within one short lease: each step has its own time limit; the tables come last.
     step "GPU tests, both layouts (device ops + copy kernel, client kernels, FlexAttention, Llama on the GPU)" \
-        bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs -x \
+        bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs \
             tests/device/test_device_pool_ops.py tests/device/test_device_gpu.py tests/client/test_kernels_gpu.py \
             tests/client/test_flex_paged.py tests/client/test_integration_llama.py -k 'not cpu' 2>&1 | tee $OUT/datapath2_tests.log"
     for kvl in layer-major block-major; do

@@ -149,8 +149,9 @@ def test_paged_decode_attention_matches_the_reference(dtype, block_size, group, 
     assert err < (2e-2 if dtype == "bfloat16" else 2e-3), err
 
 
-@pytest.mark.parametrize("kv_layout,q_len", [("layer-major", 1), ("block-major", 1), ("layer-major", 37)])
-def test_flex_attention_reads_the_pool_unchanged(server_factory, kv_layout, q_len):
+@pytest.mark.parametrize("kv_layout,q_len,kv_tile", [("layer-major", 1, 128), ("block-major", 1, 128),
+                                                     ("layer-major", 37, 128), ("layer-major", 1, 16)])
+def test_flex_attention_reads_the_pool_unchanged(server_factory, kv_layout, q_len, kv_tile):
     """PyTorch's FlexAttention (compiled) on the pool's own K/V, block tables as its block mask, against the float64
     reference and (decode) the Triton kernel; the pool is a real server's, attached by CUDA IPC."""
     torch = pytest.importorskip("torch")
@@ -171,7 +172,7 @@ def test_flex_attention_reads_the_pool_unchanged(server_factory, kv_layout, q_le
         tables = torch.stack([torch.randperm(pool.num_blocks, device="cuda", generator=g)[:19] for _ in seq_lens])
         shape = (len(seq_lens), 8, 64) if q_len == 1 else (len(seq_lens), q_len, 8, 64)
         q = torch.randn(shape, device="cuda", generator=g).half()
-        out = flex_paged_attention(q, k_cache, v_cache, tables.int(), seq_lens)
+        out = flex_paged_attention(q, k_cache, v_cache, tables.int(), seq_lens, kv_tile=kv_tile)
         kc, vc, tb = k_cache.cpu().numpy(), v_cache.cpu().numpy(), tables.cpu().numpy()
         if q_len == 1:
             ref = reference.paged_decode_attention(q.cpu().numpy(), kc, vc, tb, seq_lens.cpu().numpy(),

@@ -50,10 +50,11 @@ def token_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def paged_block_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_len: int, *, num_blocks: int,
-                     block_size: int, per_block: int, rows: int) -> BlockMask:
+                     block_size: int, per_block: int, rows: int, kv_tile: int = TILE) -> BlockMask:
     """The block mask of causal attention of each sequence's last ``q_len`` tokens over its ``seq_lens[b]`` tokens,
     addressed as rows of ``token_rows``: ``block_tables`` int [B, max_blocks] (pool block of each logical block;
-    entries past a sequence's blocks are ignored), ``seq_lens`` int [B]."""
+    entries past a sequence's blocks are ignored), ``seq_lens`` int [B]. ``kv_tile``: rows of K/V per mask tile
+    (128, FlexAttention's default; 16 = one 16-token page, so no tile holds rows of other pages)."""
     device = block_tables.device
     tables = block_tables.to(torch.int64)
     lens = seq_lens.to(device=device, dtype=torch.int64)
@@ -73,9 +74,9 @@ def paged_block_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_len: 
         return (off < block_size) & (logical >= 0) & (pos <= q_offset[b] + q_idx)
 
     # the KV tiles that hold any of a sequence's pages (a page may straddle two tiles), sorted, without repeats
-    sentinel = (rows + TILE - 1) // TILE
-    first = torch.where(used, tables * per_block // TILE, sentinel)
-    last = torch.where(used, (tables * per_block + block_size - 1) // TILE, sentinel)
+    sentinel = (rows + kv_tile - 1) // kv_tile
+    first = torch.where(used, tables * per_block // kv_tile, sentinel)
+    last = torch.where(used, (tables * per_block + block_size - 1) // kv_tile, sentinel)
     tiles = torch.cat([first, last], dim=1).sort(dim=1).values
     repeat = torch.zeros_like(tiles, dtype=torch.bool)
     repeat[:, 1:] = tiles[:, 1:] == tiles[:, :-1]
@@ -87,15 +88,16 @@ def paged_block_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_len: 
     kv_idx = torch.where(tiles[:, :width_tiles] < sentinel, tiles[:, :width_tiles], 0).to(torch.int32)
     kv_idx = kv_idx[:, None, None, :].expand(batch, 1, q_tiles, width_tiles).contiguous()
     try:
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=TILE, mask_mod=mask_mod,
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(TILE, kv_tile), mask_mod=mask_mod,
                                         seq_lengths=(q_len, rows), compute_q_blocks=False)
     except TypeError:  # an older signature
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(q_len, rows))
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(TILE, kv_tile), mask_mod=mask_mod,
+                                        seq_lengths=(q_len, rows))
 
 
 def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, scale: float | None = None,
-                         block_mask: BlockMask | None = None) -> torch.Tensor:
+                         block_mask: BlockMask | None = None, kv_tile: int = TILE) -> torch.Tensor:
     """Attention of ``q`` over each sequence's context in the pool, by FlexAttention on the pool's own memory.
 
     ``q``: [B, Hq, D] (decode: one token per sequence, the last of its ``seq_lens[b]``) or [B, Sq, Hq, D] (the last
@@ -110,7 +112,8 @@ def flex_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError("K and V views must have the same shape and strides")
     if block_mask is None:
         block_mask = paged_block_mask(block_tables, seq_lens, q4.shape[2], num_blocks=k_cache.shape[0],
-                                      block_size=k_cache.shape[1], per_block=per_block, rows=k.shape[2])
+                                      block_size=k_cache.shape[1], per_block=per_block, rows=k.shape[2],
+                                      kv_tile=kv_tile)
     gqa = q4.shape[1] != k.shape[1]
     if q4.is_cuda:
         global _compiled

@@ -15,7 +15,7 @@ A thread issues all ``unroll`` loads before its first store, so ``unroll`` 16-by
 (coalesced across the warp: lane i reads bytes 16i..16i+15 of each 512-byte warp span). Several CTAs per block
 keep the grid large enough to fill all SMs even for a few large blocks, and short chunks finish together, so the
 last wave is small. Spans shorter than a chunk get a smaller ``unroll`` (so threads are not left idle). The
-vector is 16 bytes (``uint4``) when span and strides are multiples of 16; otherwise 8 or 4 bytes.
+vector is 16 bytes (``uint4``) when span and strides are multiples of 16; otherwise 8, 4 or 2 bytes.
 
 Pairs live in a device int32 buffer ``[c, 2]``; offsets are computed in 64 bits (pools beyond 4 GiB).
 """
@@ -68,7 +68,7 @@ kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pai
 }}
 """
 
-_VECTORS = {16: "uint4", 8: "uint2", 4: "unsigned int"}
+_VECTORS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 _CACHE_HINTS = {  # plain loads/stores; evict-first streaming (data is touched once); read-only path
     "plain": ("(*(p))", "(*(p) = (v))"),
     "stream": ("__ldcs(p)", "__stcs((p), (v))"),
@@ -100,11 +100,12 @@ DEFAULT_CONFIG = CopyConfig(threads=256, unroll=4, cache="plain")
 
 
 def vector_bytes(*nbytes: int) -> int:
-    """Widest vector (16, 8 or 4 bytes) that divides every one of ``nbytes``."""
-    for width in (16, 8, 4):
+    """Widest vector (16, 8, 4 or 2 bytes) that divides every one of ``nbytes`` (2: layer-major segments of odd
+    rows of 2-byte elements)."""
+    for width in (16, 8, 4, 2):
         if all(n % width == 0 for n in nbytes):
             return width
-    raise ValueError(f"{nbytes} bytes are not multiples of 4")
+    raise ValueError(f"{nbytes} bytes are not multiples of 2")
 
 
 def _resident_ctas(kernel: cupy.RawKernel, threads: int) -> int:
