@@ -158,3 +158,15 @@ def test_layout_token_shape_matches_what_the_references_move():
     data = np.arange(2 * layout.token_elems, dtype=np.float32).reshape(2, *layout.token_shape)
     reference.write_tokens(blocks, [14, 0], data)
     assert np.array_equal(blocks[2, :, :, 4], data[0]) and np.array_equal(blocks[0, :, :, 0], data[1])
+
+
+def test_loadgen_kv_source_device_on_a_host_pool_is_a_clear_error(server_factory):
+    from kvpool_client.loadgen.worker import Worker, WorkerConfig
+
+    server = server_factory(*LAYOUT_ARGS)
+    with pytest.raises(RuntimeError, match="--kv-source host"):
+        Worker(WorkerConfig(0, server.address, 1, 1, kv_source="device"), None, None)
+    worker = Worker(WorkerConfig(0, server.address, 1, 1), None, None)  # auto: host arrays on a host pool
+    assert not worker.device_kv
+    worker.pool.close()
+    worker.client.close()
