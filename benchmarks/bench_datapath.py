@@ -9,7 +9,12 @@ Starts a kvpool server on the GPU backend (Llama-3-8B's KV layout: 32 layers, 8 
 1. whole-token write/read (``write_slots`` / ``read_slots(out=)``) of n tokens to random slots, device slots;
 2. per-layer write (``write_layer``) of n tokens' K and V, n = 1, 16, 256;
 3. the old path (CuPy fancy indexing, as ``write_slots`` did before) for scale;
-4. paged decode attention (Triton) over 256 sequences x 2048 tokens of layer 0, against PyTorch SDPA on dense K/V.
+4. paged decode attention (Triton) over 256 sequences x 2048 tokens of layer 0, against PyTorch SDPA on dense K/V,
+   and PyTorch's FlexAttention (compiled) reading the same pool K/V through the block tables (``flex_paged``);
+5. the server's copy-on-write kernel (``BlockCopier``, in this process on a fresh ``GpuPool`` after the server has
+   gone) copying c random blocks, against a memcpy of the same bytes.
+
+``--kv-layout layer-major`` runs it all on a layer-major pool; ``--quick`` skips the latency loops and n=4096.
 
 Device time: each move is captured 20 times into a CUDA graph (rotating over input sets larger than the L2), the
 graph replayed, CUDA events around the replays, median of 15; memcpy (``cudaMemcpyAsync`` D2D of the same bytes,
@@ -45,14 +50,14 @@ L2_BYTES = 64 << 20
 GRAPH_CALLS, REPEATS = 20, 15
 
 
-def start_server(pool_gib: int) -> tuple[subprocess.Popen, str]:
+def start_server(pool_gib: int, kv_layout: str = "block-major") -> tuple[subprocess.Popen, str]:
     port_file = Path("/tmp/kvpool_bench_port")
     port_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path[:3] + [os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-m", "kvpool_server", "--backend", "gpu", "--pool-bytes",
                              f"{pool_gib}GiB", "--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128",
                              "--block-size", "16", "--dtype", "float16", "--address", "127.0.0.1:0", "--port-file",
-                             str(port_file)], env=env)
+                             str(port_file), "--kv-layout", kv_layout], env=env)
     for _ in range(600):
         if port_file.exists() and port_file.read_text().strip():
             return proc, f"127.0.0.1:{port_file.read_text().strip()}"
@@ -105,13 +110,13 @@ def latency(call, stream: cupy.cuda.Stream, n: int = 200) -> float:
     return statistics.median(times)
 
 
-def bench_moves(pool, rows: list, results: dict) -> None:
+def bench_moves(pool, rows: list, results: dict, quick: bool = False) -> None:
     layout = pool.layout
     tb = layout.token_bytes
     num_slots = pool.num_blocks * layout.block_size
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
-    for n in (64, 256, 1024, 4096):
+    for n in (256, 1024) if quick else (64, 256, 1024, 4096):
         nbytes = n * tb
         sets = max(2, min(16, -(-4 * L2_BYTES // nbytes)))
         slots = [cupy.asarray(rng.choice(num_slots, n, replace=False)) for _ in range(sets)]
@@ -123,7 +128,7 @@ def bench_moves(pool, rows: list, results: dict) -> None:
         for name, t in (("write_slots", w), ("read_slots", r)):
             rows.append((f"{name} n={n}", nbytes, t, m))
         results[f"tokens_{n}"] = {"bytes": nbytes, "write_s": w, "read_s": r, "memcpy_s": m}
-        if n == 256:  # the old path, for scale: fancy indexing (what write_slots did before)
+        if n == 256 and not quick:  # the old path, for scale: fancy indexing (what write_slots did before)
             block_ids, offsets = slots[0] // 16, slots[0] % 16
             with stream:
                 for _ in range(3):
@@ -147,20 +152,23 @@ def bench_moves(pool, rows: list, results: dict) -> None:
         t = graph_time(lambda i, s: pool.write_layer(int(layers[i]), slots[i], kv[i][0], kv[i][1], stream=s), sets,
                        stream)
         m = memcpy_time(nbytes, stream)
+        rows.append((f"write_layer n={n}", nbytes, t, m))
+        if quick:
+            results[f"layer_{n}"] = {"bytes": nbytes, "write_s": t, "memcpy_s": m}
+            continue
         lat = latency(lambda: pool.write_layer(3, slots[0], kv[0][0], kv[0][1], stream=stream), stream)
         ts = torch.from_numpy(cupy.asnumpy(slots[0])).cuda()
         tk = torch.randn(n, 8, 128, device="cuda", dtype=torch.float16)
         tstream = torch.cuda.Stream()
         cs = cupy.cuda.ExternalStream(tstream.cuda_stream)
         lat_torch = latency(lambda: pool.write_layer(3, ts, tk, tk, stream=tstream), cs)
-        rows.append((f"write_layer n={n}", nbytes, t, m))
         results[f"layer_{n}"] = {"bytes": nbytes, "write_s": t, "memcpy_s": m, "latency_s": lat,
                                  "latency_torch_s": lat_torch}
         print(f"write_layer n={n}: call + sync {lat * 1e6:.1f} us (CuPy), {lat_torch * 1e6:.1f} us (torch tensors)")
     pool.check_slot_errors()
 
 
-def bench_attention(pool, results: dict, rows: list) -> None:
+def bench_attention(pool, results: dict, rows: list, quick: bool = False) -> None:
     batch, seq_len, hq, hkv, d, bs = 256, 2048, 32, 8, 128, 16
     whole = torch_views.blocks(pool)
     k_cache, v_cache = whole[:, 0, 0], whole[:, 0, 1]
@@ -186,7 +194,9 @@ def bench_attention(pool, results: dict, rows: list) -> None:
     results["attention"] = {"kv_bytes": kv_bytes, "memcpy_ms": t_copy, "memcpy_bw": memcpy_bw, "sdpa_ms": t_sdpa,
                             "configs": {}}
     best = None
-    for block_n, warps, stages in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 3)]:
+    configs = [(64, 4, 2), (128, 4, 3)] if quick else [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2),
+                                                        (128, 4, 3)]
+    for block_n, warps, stages in configs:
         def run(bn=block_n, w=warps, st=stages):
             return paged_decode_attention(q, k_cache, v_cache, tables, lens, block_n=bn, num_warps=w, num_stages=st)
         try:
@@ -205,34 +215,108 @@ def bench_attention(pool, results: dict, rows: list) -> None:
     t_b, name, err = best
     rows.append((name + f" (err {err:.0e})", kv_bytes, t_b / 1e3, kv_bytes / memcpy_bw))
     rows.append(("SDPA dense (same K/V)", kv_bytes, t_sdpa / 1e3, kv_bytes / memcpy_bw))
+    try:  # FlexAttention on the pool's own K/V: block tables -> block mask (made once, timed apart)
+        from kvpool_client.kernels.flex_paged import flex_paged_attention, paged_block_mask, token_rows
+
+        k_rows, per_block = token_rows(k_cache)
+    except Exception as e:  # noqa: BLE001
+        print(f"flex unavailable: {e!r}", flush=True)
+        per_block = None
+    for kv_tile in (16, 128) if per_block else ():
+        try:
+            t0 = time.perf_counter()
+            mask = paged_block_mask(tables, lens, 1, num_blocks=pool.num_blocks, block_size=bs,
+                                    per_block=per_block, rows=k_rows.shape[2], kv_tile=kv_tile)
+            torch.cuda.synchronize()
+            t_mask = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = flex_paged_attention(q, k_cache, v_cache, tables, lens, block_mask=mask)
+            torch.cuda.synchronize()
+            t_compile = time.perf_counter() - t0
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            t_flex = triton.testing.do_bench(lambda m=mask: flex_paged_attention(q, k_cache, v_cache, tables, lens,
+                                                                                 block_mask=m),
+                                             warmup=50, rep=300, return_mode="median")
+            results["attention"][f"flex_tile{kv_tile}"] = {"ms": t_flex, "rel_err": err, "mask_s": t_mask,
+                                                           "first_call_s": t_compile, "rows_per_block": per_block}
+            rows.append((f"FlexAttention, KV tile {kv_tile} (err {err:.0e})", kv_bytes, t_flex / 1e3,
+                         kv_bytes / memcpy_bw))
+            print(f"flex paged decode, KV tile {kv_tile}: {t_flex:.3f} ms, {kv_bytes / (t_flex / 1e3) / 1e12:.2f} "
+                  f"TB/s, rel err vs SDPA {err:.1e}; block mask {t_mask * 1e3:.1f} ms, first call (compile) "
+                  f"{t_compile:.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001  (reported, not fatal: the rest of the benchmark still runs)
+            print(f"flex paged decode, KV tile {kv_tile}, failed: {e!r}"[:1500], flush=True)
+            results["attention"][f"flex_tile{kv_tile}_error"] = repr(e)[:1500]
     print(f"attention: memcpy {t_copy:.3f} ms ({memcpy_bw / 1e12:.2f} TB/s r+w), SDPA dense {t_sdpa:.3f} ms "
           f"({kv_bytes / (t_sdpa / 1e3) / 1e12:.2f} TB/s)")
+
+
+def bench_copy(kv_layout: str, rows: list, results: dict) -> None:
+    """The copy-on-write kernel in this process (a GpuPool of 4096 Llama-3-8B blocks, 8 GiB): c random distinct
+    (src, dst) pairs, sources in one half, destinations in the other; vs one memcpy of the same bytes."""
+    from kvpool.layout import KVLayout
+    from kvpool_server.device.gpu_pool import GpuPool
+
+    layout = KVLayout(32, 8, 128, 16, "float16", kv_layout)
+    half = 2048
+    rng = np.random.default_rng(3)
+    with GpuPool(layout, 2 * half, staging_bytes=1 << 20) as gp:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        spans, span_bytes = layout.copy_spans(gp.num_blocks)
+        for c in (16, 256, 1024):
+            sets = [cupy.asarray(np.stack([rng.permutation(half)[:c], half + rng.permutation(half)[:c]], 1)
+                                 .astype(np.int32).reshape(-1)) for _ in range(8)]
+            t = graph_time(lambda i, s: gp.copier.launch(gp._base_ptr, sets[i].data.ptr, c, s), 8, stream)
+            m = memcpy_time(c * layout.block_bytes, stream)
+            rows.append((f"copy_blocks c={c} ({spans} x {span_bytes // 1024} KiB spans)", c * layout.block_bytes, t, m))
+            results[f"copy_{c}"] = {"bytes": c * layout.block_bytes, "copy_s": t, "memcpy_s": m, "spans": spans}
+        # correctness of the kernel as the server runs it (validate, upload, launch, sync)
+        flat = cupy.random.randint(0, 255, gp.pool_bytes, dtype=cupy.uint8)
+        from kvpool.layout import storage_of
+
+        storage_of(gp.blocks, layout).reshape(-1).view(cupy.uint8)[...] = flat
+        cupy.cuda.Device().synchronize()
+        pairs = np.stack([rng.permutation(half)[:64], half + rng.permutation(half)[:64]], 1)
+        before = [cupy.asnumpy(gp.blocks[int(s)]) for s in pairs[:, 0]]  # basic indexing: a view of one block
+        gp.copy_blocks(pairs)
+        results["copy_ok"] = all(np.array_equal(cupy.asnumpy(gp.blocks[int(d)]), b)
+                                 for d, b in zip(pairs[:, 1], before))
+        print(f"copy_blocks ({kv_layout}) correct: {results['copy_ok']}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--pool-gib", type=int, default=66)
+    parser.add_argument("--kv-layout", choices=("block-major", "layer-major"), default="block-major")
+    parser.add_argument("--quick", action="store_true", help="no latency loops, fewer sizes and attention configs")
+    parser.add_argument("--sections", default="moves,attention,copy", help="comma-separated: moves,attention,copy")
     args = parser.parse_args()
-    proc, address = start_server(args.pool_gib)
+    sections = set(args.sections.split(","))
+    proc, address = start_server(args.pool_gib, args.kv_layout)
     rows: list = []
     results: dict = {}
     try:
         with KVPoolClient(address) as client:
             client.wait_until_serving(60)
             pool = client.attach()
-            print(f"attached {pool.num_blocks} blocks of {pool.layout.block_bytes} B by CUDA IPC", flush=True)
-            bench_moves(pool, rows, results)
-            bench_attention(pool, results, rows)
+            print(f"attached {pool.num_blocks} blocks of {pool.layout.block_bytes} B ({pool.layout.kv_layout}) by "
+                  "CUDA IPC", flush=True)
+            if "moves" in sections:
+                bench_moves(pool, rows, results, args.quick)
+            if "attention" in sections:
+                bench_attention(pool, results, rows, args.quick)
             pool.close()
     finally:
         proc.terminate()
         proc.wait(30)
+    if "copy" in sections:
+        bench_copy(args.kv_layout, rows, results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"\n{'operation':44s} {'bytes':>10s} {'time':>10s} {'GB/s':>8s} {'vs memcpy':>9s}")
+    print(f"\n[{args.kv_layout}] {'operation':44s} {'bytes':>10s} {'time':>10s} {'GB/s':>8s} {'vs memcpy':>9s}")
     for name, nbytes, t, m in rows:
-        moved = nbytes if name.startswith(("paged", "SDPA")) else 2 * nbytes  # attention: bytes read
+        moved = nbytes if name.startswith(("paged", "SDPA", "Flex")) else 2 * nbytes  # attention: bytes read
         print(f"{name:44s} {nbytes:10d} {t * 1e6:8.1f}us {moved / t / 1e9:8.0f} {m / t:9.2f}")
 
 

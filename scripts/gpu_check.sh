@@ -37,6 +37,22 @@ if [ "$only" = bench ]; then
     service_benches
     echo "=== gpu_check status $status"; exit $status
 fi
+if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device
+    # Within one short lease: each step has its own time limit; the tables come last.
+    step "GPU tests, both layouts (device ops + copy kernel, client kernels, FlexAttention, Llama on the GPU)" \
+        bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs \
+            tests/device/test_device_pool_ops.py tests/device/test_device_gpu.py tests/client/test_kernels_gpu.py \
+            tests/client/test_flex_paged.py tests/client/test_integration_llama.py -k 'not cpu' 2>&1 | tee $OUT/datapath2_tests.log"
+    for kvl in layer-major block-major; do
+        step "data-path benchmark, $kvl (quick: moves, Triton + FlexAttention decode, copy kernel)" \
+            bash -c "set -o pipefail; timeout ${T_BENCH:-100} python3 benchmarks/bench_datapath.py --quick --kv-layout $kvl --json $OUT/datapath_$kvl.json 2>&1 | tee $OUT/bench_$kvl.log"
+    done
+    step "make run equivalent on the GPU (loadgen --kv-source auto = device: writes through the client kernels)" \
+        bash -c "set -o pipefail; timeout ${T_DEMO:-60} python3 scripts/run_demo.py --no-progress --completions 40 2>&1 | tail -25 | tee $OUT/demo_gpu.log"
+    for kvl in layer-major block-major; do grep -A30 "^\[$kvl\]" $OUT/bench_$kvl.log; done
+    grep -h "passed\|failed\|error" $OUT/datapath2_tests.log | tail -3
+    echo "=== gpu_check status $status"; exit $status
+fi
 if [ "$only" = datapath ]; then  # issue 14: data-path kernels, paged attention, the Llama integration, benchmark
     step "data-path tests on the GPU (kernels vs reference, torch, two processes, paged attention, Llama)" \
         bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider -rs -s tests/client/test_kernels_gpu.py tests/client/test_integration_llama.py tests/client/test_kernels_host.py tests/client/test_attach.py 2>&1 | tee $OUT/datapath_tests.log"

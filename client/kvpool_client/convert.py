@@ -90,7 +90,8 @@ def block_table(r: pb.GetBlockTableResponse) -> BlockTable:
 def pool_description(r: pb.DescribePoolResponse) -> PoolDescription:
     lay = r.layout
     return PoolDescription(
-        layout=KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, DTYPE_NAMES[lay.dtype]),
+        layout=KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, DTYPE_NAMES[lay.dtype],
+                        "layer-major" if lay.kv_layout == pb.KV_LAYOUT_LAYER_MAJOR else "block-major"),
         num_blocks=lay.num_blocks,
         backend=BACKEND_NAMES.get(r.backend, "unspecified"),
         pool_bytes=r.pool_bytes,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvpool.layout import KVLayout
+from kvpool.layout import KV_LAYOUTS, KVLayout
 
 ENV_PREFIX = "KVPOOL_"
 BACKENDS = ("auto", "gpu", "host")
@@ -112,6 +112,8 @@ class ServerConfig:
     head_dim: int = 64
     block_size: int = 16
     dtype: str = "float32"
+    # Order of the pool's memory: block-major (a block is one span) or layer-major (a layer's K or V is one tensor).
+    kv_layout: str = "block-major"
     # Limits.
     max_seq_len: int | None = None  # None: min(num_blocks * block_size, 32768), the core's default
     max_num_seqs: int = 4096
@@ -147,7 +149,8 @@ class ServerConfig:
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
+                        self.kv_layout)
 
     def pool_size_kwargs(self) -> dict[str, int | float]:
         """The one sizing argument for ``create_pool``."""
@@ -182,6 +185,8 @@ class ServerConfig:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_num_seqs", "max_batch",
                      "max_workers"):
             if getattr(self, name) < 1:
@@ -231,6 +236,9 @@ _HELP = {
     "head_dim": "elements per head",
     "block_size": "tokens per block",
     "dtype": "KV element type",
+    "kv_layout": "order of the pool's memory: block-major [blocks, layers, K/V, ...] (a block is one contiguous "
+    "span) or layer-major [layers, K/V, blocks, ...] (each layer's K and V is one [blocks, block_size, heads, dim] "
+    "tensor, what vLLM/FlashInfer/FlexAttention read); docs/device.md",
     "max_num_seqs": "most live sequences",
     "log_level": "DEBUG, INFO, WARNING, ERROR",
     "log_format": "text, or json: one JSON object a line (for log shippers)",
@@ -280,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = DTYPES
         if field.name == "log_format":
             kwargs["choices"] = LOG_FORMATS
+        if field.name == "kv_layout":
+            kwargs["choices"] = KV_LAYOUTS
         parser.add_argument(flag, **kwargs)
     return parser
 

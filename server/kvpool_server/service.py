@@ -190,6 +190,7 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
                 dtype=DTYPE_TO_PB[layout.dtype],
                 block_bytes=layout.block_bytes,
                 token_bytes=layout.token_bytes,
+                kv_layout=pb.KvLayout.Value("KV_LAYOUT_" + layout.kv_layout.upper().replace("-", "_")),
             ),
             backend=BACKEND_TO_PB[info.backend],
             pool_bytes=info.pool_bytes,

@@ -33,16 +33,17 @@ def tiny_llama(dtype: str, device: str):
     return model
 
 
-def _server_args(device: str, dtype: str, block_size: int) -> list[str]:
+def _server_args(device: str, dtype: str, block_size: int, kv_layout: str = "block-major") -> list[str]:
     return ["--backend", "gpu" if device == "cuda" else "host", "--pool-bytes", "8MiB", "--num-layers", "3",
-            "--num-kv-heads", "2", "--head-dim", "32", "--block-size", str(block_size), "--dtype", dtype]
+            "--num-kv-heads", "2", "--head-dim", "32", "--block-size", str(block_size), "--dtype", dtype,
+            "--kv-layout", kv_layout]
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("width", [1, 3])
-def test_logits_and_tokens_match_the_dense_model(server_factory, device, dtype, width):
+@pytest.mark.parametrize("width,kv_layout", [(1, "block-major"), (3, "block-major"), (3, "layer-major")])
+def test_logits_and_tokens_match_the_dense_model(server_factory, device, dtype, width, kv_layout):
     block_size = 16 if width == 1 else 5  # an odd block size: the decode kernel's tile spans blocks
-    server = server_factory(*_server_args(device, dtype, block_size))
+    server = server_factory(*_server_args(device, dtype, block_size, kv_layout))
     model = tiny_llama(dtype, device)
     prompt = torch.randint(0, 384, (21,), generator=torch.Generator().manual_seed(width))
     steps = int(os.environ.get("KVPOOL_LLAMA_STEPS", "12"))

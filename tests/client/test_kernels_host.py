@@ -14,9 +14,9 @@ LAYOUT_ARGS = ("--num-layers", "3", "--num-kv-heads", "2", "--head-dim", "8", "-
                "float16", "--pool-bytes", "64KiB", "--backend", "host")
 
 
-@pytest.fixture
-def pool(server_factory):
-    server = server_factory(*LAYOUT_ARGS)
+@pytest.fixture(params=["block-major", "layer-major"])
+def pool(server_factory, request):
+    server = server_factory(*LAYOUT_ARGS, "--kv-layout", request.param)
     with KVPoolClient(server.address) as client, client.attach() as attached:
         yield attached
 
@@ -46,6 +46,41 @@ def test_whole_tokens_and_layers_round_trip_against_the_reference(pool):
     fused = rng.standard_normal((4, 2, 2, 8)).astype(np.float16)
     pool.write_layer(0, [0, 1, 2, 3], fused[:, 0], fused[:, 1])
     assert np.array_equal(pool.read_layer(0, [0, 1, 2, 3])[1], fused[:, 1])
+
+
+def test_layer_major_server_is_described_and_mapped_layer_major(pool):
+    layout = pool.layout
+    k, v = pool.layer_kv(1)
+    if layout.kv_layout == "block-major":
+        assert k.strides[0] == layout.block_bytes
+        return
+    # [L, 2, num_blocks, block_size, H, D] in memory: each layer's K and V is one contiguous tensor, back to back
+    assert k.flags.c_contiguous and v.flags.c_contiguous
+    base = pool.blocks.__array_interface__["data"][0]
+    seg = pool.num_blocks * layout.segment_bytes
+    assert k.__array_interface__["data"][0] == base + 2 * seg and v.__array_interface__["data"][0] == base + 3 * seg
+
+
+@pytest.mark.parametrize("kv_layout", ["block-major", "layer-major"])
+def test_write_kv_and_read_kv_rpcs_land_where_the_layout_says(server_factory, kv_layout):
+    """The server's WriteKV/ReadKV and the attached mapping agree, in both orders: bytes written over gRPC show up in
+    the client's (logical) blocks view at the sequence's slots, and bytes written through the mapping come back."""
+    rng = np.random.default_rng(7)
+    server = server_factory(*LAYOUT_ARGS, "--kv-layout", kv_layout)
+    with KVPoolClient(server.address) as client, client.attach() as pool:
+        layout = pool.layout
+        assert layout.kv_layout == kv_layout and client.describe_pool().layout == layout
+        seq = client.register()
+        slots = np.asarray(client.append([seq], 11).slot_mapping, dtype=np.int64)
+        data = rng.standard_normal((11, *layout.token_shape)).astype(np.float16)
+        assert client.write_kv(seq, 0, data) == 11
+        assert np.array_equal(reference.read_tokens(pool.blocks, slots), data)
+        assert np.array_equal(pool.read_slots(slots), data)
+        k = rng.standard_normal((11, 2, 8)).astype(np.float16)
+        pool.write_layer(2, slots, k, k[::-1].copy())
+        back = client.read_kv(seq, 0, 11)
+        assert np.array_equal(back[:, 2, 0], k) and np.array_equal(back[:, 2, 1], k[::-1])
+        assert np.array_equal(back[:, :2], data[:, :2])
 
 
 def test_bad_arguments_give_clear_errors(pool):
@@ -123,3 +158,15 @@ def test_layout_token_shape_matches_what_the_references_move():
     data = np.arange(2 * layout.token_elems, dtype=np.float32).reshape(2, *layout.token_shape)
     reference.write_tokens(blocks, [14, 0], data)
     assert np.array_equal(blocks[2, :, :, 4], data[0]) and np.array_equal(blocks[0, :, :, 0], data[1])
+
+
+def test_loadgen_kv_source_device_on_a_host_pool_is_a_clear_error(server_factory):
+    from kvpool_client.loadgen.worker import Worker, WorkerConfig
+
+    server = server_factory(*LAYOUT_ARGS)
+    with pytest.raises(RuntimeError, match="--kv-source host"):
+        Worker(WorkerConfig(0, server.address, 1, 1, kv_source="device"), None, None)
+    worker = Worker(WorkerConfig(0, server.address, 1, 1), None, None)  # auto: host arrays on a host pool
+    assert not worker.device_kv
+    worker.pool.close()
+    worker.client.close()

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvpool.layout import storage_of
 from kvpool_server.device import gpu_available
 
 REQUESTED = os.environ.get("KVPOOL_TEST_BACKEND", "")
@@ -41,19 +42,20 @@ def like(ref: Any, x: np.ndarray) -> Any:
 
 
 def pool_bytes_view(pool: Any) -> Any:
-    """The pool's memory as a flat uint8 array (NumPy or CuPy), a view."""
-    return pool.blocks.reshape(-1).view(np.uint8)
+    """The pool's memory as a flat uint8 array (NumPy or CuPy), a view, in storage order."""
+    return storage_of(pool.blocks, pool.layout).reshape(-1).view(np.uint8)
 
 
 def fill_random(pool: Any, rng: np.random.Generator) -> np.ndarray:
-    """Fill the whole pool with random bytes (never left zero); returns a host copy of them."""
+    """Fill the whole pool with random bytes (never left zero); returns a host copy of them in the order of the
+    logical view ``pool.blocks`` (the storage order for block-major)."""
     data = rng.integers(1, 256, size=pool.pool_bytes, dtype=np.uint8)  # no zero byte: a missed write shows
     view = pool_bytes_view(pool)
     if pool.backend == "gpu":
         view.set(data)
     else:
         view[...] = data
-    return data
+    return as_bytes(to_host(pool.blocks)) if pool.layout.layer_major else data
 
 
 def random_tokens(layout: Any, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -130,3 +130,22 @@ def test_close_frees_the_allocation() -> None:
     pool.close()
     pool.close()
     assert free_before - cupy.cuda.runtime.memGetInfo()[0] < (16 << 20)  # all of it, scratch too
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_layout", ["block-major", "layer-major"])
+def test_copy_kernel_with_llama_sized_blocks(kv_layout: str) -> None:
+    """2 MiB blocks (Llama-3-8B: 32 layers, 8 KV heads, head_dim 128, fp16, 16 tokens): 128 chunks per block-major
+    block, or 64 spans of 32 KiB per layer-major block; every copied block equals its source, no other changes."""
+    from kvpool_server.device.gpu_pool import GpuPool
+
+    layout = KVLayout(32, 8, 128, 16, "float16", kv_layout)
+    rng = np.random.default_rng(11)
+    with GpuPool(layout, 48) as pool:
+        before = fill_random(pool, rng).reshape(48, -1)
+        perm = rng.permutation(48)
+        pairs = np.stack([perm[:20], perm[20:40]], 1)
+        assert pool.copy_blocks(pairs) == 20
+        expected = before.copy()
+        expected[pairs[:, 1]] = before[pairs[:, 0]]
+        assert np.array_equal(as_bytes(to_host(pool.blocks)).reshape(48, -1), expected)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,8 +23,13 @@ LAYOUTS = [
 ]
 
 
+# every layout again in layer-major order: [L, 2, num_blocks, block_size, H, D] (a block is 2L spans)
+LAYOUTS += [dataclasses.replace(layout, kv_layout="layer-major") for layout in LAYOUTS]
+
+
 def ids(layout: KVLayout) -> str:
-    return f"L{layout.num_layers}H{layout.num_kv_heads}D{layout.head_dim}B{layout.block_size}{layout.dtype}"
+    return (f"L{layout.num_layers}H{layout.num_kv_heads}D{layout.head_dim}B{layout.block_size}{layout.dtype}"
+            + ("-layer-major" if layout.layer_major else ""))
 
 
 def blocks_as_rows(flat: np.ndarray, layout: KVLayout) -> np.ndarray:
@@ -120,14 +127,18 @@ def test_write_slots_validates_arguments(backend: str, slots: list, shape: tuple
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_layer_kv_are_views_of_the_pool(backend: str) -> None:
-    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+@pytest.mark.parametrize("kv_layout", ["block-major", "layer-major"])
+def test_layer_kv_are_views_of_the_pool(backend: str, kv_layout: str) -> None:
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16", kv_layout=kv_layout)
     rng = np.random.default_rng(5)
     with create_pool(layout, backend=backend, num_blocks=6) as pool:
         fill_random(pool, rng)
         k, v = pool.layer_kv(1)
         assert k.shape == v.shape == (6, 4, 2, 8)
-        assert k.strides[0] == layout.block_bytes
+        assert k.strides[0] == layout.strides(6)[0] == (layout.segment_bytes if layout.layer_major
+                                                         else layout.block_bytes)
+        if layout.layer_major:  # one contiguous [num_blocks, block_size, H, D] tensor per layer and K/V
+            assert k.flags.c_contiguous and v.flags.c_contiguous
         # pool -> view: a token written by write_slots shows through the views
         token = random_tokens(layout, 1, rng)
         pool.write_slots([4 * 3 + 2], token)  # block 3, offset 2

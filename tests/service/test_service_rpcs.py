@@ -129,6 +129,7 @@ def test_describe_pool_and_the_shared_memory_it_names(any_server: ServerProcess)
         assert reply.layout == pb.PoolLayout(
             num_blocks=NUM_BLOCKS, num_layers=1, num_kv_heads=1, head_dim=64, block_size=BLOCK_SIZE,
             dtype=pb.DTYPE_FLOAT32, block_bytes=BLOCK_SIZE * TOKEN_BYTES, token_bytes=TOKEN_BYTES,
+            kv_layout=pb.KV_LAYOUT_BLOCK_MAJOR,
         )
         assert reply.backend == pb.BACKEND_HOST
         assert reply.pool_bytes == NUM_BLOCKS * BLOCK_SIZE * TOKEN_BYTES

@@ -75,11 +75,12 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, kvpool_attention)
 
 
-def layout_for(config: Any, block_size: int = 16, dtype: str = "float16") -> KVLayout:
+def layout_for(config: Any, block_size: int = 16, dtype: str = "float16",
+               kv_layout: str = "block-major") -> KVLayout:
     """The pool layout a server needs to hold this model's KV."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
-                    head_dim=head_dim, block_size=block_size, dtype=dtype)
+                    head_dim=head_dim, block_size=block_size, dtype=dtype, kv_layout=kv_layout)
 
 
 class KVPoolLlama:
@@ -91,7 +92,8 @@ class KVPoolLlama:
         self.client = client
         self.pool = client.attach()
         self.device = next(model.parameters()).device
-        expected = layout_for(model.config, self.pool.layout.block_size, self.pool.layout.dtype)
+        expected = layout_for(model.config, self.pool.layout.block_size, self.pool.layout.dtype,
+                              self.pool.layout.kv_layout)
         if expected != self.pool.layout:
             raise ValueError(f"the server's layout {self.pool.layout} does not hold this model's KV ({expected})")
         whole = torch_views.blocks(self.pool)

@@ -90,8 +90,7 @@ class DevicePath:
         self.device = device
         self.num_slots = num_blocks * layout.block_size
         self.row_bytes = layout.num_kv_heads * layout.head_dim * layout.itemsize
-        self.block_stride = layout.block_bytes  # block-major: see kvpool.layout
-        self.seg_stride = layout.block_size * self.row_bytes
+        self.block_stride, self.seg_stride = layout.strides(num_blocks)  # either order: see kvpool.layout
         with cupy.cuda.Device(device):
             self.error = cupy.zeros(1, dtype=cupy.int32)
         self._slots = _Pinned()

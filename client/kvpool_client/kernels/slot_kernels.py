@@ -9,7 +9,8 @@ contiguous both in the pool and in the caller's array. A call moves ``n`` tokens
     dense row r of token t:  base[r % 2] + t * token_stride[r % 2] + (r // 2) * 2 * row_bytes
     pool row (seg) of slot s: pool + (s // block_size) * block_stride + seg * seg_stride + (s % block_size) * row_bytes
 
-``block_stride`` / ``seg_stride`` describe the layout: block-major is ``(block_bytes, block_size * row_bytes)``.
+``block_stride`` / ``seg_stride`` describe the layout (``KVLayout.strides``): block-major is ``(block_bytes,
+segment_bytes)``, layer-major ``(segment_bytes, num_blocks * segment_bytes)``.
 A thread moves ``UNROLL`` vectors of 16 bytes (8/4/2 when alignment forbids), issuing every load before its first
 store; lanes of a warp touch consecutive vectors of a row (coalesced). Division by the row and token sizes is by
 compile-time constants. A slot outside ``[0, num_slots)`` is skipped (nothing is written outside the pool) and

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject-errors", type=int, default=0, metavar="K",
                    help="self-test: corrupt one token of each of requests 0..K-1 before it is verified; the run "
                         "must then report the errors and exit 1")
+    p.add_argument("--kv-source", choices=("auto", "host", "device"), default="auto",
+                   help="write KV from host arrays, or from GPU arrays through the client's kernels (GPU pool "
+                        "only); auto: device on a GPU pool, host otherwise (default auto)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a tty)")
     return p
 
@@ -119,7 +122,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     for i, share in enumerate(shares):
         cfg = WorkerConfig(i, a.target, share, a.completions, a.seed, a.lengths, dist.max_len, a.mode, a.beam_width,
                            a.num_samples, a.prune_every, a.verify, a.timeout, a.inject_errors,
-                           exhausted_wait_s=a.exhausted_wait)
+                           exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source)
         proc = ctx.Process(target=worker_main, args=(cfg, claim, start, events), name=f"kvpool-loadgen-{i}")
         proc.start()
         procs.append(proc)

@@ -45,6 +45,10 @@ class WorkerConfig:
     timeout: float = 30.0
     inject_errors: int = 0  # self-test: corrupt one token of the first sequence verified of requests 0..k-1
     exhausted_wait_s: float = EXHAUSTED_WAIT_S  # --exhausted-wait: how long a step waits for blocks to be freed
+    # "host": KV written from NumPy arrays (the pool's host path: pinned staging on a GPU pool); "device": from CuPy
+    # device arrays (pattern and slots uploaded first), one scatter kernel per write -- needs a GPU pool;
+    # "auto": device on a GPU pool, host otherwise
+    kv_source: str = "auto"
 
 
 @dataclass
@@ -76,6 +80,10 @@ class Worker:
         self.client = KVPoolClient(cfg.target, timeout=cfg.timeout)
         self.pool = self.client.attach()
         self.layout = self.pool.layout
+        if cfg.kv_source == "device" and self.pool.backend != "gpu":
+            raise RuntimeError(f"--kv-source device writes from GPU arrays into a GPU pool; this server's pool is "
+                               f"on the {self.pool.backend} backend: use --kv-source host (or auto)")
+        self.device_kv = cfg.kv_source == "device" or (cfg.kv_source == "auto" and self.pool.backend == "gpu")
         self.active: list[Request] = []
         self.latency: dict[str, list[float]] = defaultdict(list)
         self.counts: dict[str, int] = defaultdict(int)
@@ -145,7 +153,7 @@ class Worker:
         spec = make_request(self.cfg.seed, index, self.dist, self.cfg.mode, self.cfg.num_samples)
         root = self._timed("register", self.client.register)
         result = self._append("append_prefill", [root], spec.prompt_len)
-        self.pool.write_slots(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout))
+        self._write_kv(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout))
         request = Request(index)
         seq_ids = [root]
         if self.width > 1:
@@ -160,13 +168,25 @@ class Worker:
         self.active.append(request)
         self._record()
 
+    def _write_kv(self, slots: np.ndarray, data: np.ndarray) -> None:
+        """Write token KV into ``slots``: from host arrays, or (``--kv-source device``) from device arrays through
+        the client's scatter kernel, then wait for it (other processes and the server read these slots next)."""
+        if not self.device_kv:
+            self.pool.write_slots(slots, data)
+            return
+        import cupy  # noqa: PLC0415  (only on a GPU pool)
+
+        stream = cupy.cuda.get_current_stream()
+        self.pool.write_slots(cupy.asarray(np.asarray(slots, dtype=np.int64)), cupy.asarray(data), stream=stream)
+        stream.synchronize()
+
     def decode_step(self) -> None:
         """One batched AppendToken over every live sequence of this process, then one write of the new KV."""
         seqs = [s for r in self.active for s in r.seqs.values()]
         result = self._append("append_decode", [s.seq_id for s in seqs], 1)
         keys = np.array([s.seq_id for s in seqs], dtype=np.uint64) * np.uint64(KEY_MULTIPLIER)
         keys += np.array([s.length for s in seqs], dtype=np.uint64)
-        self._timed("write_slots", self.pool.write_slots, result.slot_mapping, kv_pattern(keys, self.layout))
+        self._timed("write_slots", self._write_kv, result.slot_mapping, kv_pattern(keys, self.layout))
         for s, slot in zip(seqs, result.slot_mapping.tolist(), strict=True):
             s.last_slot = slot
             last = s.history[-1]

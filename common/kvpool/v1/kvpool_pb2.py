@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/kvpool.proto\x12\tkvpool.v1\"a\n\x17RegisterSequenceRequest\x12\x13\n\x06seq_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nsession_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x42\t\n\x07_seq_id\"*\n\x18RegisterSequenceResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"a\n\x12\x41ppendTokenRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x12\n\nsession_id\x18\x03 \x01(\x04\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"7\n\tBlockCopy\x12\x14\n\x0csrc_block_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64st_block_id\x18\x02 \x01(\r\"h\n\x13\x41ppendTokenResponse\x12\x14\n\x0cslot_mapping\x18\x01 \x03(\x03\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12$\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.BlockCopy\"g\n\x18\x41ppendTokenStreamRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x12\n\nsession_id\x18\x03 \x01(\x04\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"n\n\x19\x41ppendTokenStreamResponse\x12\x14\n\x0cslot_mapping\x18\x01 \x03(\x03\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12$\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.BlockCopy\"y\n\x0b\x46orkRequest\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_children\x18\x02 \x01(\r\x12\x15\n\rchild_seq_ids\x18\x03 \x03(\x04\x12\x12\n\nsession_id\x18\x04 \x01(\x04\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"%\n\x0c\x46orkResponse\x12\x15\n\rchild_seq_ids\x18\x01 \x03(\x04\"F\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\"(\n\x0c\x46reeResponse\x12\x18\n\x10num_blocks_freed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xad\x02\n\rStatsResponse\x12\x18\n\x10num_blocks_total\x18\x01 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x03 \x01(\r\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x18\n\x10num_slots_unused\x18\x06 \x01(\x04\x12\x1e\n\x16internal_fragmentation\x18\x07 \x01(\x01\x12\x19\n\x11num_blocks_shared\x18\x08 \x01(\r\x12\x12\n\nnum_copies\x18\t \x01(\x04\x12\x15\n\rnum_sequences\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0c \x01(\x04\"&\n\x14GetBlockTableRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"R\n\x15GetBlockTableResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\xbb\x01\n\nPoolLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x05\x64type\x18\x06 \x01(\x0e\x32\x10.kvpool.v1.Dtype\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x13\n\x0btoken_bytes\x18\x08 \x01(\x04\"\x15\n\x13\x44\x65scribePoolRequest\"\xca\x01\n\x14\x44\x65scribePoolResponse\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvpool.v1.PoolLayout\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.kvpool.v1.Backend\x12\x12\n\npool_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x13\n\x0b\x63uda_device\x18\x05 \x01(\x05\x12\x10\n\x08shm_name\x18\x06 \x01(\t\x12\x12\n\nserver_pid\x18\x07 \x01(\r\"Z\n\x0eWriteKVRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nsession_id\x18\x04 \x01(\x04\"-\n\x0fWriteKVResponse\x12\x1a\n\x12num_tokens_written\x18\x01 \x01(\r\"K\n\rReadKVRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"2\n\x0eReadKVResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x18\n\x16\x43heckInvariantsRequest\"`\n\x17\x43heckInvariantsResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x1a\n\x12num_blocks_checked\x18\x02 \x01(\r\x12\x1d\n\x15num_sequences_checked\x18\x03 \x01(\r\"?\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\"U\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x14\n\x0cserver_epoch\x18\x02 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"&\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"/\n\x11KeepAliveResponse\x12\x1a\n\x12lease_remaining_ms\x18\x01 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"M\n\x14\x43loseSessionResponse\x12\x1b\n\x13num_sequences_freed\x18\x01 \x01(\r\x12\x18\n\x10num_blocks_freed\x18\x02 \x01(\r\"\x15\n\x13ListSessionsRequest\"\xc4\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63lient_name\x18\x02 \x01(\t\x12\x16\n\x0eopened_unix_ms\x18\x03 \x01(\x03\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x1a\n\x12lease_remaining_ms\x18\x05 \x01(\r\x12\x17\n\x0fkeep_alive_open\x18\x06 \x01(\x08\x12\x15\n\rnum_sequences\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\"V\n\x14ListSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.kvpool.v1.SessionInfo\x12\x14\n\x0cserver_epoch\x18\x02 \x01(\x04\"*\n\x14ListSequencesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"Z\n\x0cSequenceInfo\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"C\n\x15ListSequencesResponse\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.SequenceInfo*E\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x42\x41\x43KEND_GPU\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_HOST\x10\x02*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x32\xdc\t\n\rKVPoolService\x12[\n\x10RegisterSequence\x12\".kvpool.v1.RegisterSequenceRequest\x1a#.kvpool.v1.RegisterSequenceResponse\x12L\n\x0b\x41ppendToken\x12\x1d.kvpool.v1.AppendTokenRequest\x1a\x1e.kvpool.v1.AppendTokenResponse\x12\x62\n\x11\x41ppendTokenStream\x12#.kvpool.v1.AppendTokenStreamRequest\x1a$.kvpool.v1.AppendTokenStreamResponse(\x01\x30\x01\x12\x37\n\x04\x46ork\x12\x16.kvpool.v1.ForkRequest\x1a\x17.kvpool.v1.ForkResponse\x12\x37\n\x04\x46ree\x12\x16.kvpool.v1.FreeRequest\x1a\x17.kvpool.v1.FreeResponse\x12:\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x18.kvpool.v1.StatsResponse\x12R\n\rGetBlockTable\x12\x1f.kvpool.v1.GetBlockTableRequest\x1a .kvpool.v1.GetBlockTableResponse\x12O\n\x0c\x44\x65scribePool\x12\x1e.kvpool.v1.DescribePoolRequest\x1a\x1f.kvpool.v1.DescribePoolResponse\x12@\n\x07WriteKV\x12\x19.kvpool.v1.WriteKVRequest\x1a\x1a.kvpool.v1.WriteKVResponse\x12=\n\x06ReadKV\x12\x18.kvpool.v1.ReadKVRequest\x1a\x19.kvpool.v1.ReadKVResponse\x12X\n\x0f\x43heckInvariants\x12!.kvpool.v1.CheckInvariantsRequest\x1a\".kvpool.v1.CheckInvariantsResponse\x12L\n\x0bOpenSession\x12\x1d.kvpool.v1.OpenSessionRequest\x1a\x1e.kvpool.v1.OpenSessionResponse\x12J\n\tKeepAlive\x12\x1b.kvpool.v1.KeepAliveRequest\x1a\x1c.kvpool.v1.KeepAliveResponse(\x01\x30\x01\x12O\n\x0c\x43loseSession\x12\x1e.kvpool.v1.CloseSessionRequest\x1a\x1f.kvpool.v1.CloseSessionResponse\x12O\n\x0cListSessions\x12\x1e.kvpool.v1.ListSessionsRequest\x1a\x1f.kvpool.v1.ListSessionsResponse\x12R\n\rListSequences\x12\x1f.kvpool.v1.ListSequencesRequest\x1a .kvpool.v1.ListSequencesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/kvpool.proto\x12\tkvpool.v1\"a\n\x17RegisterSequenceRequest\x12\x13\n\x06seq_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nsession_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x42\t\n\x07_seq_id\"*\n\x18RegisterSequenceResponse\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"a\n\x12\x41ppendTokenRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x12\n\nsession_id\x18\x03 \x01(\x04\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"7\n\tBlockCopy\x12\x14\n\x0csrc_block_id\x18\x01 \x01(\r\x12\x14\n\x0c\x64st_block_id\x18\x02 \x01(\r\"h\n\x13\x41ppendTokenResponse\x12\x14\n\x0cslot_mapping\x18\x01 \x03(\x03\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12$\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.BlockCopy\"g\n\x18\x41ppendTokenStreamRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x12\n\nsession_id\x18\x03 \x01(\x04\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"n\n\x19\x41ppendTokenStreamResponse\x12\x14\n\x0cslot_mapping\x18\x01 \x03(\x03\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12$\n\x06\x63opies\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.BlockCopy\"y\n\x0b\x46orkRequest\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnum_children\x18\x02 \x01(\r\x12\x15\n\rchild_seq_ids\x18\x03 \x03(\x04\x12\x12\n\nsession_id\x18\x04 \x01(\x04\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\"%\n\x0c\x46orkResponse\x12\x15\n\rchild_seq_ids\x18\x01 \x03(\x04\"F\n\x0b\x46reeRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\"(\n\x0c\x46reeResponse\x12\x18\n\x10num_blocks_freed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xad\x02\n\rStatsResponse\x12\x18\n\x10num_blocks_total\x18\x01 \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x03 \x01(\r\x12\x13\n\x0butilization\x18\x04 \x01(\x01\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x18\n\x10num_slots_unused\x18\x06 \x01(\x04\x12\x1e\n\x16internal_fragmentation\x18\x07 \x01(\x01\x12\x19\n\x11num_blocks_shared\x18\x08 \x01(\r\x12\x12\n\nnum_copies\x18\t \x01(\x04\x12\x15\n\rnum_sequences\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x0c \x01(\x04\"&\n\x14GetBlockTableRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"R\n\x15GetBlockTableResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\xe3\x01\n\nPoolLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x05\x64type\x18\x06 \x01(\x0e\x32\x10.kvpool.v1.Dtype\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x13\n\x0btoken_bytes\x18\x08 \x01(\x04\x12&\n\tkv_layout\x18\t \x01(\x0e\x32\x13.kvpool.v1.KvLayout\"\x15\n\x13\x44\x65scribePoolRequest\"\xca\x01\n\x14\x44\x65scribePoolResponse\x12%\n\x06layout\x18\x01 \x01(\x0b\x32\x15.kvpool.v1.PoolLayout\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.kvpool.v1.Backend\x12\x12\n\npool_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x13\n\x0b\x63uda_device\x18\x05 \x01(\x05\x12\x10\n\x08shm_name\x18\x06 \x01(\t\x12\x12\n\nserver_pid\x18\x07 \x01(\r\"Z\n\x0eWriteKVRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nsession_id\x18\x04 \x01(\x04\"-\n\x0fWriteKVResponse\x12\x1a\n\x12num_tokens_written\x18\x01 \x01(\r\"K\n\rReadKVRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"2\n\x0eReadKVResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x18\n\x16\x43heckInvariantsRequest\"`\n\x17\x43heckInvariantsResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x1a\n\x12num_blocks_checked\x18\x02 \x01(\r\x12\x1d\n\x15num_sequences_checked\x18\x03 \x01(\r\"?\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\"U\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x14\n\x0cserver_epoch\x18\x02 \x01(\x04\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"&\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"/\n\x11KeepAliveResponse\x12\x1a\n\x12lease_remaining_ms\x18\x01 \x01(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"M\n\x14\x43loseSessionResponse\x12\x1b\n\x13num_sequences_freed\x18\x01 \x01(\r\x12\x18\n\x10num_blocks_freed\x18\x02 \x01(\r\"\x15\n\x13ListSessionsRequest\"\xc4\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63lient_name\x18\x02 \x01(\t\x12\x16\n\x0eopened_unix_ms\x18\x03 \x01(\x03\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x1a\n\x12lease_remaining_ms\x18\x05 \x01(\r\x12\x17\n\x0fkeep_alive_open\x18\x06 \x01(\x08\x12\x15\n\rnum_sequences\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\"V\n\x14ListSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.kvpool.v1.SessionInfo\x12\x14\n\x0cserver_epoch\x18\x02 \x01(\x04\"*\n\x14ListSequencesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"Z\n\x0cSequenceInfo\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"C\n\x15ListSequencesResponse\x12*\n\tsequences\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.SequenceInfo*E\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x42\x41\x43KEND_GPU\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_HOST\x10\x02*X\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*[\n\x08KvLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_LAYOUT_BLOCK_MAJOR\x10\x01\x12\x19\n\x15KV_LAYOUT_LAYER_MAJOR\x10\x02\x32\xdc\t\n\rKVPoolService\x12[\n\x10RegisterSequence\x12\".kvpool.v1.RegisterSequenceRequest\x1a#.kvpool.v1.RegisterSequenceResponse\x12L\n\x0b\x41ppendToken\x12\x1d.kvpool.v1.AppendTokenRequest\x1a\x1e.kvpool.v1.AppendTokenResponse\x12\x62\n\x11\x41ppendTokenStream\x12#.kvpool.v1.AppendTokenStreamRequest\x1a$.kvpool.v1.AppendTokenStreamResponse(\x01\x30\x01\x12\x37\n\x04\x46ork\x12\x16.kvpool.v1.ForkRequest\x1a\x17.kvpool.v1.ForkResponse\x12\x37\n\x04\x46ree\x12\x16.kvpool.v1.FreeRequest\x1a\x17.kvpool.v1.FreeResponse\x12:\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x18.kvpool.v1.StatsResponse\x12R\n\rGetBlockTable\x12\x1f.kvpool.v1.GetBlockTableRequest\x1a .kvpool.v1.GetBlockTableResponse\x12O\n\x0c\x44\x65scribePool\x12\x1e.kvpool.v1.DescribePoolRequest\x1a\x1f.kvpool.v1.DescribePoolResponse\x12@\n\x07WriteKV\x12\x19.kvpool.v1.WriteKVRequest\x1a\x1a.kvpool.v1.WriteKVResponse\x12=\n\x06ReadKV\x12\x18.kvpool.v1.ReadKVRequest\x1a\x19.kvpool.v1.ReadKVResponse\x12X\n\x0f\x43heckInvariants\x12!.kvpool.v1.CheckInvariantsRequest\x1a\".kvpool.v1.CheckInvariantsResponse\x12L\n\x0bOpenSession\x12\x1d.kvpool.v1.OpenSessionRequest\x1a\x1e.kvpool.v1.OpenSessionResponse\x12J\n\tKeepAlive\x12\x1b.kvpool.v1.KeepAliveRequest\x1a\x1c.kvpool.v1.KeepAliveResponse(\x01\x30\x01\x12O\n\x0c\x43loseSession\x12\x1e.kvpool.v1.CloseSessionRequest\x1a\x1f.kvpool.v1.CloseSessionResponse\x12O\n\x0cListSessions\x12\x1e.kvpool.v1.ListSessionsRequest\x1a\x1f.kvpool.v1.ListSessionsResponse\x12R\n\rListSequences\x12\x1f.kvpool.v1.ListSequencesRequest\x1a .kvpool.v1.ListSequencesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpool.v1.kvpool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BACKEND']._serialized_start=3067
-  _globals['_BACKEND']._serialized_end=3136
-  _globals['_DTYPE']._serialized_start=3138
-  _globals['_DTYPE']._serialized_end=3226
+  _globals['_BACKEND']._serialized_start=3107
+  _globals['_BACKEND']._serialized_end=3176
+  _globals['_DTYPE']._serialized_start=3178
+  _globals['_DTYPE']._serialized_end=3266
+  _globals['_KVLAYOUT']._serialized_start=3268
+  _globals['_KVLAYOUT']._serialized_end=3359
   _globals['_REGISTERSEQUENCEREQUEST']._serialized_start=37
   _globals['_REGISTERSEQUENCEREQUEST']._serialized_end=134
   _globals['_REGISTERSEQUENCERESPONSE']._serialized_start=136
@@ -66,47 +68,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETBLOCKTABLERESPONSE']._serialized_start=1295
   _globals['_GETBLOCKTABLERESPONSE']._serialized_end=1377
   _globals['_POOLLAYOUT']._serialized_start=1380
-  _globals['_POOLLAYOUT']._serialized_end=1567
-  _globals['_DESCRIBEPOOLREQUEST']._serialized_start=1569
-  _globals['_DESCRIBEPOOLREQUEST']._serialized_end=1590
-  _globals['_DESCRIBEPOOLRESPONSE']._serialized_start=1593
-  _globals['_DESCRIBEPOOLRESPONSE']._serialized_end=1795
-  _globals['_WRITEKVREQUEST']._serialized_start=1797
-  _globals['_WRITEKVREQUEST']._serialized_end=1887
-  _globals['_WRITEKVRESPONSE']._serialized_start=1889
-  _globals['_WRITEKVRESPONSE']._serialized_end=1934
-  _globals['_READKVREQUEST']._serialized_start=1936
-  _globals['_READKVREQUEST']._serialized_end=2011
-  _globals['_READKVRESPONSE']._serialized_start=2013
-  _globals['_READKVRESPONSE']._serialized_end=2063
-  _globals['_CHECKINVARIANTSREQUEST']._serialized_start=2065
-  _globals['_CHECKINVARIANTSREQUEST']._serialized_end=2089
-  _globals['_CHECKINVARIANTSRESPONSE']._serialized_start=2091
-  _globals['_CHECKINVARIANTSRESPONSE']._serialized_end=2187
-  _globals['_OPENSESSIONREQUEST']._serialized_start=2189
-  _globals['_OPENSESSIONREQUEST']._serialized_end=2252
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=2254
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=2339
-  _globals['_KEEPALIVEREQUEST']._serialized_start=2341
-  _globals['_KEEPALIVEREQUEST']._serialized_end=2379
-  _globals['_KEEPALIVERESPONSE']._serialized_start=2381
-  _globals['_KEEPALIVERESPONSE']._serialized_end=2428
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=2430
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=2471
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2473
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2550
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=2552
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=2573
-  _globals['_SESSIONINFO']._serialized_start=2576
-  _globals['_SESSIONINFO']._serialized_end=2772
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=2774
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2860
-  _globals['_LISTSEQUENCESREQUEST']._serialized_start=2862
-  _globals['_LISTSEQUENCESREQUEST']._serialized_end=2904
-  _globals['_SEQUENCEINFO']._serialized_start=2906
-  _globals['_SEQUENCEINFO']._serialized_end=2996
-  _globals['_LISTSEQUENCESRESPONSE']._serialized_start=2998
-  _globals['_LISTSEQUENCESRESPONSE']._serialized_end=3065
-  _globals['_KVPOOLSERVICE']._serialized_start=3229
-  _globals['_KVPOOLSERVICE']._serialized_end=4473
+  _globals['_POOLLAYOUT']._serialized_end=1607
+  _globals['_DESCRIBEPOOLREQUEST']._serialized_start=1609
+  _globals['_DESCRIBEPOOLREQUEST']._serialized_end=1630
+  _globals['_DESCRIBEPOOLRESPONSE']._serialized_start=1633
+  _globals['_DESCRIBEPOOLRESPONSE']._serialized_end=1835
+  _globals['_WRITEKVREQUEST']._serialized_start=1837
+  _globals['_WRITEKVREQUEST']._serialized_end=1927
+  _globals['_WRITEKVRESPONSE']._serialized_start=1929
+  _globals['_WRITEKVRESPONSE']._serialized_end=1974
+  _globals['_READKVREQUEST']._serialized_start=1976
+  _globals['_READKVREQUEST']._serialized_end=2051
+  _globals['_READKVRESPONSE']._serialized_start=2053
+  _globals['_READKVRESPONSE']._serialized_end=2103
+  _globals['_CHECKINVARIANTSREQUEST']._serialized_start=2105
+  _globals['_CHECKINVARIANTSREQUEST']._serialized_end=2129
+  _globals['_CHECKINVARIANTSRESPONSE']._serialized_start=2131
+  _globals['_CHECKINVARIANTSRESPONSE']._serialized_end=2227
+  _globals['_OPENSESSIONREQUEST']._serialized_start=2229
+  _globals['_OPENSESSIONREQUEST']._serialized_end=2292
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=2294
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=2379
+  _globals['_KEEPALIVEREQUEST']._serialized_start=2381
+  _globals['_KEEPALIVEREQUEST']._serialized_end=2419
+  _globals['_KEEPALIVERESPONSE']._serialized_start=2421
+  _globals['_KEEPALIVERESPONSE']._serialized_end=2468
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2470
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2511
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2513
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2590
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=2592
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=2613
+  _globals['_SESSIONINFO']._serialized_start=2616
+  _globals['_SESSIONINFO']._serialized_end=2812
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=2814
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2900
+  _globals['_LISTSEQUENCESREQUEST']._serialized_start=2902
+  _globals['_LISTSEQUENCESREQUEST']._serialized_end=2944
+  _globals['_SEQUENCEINFO']._serialized_start=2946
+  _globals['_SEQUENCEINFO']._serialized_end=3036
+  _globals['_LISTSEQUENCESRESPONSE']._serialized_start=3038
+  _globals['_LISTSEQUENCESRESPONSE']._serialized_end=3105
+  _globals['_KVPOOLSERVICE']._serialized_start=3362
+  _globals['_KVPOOLSERVICE']._serialized_end=4606
 # @@protoc_insertion_point(module_scope)

@@ -19,6 +19,12 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[Dtype]
     DTYPE_FLOAT16: _ClassVar[Dtype]
     DTYPE_BFLOAT16: _ClassVar[Dtype]
+
+class KvLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_LAYOUT_UNSPECIFIED: _ClassVar[KvLayout]
+    KV_LAYOUT_BLOCK_MAJOR: _ClassVar[KvLayout]
+    KV_LAYOUT_LAYER_MAJOR: _ClassVar[KvLayout]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_GPU: Backend
 BACKEND_HOST: Backend
@@ -26,6 +32,9 @@ DTYPE_UNSPECIFIED: Dtype
 DTYPE_FLOAT32: Dtype
 DTYPE_FLOAT16: Dtype
 DTYPE_BFLOAT16: Dtype
+KV_LAYOUT_UNSPECIFIED: KvLayout
+KV_LAYOUT_BLOCK_MAJOR: KvLayout
+KV_LAYOUT_LAYER_MAJOR: KvLayout
 
 class RegisterSequenceRequest(_message.Message):
     __slots__ = ("seq_id", "session_id", "request_id")
@@ -180,7 +189,7 @@ class GetBlockTableResponse(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class PoolLayout(_message.Message):
-    __slots__ = ("num_blocks", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "block_bytes", "token_bytes")
+    __slots__ = ("num_blocks", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "block_bytes", "token_bytes", "kv_layout")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +198,7 @@ class PoolLayout(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_layers: int
     num_kv_heads: int
@@ -197,7 +207,8 @@ class PoolLayout(_message.Message):
     dtype: Dtype
     block_bytes: int
     token_bytes: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_bytes: _Optional[int] = ..., token_bytes: _Optional[int] = ...) -> None: ...
+    kv_layout: KvLayout
+    def __init__(self, num_blocks: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[Dtype, str]] = ..., block_bytes: _Optional[int] = ..., token_bytes: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ...) -> None: ...
 
 class DescribePoolRequest(_message.Message):
     __slots__ = ()

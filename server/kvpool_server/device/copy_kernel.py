@@ -1,17 +1,21 @@
-"""The batched block-copy kernel: every (src, dst) pair of a copy-on-write batch in ONE launch.
+"""The batched block-copy kernel: every (src, dst) pair of a copy-on-write batch in ONE launch, in either layout.
 
-Grid: one thread block (CTA) per (copied block, chunk), flattened on x (or, with ``persistent``, as many CTAs as
-are resident at once, each looping over items ``blockIdx.x, blockIdx.x + gridDim.x, ...``)::
+A block is ``spans_per_block`` contiguous spans of ``span_bytes``: one span of ``block_bytes`` (block-major) or
+``2L`` spans of ``segment_bytes``, one per (layer, K/V), ``seg_stride`` apart (layer-major; ``kvpool.layout``).
+Span ``s`` of block ``b`` starts at ``b * block_stride + s * seg_stride``.
 
-    CTA id = copy * chunks_per_block + chunk
-    block src ... | chunk 0 | chunk 1 | ... |      chunk = threads * unroll vectors
-                   `- thread t moves vectors t, t + threads, ..., t + (unroll-1) * threads of its chunk
+Grid: one thread block (CTA) per (copied block, span, chunk), flattened on x (or, with ``persistent``, as many CTAs
+as are resident at once, each looping over items ``blockIdx.x, blockIdx.x + gridDim.x, ...``)::
+
+    CTA id = (copy * spans_per_block + span) * chunks_per_span + chunk
+    span src ... | chunk 0 | chunk 1 | ... |      chunk = threads * unroll vectors
+                  `- thread t moves vectors t, t + threads, ..., t + (unroll-1) * threads of its chunk
 
 A thread issues all ``unroll`` loads before its first store, so ``unroll`` 16-byte loads per thread are in flight
 (coalesced across the warp: lane i reads bytes 16i..16i+15 of each 512-byte warp span). Several CTAs per block
 keep the grid large enough to fill all SMs even for a few large blocks, and short chunks finish together, so the
-last wave is small. The vector is 16 bytes (``uint4``) when ``block_bytes % 16 == 0``; otherwise 8 or 4 bytes
-(``block_bytes`` is always a multiple of 4: two (K, V) halves of 2- or 4-byte elements).
+last wave is small. Spans shorter than a chunk get a smaller ``unroll`` (so threads are not left idle). The
+vector is 16 bytes (``uint4``) when span and strides are multiples of 16; otherwise 8, 4 or 2 bytes.
 
 Pairs live in a device int32 buffer ``[c, 2]``; offsets are computed in 64 bits (pools beyond 4 GiB).
 """
@@ -22,24 +26,32 @@ from dataclasses import dataclass
 
 import cupy
 
+from kvpool.layout import KVLayout
+
 _SOURCE = r"""
 typedef {vec} vec_t;
 #define LOAD(p) {load}
 #define STORE(p, v) {store}
 
 extern "C" __global__ void __launch_bounds__({threads})
-kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pairs, const long long block_bytes,
-                   const long long vecs_per_block, const int chunks_per_block, const int num_items)
+kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pairs, const long long block_stride,
+                   const long long seg_stride, const long long vecs_per_span, const int chunks_per_span,
+                   const int spans_per_block, const int num_items)
 {{
+    const int items_per_copy = spans_per_block * chunks_per_span;
     for (long long item = blockIdx.x; item < num_items; item += gridDim.x) {{  // once, unless persistent
-        const int copy = (int)(item / chunks_per_block);
-        const int chunk = (int)(item - (long long)copy * chunks_per_block);
+        const int copy = (int)(item / items_per_copy);
+        const int rem = (int)(item - (long long)copy * items_per_copy);
+        const int span = rem / chunks_per_span;
+        const int chunk = rem - span * chunks_per_span;
+        const long long span_off = (long long)span * seg_stride;
         const vec_t* __restrict__ src =
-            reinterpret_cast<const vec_t*>(base + (long long)pairs[2 * copy] * block_bytes);
-        vec_t* __restrict__ dst = reinterpret_cast<vec_t*>(base + (long long)pairs[2 * copy + 1] * block_bytes);
+            reinterpret_cast<const vec_t*>(base + (long long)pairs[2 * copy] * block_stride + span_off);
+        vec_t* __restrict__ dst =
+            reinterpret_cast<vec_t*>(base + (long long)pairs[2 * copy + 1] * block_stride + span_off);
         const long long first = (long long)chunk * ({threads} * {unroll}) + threadIdx.x;
         vec_t r[{unroll}];
-        if (first + ({unroll} - 1) * {threads} < vecs_per_block) {{
+        if (first + ({unroll} - 1) * {threads} < vecs_per_span) {{
 #pragma unroll
             for (int k = 0; k < {unroll}; ++k) r[k] = LOAD(src + first + k * {threads});
 #pragma unroll
@@ -47,16 +59,16 @@ kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pai
         }} else {{
 #pragma unroll
             for (int k = 0; k < {unroll}; ++k)
-                if (first + k * {threads} < vecs_per_block) r[k] = LOAD(src + first + k * {threads});
+                if (first + k * {threads} < vecs_per_span) r[k] = LOAD(src + first + k * {threads});
 #pragma unroll
             for (int k = 0; k < {unroll}; ++k)
-                if (first + k * {threads} < vecs_per_block) STORE(dst + first + k * {threads}, r[k]);
+                if (first + k * {threads} < vecs_per_span) STORE(dst + first + k * {threads}, r[k]);
         }}
     }}
 }}
 """
 
-_VECTORS = {16: "uint4", 8: "uint2", 4: "unsigned int"}
+_VECTORS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 _CACHE_HINTS = {  # plain loads/stores; evict-first streaming (data is touched once); read-only path
     "plain": ("(*(p))", "(*(p) = (v))"),
     "stream": ("__ldcs(p)", "__stcs((p), (v))"),
@@ -87,12 +99,13 @@ class CopyConfig:
 DEFAULT_CONFIG = CopyConfig(threads=256, unroll=4, cache="plain")
 
 
-def vector_bytes(nbytes: int) -> int:
-    """Widest vector (16, 8 or 4 bytes) that divides ``nbytes``."""
-    for width in (16, 8, 4):
-        if nbytes % width == 0:
+def vector_bytes(*nbytes: int) -> int:
+    """Widest vector (16, 8, 4 or 2 bytes) that divides every one of ``nbytes`` (2: layer-major segments of odd
+    rows of 2-byte elements)."""
+    for width in (16, 8, 4, 2):
+        if all(n % width == 0 for n in nbytes):
             return width
-    raise ValueError(f"{nbytes} bytes is not a multiple of 4")
+    raise ValueError(f"{nbytes} bytes are not multiples of 2")
 
 
 def _resident_ctas(kernel: cupy.RawKernel, threads: int) -> int:
@@ -104,24 +117,42 @@ def _resident_ctas(kernel: cupy.RawKernel, threads: int) -> int:
 
 
 class BlockCopier:
-    """The copy kernel compiled for one ``block_bytes``; compiled and loaded in ``__init__`` (start-up), so a
-    launch allocates nothing."""
+    """The copy kernel compiled for one block shape; compiled and loaded in ``__init__`` (start-up), so a launch
+    allocates nothing.
 
-    def __init__(self, block_bytes: int, config: CopyConfig = DEFAULT_CONFIG) -> None:
-        self.block_bytes = int(block_bytes)
+    ``BlockCopier(block_bytes)`` copies whole contiguous blocks (block-major); ``BlockCopier.for_layout(layout,
+    num_blocks)`` picks the spans of the layout's order."""
+
+    def __init__(self, span_bytes: int, config: CopyConfig = DEFAULT_CONFIG, *, spans_per_block: int = 1,
+                 block_stride: int | None = None, seg_stride: int = 0) -> None:
+        self.span_bytes = int(span_bytes)
+        self.spans_per_block = int(spans_per_block)
+        self.block_stride = self.span_bytes if block_stride is None else int(block_stride)
+        self.seg_stride = int(seg_stride)
+        self.block_bytes = self.span_bytes * self.spans_per_block
         self.config = config
-        self.vec_bytes = vector_bytes(self.block_bytes)
-        self.vecs_per_block = self.block_bytes // self.vec_bytes
-        self.chunks_per_block = -(-self.vecs_per_block // (config.threads * config.unroll))
+        self.vec_bytes = vector_bytes(self.span_bytes, self.block_stride, self.seg_stride or self.span_bytes)
+        self.vecs_per_span = self.span_bytes // self.vec_bytes
+        # a span shorter than one chunk gets fewer vectors per thread rather than idle threads
+        self.unroll = max(1, min(config.unroll, -(-self.vecs_per_span // config.threads)))
+        self.chunks_per_span = -(-self.vecs_per_span // (config.threads * self.unroll))
+        self.items_per_copy = self.spans_per_block * self.chunks_per_span
         load, store = _CACHE_HINTS[config.cache]
         source = _SOURCE.format(vec=_VECTORS[self.vec_bytes], load=load, store=store,
-                                threads=config.threads, unroll=config.unroll)
+                                threads=config.threads, unroll=self.unroll)
         self._kernel = cupy.RawKernel(source, "kvpool_copy_blocks", options=("-std=c++17",))
         self._kernel.compile()
         self._resident_ctas = _resident_ctas(self._kernel, config.threads)
 
+    @classmethod
+    def for_layout(cls, layout: KVLayout, num_blocks: int, config: CopyConfig = DEFAULT_CONFIG) -> BlockCopier:
+        spans, span_bytes = layout.copy_spans(num_blocks)
+        block_stride, seg_stride = layout.strides(num_blocks)
+        return cls(span_bytes, config, spans_per_block=spans, block_stride=block_stride,
+                   seg_stride=seg_stride if spans > 1 else 0)
+
     def max_copies(self) -> int:
-        return (2**31 - 1) // self.chunks_per_block
+        return (2**31 - 1) // self.items_per_copy
 
     def launch(self, base_ptr: int, pairs_ptr: int, num_copies: int, stream: cupy.cuda.Stream) -> None:
         """Enqueue the copy of ``num_copies`` pairs (device int32 [c, 2] at ``pairs_ptr``) on ``stream``."""
@@ -129,9 +160,10 @@ class BlockCopier:
             return
         if num_copies > self.max_copies():
             raise ValueError(f"{num_copies} copies exceed one launch's grid ({self.max_copies()})")
-        num_items = num_copies * self.chunks_per_block
+        num_items = num_copies * self.items_per_copy
         grid = (min(num_items, self._resident_ctas) if self.config.persistent else num_items,)
-        args = (cupy.uint64(base_ptr), cupy.uint64(pairs_ptr), cupy.int64(self.block_bytes),
-                cupy.int64(self.vecs_per_block), cupy.int32(self.chunks_per_block), cupy.int32(num_items))
+        args = (cupy.uint64(base_ptr), cupy.uint64(pairs_ptr), cupy.int64(self.block_stride),
+                cupy.int64(self.seg_stride), cupy.int64(self.vecs_per_span), cupy.int32(self.chunks_per_span),
+                cupy.int32(self.spans_per_block), cupy.int32(num_items))
         with stream:
             self._kernel(grid, (self.config.threads,), args)

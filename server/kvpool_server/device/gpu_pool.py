@@ -63,8 +63,8 @@ class GpuPool(KVPool):
         self.staging_tokens = max(1, min(STAGING_MAX_TOKENS, staging_bytes // layout.token_bytes))
         self._staging = _raw_array(self.staging_tokens * layout.token_bytes, np.uint8)
         self._slots = _raw_array(self.staging_tokens, np.int64)
-        self.copier = BlockCopier(layout.block_bytes, copy_config)
-        self._mover = SlotMover(layout)
+        self.copier = BlockCopier.for_layout(layout, self.num_blocks, copy_config)
+        self._mover = SlotMover(layout, self.num_blocks)
         self._ipc_handle: bytes | None = None
 
     def attach_info(self) -> PoolAttachInfo:

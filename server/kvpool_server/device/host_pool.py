@@ -11,7 +11,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvpool.layout import KVLayout, blocks_view, gather_tokens, scatter_tokens
+from kvpool.layout import KVLayout, blocks_view, gather_tokens, scatter_tokens, segments_view
 from kvpool.shm import open_shm
 from kvpool_server.device.pool import KVPool, PoolAttachInfo
 
@@ -41,7 +41,8 @@ class HostPool(KVPool):
             raise
         flat = np.frombuffer(self._mmap, dtype=layout.storage_dtype)
         self.blocks = blocks_view(flat, layout, self.num_blocks)
-        self._block_rows = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_blocks, layout.block_bytes)
+        # [num_blocks, 2L, segment_bytes]: a block's bytes whatever the order (strided for layer-major)
+        self._segments = segments_view(np.frombuffer(self._mmap, dtype=np.uint8), layout, self.num_blocks)
 
     def attach_info(self) -> PoolAttachInfo:
         self._check_open()
@@ -49,7 +50,7 @@ class HostPool(KVPool):
 
     def _copy(self, pairs: np.ndarray) -> None:
         # Safe as one gather/scatter because no destination is a source of the batch (KVPool's invariant).
-        self._block_rows[pairs[:, 1]] = self._block_rows[pairs[:, 0]]
+        self._segments[pairs[:, 1]] = self._segments[pairs[:, 0]]
 
     def _write(self, slots: np.ndarray, data: np.ndarray) -> None:
         scatter_tokens(self.blocks, slots, self.layout.block_size, data)
@@ -58,7 +59,7 @@ class HostPool(KVPool):
         out[...] = gather_tokens(self.blocks, slots, self.layout.block_size)
 
     def _release(self) -> None:
-        self._block_rows = None
+        self._segments = None
         try:
             self._segment.unlink()  # the name goes now; the memory when the last mapping (here or elsewhere) goes
         except FileNotFoundError:

@@ -39,7 +39,9 @@ class PoolAttachInfo:
 
 
 class KVPool:
-    """Block-major KV memory ``[num_blocks, L, 2, block_size, H, D]`` (see ``kvpool.layout``).
+    """KV memory, block-major ``[num_blocks, L, 2, block_size, H, D]`` or layer-major ``[L, 2, num_blocks,
+    block_size, H, D]`` (``layout.kv_layout``; see ``kvpool.layout``). ``blocks`` is the logical 6-d view
+    ``[num_blocks, L, 2, block_size, H, D]`` in both (a transposed view for layer-major).
 
     Invariants:
     - One allocation of exactly ``pool_bytes == num_blocks * layout.block_bytes``, made in ``__init__`` and never
@@ -108,7 +110,8 @@ class KVPool:
         return out
 
     def layer_kv(self, layer: int) -> tuple[Any, Any]:
-        """Zero-copy K and V of ``layer``, each [num_blocks, block_size, H, D], block stride ``block_bytes``."""
+        """Zero-copy K and V of ``layer``, each [num_blocks, block_size, H, D]: block stride ``block_bytes``
+        (block-major) or contiguous (layer-major)."""
         self._check_open()
         if not 0 <= layer < self.layout.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.layout.num_layers})")

@@ -5,8 +5,10 @@ arrays and temporaries that CuPy fancy indexing would allocate. One token's KV i
 ``row_bytes = H * D * itemsize`` (row ``seg = 2 * layer + kv``); a row is contiguous in both places::
 
     staging (token-major):  token t, row seg  at  (t * 2L + seg) * row_bytes
-    pool (block-major):     slot s = block * block_size + offset,
-                            row seg  at  block * block_bytes + (seg * block_size + offset) * row_bytes
+    pool:                   slot s = block * block_size + offset,
+                            row seg  at  block * block_stride + seg * seg_stride + offset * row_bytes
+                            (block-major: block_bytes, segment_bytes; layer-major: segment_bytes,
+                             num_blocks * segment_bytes -- ``KVLayout.strides``)
 
 One thread moves one vector (16, 8 or 4 bytes, whichever divides ``row_bytes``; at least 2) of one row, with a
 grid-stride loop. Slots are device int64.
@@ -24,8 +26,9 @@ typedef {vec} vec_t;
 extern "C" __global__ void kvpool_slot_rows(unsigned char* __restrict__ pool, unsigned char* __restrict__ staging,
                                             const long long* __restrict__ slots, const long long num_tokens,
                                             const int rows_per_token, const int vecs_per_row,
-                                            const long long row_bytes, const long long block_bytes,
-                                            const long long block_size, const int to_pool)
+                                            const long long row_bytes, const long long block_stride,
+                                            const long long seg_stride, const long long block_size,
+                                            const int to_pool)
 {{
     const long long total = num_tokens * rows_per_token * vecs_per_row;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
@@ -37,7 +40,8 @@ extern "C" __global__ void kvpool_slot_rows(unsigned char* __restrict__ pool, un
         const long long slot = slots[token];
         const long long block = slot / block_size;
         const long long offset = slot - block * block_size;
-        vec_t* p = reinterpret_cast<vec_t*>(pool + block * block_bytes + (seg * block_size + offset) * row_bytes) + v;
+        vec_t* p = reinterpret_cast<vec_t*>(pool + block * block_stride + seg * seg_stride
+                                                  + offset * row_bytes) + v;
         vec_t* s = reinterpret_cast<vec_t*>(staging + row * row_bytes) + v;
         if (to_pool) *p = *s; else *s = *p;
     }}
@@ -58,8 +62,9 @@ def _row_vector_bytes(row_bytes: int) -> int:
 class SlotMover:
     """Scatter (staging -> slots) and gather (slots -> staging) kernel for one layout; compiled in ``__init__``."""
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         self.layout = layout
+        self.block_stride, self.seg_stride = layout.strides(num_blocks)
         self.row_bytes = layout.num_kv_heads * layout.head_dim * layout.itemsize
         self.vec_bytes = _row_vector_bytes(self.row_bytes)
         self.vecs_per_row = self.row_bytes // self.vec_bytes
@@ -78,6 +83,7 @@ class SlotMover:
         grid = (min(-(-total // _THREADS), self._max_ctas),)
         args = (cupy.uint64(pool_ptr), cupy.uint64(staging_ptr), cupy.uint64(slots_ptr), cupy.int64(num_tokens),
                 cupy.int32(self.rows_per_token), cupy.int32(self.vecs_per_row), cupy.int64(self.row_bytes),
-                cupy.int64(self.layout.block_bytes), cupy.int64(self.layout.block_size), cupy.int32(int(to_pool)))
+                cupy.int64(self.block_stride), cupy.int64(self.seg_stride),
+                cupy.int64(self.layout.block_size), cupy.int32(int(to_pool)))
         with stream:
             self._kernel(grid, (_THREADS,), args)
