@@ -16,7 +16,8 @@ R = TypeVar("R")
 
 def append_response(plan: AppendPlan, response_cls: type[R]) -> R:
     """An AppendTokenResponse or AppendTokenStreamResponse (the same fields) of ``plan``."""
-    response: Any = response_cls(slot_mapping=plan.slot_mapping.tolist(), new_block_ids=plan.new_block_ids.tolist())
+    message_cls: Any = response_cls
+    response = message_cls(slot_mapping=plan.slot_mapping.tolist(), new_block_ids=plan.new_block_ids.tolist())
     if plan.copies.shape[0]:
         response.copies.extend(pb.BlockCopy(src_block_id=s, dst_block_id=d) for s, d in plan.copies.tolist())
     return response  # type: ignore[no-any-return]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-import grpc
+from grpc import ServicerContext
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -29,8 +29,6 @@ from kvpool_server.kv_wire import KVWire
 from kvpool_server.pool_protocol import Pool
 from kvpool_server.responses import describe_pool_response, stats_response
 from kvpool_server.rpc_wrappers import rpc, stream_rpc
-
-Context = grpc.ServicerContext
 
 
 class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
@@ -48,26 +46,28 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
 
     # ---------------------------------------------------------------- sequences
     @rpc
-    def RegisterSequence(self, request: pb.RegisterSequenceRequest, context: Context) -> pb.RegisterSequenceResponse:
+    def RegisterSequence(
+        self, request: pb.RegisterSequenceRequest, context: ServicerContext
+    ) -> pb.RegisterSequenceResponse:
         seq_id = parse.new_seq_id(request.seq_id, request.HasField("seq_id"))
         with self.lock:
             seq_id = self.manager.register(seq_id)
         return pb.RegisterSequenceResponse(seq_id=seq_id)
 
     @rpc
-    def AppendToken(self, request: pb.AppendTokenRequest, context: Context) -> pb.AppendTokenResponse:
+    def AppendToken(self, request: pb.AppendTokenRequest, context: ServicerContext) -> pb.AppendTokenResponse:
         return append(self.manager, self.pool, self.lock, request, pb.AppendTokenResponse,
                       max_batch=self.max_batch, rpc="AppendToken")
 
     @stream_rpc
     def AppendTokenStream(
-        self, request: pb.AppendTokenStreamRequest, context: Context
+        self, request: pb.AppendTokenStreamRequest, context: ServicerContext
     ) -> pb.AppendTokenStreamResponse:
         return append(self.manager, self.pool, self.lock, request, pb.AppendTokenStreamResponse,
                       max_batch=self.max_batch, rpc="AppendTokenStream")
 
     @rpc
-    def Fork(self, request: pb.ForkRequest, context: Context) -> pb.ForkResponse:
+    def Fork(self, request: pb.ForkRequest, context: ServicerContext) -> pb.ForkResponse:
         parent_seq_id = parse.seq_id(request.parent_seq_id, "Fork", "parent_seq_id")
         child_seq_ids = parse.fork_children(request.num_children, request.child_seq_ids, self.max_batch)
         with self.lock:
@@ -75,7 +75,7 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
         return pb.ForkResponse(child_seq_ids=children)
 
     @rpc
-    def Free(self, request: pb.FreeRequest, context: Context) -> pb.FreeResponse:
+    def Free(self, request: pb.FreeRequest, context: ServicerContext) -> pb.FreeResponse:
         seq_ids = parse.batch_seq_ids(request.seq_ids, "Free", self.max_batch)
         with self.lock:
             num_freed = self.manager.free(seq_ids.tolist())
@@ -83,13 +83,13 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
 
     # ---------------------------------------------------------------- inspection
     @rpc
-    def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
+    def Stats(self, request: pb.StatsRequest, context: ServicerContext) -> pb.StatsResponse:
         with self.lock:
             stats = self.manager.stats()
         return stats_response(stats, self.pool.layout.block_bytes)
 
     @rpc
-    def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Context) -> pb.GetBlockTableResponse:
+    def GetBlockTable(self, request: pb.GetBlockTableRequest, context: ServicerContext) -> pb.GetBlockTableResponse:
         seq_id = parse.seq_id(request.seq_id, "GetBlockTable")
         with self.lock:
             block_ids = self.manager.block_table(seq_id)
@@ -99,11 +99,13 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
         )
 
     @rpc
-    def DescribePool(self, request: pb.DescribePoolRequest, context: Context) -> pb.DescribePoolResponse:
+    def DescribePool(self, request: pb.DescribePoolRequest, context: ServicerContext) -> pb.DescribePoolResponse:
         return describe_pool_response(self.pool)
 
     @rpc
-    def CheckInvariants(self, request: pb.CheckInvariantsRequest, context: Context) -> pb.CheckInvariantsResponse:
+    def CheckInvariants(
+        self, request: pb.CheckInvariantsRequest, context: ServicerContext
+    ) -> pb.CheckInvariantsResponse:
         with self.lock:
             self.manager.check_invariants()
             num_sequences = self.manager.num_sequences
@@ -113,7 +115,7 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
 
     # ---------------------------------------------------------------- KV data
     @rpc
-    def WriteKV(self, request: pb.WriteKVRequest, context: Context) -> pb.WriteKVResponse:
+    def WriteKV(self, request: pb.WriteKVRequest, context: ServicerContext) -> pb.WriteKVResponse:
         tokens = self.wire.decode(request.data)
         seq_id = parse.seq_id(request.seq_id, "WriteKV")
         with self.lock:
@@ -122,7 +124,7 @@ class KVPoolServicer(pb_grpc.KVPoolServiceServicer):
         return pb.WriteKVResponse(num_tokens_written=len(tokens))
 
     @rpc
-    def ReadKV(self, request: pb.ReadKVRequest, context: Context) -> pb.ReadKVResponse:
+    def ReadKV(self, request: pb.ReadKVRequest, context: ServicerContext) -> pb.ReadKVResponse:
         seq_id, start = parse.seq_id(request.seq_id, "ReadKV"), request.start_position
         with self.lock:
             num_tokens = request.num_tokens or self.manager.num_tokens(seq_id) - start
