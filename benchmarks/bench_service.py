@@ -8,9 +8,9 @@ Every server is a separate process started by this script, one at a time:
   echo-stream    the echo server's bidi EchoStream: one stream, one echo message per step (same message shapes)
   kvpool-stream  the real ``kvpool-server``, AppendTokenStream: one stream, one message per step
   echo-aio       the echo on grpc.aio
-  kvpool-inproc  the kvpool servicer in a bare sync server like echo's (no health, reflection or signal handling):
-                 a diagnostic that separates the handler's cost from the server process around it
-  kvpool-aio     the kvpool servicer on grpc.aio (no thread pool; the same core, pool and servicer logic)
+  kvpool-inproc  kvpool_server.grpc_server.build_server's server started by bench_service_servers.py, without
+                 main.serve() around it (no signal loop, no GC freeze): a diagnostic for the process around the server
+  kvpool-aio     the servicer of build_servicer() on grpc.aio (no thread pool; the same core, pool and servicer)
 
 For each: one client doing back-to-back steps (steps/s, p50, p99 latency), then ``--clients`` client processes at
 once (aggregate steps/s; not for the -stream kinds, whose figure is one client holding one stream). For kvpool also

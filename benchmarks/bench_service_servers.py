@@ -88,9 +88,10 @@ def listen_args(port_file: str | None, unix_socket: str | None) -> list[str]:
 
 
 def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args: list[str]) -> None:
-    """Run one benchmark server (echo, echo-aio, kvpool-aio) on a free port or a unix socket until SIGTERM."""
+    """Run one benchmark server (echo, echo-aio, kvpool-aio, kvpool-inproc) on a free port or a unix socket until
+    SIGTERM. The kvpool kinds are made by kvpool_server.grpc_server, as the real server's are."""
     from kvpool_server.config import load_config
-    from kvpool_server.main import grpc_options
+    from kvpool_server.grpc_server import build_server, build_servicer, grpc_options
 
     config = load_config([*SERVER_ARGS, *extra_args, *listen_args(port_file, unix_socket)])
     options = grpc_options(config)
@@ -100,23 +101,20 @@ def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args:
         if port_file:
             Path(port_file).write_text(str(port))
 
-    if kind in ("echo", "kvpool-inproc"):
+    if kind == "kvpool-inproc":  # the real server, started in-process without main.serve()'s signals and GC freeze
+        handle = build_server(config)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        handle.start()
+        ready(handle.port or 0)
+        signal.sigwait({signal.SIGTERM})
+        handle.server.stop(0)
+        handle.pool.close()
+        return
+    if kind == "echo":
         from concurrent import futures
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
-        if kind == "echo":
-            server.add_generic_rpc_handlers((_echo_handler(stream=True),))
-        else:  # the real servicer in a bare sync server: no health, reflection, signals or drain bookkeeping around it
-            from kvpool_server.core import KVCacheManager
-            from kvpool_server.device import create_pool
-            from kvpool_server.service import KVPoolServicer
-
-            pool = create_pool(config.layout, backend=config.backend, **config.pool_size_kwargs())
-            manager = KVCacheManager(pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len)
-            pb_grpc.add_KVPoolServiceServicer_to_server(
-                KVPoolServicer(manager, pool, max_batch=config.max_batch, max_message_bytes=config.max_message_bytes),
-                server,
-            )
+        server.add_generic_rpc_handlers((_echo_handler(stream=True),))
         port = server.add_insecure_port(address)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         server.start()
@@ -131,15 +129,8 @@ def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args:
         if kind == "echo-aio":
             server.add_generic_rpc_handlers((_echo_handler(),))
         else:
-            from kvpool_server.core import KVCacheManager
-            from kvpool_server.device import create_pool
-            from kvpool_server.service import KVPoolServicer
-
-            pool = create_pool(config.layout, backend=config.backend, **config.pool_size_kwargs())
-            manager = KVCacheManager(pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len)
-            servicer = KVPoolServicer(
-                manager, pool, max_batch=config.max_batch, max_message_bytes=config.max_message_bytes
-            )
+            servicer = build_servicer(config)
+            pool = servicer.pool
             pb_grpc.add_KVPoolServiceServicer_to_server(_async_kvpool_servicer(servicer), server)
         port = server.add_insecure_port(address)
         await server.start()

@@ -1,5 +1,6 @@
-"""GPU-only properties: CUDA IPC from another process, no allocation after start-up, chunked staging, kernel
-variants, memory freed on close. Skipped without a GPU (mandatory with KVPOOL_TEST_BACKEND=gpu)."""
+"""GPU-only properties: CUDA IPC from another process, no allocation after start-up, chunked staging, the copy
+kernel and the variants scripts/gpu_device_check.py explores, memory freed on close. Skipped without a GPU
+(mandatory with KVPOOL_TEST_BACKEND=gpu)."""
 
 from __future__ import annotations
 
@@ -95,29 +96,53 @@ def test_requests_larger_than_staging_go_in_chunks() -> None:
         assert np.array_equal(as_bytes(gather_tokens(to_host(pool.blocks), slots, 16)), as_bytes(tokens))
 
 
+LAYOUTS = [LAYOUT, KVLayout(5, 2, 40, 16, "float32"), KVLayout(1, 1, 2, 1, "float16")]
+LAYOUT_IDS = ["32KiB", "51200B", "8B"]  # 16-byte vectors; a partial last chunk; 4-byte vectors
+
+
+def copy_and_check(pool, layout: KVLayout, rng: np.random.Generator) -> None:
+    """copy_blocks of 40 random pairs among 96 blocks changes exactly the destinations, to their sources."""
+    expected = fill_random(pool, rng).reshape(96, layout.block_bytes).copy()
+    perm = rng.permutation(96)
+    copies = np.stack([perm[:40], perm[40:80]], axis=1)
+    pool.copy_blocks(copies)
+    expected[copies[:, 1]] = expected[copies[:, 0]]
+    assert np.array_equal(as_bytes(to_host(pool.blocks)).reshape(96, -1), expected)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_the_copy_kernel_copies_exactly_the_pairs(layout: KVLayout) -> None:
+    from kvpool_server.device.gpu_pool import GpuPool
+
+    with GpuPool(layout, 96) as pool:
+        copy_and_check(pool, layout, np.random.default_rng(layout.block_bytes))
+
+
 VARIANTS = [(512, 4, "plain", False), (256, 8, "plain", False), (256, 4, "plain", False), (1024, 4, "plain", False),
             (512, 4, "stream", False), (128, 8, "nc", False), (256, 16, "plain", False), (512, 4, "plain", True),
             (256, 8, "plain", True), (64, 1, "plain", True)]
 
 
 @pytest.mark.parametrize("threads, unroll, cache, persistent", VARIANTS)
-@pytest.mark.parametrize("layout", [LAYOUT, KVLayout(5, 2, 40, 16, "float32"), KVLayout(1, 1, 2, 1, "float16")],
-                         ids=["32KiB", "51200B", "8B"])
-def test_every_copy_kernel_variant_copies_exactly_the_pairs(threads: int, unroll: int, cache: str, persistent: bool,
-                                                            layout: KVLayout) -> None:
-    from kvpool_server.device.copy_kernel import CopyConfig
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_every_explored_copy_kernel_variant_copies_exactly_the_pairs(threads: int, unroll: int, cache: str,
+                                                                     persistent: bool, layout: KVLayout) -> None:
+    """The variants scripts/gpu_device_check.py times (scripts/copy_kernel_variants.py), in place of the pool's."""
+    import importlib.util
+    from pathlib import Path
+
     from kvpool_server.device.gpu_pool import GpuPool
 
-    rng = np.random.default_rng(threads + unroll)
-    with GpuPool(layout, 96, copy_config=CopyConfig(threads, unroll, cache, persistent)) as pool:
+    path = Path(__file__).resolve().parents[2] / "scripts" / "copy_kernel_variants.py"
+    spec = importlib.util.spec_from_file_location("copy_kernel_variants", path)
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    with GpuPool(layout, 96) as pool:
+        config = variants.CopyConfig(threads, unroll, cache, persistent)
+        pool.copier = variants.VariantCopier(layout.block_bytes, config)
         if persistent:
-            pool.copier._resident_ctas = 7  # a grid smaller than the work, so every CTA must loop
-        expected = fill_random(pool, rng).reshape(96, layout.block_bytes).copy()
-        perm = rng.permutation(96)
-        copies = np.stack([perm[:40], perm[40:80]], axis=1)
-        pool.copy_blocks(copies)
-        expected[copies[:, 1]] = expected[copies[:, 0]]
-        assert np.array_equal(as_bytes(to_host(pool.blocks)).reshape(96, -1), expected)
+            pool.copier.resident_ctas = 7  # a grid smaller than the work, so every CTA must loop
+        copy_and_check(pool, layout, np.random.default_rng(threads + unroll))
 
 
 def test_close_frees_the_allocation() -> None:
@@ -149,3 +174,31 @@ def test_copy_kernel_with_llama_sized_blocks(kv_layout: str) -> None:
         expected = before.copy()
         expected[pairs[:, 1]] = before[pairs[:, 0]]
         assert np.array_equal(as_bytes(to_host(pool.blocks)).reshape(48, -1), expected)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_layout", ["block-major", "layer-major"])
+def test_copy_kernel_beyond_4_gib(kv_layout: str) -> None:
+    """A 6 GiB pool: pairs whose blocks (or, layer-major, spans) lie past 2**31 and 2**32 bytes copy exactly."""
+    import cupy
+
+    from kvpool_server.device.gpu_pool import GpuPool
+
+    layout = KVLayout(32, 8, 128, 16, "float16", kv_layout)  # 2 MiB blocks
+    num_blocks = 3072  # 6 GiB
+    rng = np.random.default_rng(12)
+    with GpuPool(layout, num_blocks) as pool:
+        src = np.array([0, 1, 1500, 2047, 2100, 3000])
+        dst = np.array([3071, 2049, 2, 2048, 10, 1024])  # no block is both a source and a destination
+        data = {}
+        for block in src.tolist():
+            values = cupy.asarray(rng.integers(0, 2**16, pool.blocks[block].shape, dtype=np.uint16))
+            pool.blocks[block] = values.view(pool.blocks.dtype)
+            data[block] = cupy.asnumpy(values)
+        # an untouched block keeps its bytes
+        witness = cupy.asnumpy(pool.blocks[5].view(cupy.uint16)).copy()
+        cupy.cuda.Device().synchronize()
+        pool.copy_blocks(np.stack([src, dst], 1).astype(np.int32))
+        for s, d in zip(src.tolist(), dst.tolist()):
+            assert np.array_equal(cupy.asnumpy(pool.blocks[d].view(cupy.uint16)), data[s]), (s, d)
+        assert np.array_equal(cupy.asnumpy(pool.blocks[5].view(cupy.uint16)), witness)

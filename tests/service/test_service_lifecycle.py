@@ -19,7 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
-from kvpool_server.main import create_server, freeze_startup_heap, shutdown
+from kvpool_server.grpc_server import build_server
+from kvpool_server.main import shutdown
+from kvpool_server.process import freeze_startup_heap
 from tests.conftest import server_command, start_server, wait_serving
 from tests.service.service_helpers import connect
 
@@ -77,7 +79,8 @@ def test_signal_under_load_drains_and_exits_0(server_factory, sig: int) -> None:
 def test_in_flight_calls_finish_new_calls_refused_health_not_serving() -> None:
     """In-process, to hold calls in flight for sure: the test takes the servicer's lock, so calls wait inside."""
     config = ServerConfig(address="127.0.0.1:0", backend="host", num_blocks=64, shutdown_grace_s=20).validate()
-    handle = create_server(config)
+    handle = build_server(config)
+    handle.start()
     address = f"127.0.0.1:{handle.port}"
     try:
         with connect(address) as stub, grpc.insecure_channel(address) as health_channel:

@@ -14,7 +14,8 @@ import pytest
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
-from kvpool_server.main import create_server, shutdown
+from kvpool_server.grpc_server import build_server
+from kvpool_server.main import shutdown
 from tests.conftest import ServerProcess
 from tests.service.service_helpers import BLOCK_SIZE, connect, token_kv
 
@@ -203,7 +204,8 @@ def test_sigterm_during_back_to_back_stream_messages_ends_the_stream_unavailable
 def test_message_in_flight_at_shutdown_is_answered_then_the_stream_ends_unavailable() -> None:
     """In-process, to hold a message in flight for sure: the test takes the servicer's lock."""
     config = ServerConfig(address="127.0.0.1:0", backend="host", num_blocks=64, shutdown_grace_s=20).validate()
-    handle = create_server(config)
+    handle = build_server(config)
+    handle.start()
     try:
         with connect(f"127.0.0.1:{handle.port}") as stub, futures.ThreadPoolExecutor(1) as pool:
             a = stub.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
@@ -212,11 +214,11 @@ def test_message_in_flight_at_shutdown_is_answered_then_the_stream_ends_unavaila
             with handle.servicer.lock:
                 pending = pool.submit(stream.send, [a], [2])
                 time.sleep(0.3)  # the message reaches the servicer and waits for the lock
-                assert handle.servicer.num_in_flight == 1
+                assert handle.drain.num_in_flight == 1
                 stopper = threading.Thread(target=shutdown, args=(handle, config.shutdown_grace_s, 1.0))
                 stopper.start()
                 time.sleep(0.5)
-                assert handle.servicer.draining and not pending.done() and not handle.pool.closed
+                assert handle.drain.draining and not pending.done() and not handle.pool.closed
             assert len(pending.result(10).slot_mapping) == 2  # finished and answered
             with pytest.raises(grpc.RpcError) as info:
                 next(stream.responses)

@@ -4,34 +4,39 @@ A block is ``spans_per_block`` contiguous spans of ``span_bytes``: one span of `
 ``2L`` spans of ``segment_bytes``, one per (layer, K/V), ``seg_stride`` apart (layer-major; ``kvpool.layout``).
 Span ``s`` of block ``b`` starts at ``b * block_stride + s * seg_stride``.
 
-Grid: one thread block (CTA) per (copied block, span, chunk), flattened on x (or, with ``persistent``, as many CTAs
-as are resident at once, each looping over items ``blockIdx.x, blockIdx.x + gridDim.x, ...``)::
+Grid: one thread block (CTA) per (copied block, span, chunk), flattened on x::
 
     CTA id = (copy * spans_per_block + span) * chunks_per_span + chunk
     span src ... | chunk 0 | chunk 1 | ... |      chunk = threads * unroll vectors
                   `- thread t moves vectors t, t + threads, ..., t + (unroll-1) * threads of its chunk
 
-A thread issues all ``unroll`` loads before its first store, so ``unroll`` 16-byte loads per thread are in flight
+A thread issues all UNROLL loads before its first store, so UNROLL 16-byte loads per thread are in flight
 (coalesced across the warp: lane i reads bytes 16i..16i+15 of each 512-byte warp span). Several CTAs per block
 keep the grid large enough to fill all SMs even for a few large blocks, and short chunks finish together, so the
 last wave is small. Spans shorter than a chunk get a smaller ``unroll`` (so threads are not left idle). The
 vector is 16 bytes (``uint4``) when span and strides are multiples of 16; otherwise 8, 4 or 2 bytes.
 
 Pairs live in a device int32 buffer ``[c, 2]``; offsets are computed in 64 bits (pools beyond 4 GiB).
+
+The launch shape is the one scripts/gpu_device_check.py chose on the H200 (docs/device.md): of the nine variants
+it explores (threads, unroll, cache hints, persistent grids; scripts/copy_kernel_variants.py) all moved 84-93% of
+memcpy's bandwidth, their order changing between runs (noise ~3%); 256 threads x 4 vectors is among the best in
+every run and has the smallest chunk (16 KiB), so even a batch of one 64 KiB block spreads over 4 CTAs.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import cupy
 
 from kvpool.layout import KVLayout
 
+THREADS = 256  # per CTA
+UNROLL = 4  # vectors in flight per thread (fewer for spans shorter than a chunk)
+
 _SOURCE = r"""
 typedef {vec} vec_t;
-#define LOAD(p) {load}
-#define STORE(p, v) {store}
+#define LOAD(p) (*(p))
+#define STORE(p, v) (*(p) = (v))
 
 extern "C" __global__ void __launch_bounds__({threads})
 kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pairs, const long long block_stride,
@@ -39,7 +44,7 @@ kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pai
                    const int spans_per_block, const int num_items)
 {{
     const int items_per_copy = spans_per_block * chunks_per_span;
-    for (long long item = blockIdx.x; item < num_items; item += gridDim.x) {{  // once, unless persistent
+    for (long long item = blockIdx.x; item < num_items; item += gridDim.x) {{  // once: the grid covers every item
         const int copy = (int)(item / items_per_copy);
         const int rem = (int)(item - (long long)copy * items_per_copy);
         const int span = rem / chunks_per_span;
@@ -53,10 +58,10 @@ kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pai
         vec_t r[{unroll}];
         if (first + ({unroll} - 1) * {threads} < vecs_per_span) {{
 #pragma unroll
-            for (int k = 0; k < {unroll}; ++k) r[k] = LOAD(src + first + k * {threads});
+        for (int k = 0; k < {unroll}; ++k) r[k] = src[first + k * {threads}];
 #pragma unroll
-            for (int k = 0; k < {unroll}; ++k) STORE(dst + first + k * {threads}, r[k]);
-        }} else {{
+        for (int k = 0; k < {unroll}; ++k) dst[first + k * {threads}] = r[k];
+    }} else {{
 #pragma unroll
             for (int k = 0; k < {unroll}; ++k)
                 if (first + k * {threads} < vecs_per_span) r[k] = LOAD(src + first + k * {threads});
@@ -69,34 +74,6 @@ kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pai
 """
 
 _VECTORS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
-_CACHE_HINTS = {  # plain loads/stores; evict-first streaming (data is touched once); read-only path
-    "plain": ("(*(p))", "(*(p) = (v))"),
-    "stream": ("__ldcs(p)", "__stcs((p), (v))"),
-    "nc": ("__ldg(p)", "(*(p) = (v))"),
-}
-
-
-@dataclass(frozen=True)
-class CopyConfig:
-    """Launch shape: ``threads`` per CTA, ``unroll`` vectors per thread, cache hint of loads/stores, and whether
-    the grid is one CTA per (copy, chunk) or persistent (as many CTAs as fit on the GPU at once, each looping)."""
-
-    threads: int = 512
-    unroll: int = 4
-    cache: str = "plain"
-    persistent: bool = False
-
-    def __post_init__(self) -> None:
-        if self.threads not in (64, 128, 256, 512, 1024) or not 1 <= self.unroll <= 16:
-            raise ValueError(f"bad CopyConfig {self}")
-        if self.cache not in _CACHE_HINTS:
-            raise ValueError(f"cache must be one of {sorted(_CACHE_HINTS)}, got {self.cache!r}")
-
-
-# Measured on the H200 by scripts/gpu_device_check.py (docs/device.md): the nine variants tried all moved 84-93% of
-# memcpy's bandwidth, their order changing between two runs (noise ~3%). This one is among the best in both runs and
-# has the smallest chunk (16 KiB), so even a batch of one 64 KiB block spreads over 4 CTAs.
-DEFAULT_CONFIG = CopyConfig(threads=256, unroll=4, cache="plain")
 
 
 def vector_bytes(*nbytes: int) -> int:
@@ -108,14 +85,6 @@ def vector_bytes(*nbytes: int) -> int:
     raise ValueError(f"{nbytes} bytes are not multiples of 2")
 
 
-def _resident_ctas(kernel: cupy.RawKernel, threads: int) -> int:
-    """How many CTAs of ``kernel`` fit on the device at once (the grid of a persistent launch)."""
-    from cupy_backends.cuda.api import driver
-
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, 0)
-    return max(1, per_sm) * cupy.cuda.Device().attributes["MultiProcessorCount"]
-
-
 class BlockCopier:
     """The copy kernel compiled for one block shape; compiled and loaded in ``__init__`` (start-up), so a launch
     allocates nothing.
@@ -123,32 +92,28 @@ class BlockCopier:
     ``BlockCopier(block_bytes)`` copies whole contiguous blocks (block-major); ``BlockCopier.for_layout(layout,
     num_blocks)`` picks the spans of the layout's order."""
 
-    def __init__(self, span_bytes: int, config: CopyConfig = DEFAULT_CONFIG, *, spans_per_block: int = 1,
-                 block_stride: int | None = None, seg_stride: int = 0) -> None:
+    def __init__(self, span_bytes: int, *, spans_per_block: int = 1, block_stride: int | None = None,
+                 seg_stride: int = 0) -> None:
         self.span_bytes = int(span_bytes)
         self.spans_per_block = int(spans_per_block)
         self.block_stride = self.span_bytes if block_stride is None else int(block_stride)
         self.seg_stride = int(seg_stride)
         self.block_bytes = self.span_bytes * self.spans_per_block
-        self.config = config
         self.vec_bytes = vector_bytes(self.span_bytes, self.block_stride, self.seg_stride or self.span_bytes)
         self.vecs_per_span = self.span_bytes // self.vec_bytes
         # a span shorter than one chunk gets fewer vectors per thread rather than idle threads
-        self.unroll = max(1, min(config.unroll, -(-self.vecs_per_span // config.threads)))
-        self.chunks_per_span = -(-self.vecs_per_span // (config.threads * self.unroll))
+        self.unroll = max(1, min(UNROLL, -(-self.vecs_per_span // THREADS)))
+        self.chunks_per_span = -(-self.vecs_per_span // (THREADS * self.unroll))
         self.items_per_copy = self.spans_per_block * self.chunks_per_span
-        load, store = _CACHE_HINTS[config.cache]
-        source = _SOURCE.format(vec=_VECTORS[self.vec_bytes], load=load, store=store,
-                                threads=config.threads, unroll=self.unroll)
+        source = _SOURCE.format(vec=_VECTORS[self.vec_bytes], threads=THREADS, unroll=self.unroll)
         self._kernel = cupy.RawKernel(source, "kvpool_copy_blocks", options=("-std=c++17",))
         self._kernel.compile()
-        self._resident_ctas = _resident_ctas(self._kernel, config.threads)
 
     @classmethod
-    def for_layout(cls, layout: KVLayout, num_blocks: int, config: CopyConfig = DEFAULT_CONFIG) -> BlockCopier:
+    def for_layout(cls, layout: KVLayout, num_blocks: int) -> BlockCopier:
         spans, span_bytes = layout.copy_spans(num_blocks)
         block_stride, seg_stride = layout.strides(num_blocks)
-        return cls(span_bytes, config, spans_per_block=spans, block_stride=block_stride,
+        return cls(span_bytes, spans_per_block=spans, block_stride=block_stride,
                    seg_stride=seg_stride if spans > 1 else 0)
 
     def max_copies(self) -> int:
@@ -161,9 +126,8 @@ class BlockCopier:
         if num_copies > self.max_copies():
             raise ValueError(f"{num_copies} copies exceed one launch's grid ({self.max_copies()})")
         num_items = num_copies * self.items_per_copy
-        grid = (min(num_items, self._resident_ctas) if self.config.persistent else num_items,)
         args = (cupy.uint64(base_ptr), cupy.uint64(pairs_ptr), cupy.int64(self.block_stride),
                 cupy.int64(self.seg_stride), cupy.int64(self.vecs_per_span), cupy.int32(self.chunks_per_span),
                 cupy.int32(self.spans_per_block), cupy.int32(num_items))
         with stream:
-            self._kernel(grid, (self.config.threads,), args)
+            self._kernel((num_copies * self.chunks_per_block,), (THREADS,), args)

@@ -18,7 +18,7 @@ import cupy
 import numpy as np
 
 from kvpool.layout import KVLayout, blocks_view
-from kvpool_server.device.copy_kernel import DEFAULT_CONFIG, BlockCopier, CopyConfig
+from kvpool_server.device.copy_kernel import BlockCopier
 from kvpool_server.device.pool import KVPool, PoolAttachInfo
 from kvpool_server.device.slot_kernel import SlotMover
 
@@ -45,8 +45,7 @@ class GpuPool(KVPool):
 
     backend = "gpu"
 
-    def __init__(self, layout: KVLayout, num_blocks: int, *, staging_bytes: int = STAGING_BYTES,
-                 copy_config: CopyConfig = DEFAULT_CONFIG) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, *, staging_bytes: int = STAGING_BYTES) -> None:
         super().__init__(layout, num_blocks)
         self.device = cupy.cuda.Device()
         self.device_id = int(self.device.id)
@@ -63,7 +62,7 @@ class GpuPool(KVPool):
         self.staging_tokens = max(1, min(STAGING_MAX_TOKENS, staging_bytes // layout.token_bytes))
         self._staging = _raw_array(self.staging_tokens * layout.token_bytes, np.uint8)
         self._slots = _raw_array(self.staging_tokens, np.int64)
-        self.copier = BlockCopier.for_layout(layout, self.num_blocks, copy_config)
+        self.copier = BlockCopier.for_layout(layout, self.num_blocks)
         self._mover = SlotMover(layout, self.num_blocks)
         self._ipc_handle: bytes | None = None
 
