@@ -38,7 +38,7 @@ def append(servicer: KVPoolServicer, request: Any, response_cls: type[R], rpc: s
         )
     with servicer.lock:
         try:
-            plan = servicer.manager.append_batch(seq_ids, num_tokens)
+            plan = servicer.manager.append(seq_ids, num_tokens)
         except SequenceNotFoundError:
             check_no_zero(seq_ids, rpc)  # say INVALID_ARGUMENT for a 0, not NOT_FOUND
             raise
