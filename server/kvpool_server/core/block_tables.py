@@ -194,17 +194,18 @@ class BlockTables:
             raise self._too_long(np.array([new_length]))
         if allocator.num_shared_blocks and self._writes_into_shared(row, length):
             return None
-        held, needed = lookup.num_blocks.item(length), lookup.num_blocks.item(new_length)
-        if lookup.block_index.item(length) == lookup.block_index.item(new_length - 1):  # one block
-            if needed > held:
-                self.table[row, held] = block_id = allocator.allocate_one()  # raises OutOfBlocksError, no change
+        first_block, last_block = lookup.block_index.item(length), lookup.block_index.item(new_length - 1)
+        if first_block == last_block:  # one block
+            if lookup.starts_block.item(length):
+                self.table[row, first_block] = block_id = allocator.allocate_one()  # raises OutOfBlocksError first
                 first, new_blocks = block_id * self.block_size, np.array([block_id], dtype=np.int32)
             else:
                 first, new_blocks = self.next_slot.item(row), EMPTY_BLOCKS
             slots = np.arange(first, first + count, dtype=np.int64)
         else:
-            new_blocks = allocator.allocate(needed - held)  # raises OutOfBlocksError before any change
-            self.table[row, held:needed] = new_blocks
+            held = lookup.num_blocks.item(length)
+            new_blocks = allocator.allocate(last_block + 1 - held)  # raises OutOfBlocksError before any change
+            self.table[row, held : last_block + 1] = new_blocks
             slots = self.slots(row, slice(length, new_length))
         self.num_tokens[row] = new_length
         self.next_slot[row] = slots.item(-1) + 1

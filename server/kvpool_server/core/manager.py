@@ -82,10 +82,7 @@ class KVCacheManager:
         ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``.
         """
         rows = self._rows(seq_ids)
-        counts = self._counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)
-        if rows.__class__ is int and counts.__class__ is not int:
-            counts = counts.item(0)
-        return self.tables.plan_append(rows, counts)
+        return self.tables.plan_append(rows, self._counts(num_new_tokens, 1 if rows.__class__ is int else rows.size))
 
     def _rows(self, seq_ids: int | Sequence[int] | np.ndarray) -> int | np.ndarray:
         """The rows of distinct live ids: an intp array, or an int for one sequence (the tables plan it in scalars)."""
@@ -99,7 +96,7 @@ class KVCacheManager:
 
     @staticmethod
     def _counts(num_new_tokens: int | Sequence[int] | np.ndarray, num_rows: int) -> int | np.ndarray:
-        """An int (>= 1) for every row, or an int64 array of one per row (each >= 1)."""
+        """An int (>= 1) for every row, or an int64 array of one per row (each >= 1; an int for one row)."""
         if num_new_tokens.__class__ is int or isinstance(num_new_tokens, np.integer):
             if num_new_tokens < 1:
                 raise InvalidArgumentError(f"num_tokens must be >= 1, got {num_new_tokens}")
@@ -109,7 +106,7 @@ class KVCacheManager:
             raise InvalidArgumentError(f"{counts.size} num_tokens values for {num_rows} sequences")
         if (counts < 1).any():
             raise InvalidArgumentError(f"every num_tokens must be >= 1, got {counts.min()}")
-        return counts
+        return counts.item(0) if num_rows == 1 else counts
 
     def fork(self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = ()) -> list[int]:
         """Make children that share every block of the parent (ref counts go up, nothing is copied)."""
