@@ -201,14 +201,16 @@ class BlockTables:
                 first, new_blocks = block_id * self.block_size, np.array([block_id], dtype=np.int32)
             else:
                 first, new_blocks = self.next_slot.item(row), EMPTY_BLOCKS
-            slots = np.arange(first, first + count, dtype=np.int64)
+            next_slot = first + count
+            slots = np.arange(first, next_slot, dtype=np.int64)
         else:
             held = lookup.num_blocks.item(length)
             new_blocks = allocator.allocate(last_block + 1 - held)  # raises OutOfBlocksError before any change
             self.table[row, held : last_block + 1] = new_blocks
             slots = self.slots(row, slice(length, new_length))
+            next_slot = slots.item(-1) + 1
         self.num_tokens[row] = new_length
-        self.next_slot[row] = slots.item(-1) + 1
+        self.next_slot[row] = next_slot
         return AppendPlan(slots, new_blocks, NO_COPIES)
 
     def _plan_general(self, rows: np.ndarray, num_new_tokens: int | np.ndarray) -> AppendPlan:

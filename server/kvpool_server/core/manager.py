@@ -81,6 +81,8 @@ class KVCacheManager:
         ``seq_ids`` is one id, or a non-empty sequence or uint64 array of distinct ids. Slots in
         ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``.
         """
+        if seq_ids.__class__ is int and num_new_tokens.__class__ is int and num_new_tokens >= 1:  # the scalar case
+            return self.tables.plan_append(self.index.row(seq_ids), num_new_tokens)
         rows = self._rows(seq_ids)
         return self.tables.plan_append(rows, self._counts(num_new_tokens, 1 if rows.__class__ is int else rows.size))
 
