@@ -71,9 +71,9 @@ class BlockTables:
         return -(-num_tokens // self.block_size)
 
     def slots(self, rows: np.ndarray | int, positions: np.ndarray | slice) -> np.ndarray:
-        """The slot (int64) of token ``positions[i]`` of row ``rows[i]``, or of ``positions`` (an array or a slice)
-        of one row (an int): ``table[row, p // block_size] * block_size + p % block_size``. The positions must lie
-        in blocks the rows hold."""
+        """The slot (int64) of token ``positions[i]`` of row ``rows[i]`` (two arrays), or of the tokens
+        ``positions`` (an array or a slice) of one row (an int): ``table[row, p // block_size] * block_size +
+        p % block_size``. The positions must lie in blocks the rows hold."""
         lookup = self.by_length
         index = lookup.block_index[positions]
         blocks = self.table[rows].take(index) if rows.__class__ is int else self.table[rows, index]
