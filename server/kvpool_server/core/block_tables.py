@@ -187,24 +187,25 @@ class BlockTables:
     def _plan_one_row(self, row: int, count: int) -> AppendPlan | None:
         """``count`` tokens for one row, in scalars, or None when the row must copy on write. Tokens that all land in
         one block take a run of slots from the first, which is the cached next slot or offset 0 of a new block."""
-        lookup, allocator = self.by_length, self.allocator
+        allocator, block_size = self.allocator, self.block_size
         length = self.num_tokens.item(row)
         new_length = length + count
         if new_length > self.max_seq_len:
             raise self._too_long(np.array([new_length]))
         if allocator.num_shared_blocks and self._writes_into_shared(row, length):
             return None
-        first_block, last_block = lookup.block_index.item(length), lookup.block_index.item(new_length - 1)
+        first_block, first_offset = divmod(length, block_size)
+        last_block = (new_length - 1) // block_size
         if first_block == last_block:  # one block
-            if lookup.starts_block.item(length):
+            if first_offset == 0:
                 self.table[row, first_block] = block_id = allocator.allocate_one()  # raises OutOfBlocksError first
-                first, new_blocks = block_id * self.block_size, np.array([block_id], dtype=np.int32)
+                first, new_blocks = block_id * block_size, np.array([block_id], dtype=np.int32)
             else:
                 first, new_blocks = self.next_slot.item(row), EMPTY_BLOCKS
             next_slot = first + count
             slots = np.arange(first, next_slot, dtype=np.int64)
         else:
-            held = lookup.num_blocks.item(length)
+            held = first_block + (first_offset > 0)
             new_blocks = allocator.allocate(last_block + 1 - held)  # raises OutOfBlocksError before any change
             self.table[row, held : last_block + 1] = new_blocks
             slots = self.slots(row, slice(length, new_length))

@@ -102,7 +102,7 @@ class KVCacheManager:
         if num_new_tokens.__class__ is int or isinstance(num_new_tokens, np.integer):
             if num_new_tokens < 1:
                 raise InvalidArgumentError(f"num_tokens must be >= 1, got {num_new_tokens}")
-            return int(num_new_tokens)
+            return num_new_tokens if num_new_tokens.__class__ is int else int(num_new_tokens)
         counts = np.asarray(num_new_tokens, dtype=np.int64)
         if counts.shape != (num_rows,):
             raise InvalidArgumentError(f"{counts.size} num_tokens values for {num_rows} sequences")
