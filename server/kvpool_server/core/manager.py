@@ -81,10 +81,10 @@ class KVCacheManager:
         ``seq_ids`` is one id, or a non-empty sequence or uint64 array of distinct ids. Slots in
         ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``.
         """
-        if seq_ids.__class__ is int and num_new_tokens.__class__ is int and num_new_tokens >= 1:  # the scalar case
-            return self.tables.plan_append(self.index.row(seq_ids), num_new_tokens)
-        rows = self._rows(seq_ids)
-        return self.tables.plan_append(rows, self._counts(num_new_tokens, 1 if rows.__class__ is int else rows.size))
+        rows = self.index.row(seq_ids) if seq_ids.__class__ is int else self._rows(seq_ids)
+        if num_new_tokens.__class__ is not int or num_new_tokens < 1:  # an array of counts, or a count to refuse
+            num_new_tokens = self._counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)
+        return self.tables.plan_append(rows, num_new_tokens)
 
     def _rows(self, seq_ids: int | Sequence[int] | np.ndarray) -> int | np.ndarray:
         """The rows of distinct live ids: an intp array, or an int for one sequence (the tables plan it in scalars)."""
