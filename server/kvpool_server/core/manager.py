@@ -88,7 +88,7 @@ class KVCacheManager:
 
     def _rows(self, seq_ids: int | Sequence[int] | np.ndarray) -> int | np.ndarray:
         """The rows of distinct live ids: an intp array, or an int for one sequence (the tables plan it in scalars)."""
-        if seq_ids.__class__ is int or isinstance(seq_ids, np.integer):
+        if isinstance(seq_ids, (int, np.integer)):
             return self.index.row(int(seq_ids))
         ids = np.asarray(seq_ids, dtype=np.uint64)
         if ids.ndim != 1 or ids.size == 0:
@@ -99,10 +99,10 @@ class KVCacheManager:
     @staticmethod
     def _counts(num_new_tokens: int | Sequence[int] | np.ndarray, num_rows: int) -> int | np.ndarray:
         """An int (>= 1) for every row, or an int64 array of one per row (each >= 1; an int for one row)."""
-        if num_new_tokens.__class__ is int or isinstance(num_new_tokens, np.integer):
+        if isinstance(num_new_tokens, (int, np.integer)):
             if num_new_tokens < 1:
                 raise InvalidArgumentError(f"num_tokens must be >= 1, got {num_new_tokens}")
-            return num_new_tokens if num_new_tokens.__class__ is int else int(num_new_tokens)
+            return int(num_new_tokens)
         counts = np.asarray(num_new_tokens, dtype=np.int64)
         if counts.shape != (num_rows,):
             raise InvalidArgumentError(f"{counts.size} num_tokens values for {num_rows} sequences")
