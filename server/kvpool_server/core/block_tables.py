@@ -27,8 +27,9 @@ class BlockTables:
         row 3:  [ 17 | 4 | 9 | -1 | -1 ...]   num_tokens[3] = 37, next_slot[3] = 9 * 16 + 5, block_size 16
                   0-15 16-31 32-36 (11 free slots in block 9)
 
-    ``next_slot[row]`` caches the slot of the row's next token while its last block has room, so that a decode step
-    reads one number per row instead of recomputing it from the table.
+    ``next_slot[row]`` caches the slot of the row's next token while its last block has room, so that the tuned
+    paths read one number per row instead of recomputing it from the table (a new block's first slot is
+    ``block * block_size``; tokens inside one block have consecutive slots).
 
     The tables own the references to blocks: they alone call the allocator (allocate, incref, decref). Appends are
     planned here (``plan_append``) and change nothing when they raise. Copy-on-write: a row whose next token lands
