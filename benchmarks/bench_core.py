@@ -1,8 +1,10 @@
 """In-process decode-loop benchmark of the core (no gRPC, no device): token-appends per second.
 
 256 concurrent sequences, 16-token blocks, the seed's lengths (prompt 4-32, target 32-256 tokens), a completed
-sequence is freed and replaced at once, and the slot mapping of every token is produced. Measured twice in one run:
-one ``append`` call per sequence per step, and one ``append_batch`` call per step for all sequences.
+sequence is freed and replaced at once, and the slot mapping of every token is produced. Three modes, each measured
+twice in one run: one ``manager.append(seq_id)`` call per sequence per step (the per-sequence baseline), one
+``manager.append(seq_ids)`` call per step for all sequences (what the server runs for an AppendToken), and one
+``SequenceBatch.step()`` per step (persistent_batch.py: rows resolved once, kept between steps).
 
     python benchmarks/bench_core.py [--seconds 3] [--concurrency 256]
 """
@@ -14,7 +16,8 @@ import time
 
 import numpy as np
 
-from kvpool_server.core import KVCacheManager, SequenceBatch
+from kvpool_server.core import KVCacheManager
+from persistent_batch import SequenceBatch
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32768  # a 256 MiB pool of 8 KiB blocks (16 tokens x 128 float32)
@@ -31,7 +34,7 @@ class Workload:
         self.manager = manager
         self.batch = SequenceBatch(manager) if persistent else None
         self.rng = np.random.default_rng(seed)
-        self.seq_ids = np.zeros(concurrency, dtype=np.uint64)  # what append_batch takes
+        self.seq_ids = np.zeros(concurrency, dtype=np.uint64)  # what a batched append takes
         self.seq_id_list: list[int] = [0] * concurrency  # the same ids as Python ints
         self.step = 0
         self.finishing: dict[int, list[int]] = {}
@@ -86,7 +89,7 @@ def run(mode: str, seconds: float, concurrency: int, seed: int) -> tuple[float, 
             for seq_id in work.seq_id_list:
                 checksum += int(append(seq_id).slot_mapping[0])
         elif mode == "batched":
-            plan = manager.append_batch(work.seq_ids)
+            plan = manager.append(work.seq_ids)
             checksum += int(plan.slot_mapping[-1])
         else:
             plan = work.batch.step()

@@ -60,7 +60,7 @@ def test_b_page_table_over_non_contiguous_blocks(pool_and_manager):
     # Interleave two sequences, then free one: the survivor's blocks are physically scattered.
     keep, gap = manager.register(), manager.register()
     for _ in range(6):
-        manager.append_batch([keep, gap], 16)
+        manager.append([keep, gap], 16)
     manager.free(gap)
     table = manager.block_table(keep)
     assert not np.array_equal(table, np.arange(table[0], table[0] + table.size)), "blocks should have gaps"
@@ -69,7 +69,7 @@ def test_b_page_table_over_non_contiguous_blocks(pool_and_manager):
         pool.write_slots(manager.slots(keep, logical * 16, 16, for_write=True), token_pattern(keep, positions))
     # Reuse the freed gaps for another sequence with its own data: it must not disturb the first.
     other = manager.register()
-    plan = manager.append_batch([other], 6 * 16)
+    plan = manager.append([other], 6 * 16)
     pool.write_slots(plan.slot_mapping, token_pattern(other, np.arange(96)))
     for seq_id in (keep, other):
         read = pool.read_slots(manager.slots(seq_id, 0, manager.num_tokens(seq_id)))
@@ -103,7 +103,7 @@ def test_c_multi_sequence_run(capsys):
         while live:
             seq_ids = list(live)
             lengths = [manager.num_tokens(s) for s in seq_ids]
-            plan = manager.append_batch(seq_ids)
+            plan = manager.append(seq_ids)
             pool.copy_blocks(plan.copies)
             data = np.concatenate([token_pattern(s, np.array([n])) for s, n in zip(seq_ids, lengths)])
             pool.write_slots(plan.slot_mapping, data)

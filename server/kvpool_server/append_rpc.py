@@ -34,7 +34,7 @@ def append(
     seq_ids = parse.batch_seq_ids(request.seq_ids, rpc, max_batch)
     num_tokens = parse.append_counts(request.num_tokens, seq_ids.size)
     with lock:
-        plan = manager.append_batch(seq_ids, num_tokens)
+        plan = manager.append(seq_ids, num_tokens)
         if plan.copies.shape[0]:
             pool.copy_blocks(plan.copies)
     return append_response(plan, response_cls)

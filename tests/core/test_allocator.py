@@ -62,11 +62,27 @@ def test_fresh_pool_hands_out_block_zero_first():
     assert BlockAllocator(5).allocate_one() == 0
 
 
-def test_check_invariants_catches_corruption():
+def _set_free_stack_entry(allocator: BlockAllocator, index: int, block_id: int) -> None:
+    allocator._free_stack[index] = block_id
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda a: setattr(a, "num_free_blocks", 5), r"num_free_blocks 5 outside \[0, 4\]"),
+        (lambda a: a.ref_count_padded.__setitem__(4, 1), "the padding ref count slot was written"),
+        (lambda a: setattr(a, "num_shared_blocks", 1), "num_shared_blocks=1 but 0 blocks are shared"),
+        (lambda a: a.ref_count.__setitem__(0, -1), r"negative ref counts at blocks \[0\]"),
+        (lambda a: _set_free_stack_entry(a, 1, 3), "a block is on the free list twice"),
+        (lambda a: a.ref_count.__setitem__(3, 1), "free list iff its ref count is 0"),  # in use, still on the list
+    ],
+)
+def test_each_check_of_check_invariants_fires(corrupt, message):
     allocator = BlockAllocator(4)
-    allocator.allocate(2)
-    allocator.ref_count[3] = 1  # in use by ref count, but still on the free list
-    with pytest.raises(InvariantViolationError, match="free list iff its ref count is 0"):
+    allocator.allocate(2)  # blocks 0 and 1 in use; 3 and 2 on the free list
+    allocator.check_invariants()
+    corrupt(allocator)
+    with pytest.raises(InvariantViolationError, match=message):
         allocator.check_invariants()
 
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from kvpool_server.core import InvalidArgumentError, SequenceNotFoundError
+from kvpool_server.core import InvalidArgumentError, InvariantViolationError, SequenceNotFoundError
 from kvpool_server.core.seq_index import MAX_SEQ_ID, SequenceIndex, check_caller_seq_id
 
 
@@ -99,3 +99,23 @@ def test_every_row_of_the_id_space_resolves_without_resizing():
 def test_caller_seq_id_range(bad):
     with pytest.raises(InvalidArgumentError, match="0 means unset"):
         check_caller_seq_id(bad)
+
+
+@pytest.mark.parametrize("row, value", [(1, 12345), (2, 0)])  # a live row naming another id; a free row matching 0
+def test_check_invariants_fires_when_the_dict_and_row_to_id_disagree(row, value):
+    index = SequenceIndex(max_rows=4)
+    index.add(index.new_server_id(1), 1)
+    index.check_invariants()
+    index.row_to_id[row] = value
+    with pytest.raises(InvariantViolationError, match="the id dict and row_to_id disagree"):
+        index.check_invariants()
+
+
+def test_a_repeated_id_is_refused():
+    index = SequenceIndex(max_rows=4)
+    ids = [index.new_server_id(row) for row in (0, 1)]
+    for seq_id, row in zip(ids, (0, 1)):
+        index.add(seq_id, row)
+    with pytest.raises(InvalidArgumentError, match="names a sequence twice"):
+        index.rows(np.array([ids[0], ids[1], ids[0]], dtype=np.uint64))
+    assert index.rows(np.array(ids[::-1], dtype=np.uint64)).tolist() == [1, 0]

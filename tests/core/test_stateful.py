@@ -148,7 +148,7 @@ class ManagerMachine(RuleBasedStateMachine):
             if single:
                 plan = self.manager.append(chosen[0], counts[0])
             else:
-                plan = self.manager.append_batch(chosen, counts[0] if uniform else counts)
+                plan = self.manager.append(chosen, counts[0] if uniform else counts)
         except InvalidArgumentError:
             assert not fits and snapshot(self.manager) == before
             return
@@ -200,7 +200,7 @@ class ManagerMachine(RuleBasedStateMachine):
             lambda: self.manager.free(gone),
             lambda: self.manager.fork(gone, 1),
             lambda: self.manager.append(gone),
-            lambda: self.manager.append_batch([*self.live()[:1], gone]),
+            lambda: self.manager.append([*self.live()[:1], gone]),
         ):
             try:
                 call()
@@ -233,7 +233,7 @@ def test_tag_memory_distinguishes_sequences():
     manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
     memory = tag_memory(manager)
     seq = manager.register()
-    memory[manager.append_batch([seq], 3).slot_mapping] = [1, 2, 3]
+    memory[manager.append([seq], 3).slot_mapping] = [1, 2, 3]
     (child,) = manager.fork(seq, 1)
     plan = manager.append(child)
     memory[plan.slot_mapping] = 4  # without running the copy, the child loses its prefix

@@ -42,9 +42,9 @@ def scrape_registry(metrics: KVPoolMetrics) -> dict[tuple[str, tuple], float]:
 def known_workload(manager: KVCacheManager) -> None:
     """3 sequences, one forked twice and appended to (copy-on-write), one freed."""
     a, b, c = manager.register(), manager.register(), manager.register()
-    manager.append_batch([a, b, c], [5, 16, 1])
+    manager.append([a, b, c], [5, 16, 1])
     children = manager.fork(a, 2)
-    manager.append_batch([a, *children], 1)  # a's last block is shared: 2 copies
+    manager.append([a, *children], 1)  # a's last block is shared: 2 copies
     manager.free(c)
 
 

@@ -2,17 +2,17 @@
 
 Layering, each module calling only those below it::
 
-    batch.py         SequenceBatch: a persistent decode batch over the manager
-    manager.py       KVCacheManager: register / append / fork / free, plans copies
-    block_tables.py  BlockTables: one page table row per sequence, token counts
-    seq_index.py     SequenceIndex: seq_id -> row, scalar and vectorised
-    allocator.py     BlockAllocator: free list and reference counts
-    types.py         AppendPlan, TokenAddress, PoolStats (results, frozen)
-    errors.py        the exception tree
+    manager.py         KVCacheManager: ids -> rows, validation; register / append / fork / free, lookups
+    checks.py          check_invariants(manager), stats(manager): read-only
+    block_tables.py    BlockTables: one page table row per sequence; plans appends (copy-on-write included)
+    length_lookups.py  LengthLookups: per-length arrays the planners gather through
+    seq_index.py       SequenceIndex: seq_id -> row, scalar and vectorised
+    allocator.py       BlockAllocator: free list and reference counts
+    types.py           AppendPlan, PoolStats (results, immutable)
+    errors.py          the exception tree
 """
 
 from kvpool_server.core.allocator import BlockAllocator
-from kvpool_server.core.batch import SequenceBatch
 from kvpool_server.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -23,7 +23,7 @@ from kvpool_server.core.errors import (
     SequenceNotFoundError,
 )
 from kvpool_server.core.manager import KVCacheManager
-from kvpool_server.core.types import AppendPlan, PoolStats, TokenAddress
+from kvpool_server.core.types import AppendPlan, PoolStats
 
 __all__ = [
     "AppendPlan",
@@ -35,8 +35,6 @@ __all__ = [
     "KVPoolError",
     "OutOfBlocksError",
     "PoolStats",
-    "SequenceBatch",
     "SequenceExistsError",
     "SequenceNotFoundError",
-    "TokenAddress",
 ]

@@ -20,11 +20,13 @@ class BlockAllocator:
     block (still warm in cache) is reused first.
 
     Invariants (checked by ``check_invariants``):
-      - a block is on the free list iff its ref count is 0;
-      - the free list holds each free block exactly once, so a block id is never handed out twice;
-      - ref counts are never negative;
+      - ``num_free_blocks`` is in [0, num_blocks];
+      - the padding entry ``ref_count_padded[num_blocks]`` (what an UNSET block-table entry looks up) stays 0;
       - ``num_shared_blocks`` is the number of blocks with a ref count above 1 (kept so that, while nothing is
-        shared, appends skip the copy-on-write check and frees skip the duplicate handling).
+        shared, appends skip the copy-on-write test and frees skip the duplicate handling);
+      - ref counts are never negative;
+      - the free list holds each free block exactly once, so a block id is never handed out twice;
+      - a block is on the free list iff its ref count is 0.
 
     ::
 
@@ -48,9 +50,6 @@ class BlockAllocator:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    def can_allocate(self, num: int) -> bool:
-        return num <= self.num_free_blocks
-
     def allocate(self, num: int) -> np.ndarray:
         """Take ``num`` free blocks, each with ref count 1. Raises OutOfBlocksError (changing nothing) if too few."""
         if num > self.num_free_blocks:
@@ -65,7 +64,7 @@ class BlockAllocator:
         if self.num_free_blocks == 0:
             raise OutOfBlocksError(f"need 1 free block, 0 of {self.num_blocks} are free")
         self.num_free_blocks -= 1
-        block_id = int(self._free_stack[self.num_free_blocks])
+        block_id = self._free_stack.item(self.num_free_blocks)
         self.ref_count[block_id] = 1
         return block_id
 

@@ -1,55 +1,86 @@
-"""BlockTables: the page table of every live sequence, as one NumPy matrix."""
+"""BlockTables: the page table of every sequence row, and the appends planned on them."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvpool_server.core.errors import OutOfBlocksError
+from kvpool_server.core.allocator import BlockAllocator
+from kvpool_server.core.errors import InvalidArgumentError, OutOfBlocksError
+from kvpool_server.core.length_lookups import LengthLookups
+from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, AppendPlan
 
 UNSET = -1
+# A 0-d array, not a Python int: NumPy adds it to an array faster (no scalar conversion per call).
+ONE = np.array(1, dtype=np.int64)
+ONE.flags.writeable = False
 
 
 class BlockTables:
-    """One row per live sequence: ``table[row, i]`` is the physical block of logical block i.
+    """One row per sequence: ``table[row, i]`` is the physical block of the row's logical block i.
 
-    A sequence with n tokens holds ``ceil(n / block_size)`` blocks; token at position p lives in logical block
-    ``p // block_size`` at offset ``p % block_size``. Entries past a row's last block are UNSET (-1). Keeping the
-    tables and token counts as arrays lets a batched append read and write every sequence with a few NumPy
-    operations (the layout vLLM's InputBatch uses for its block table)::
+    A row with n tokens holds ``blocks_for(n) = ceil(n / block_size)`` blocks; the token at position p lives in
+    logical block ``p // block_size`` at offset ``p % block_size``, and its slot in the pool is
+    ``block * block_size + offset`` (``slots()``, the one definition). Entries past a row's last block are UNSET
+    (-1). Kept as arrays, a batched append reads and writes every row with a few NumPy operations (the layout vLLM's
+    InputBatch uses for its block table)::
 
         row 3:  [ 17 | 4 | 9 | -1 | -1 ...]   num_tokens[3] = 37, next_slot[3] = 9 * 16 + 5, block_size 16
                   0-15 16-31 32-36 (11 free slots in block 9)
 
-    ``next_slot[row]`` caches the slot the row's next token goes to while its last block has room, so that a decode
-    step reads one number per sequence instead of recomputing it from the table. Lookups indexed by a length
-    (``starts_block``, ``block_index``, ``offset``, ``at_limit``) replace arithmetic on whole batches with one gather each.
+    ``next_slot[row]`` caches the slot of the row's next token while its last block has room, so that the tuned
+    paths read one number per row instead of recomputing it from the table (a new block's first slot is
+    ``block * block_size``; tokens inside one block have consecutive slots).
+
+    The tables own the references to blocks: they alone call the allocator (allocate, incref, decref). Appends are
+    planned here (``plan_append``) and change nothing when they raise. Copy-on-write: a row whose next token lands
+    in a partly filled block that others share (``_writes_into_shared``, the one test) copies that block to a new
+    one first, returned in the plan as a (src, dst) pair for the device layer to run. Within a batch the rule is
+    sequential: if every sharer of a block appends, the last of them (in batch order) owns it alone by then and
+    writes in place, so k sharers appending together make k - 1 copies.
 
     Rows are reused after a sequence is freed; the arrays double when they run out, up to ``max_num_seqs`` rows.
 
-    Invariants: a live row with n tokens, ``n % block_size != 0``, has
-    ``next_slot == table[row, n // block_size] * block_size + n % block_size``; a free row has ``num_tokens == 0``,
-    ``next_slot == 0`` and is all UNSET; rows on the free list are distinct.
+    Invariants (checked by ``checks.check_block_tables``):
+      - a row holds at most ``max_seq_len`` tokens;
+      - a row with n tokens holds exactly ``blocks_for(n)`` valid block ids, no block twice, and UNSET after them;
+      - a row with n tokens, ``n % block_size != 0``, has ``next_slot == slots(row, n)``;
+      - a free row holds no tokens, no blocks and ``next_slot == 0``; the free list names each row once;
+      - every block's ref count equals the number of table entries (of rows in use) naming it;
+      - rows that share a block agree on how many of its slots hold tokens;
+      - ``num_copies`` (copy-on-write copies planned so far) is not negative;
+      - the allocator's own invariants.
     """
 
-    def __init__(self, block_size: int, max_seq_len: int, max_num_seqs: int, initial_rows: int = 64) -> None:
+    def __init__(
+        self, block_size: int, max_seq_len: int, max_num_seqs: int, allocator: BlockAllocator, initial_rows: int = 64
+    ) -> None:
+        rows = min(initial_rows, max_num_seqs)
         self.block_size: int = block_size
         self.max_seq_len: int = max_seq_len
-        self.max_blocks_per_seq: int = -(-max_seq_len // block_size)
         self.max_num_seqs: int = max_num_seqs
-        rows = min(initial_rows, max_num_seqs)
+        self.max_blocks_per_seq: int = self.blocks_for(max_seq_len)
+        self.allocator: BlockAllocator = allocator
         self.table: np.ndarray = np.full((rows, self.max_blocks_per_seq), UNSET, dtype=np.int32)
         self.num_tokens: np.ndarray = np.zeros(rows, dtype=np.int64)
         self.next_slot: np.ndarray = np.zeros(rows, dtype=np.int64)
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
-        # Indexed by a length (or position) n in [0, max_seq_len]: does token n open a block, its block and offset,
-        # is n at the limit. int64 (intp), the dtype NumPy indexes with: narrower lookups cost a cast per call.
-        # 18 bytes per token of max_seq_len (576 KiB for the default 32768).
-        lengths = np.arange(max_seq_len + 1, dtype=np.int64)
-        self.starts_block: np.ndarray = lengths % block_size == 0
-        self.block_index: np.ndarray = lengths // block_size
-        self.offset: np.ndarray = lengths % block_size
-        self.at_limit: np.ndarray = lengths >= max_seq_len
+        self.num_copies: int = 0
+        self.by_length: LengthLookups = LengthLookups(self)  # derived from the shape above, read-only
 
+    def blocks_for(self, num_tokens: int | np.ndarray) -> int | np.ndarray:
+        """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size), for an int or an array."""
+        return -(-num_tokens // self.block_size)
+
+    def slots(self, rows: np.ndarray | int, positions: np.ndarray | slice) -> np.ndarray:
+        """The slot (int64) of token ``positions[i]`` of row ``rows[i]`` (two arrays), or of the tokens
+        ``positions`` (an array or a slice) of one row (an int): ``table[row, p // block_size] * block_size +
+        p % block_size``. The positions must lie in blocks the rows hold."""
+        lookup = self.by_length
+        index = lookup.block_index[positions]
+        blocks = self.table[rows].take(index) if rows.__class__ is int else self.table[rows, index]
+        return blocks * lookup.block_size + lookup.offset[positions]
+
+    # ---------------------------------------------------------------- rows
     @property
     def num_rows(self) -> int:
         return self.table.shape[0]
@@ -57,14 +88,10 @@ class BlockTables:
     def num_live_rows(self) -> int:
         return self.num_rows - len(self._free_rows)
 
-    def can_acquire(self, num: int) -> bool:
-        return self.num_live_rows() + num <= self.max_num_seqs
-
     def acquire_rows(self, num: int) -> list[int]:
-        if not self.can_acquire(num):
+        if self.num_live_rows() + num > self.max_num_seqs:
             raise OutOfBlocksError(
-                f"{num} more sequences would exceed max_num_seqs={self.max_num_seqs} "
-                f"({self.num_live_rows()} are live)"
+                f"{num} more sequences would exceed max_num_seqs={self.max_num_seqs} ({self.num_live_rows()} are live)"
             )
         while len(self._free_rows) < num:
             self._grow()
@@ -75,11 +102,35 @@ class BlockTables:
             return self._free_rows.pop()
         return self.acquire_rows(1)[0]
 
-    def release_row(self, row: int) -> None:
-        self.table[row] = UNSET
-        self.num_tokens[row] = 0
-        self.next_slot[row] = 0
-        self._free_rows.append(row)
+    def fork(self, parent_row: int, child_rows: list[int]) -> None:
+        """Give each child row the parent's tokens, sharing its blocks: ref counts go up, nothing is copied."""
+        num_tokens = self.num_tokens.item(parent_row)
+        blocks = self.table[parent_row, : self.blocks_for(num_tokens)]
+        self.table[child_rows, : blocks.size] = blocks
+        self.num_tokens[child_rows] = num_tokens
+        self.next_slot[child_rows] = self.next_slot[parent_row]
+        self.allocator.incref(blocks, len(child_rows))  # a row never holds a block twice
+
+    def release(self, rows: list[int]) -> int:
+        """Drop the distinct ``rows``' references to their blocks and put the rows back on the free list.
+
+        Returns how many blocks were freed (their ref count reached 0).
+        """
+        table, num_tokens, num_blocks = self.table, self.num_tokens, self.by_length.num_blocks
+        held = [table[row, : num_blocks.item(num_tokens.item(row))] for row in rows]
+        num_freed = self.allocator.decref(held[0] if len(held) == 1 else np.concatenate(held))
+        for row in rows:
+            table[row] = UNSET
+            num_tokens[row] = 0
+            self.next_slot[row] = 0
+            self._free_rows.append(row)
+        return num_freed
+
+    def free_rows(self) -> list[int]:
+        return list(self._free_rows)
+
+    def rows_in_use(self) -> np.ndarray:
+        return np.setdiff1d(np.arange(self.num_rows), self._free_rows)
 
     def _grow(self) -> None:
         old = self.num_rows
@@ -91,11 +142,135 @@ class BlockTables:
         self.table, self.num_tokens, self.next_slot = table, num_tokens, next_slot
         self._free_rows[:0] = range(new - 1, old - 1, -1)
 
-    def slots(self, rows: np.ndarray | int, positions: np.ndarray) -> np.ndarray:
-        """The slot (int64) of token ``positions[i]`` of row ``rows[i]`` (or of one row): its block * block_size +
-        its offset. The positions must lie in blocks the rows hold."""
-        bs = self.block_size
-        return self.table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+    # ---------------------------------------------------------------- append
+    def plan_append(self, rows: np.ndarray | int, num_new_tokens: int | np.ndarray) -> AppendPlan:
+        """Append ``num_new_tokens`` (>= 1: an int for every row, or an int64 array of one per row) to ``rows``
+        (distinct rows in use as an intp array, or one row as an int), all or nothing, copying on write. Slots come
+        grouped by row in the order of ``rows``.
 
-    def free_rows(self) -> list[int]:
-        return list(self._free_rows)
+        Two shapes have tuned paths beside the general one, which they hand over to when a row must copy on write:
+        one token for each of many rows (the decode step) and any tokens for one row (a prefill).
+        """
+        if rows.__class__ is int:
+            plan = self._plan_one_row(rows, num_new_tokens)
+            return plan if plan is not None else self._plan_general(np.array([rows]), num_new_tokens)
+        if num_new_tokens.__class__ is int and num_new_tokens == 1:
+            plan = self._plan_decode(rows)
+            if plan is not None:
+                return plan
+        return self._plan_general(rows, num_new_tokens)
+
+    def _plan_decode(self, rows: np.ndarray) -> AppendPlan | None:
+        """One token for each row, or None when a row must copy on write.
+
+        Written for NumPy's per-call cost, which is most of a step's cost at these sizes: gathers (``take``) through
+        the per-length lookups and the cached ``next_slot`` instead of arithmetic on the whole batch, and a reduction
+        only where one is unavoidable (``count_nonzero``, the cheapest).
+        """
+        lookup, allocator = self.by_length, self.allocator
+        lengths = self.num_tokens.take(rows)
+        if np.count_nonzero(lookup.at_limit.take(lengths)):
+            raise self._too_long(lengths + ONE)
+        if allocator.num_shared_blocks and np.count_nonzero(self._writes_into_shared(rows, lengths)):
+            return None
+        slots = self.next_slot.take(rows)
+        opening = lookup.starts_block.take(lengths).nonzero()[0]
+        if opening.size:
+            new_blocks = allocator.allocate(opening.size)  # raises OutOfBlocksError before any change
+            self.table[rows.take(opening), lookup.block_index.take(lengths.take(opening))] = new_blocks
+            slots[opening] = new_blocks * lookup.block_size  # offset 0 of each new block
+        else:
+            new_blocks = EMPTY_BLOCKS
+        self.next_slot[rows] = slots + ONE
+        self.num_tokens[rows] = lengths + ONE
+        return AppendPlan(slots, new_blocks, NO_COPIES)
+
+    def _plan_one_row(self, row: int, count: int) -> AppendPlan | None:
+        """``count`` tokens for one row, in scalars, or None when the row must copy on write. Tokens that all land in
+        one block take a run of slots from the first, which is the cached next slot or offset 0 of a new block."""
+        allocator, block_size = self.allocator, self.block_size
+        length = self.num_tokens.item(row)
+        new_length = length + count
+        if new_length > self.max_seq_len:
+            raise self._too_long(np.array([new_length]))
+        if allocator.num_shared_blocks and self._writes_into_shared(row, length):
+            return None
+        first_block, first_offset = divmod(length, block_size)
+        last_block = (new_length - 1) // block_size
+        if first_block == last_block:  # one block
+            if first_offset == 0:
+                self.table[row, first_block] = block_id = allocator.allocate_one()  # raises OutOfBlocksError first
+                first, new_blocks = block_id * block_size, np.array([block_id], dtype=np.int32)
+            else:
+                first, new_blocks = self.next_slot.item(row), EMPTY_BLOCKS
+            next_slot = first + count
+            slots = np.arange(first, next_slot, dtype=np.int64)
+        else:
+            held = first_block + (first_offset > 0)
+            new_blocks = allocator.allocate(last_block + 1 - held)  # raises OutOfBlocksError before any change
+            self.table[row, held : last_block + 1] = new_blocks
+            slots = self.slots(row, slice(length, new_length))
+            next_slot = slots.item(-1) + 1
+        self.num_tokens[row] = new_length
+        self.next_slot[row] = next_slot
+        return AppendPlan(slots, new_blocks, NO_COPIES)
+
+    def _plan_general(self, rows: np.ndarray, num_new_tokens: int | np.ndarray) -> AppendPlan:
+        """Any counts, with copy-on-write (see ``plan_append``)."""
+        lookup, allocator, table = self.by_length, self.allocator, self.table
+        lengths = self.num_tokens.take(rows)
+        new_lengths = lengths + num_new_tokens
+        if new_lengths.max() > self.max_seq_len:
+            raise self._too_long(new_lengths)
+        counts = new_lengths - lengths  # one per row, whether num_new_tokens was
+        held = lookup.num_blocks.take(lengths)
+        grow = lookup.num_blocks.take(new_lengths) - held
+        num_copies = 0
+        if allocator.num_shared_blocks:
+            shared = np.flatnonzero(self._writes_into_shared(rows, lengths))
+            copy_rows, copy_index = rows.take(shared), lookup.block_index.take(lengths.take(shared))
+            src = table[copy_rows, copy_index]  # the partly filled blocks that may need a copy
+            copiers = self._copiers(src)
+            copy_rows, copy_index, src = copy_rows[copiers], copy_index[copiers], src[copiers]
+            num_copies = src.size
+        num_grow = int(grow.sum())
+        new_blocks = allocator.allocate(num_copies + num_grow)  # raises OutOfBlocksError before any change
+
+        # --- from here on nothing can fail ---
+        copies = NO_COPIES
+        if num_copies:
+            dst = new_blocks[:num_copies]
+            allocator.decref(src)  # frees nothing: another sharer keeps each src
+            table[copy_rows, copy_index] = dst
+            copies = np.stack([src, dst], axis=1)
+            self.num_copies += num_copies
+        if num_grow:
+            before = np.cumsum(grow) - grow  # blocks the earlier rows take
+            table[np.repeat(rows, grow), np.repeat(held - before, grow) + np.arange(num_grow)] = new_blocks[num_copies:]
+        self.num_tokens[rows] = new_lengths
+        ends = np.cumsum(counts)
+        positions = np.repeat(lengths - (ends - counts), counts) + np.arange(ends.item(-1))
+        slots = self.slots(np.repeat(rows, counts), positions)
+        self.next_slot[rows] = slots.take(ends - ONE) + ONE
+        return AppendPlan(slots, new_blocks, copies)
+
+    def _writes_into_shared(self, rows: np.ndarray | int, lengths: np.ndarray | int) -> np.ndarray | bool:
+        """The copy-on-write test: whether the next token of each row (of ``lengths`` tokens) lands in a block other
+        rows also reference. At a block boundary the entry looked up is UNSET, whose (padded) ref count is 0."""
+        next_block = self.table[rows, self.by_length.block_index[lengths]]
+        return self.allocator.ref_count_padded[next_block] > 1
+
+    def _copiers(self, blocks: np.ndarray) -> np.ndarray:
+        """Which of the batch's rows writing into shared ``blocks`` must copy: all of them, except that for a block
+        whose every sharer is in the batch, the last of them owns it alone by then and writes in place."""
+        copiers = np.ones(blocks.size, dtype=bool)
+        unique, counts = np.unique(blocks, return_counts=True)
+        for block_id in unique[counts == self.allocator.ref_count[unique]].tolist():
+            copiers[np.flatnonzero(blocks == block_id)[-1]] = False
+        return copiers
+
+    def _too_long(self, new_lengths: np.ndarray) -> InvalidArgumentError:
+        worst = int(np.argmax(new_lengths))
+        return InvalidArgumentError(
+            f"append would grow a sequence to {int(new_lengths[worst])} tokens, over max_seq_len={self.max_seq_len}"
+        )

@@ -36,9 +36,9 @@ class SequenceIndex:
     server gave out is never given out again, a stale id never matches a reused row, and an id a caller holds is
     skipped.
 
-    Invariants: ``_row_of`` and the live entries of ``row_to_id`` hold the same (seq_id, row) pairs; every other
-    entry ``r`` holds ``r ^ 1``, a value whose low bits name another row, so that no id (0 and 2**64 - 1
-    included) can match a row that holds no sequence.
+    Invariant (``check_invariants``): ``_row_of`` and the live entries of ``row_to_id`` hold the same (seq_id, row)
+    pairs; every other entry ``r`` holds ``r ^ 1``, a value whose low bits name another row, so that no id (0 and
+    2**64 - 1 included) can match a row that holds no sequence.
     """
 
     def __init__(self, max_rows: int) -> None:
@@ -49,6 +49,7 @@ class SequenceIndex:
         self._row_of: dict[int, int] = {}
         self.row_to_id: np.ndarray = np.arange(1 << self.row_bits, dtype=np.uint64) ^ np.uint64(1)
         self._next_serial: int = 1
+        self._repeats: RepeatFinder = RepeatFinder(self.row_to_id.size)  # scratch for rows()
 
     def __len__(self) -> int:
         return len(self._row_of)
@@ -69,15 +70,17 @@ class SequenceIndex:
         return row
 
     def rows(self, seq_ids: np.ndarray) -> np.ndarray:
-        """Rows of a uint64 array of ids; raises SequenceNotFoundError naming the first id that is not live."""
+        """Rows of a batch (a uint64 array) of ids. Raises SequenceNotFoundError naming the first id that is not
+        live, then InvalidArgumentError if the batch names a sequence twice."""
         rows = (seq_ids & self._row_mask).view(np.intp)
-        if self.hold(rows, seq_ids):
-            return rows  # the common case: every id is a live server id
-        for i, seq_id in enumerate(seq_ids.tolist()):
-            row = self._row_of.get(seq_id)
-            if row is None:
-                raise _not_live(seq_id)
-            rows[i] = row
+        if not self.hold(rows, seq_ids):  # not the common case, where every id is a live server id
+            for i, seq_id in enumerate(seq_ids.tolist()):
+                row = self._row_of.get(seq_id)
+                if row is None:
+                    raise _not_live(seq_id)
+                rows[i] = row
+        if rows.size > 1 and self._repeats.any_repeated(rows):
+            raise InvalidArgumentError("the batch names a sequence twice")
         return rows
 
     def hold(self, rows: np.ndarray, seq_ids: np.ndarray) -> bool:
@@ -106,3 +109,19 @@ class SequenceIndex:
             expected[row] = seq_id
         if not np.array_equal(expected, self.row_to_id):
             raise InvariantViolationError("the id dict and row_to_id disagree")
+
+
+class RepeatFinder:
+    """Finds a row named twice in a batch without sorting: stamp each row with its position in the batch, read the
+    stamps back; a row named twice reads back its later position at its earlier one. Scratch arrays, made once."""
+
+    def __init__(self, num_rows: int) -> None:
+        self._stamp: np.ndarray = np.zeros(num_rows, dtype=np.int64)
+        self._positions: np.ndarray = np.arange(min(num_rows, 1 << 16), dtype=np.int64)
+
+    def any_repeated(self, rows: np.ndarray) -> bool:
+        if self._positions.size < rows.size:
+            self._positions = np.arange(max(rows.size, 2 * self._positions.size), dtype=np.int64)
+        positions = self._positions[: rows.size]
+        self._stamp[rows] = positions
+        return bool(np.count_nonzero(self._stamp.take(rows) != positions))

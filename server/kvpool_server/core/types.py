@@ -1,4 +1,4 @@
-"""Results of the core: small immutable records (a NamedTuple, frozen dataclasses) and NumPy arrays, never protobuf
+"""Results of the core: small immutable records (a NamedTuple, a frozen dataclass) and NumPy arrays, never protobuf
 messages."""
 
 from __future__ import annotations
@@ -27,17 +27,8 @@ class AppendPlan(NamedTuple):
     copies: np.ndarray
 
     @property
-    def num_tokens(self) -> int:
+    def num_new_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
-
-
-@dataclass(frozen=True)
-class TokenAddress:
-    """Where token ``position`` of a sequence lives: ``slot == block_id * block_size + offset``."""
-
-    block_id: int
-    offset: int
-    slot: int
 
 
 @dataclass(frozen=True)

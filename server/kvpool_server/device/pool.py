@@ -2,7 +2,7 @@
 
 The core (``kvpool_server.core``) plans in block ids; the pool acts on bytes::
 
-    plan = manager.append_batch(seq_ids, num_tokens)
+    plan = manager.append(seq_ids, num_tokens)
     pool.copy_blocks(plan.copies)                  # copy-on-write, before anyone writes the new slots
     pool.write_slots(plan.slot_mapping, token_kv)  # [n, L, 2, H, D] in the layout's storage dtype
 

@@ -1,18 +1,14 @@
+"""benchmarks/persistent_batch.py: bench_core's persistent decode batch steps exactly as ``manager.append`` does."""
+
 import numpy as np
 import pytest
 
-from kvpool_server.core import (
-    InvalidArgumentError,
-    KVCacheManager,
-    OutOfBlocksError,
-    SequenceBatch,
-    SequenceNotFoundError,
-)
-
-from .conftest import snapshot
+from benchmarks.persistent_batch import SequenceBatch
+from kvpool_server.core import InvalidArgumentError, KVCacheManager, OutOfBlocksError, SequenceNotFoundError
+from tests.core.conftest import snapshot
 
 
-def test_step_matches_append_batch():
+def test_step_matches_append():
     stepped, direct = KVCacheManager(64, 4), KVCacheManager(64, 4)
     batch = SequenceBatch(stepped)
     ids_direct = []
@@ -23,7 +19,7 @@ def test_step_matches_append_batch():
         ids_direct.append(direct.register())
         direct.append(ids_direct[-1], n)
     for _ in range(6):
-        assert batch.step().slot_mapping.tolist() == direct.append_batch(ids_direct).slot_mapping.tolist()
+        assert batch.step().slot_mapping.tolist() == direct.append(ids_direct).slot_mapping.tolist()
     stepped.check_invariants()
 
 
@@ -39,7 +35,7 @@ def test_replace_and_remove_keep_rows_right():
     batch.remove(a)
     plan = batch.step()
     assert batch.seq_ids.tolist() == [c, d]  # the last member moved into a's place
-    assert plan.slot_mapping.tolist() == [manager.translate(c, 0).slot, manager.translate(d, 0).slot]
+    assert plan.slot_mapping.tolist() == [*manager.slots(c, 0, 1), *manager.slots(d, 0, 1)]
     with pytest.raises(InvalidArgumentError):
         batch.add(c)
 

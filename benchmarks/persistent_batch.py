@@ -1,24 +1,23 @@
-"""SequenceBatch: a persistent decode batch, resolved once and stepped many times (vLLM's InputBatch idea)."""
+"""SequenceBatch: bench_core's persistent decode batch, resolved once and stepped many times (vLLM's InputBatch idea).
+
+Not part of the core or the server: the server gets its ids with every request and resolves them with
+``manager.append``. This driver shows what a decode loop inside the server's process could save by keeping the
+resolved rows between steps; it calls the block tables (``manager.tables.plan_append``) directly.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from kvpool_server.core.errors import InvalidArgumentError, SequenceNotFoundError
-
-if TYPE_CHECKING:
-    from kvpool_server.core.manager import KVCacheManager
-    from kvpool_server.core.types import AppendPlan
+from kvpool_server.core import AppendPlan, InvalidArgumentError, KVCacheManager, SequenceNotFoundError
 
 
 class SequenceBatch:
     """The sequences a decode loop steps together, kept as arrays between steps.
 
-    ``append_batch(seq_ids)`` resolves ids to rows and checks them for repeats on every call; a decode loop whose
+    ``manager.append(seq_ids)`` resolves ids to rows and checks them for repeats on every call; a decode loop whose
     batch changes by a sequence or two per step can keep the resolved rows instead. ``step()`` appends one token to
-    every member, all or nothing, like ``manager.append_batch(members)``; slots come in member order.
+    every member, all or nothing, like ``manager.append(members)``; slots come in member order.
 
     Invariants: ``seq_ids`` are distinct and ``rows[i]`` is the row of ``seq_ids[i]`` as of the last change; before
     each step one comparison (``index.hold(rows, seq_ids)``) proves every member is still live, so a member freed
@@ -68,4 +67,4 @@ class SequenceBatch:
         if not self.manager.index.hold(self.rows, self.seq_ids):
             gone = [s for s in self.seq_ids.tolist() if s not in self.manager.index]
             raise SequenceNotFoundError(f"sequence {gone[0]} of the batch is not live (freed?)")
-        return self.manager.append_rows(self.rows, 1)
+        return self.manager.tables.plan_append(self.rows, 1)

@@ -1,0 +1,94 @@
+"""Inspection of the manager and its block tables: the invariant checks and the statistics. Slow, thorough,
+read-only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool_server.core.block_tables import UNSET, BlockTables
+from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.types import PoolStats
+
+if TYPE_CHECKING:
+    from kvpool_server.core.manager import KVCacheManager
+
+
+def check_invariants(manager: KVCacheManager) -> None:
+    """Raise InvariantViolationError naming the first broken invariant of the manager, its index, its tables or
+    their allocator (each written in the docstring of the class that keeps it)."""
+    manager.index.check_invariants()
+    check_block_tables(manager.tables)
+    indexed = np.sort(manager.index.live_rows())
+    in_use = manager.tables.rows_in_use()
+    if not np.array_equal(indexed, in_use):
+        raise InvariantViolationError(
+            f"the index names rows {np.setxor1d(indexed, in_use)[:8].tolist()} differently from the tables "
+            "(a row is in use iff a live sequence holds it)"
+        )
+
+
+def check_block_tables(tables: BlockTables) -> None:
+    """Raise InvariantViolationError naming the first broken invariant of the tables or their allocator (see the
+    BlockTables docstring)."""
+    tables.allocator.check_invariants()
+    free, bs = tables.free_rows(), tables.block_size
+    if len(set(free)) != len(free):
+        raise InvariantViolationError("a row is on the free list twice")
+    if free and (tables.num_tokens[free].any() or tables.next_slot[free].any() or (tables.table[free] != UNSET).any()):
+        raise InvariantViolationError("a free row still holds tokens, a next slot or blocks")
+    rows = tables.rows_in_use()
+    lengths = tables.num_tokens[rows]
+    if (lengths < 0).any() or (lengths > tables.max_seq_len).any():
+        raise InvariantViolationError("a sequence length is negative or over max_seq_len")
+    width = np.arange(tables.max_blocks_per_seq)
+    held = width < tables.blocks_for(lengths)[:, None]  # [rows, max_blocks_per_seq]: the entries each row holds
+    sub = tables.table[rows]
+    if (sub[held] < 0).any() or (sub[held] >= tables.allocator.num_blocks).any():
+        raise InvariantViolationError("a live sequence holds an invalid block id")
+    if (sub[~held] != UNSET).any():
+        raise InvariantViolationError("a block table has entries past its last block")
+    for row, blocks in zip(rows.tolist(), sub):
+        if np.unique(blocks[blocks != UNSET]).size != np.count_nonzero(blocks != UNSET):  # held entries only
+            raise InvariantViolationError(f"row {row} holds a block twice")
+    partial = lengths % bs != 0
+    expected_next = tables.slots(rows[partial], lengths[partial])
+    if not np.array_equal(tables.next_slot[rows[partial]], expected_next):
+        bad = rows[partial][tables.next_slot[rows[partial]] != expected_next][:8]
+        raise InvariantViolationError(f"next_slot disagrees with the block table at rows {bad.tolist()}")
+    counted, stored = np.bincount(sub[held], minlength=tables.allocator.num_blocks), tables.allocator.ref_count
+    if not np.array_equal(counted, stored):
+        bad = np.flatnonzero(counted != stored)[:8]
+        raise InvariantViolationError(
+            f"ref counts differ from block-table references at blocks {bad.tolist()}: "
+            f"counted {counted[bad].tolist()}, stored {stored[bad].tolist()}"
+        )
+    fills = np.clip(lengths[:, None] - width * bs, 0, bs)[held]  # tokens each held block holds, per row
+    order = np.argsort(sub[held], kind="stable")
+    block_ids, fills = sub[held][order], fills[order]
+    if (fills[1:] != fills[:-1])[block_ids[1:] == block_ids[:-1]].any():
+        raise InvariantViolationError("sequences sharing a block disagree on how many tokens it holds")
+    if tables.num_copies < 0:
+        raise InvariantViolationError(f"negative copy count {tables.num_copies}")
+
+
+def stats(manager: KVCacheManager) -> PoolStats:
+    """A snapshot of the pool's occupancy (see PoolStats)."""
+    tables, allocator, bs = manager.tables, manager.allocator, manager.block_size
+    rows = manager.index.live_rows()
+    lengths = tables.num_tokens[rows]
+    partial = lengths % bs != 0
+    last_blocks = tables.table[rows[partial], tables.blocks_for(lengths[partial]) - 1]
+    _, first = np.unique(last_blocks, return_index=True)  # a shared block's unused slots count once
+    return PoolStats(
+        num_blocks_total=allocator.num_blocks,
+        num_blocks_free=allocator.num_free_blocks,
+        num_blocks_used=allocator.num_used_blocks,
+        num_blocks_shared=int(np.count_nonzero(allocator.ref_count > 1)),
+        num_tokens=int(lengths.sum()),
+        num_slots_unused=int((bs - lengths[partial][first] % bs).sum()),
+        num_copies=tables.num_copies,
+        num_sequences=len(manager.index),
+        block_size=bs,
+    )
