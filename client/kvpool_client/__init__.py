@@ -14,11 +14,22 @@ from kvpool_client.errors import (
     KVPoolClientError,
     NotFoundError,
     ResourceExhaustedError,
+    ServerGoneError,
+    ServerRestartedError,
+    SessionLostError,
     UnavailableError,
 )
 from kvpool_client.retry import RetryPolicy
 from kvpool_client.stream import AppendStream
-from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
+from kvpool_client.types import (
+    AppendResult,
+    BlockTable,
+    InvariantReport,
+    PoolDescription,
+    PoolStats,
+    SequenceInfo,
+    SessionInfo,
+)
 
 __all__ = [
     "AlreadyExistsError",
@@ -38,5 +49,10 @@ __all__ = [
     "PoolStats",
     "ResourceExhaustedError",
     "RetryPolicy",
+    "SequenceInfo",
+    "ServerGoneError",
+    "ServerRestartedError",
+    "SessionInfo",
+    "SessionLostError",
     "UnavailableError",
 ]

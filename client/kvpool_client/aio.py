@@ -28,6 +28,7 @@ import grpc
 from kvpool.layout import KVLayout
 from kvpool_client import plan
 from kvpool_client.commands import KVPoolCommands
+from kvpool_client.session import keep_alive_task
 
 R = TypeVar("R")
 
@@ -44,6 +45,9 @@ class AsyncKVPoolClient(KVPoolCommands):
     def _run(self, call: plan.Plan[R]) -> Awaitable[R]:
         return plan.run_async(call, self._make)
 
+    def _start_keep_alive(self) -> None:
+        self._keep_alive = asyncio.get_running_loop().create_task(keep_alive_task(self._session, self._stub.KeepAlive))
+
     async def _make(self, step: plan.Step) -> Any:
         """One step, awaited: a unary call's response, or a sleep."""
         if isinstance(step, plan.Pause):
@@ -55,7 +59,11 @@ class AsyncKVPoolClient(KVPoolCommands):
         return await self._run(self._layout())
 
     async def close(self) -> None:
-        """Close the channel; calls still in flight are cancelled."""
+        """End the session (the server frees its sequences) and close the channel; calls in flight are cancelled."""
+        keep_alive = getattr(self, "_keep_alive", None)
+        await self._run(self._close_session())
+        if keep_alive is not None:
+            keep_alive.cancel()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncKVPoolClient:

@@ -28,6 +28,7 @@ import grpc
 from kvpool.layout import KVLayout
 from kvpool_client import plan
 from kvpool_client.commands import KVPoolCommands
+from kvpool_client.session import KeepAliveThread
 from kvpool_client.stream import AppendStream
 
 if TYPE_CHECKING:
@@ -48,6 +49,10 @@ class KVPoolClient(KVPoolCommands):
     def _run(self, call: plan.Plan[R]) -> R:
         return plan.run(call, self._make)
 
+    def _start_keep_alive(self) -> None:
+        self._keep_alive = KeepAliveThread(self._session, self._stub.KeepAlive)
+        self._keep_alive.start()
+
     def _make(self, step: plan.Step) -> Any:
         """One step, blocking: a unary call's response, or a sleep."""
         if isinstance(step, plan.Pause):
@@ -64,7 +69,8 @@ class KVPoolClient(KVPoolCommands):
 
         ``timeout`` is the whole stream's deadline; by default it has none (a decode loop lives long). Never retried.
         """
-        return AppendStream(self._stub.AppendTokenStream, timeout)
+        session = self._run(self._session_fields("AppendTokenStream"))
+        return AppendStream(self._stub.AppendTokenStream, timeout, session.get("session_id", 0), self._session)
 
     # ---------------------------------------------------------------- zero-copy access
     def attach(self) -> AttachedPool:
@@ -82,9 +88,14 @@ class KVPoolClient(KVPoolCommands):
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
+        """Close attached pools, end the session (the server frees its sequences), close the channel."""
         for pool in self._attached:
             pool.close()
         self._attached.clear()
+        keep_alive = getattr(self, "_keep_alive", None)
+        self._run(self._close_session())
+        if keep_alive is not None:
+            keep_alive.stop()
         self._channel.close()
 
     def __enter__(self) -> KVPoolClient:

@@ -6,7 +6,8 @@ retry loop (retry.py), and parses the response into types.py (convert.py again):
 
     @command
     def free(self, seq_ids, *, timeout=None) -> Plan[int]:
-        response = yield from self._call(rpcs.FREE, convert.free_request(seq_ids), timeout)
+        session = yield from self._session_fields(rpcs.FREE.name, timeout)
+        response = yield from self._call(rpcs.FREE, convert.free_request(seq_ids, **session), timeout)
         return response.num_blocks_freed
 
 On KVPoolClient ``client.free(ids)`` returns that int; on AsyncKVPoolClient it returns an awaitable of it.
@@ -29,10 +30,19 @@ from kvpool.layout import KVLayout
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from kvpool_client import convert, rpcs
-from kvpool_client.errors import DeadlineExceededError, UnavailableError
+from kvpool_client.errors import DeadlineExceededError, KVPoolClientError, SessionLostError, UnavailableError
 from kvpool_client.plan import Pause, Plan
 from kvpool_client.retry import RetryPolicy, call_with_retries
-from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
+from kvpool_client.session import SessionState
+from kvpool_client.types import (
+    AppendResult,
+    BlockTable,
+    InvariantReport,
+    PoolDescription,
+    PoolStats,
+    SequenceInfo,
+    SessionInfo,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -64,9 +74,18 @@ class KVPoolCommands(ABC):
         retry: RetryPolicy = RetryPolicy(),
         options: Sequence[tuple[str, Any]] = (),
         channel: Any = None,
+        session: bool = True,
+        client_name: str | None = None,
+        lease_ttl_s: float | None = None,
     ) -> None:
         """``channel``: an open grpc.Channel (KVPoolClient) or grpc.aio.Channel (AsyncKVPoolClient) to use instead
-        of opening one to ``target``; ``options`` are added to the channel's (convert.channel_options)."""
+        of opening one to ``target``; ``options`` are added to the channel's (convert.channel_options).
+
+        ``session`` (default on): the client opens a session on its first call that creates or changes sequences,
+        keeps it alive in the background and closes it in ``close()``; every sequence it registers or forks is
+        freed when the session ends -- closed, or its process dead (session.py). ``client_name`` names it in
+        ListSessions (default host:pid); ``lease_ttl_s`` asks for a lease (default: the server's).
+        ``session=False``: sequences live until freed, whoever dies (and mutations are not retried)."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.target = target
@@ -76,6 +95,7 @@ class KVPoolCommands(ABC):
         self._stub = pb_grpc.KVPoolServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._description: PoolDescription | None = None
+        self._session = SessionState(session, client_name, lease_ttl_s)
 
     # ---------------------------------------------------------------- what a client supplies
     @staticmethod
@@ -85,6 +105,44 @@ class KVPoolCommands(ABC):
     @abstractmethod
     def _run(self, plan: Plan[R]) -> Any:
         """Run ``plan`` to its result (KVPoolClient), or return an awaitable of it (AsyncKVPoolClient)."""
+
+    @abstractmethod
+    def _start_keep_alive(self) -> None:
+        """Start holding the KeepAlive stream of the session just opened (a thread, or a task)."""
+
+    # ---------------------------------------------------------------- the session
+    @property
+    def session_id(self) -> int | None:
+        """This client's session, once opened (None before its first mutating call, or with session=False)."""
+        return self._session.session_id
+
+    @property
+    def server_epoch(self) -> int | None:
+        """The server start the session was opened on (a restart gives a new one)."""
+        return self._session.server_epoch
+
+    @property
+    def server_lost(self) -> KVPoolClientError | None:
+        """Why the session is over (ServerGoneError, SessionLostError, ServerRestartedError), or None."""
+        return self._session.lost
+
+    def _session_fields(self, method: str, timeout: float | None = None) -> Plan[dict[str, int]]:
+        """``session_id`` and a fresh ``request_id`` for a mutating request, opening the session first if needed."""
+        state = self._session
+        if not state.enabled:
+            return {}
+        state.check_live(method)
+        if state.session_id is None:
+            response = yield from self._call(rpcs.OPEN_SESSION, state.open_request(), timeout)
+            with state.lock:
+                opened_here = state.session_id is None
+                if opened_here:
+                    state.opened(response)
+            if opened_here:
+                self._start_keep_alive()
+            else:  # another call of this client opened one meanwhile: give this one back
+                yield from self._call(rpcs.CLOSE_SESSION, pb.CloseSessionRequest(session_id=response.session_id), None)
+        return {"session_id": state.session_id, "request_id": state.next_request_id()}
 
     # ---------------------------------------------------------------- plumbing
     def _stub_method(self, rpc: rpcs.Rpc) -> Callable:
@@ -97,7 +155,8 @@ class KVPoolCommands(ABC):
     @command
     def register(self, seq_id: int | None = None, *, timeout: float | None = None) -> Plan[int]:
         """Create an empty sequence; the server assigns the id (never reused) unless ``seq_id`` is given."""
-        response = yield from self._call(rpcs.REGISTER_SEQUENCE, convert.register_request(seq_id), timeout)
+        session = yield from self._session_fields(rpcs.REGISTER_SEQUENCE.name, timeout)
+        response = yield from self._call(rpcs.REGISTER_SEQUENCE, convert.register_request(seq_id, **session), timeout)
         return response.seq_id
 
     @command
@@ -110,7 +169,8 @@ class KVPoolCommands(ABC):
     ) -> Plan[AppendResult]:
         """Grow every sequence of ``seq_ids`` by ``num_tokens`` (one count for all, or one each), atomically."""
         ids, counts, counts_field = convert.append_args(seq_ids, num_tokens, rpcs.APPEND_TOKEN.name)
-        request = pb.AppendTokenRequest(seq_ids=ids, num_tokens=counts_field)
+        session = yield from self._session_fields(rpcs.APPEND_TOKEN.name, timeout)
+        request = pb.AppendTokenRequest(seq_ids=ids, num_tokens=counts_field, **session)
         response = yield from self._call(rpcs.APPEND_TOKEN, request, timeout)
         return convert.append_result(ids, counts, response)
 
@@ -124,15 +184,48 @@ class KVPoolCommands(ABC):
         timeout: float | None = None,
     ) -> Plan[list[int]]:
         """Children that share every block of the parent (copy-on-write); returns their ids."""
-        request = convert.fork_request(parent_seq_id, num_children, child_seq_ids)
+        session = yield from self._session_fields(rpcs.FORK.name, timeout)
+        request = convert.fork_request(parent_seq_id, num_children, child_seq_ids, **session)
         response = yield from self._call(rpcs.FORK, request, timeout)
         return list(response.child_seq_ids)
 
     @command
     def free(self, seq_ids: int | Sequence[int], *, timeout: float | None = None) -> Plan[int]:
         """Release sequences (all or none); returns the number of blocks whose ref count reached 0."""
-        response = yield from self._call(rpcs.FREE, convert.free_request(seq_ids), timeout)
+        session = yield from self._session_fields(rpcs.FREE.name, timeout)
+        response = yield from self._call(rpcs.FREE, convert.free_request(seq_ids, **session), timeout)
         return response.num_blocks_freed
+
+    # ---------------------------------------------------------------- sessions
+    @command
+    def open_session(self, *, timeout: float | None = None) -> Plan[int]:
+        """Open this client's session now (it opens by itself on the first mutating call); returns its id."""
+        yield from self._session_fields(rpcs.OPEN_SESSION.name, timeout)
+        return self._session.session_id or 0
+
+    @command
+    def list_sessions(self, *, timeout: float | None = None) -> Plan[list[SessionInfo]]:
+        """The server's live sessions: id, name, since when, lease left, sequences and blocks held."""
+        response = yield from self._call(rpcs.LIST_SESSIONS, pb.ListSessionsRequest(), timeout)
+        return [convert.session_info(s) for s in response.sessions]
+
+    @command
+    def list_sequences(self, session_id: int | None = None, *, timeout: float | None = None) -> Plan[list[SequenceInfo]]:
+        """The live sequences, of one session (``session_id``) or of all (None)."""
+        request = pb.ListSequencesRequest(session_id=session_id or 0)
+        response = yield from self._call(rpcs.LIST_SEQUENCES, request, timeout)
+        return [convert.sequence_info(s) for s in response.sequences]
+
+    def _close_session(self) -> Plan[None]:
+        """End this client's session (the server frees its sequences); nothing when none is open or it is lost."""
+        state = self._session
+        session_id, state.session_id = state.session_id, None
+        if session_id is None or state.lost is not None:
+            return
+        try:
+            yield from self._call(rpcs.CLOSE_SESSION, pb.CloseSessionRequest(session_id=session_id), None)
+        except (SessionLostError, UnavailableError, DeadlineExceededError):
+            pass  # already over (lease, restart) or no server to tell: its sequences are or will be freed
 
     # ---------------------------------------------------------------- reads (retried on UNAVAILABLE)
     @command
@@ -201,6 +294,7 @@ class KVPoolCommands(ABC):
     def write_kv(self, seq_id: int, start: int, data: np.ndarray, *, timeout: float | None = None) -> Plan[int]:
         """Write ``data`` ([n, num_layers, 2, num_kv_heads, head_dim], the pool's storage dtype) to tokens
         [start, start + n) of a sequence; returns n. The tokens' blocks must be the sequence's own."""
-        request = convert.write_kv_request(seq_id, start, data, (yield from self._layout()))
+        session = yield from self._session_fields(rpcs.WRITE_KV.name, timeout)
+        request = convert.write_kv_request(seq_id, start, data, (yield from self._layout()), session.get("session_id", 0))
         response = yield from self._call(rpcs.WRITE_KV, request, timeout)
         return response.num_tokens_written

@@ -14,7 +14,15 @@ from grpc_health.v1 import health_pb2
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client.errors import InvalidArgumentError
 from kvpool.layout import KVLayout
-from kvpool_client.types import AppendResult, BlockTable, InvariantReport, PoolDescription, PoolStats
+from kvpool_client.types import (
+    AppendResult,
+    BlockTable,
+    InvariantReport,
+    PoolDescription,
+    PoolStats,
+    SequenceInfo,
+    SessionInfo,
+)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DTYPE_NAMES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16"}
@@ -35,8 +43,12 @@ def seq_id_list(seq_ids: int | Sequence[int] | np.ndarray) -> list[int]:
 
 
 # ---------------------------------------------------------------- sequences
-def register_request(seq_id: int | None) -> pb.RegisterSequenceRequest:
-    return pb.RegisterSequenceRequest() if seq_id is None else pb.RegisterSequenceRequest(seq_id=seq_id)
+def register_request(seq_id: int | None, **session: int) -> pb.RegisterSequenceRequest:
+    """``session``: session_id and request_id (commands._session_fields), or nothing."""
+    request = pb.RegisterSequenceRequest(**session)
+    if seq_id is not None:
+        request.seq_id = seq_id
+    return request
 
 
 def append_args(
@@ -70,12 +82,22 @@ def append_result(ids: list[int], counts: np.ndarray, response: Any) -> AppendRe
     )
 
 
-def fork_request(parent_seq_id: int, num_children: int, child_seq_ids: Sequence[int]) -> pb.ForkRequest:
-    return pb.ForkRequest(parent_seq_id=parent_seq_id, num_children=num_children, child_seq_ids=child_seq_ids)
+def fork_request(parent_seq_id: int, num_children: int, child_seq_ids: Sequence[int], **session: int) -> pb.ForkRequest:
+    return pb.ForkRequest(parent_seq_id=parent_seq_id, num_children=num_children, child_seq_ids=child_seq_ids,
+                          **session)
 
 
-def free_request(seq_ids: int | Sequence[int] | np.ndarray) -> pb.FreeRequest:
-    return pb.FreeRequest(seq_ids=seq_id_list(seq_ids))
+def free_request(seq_ids: int | Sequence[int] | np.ndarray, **session: int) -> pb.FreeRequest:
+    return pb.FreeRequest(seq_ids=seq_id_list(seq_ids), **session)
+
+
+# ---------------------------------------------------------------- sessions
+def session_info(r: pb.SessionInfo) -> SessionInfo:
+    return SessionInfo(**{f.name: getattr(r, f.name) for f in fields(SessionInfo)})
+
+
+def sequence_info(r: pb.SequenceInfo) -> SequenceInfo:
+    return SequenceInfo(**{f.name: getattr(r, f.name) for f in fields(SequenceInfo)})
 
 
 # ---------------------------------------------------------------- reads
@@ -127,7 +149,9 @@ def kv_array(r: pb.ReadKVResponse, layout: KVLayout) -> np.ndarray:
     return np.frombuffer(r.data, dtype=wire).reshape((r.num_tokens, *layout.token_shape)).astype(layout.storage_dtype)
 
 
-def write_kv_request(seq_id: int, start: int, data: np.ndarray, layout: KVLayout) -> pb.WriteKVRequest:
+def write_kv_request(
+    seq_id: int, start: int, data: np.ndarray, layout: KVLayout, session_id: int = 0
+) -> pb.WriteKVRequest:
     """Checks shape and dtype (InvalidArgumentError before sending) and packs ``data`` little-endian."""
     data = np.asarray(data)
     if data.ndim != 5 or data.shape[1:] != layout.token_shape:
@@ -135,4 +159,4 @@ def write_kv_request(seq_id: int, start: int, data: np.ndarray, layout: KVLayout
     if data.dtype != layout.storage_dtype:
         raise InvalidArgumentError(f"data must be {layout.storage_dtype}, got {data.dtype}", method="WriteKV")
     payload = np.ascontiguousarray(data, dtype=layout.storage_dtype.newbyteorder("<")).tobytes()
-    return pb.WriteKVRequest(seq_id=seq_id, start_position=start, data=payload)
+    return pb.WriteKVRequest(seq_id=seq_id, start_position=start, data=payload, session_id=session_id)

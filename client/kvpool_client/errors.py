@@ -2,18 +2,22 @@
 
     KVPoolClientError                 .code (grpc.StatusCode or None), .details, .method
      ├─ NotFoundError                 NOT_FOUND            unknown or freed seq_id
+     │   └─ SessionLostError                               the client's session ended (lease expired, closed)
+     │       └─ ServerRestartedError                       ... because the server restarted: every sequence is gone
      ├─ AlreadyExistsError            ALREADY_EXISTS       caller-supplied seq_id already live
      ├─ InvalidArgumentError          INVALID_ARGUMENT     can never succeed as written (a ValueError)
      ├─ ResourceExhaustedError        RESOURCE_EXHAUSTED   not enough free blocks now (retry after a Free)
      ├─ FailedPreconditionError       FAILED_PRECONDITION  valid, but the state forbids it (write to a shared block)
      ├─ UnavailableError              UNAVAILABLE          server down, restarting or shutting down
+     │   └─ ServerGoneError                                the keep-alive lost the server for longer than the lease
      ├─ DeadlineExceededError         DEADLINE_EXCEEDED    the call's deadline passed (a TimeoutError)
      ├─ InternalError                 INTERNAL             a server bug, e.g. a violated invariant
      ├─ CancelledError                CANCELLED
      ├─ UnimplementedError            UNIMPLEMENTED
      └─ UnknownError                  every other code
 
-The caller catches one class per situation; `from_rpc_error` is the only place that reads status codes.
+The caller catches one class per situation; `from_rpc_error` is the only place that reads status codes (and the
+server's ``kvpool-error`` trailing metadata, which tells a lost session from an unknown sequence).
 """
 
 from __future__ import annotations
@@ -43,6 +47,16 @@ class NotFoundError(KVPoolClientError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class SessionLostError(NotFoundError):
+    """The server does not know this client's session any more: its lease expired (the process was stopped or cut
+    off for longer than the lease), it was closed, or the server restarted. Its sequences are gone; open a new
+    client (session) and start the requests again."""
+
+
+class ServerRestartedError(SessionLostError):
+    """The session belongs to an earlier start of the server: the restart lost every session and sequence."""
+
+
 class AlreadyExistsError(KVPoolClientError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
@@ -61,6 +75,11 @@ class FailedPreconditionError(KVPoolClientError):
 
 class UnavailableError(KVPoolClientError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class ServerGoneError(UnavailableError):
+    """The keep-alive has not reached the server for longer than the lease: it is dead or cut off. An attached
+    pool refuses writes from then on (the memory it maps is no longer a live server's)."""
 
 
 class DeadlineExceededError(KVPoolClientError, TimeoutError):
@@ -107,4 +126,21 @@ def from_rpc_error(error: grpc.RpcError, method: str = "") -> KVPoolClientError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = ERROR_FOR_CODE.get(code, UnknownError)
+    if code is grpc.StatusCode.NOT_FOUND:
+        cls = REASONS.get(_reason(error), cls)
     return cls(details, code=code, method=method)
+
+
+# The server's ``kvpool-error`` trailing metadata -> the class it means (kvpool_server/errors.py sets it).
+REASONS: dict[str, type[KVPoolClientError]] = {
+    "session-not-found": SessionLostError,
+    "server-restarted": ServerRestartedError,
+}
+
+
+def _reason(error: grpc.RpcError) -> str:
+    try:
+        metadata = error.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001  (an error raised before any call was made has none)
+        return ""
+    return next((value for key, value in metadata if key == "kvpool-error"), "")

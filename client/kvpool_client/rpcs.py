@@ -1,8 +1,9 @@
 """The unary RPCs the clients make, one row each: the stub that serves it, its method, and whether it is retried.
 
-Idempotent means "running it twice changes nothing a second time": only those are retried, and only on
-UNAVAILABLE (retry.py). A mutating call that failed with UNAVAILABLE may or may not have run on the server, so a
-retried AppendToken could append twice and a retried RegisterSequence could register a second sequence.
+Idempotent means "running it twice changes nothing a second time": those are retried on UNAVAILABLE (retry.py).
+A mutating call that failed with UNAVAILABLE or DEADLINE_EXCEEDED may or may not have run on the server; it is
+retried only when its request carries a session's ``request_id`` -- the server answers a repeat with the first
+answer and applies it once -- and then on both codes.
 AppendTokenStream is not here: it is a bidirectional stream, made by the sync client only (stream.py).
 """
 
@@ -38,4 +39,8 @@ GET_BLOCK_TABLE = Rpc("GetBlockTable", idempotent=True)
 DESCRIBE_POOL = Rpc("DescribePool", idempotent=True)
 READ_KV = Rpc("ReadKV", idempotent=True)
 CHECK_INVARIANTS = Rpc("CheckInvariants", idempotent=True)
+OPEN_SESSION = Rpc("OpenSession", idempotent=False)
+CLOSE_SESSION = Rpc("CloseSession", idempotent=False)
+LIST_SESSIONS = Rpc("ListSessions", idempotent=True)
+LIST_SEQUENCES = Rpc("ListSequences", idempotent=True)
 HEALTH_CHECK = Rpc("Health.Check", idempotent=True, stub=HEALTH_STUB)

@@ -15,6 +15,7 @@ import numpy as np
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client.convert import append_args, append_result
 from kvpool_client.errors import KVPoolClientError, from_rpc_error
+from kvpool_client.session import SessionState
 from kvpool_client.types import AppendResult
 
 
@@ -31,7 +32,11 @@ class AppendStream:
 
     _END = object()
 
-    def __init__(self, open_call: Callable, timeout: float | None) -> None:
+    def __init__(
+        self, open_call: Callable, timeout: float | None, session_id: int = 0, session: SessionState | None = None
+    ) -> None:
+        self._session_id = session_id
+        self._session = session
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         # gRPC reads the request iterator from a thread of its own: each put() is sent as soon as it is queued, and
         # _END half-closes the stream and lets that thread go (also when the stream is dropped unclosed).
@@ -51,7 +56,9 @@ class AppendStream:
                 raise self._error
             if self._closed:
                 raise KVPoolClientError("the stream is closed", method=_STREAM)
-            self._requests.put(pb.AppendTokenStreamRequest(seq_ids=ids, num_tokens=counts_field))
+            request_id = self._session.next_request_id() if self._session is not None and self._session_id else 0
+            self._requests.put(pb.AppendTokenStreamRequest(seq_ids=ids, num_tokens=counts_field,
+                                                           session_id=self._session_id, request_id=request_id))
             try:
                 response = next(self._responses)
             except grpc.RpcError as error:

@@ -79,6 +79,11 @@ class PoolStats:
     block_size: int
     block_bytes: int
 
+    @property
+    def bytes_used(self) -> int:
+        """Pool bytes in used blocks (kvctl shows it)."""
+        return self.num_blocks_used * self.block_bytes
+
 
 @dataclass(frozen=True)
 class PoolDescription:
@@ -101,3 +106,27 @@ class InvariantReport:
     ok: bool
     num_blocks_checked: int
     num_sequences_checked: int
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """One live session, as ListSessions reports it."""
+
+    session_id: int
+    client_name: str
+    opened_unix_ms: int
+    lease_ttl_ms: int
+    lease_remaining_ms: int
+    keep_alive_open: bool
+    num_sequences: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """One live sequence, as ListSequences reports it (session_id 0: it belongs to no session)."""
+
+    session_id: int
+    seq_id: int
+    num_tokens: int
+    num_blocks: int

@@ -14,6 +14,7 @@ from kvpool_server import parse
 from kvpool_server.core import KVCacheManager
 from kvpool_server.pool_protocol import Pool
 from kvpool_server.responses import append_response
+from kvpool_server.session_gate import SessionGate
 
 R = TypeVar("R")
 
@@ -22,6 +23,7 @@ def append(
     manager: KVCacheManager,
     pool: Pool,
     lock: AbstractContextManager[Any],
+    gate: SessionGate,
     request: Any,
     response_cls: type[R],
     *,
@@ -29,12 +31,18 @@ def append(
     rpc: str,
 ) -> R:
     """Apply one append request (``seq_ids``, ``num_tokens``) atomically under ``lock`` (the one that covers
-    ``manager`` and ``pool``); ``response_cls`` has AppendTokenResponse's fields. Raises, having changed nothing,
+    ``manager`` and ``pool``), through ``gate`` (the session must be live; a repeated request id is answered
+    with its first answer); ``response_cls`` has AppendTokenResponse's fields. Raises, having changed nothing,
     on any error; ``rpc`` names the method in error messages."""
     seq_ids = parse.batch_seq_ids(request.seq_ids, rpc, max_batch)
     num_tokens = parse.append_counts(request.num_tokens, seq_ids.size)
     with lock:
+        key, replay = gate.enter(request, response_cls)
+        if replay is not None:
+            return replay
         plan = manager.append(seq_ids, num_tokens)
         if plan.copies.shape[0]:
             pool.copy_blocks(plan.copies)
-    return append_response(plan, response_cls)
+        if key is None:
+            return append_response(plan, response_cls)
+        return gate.remember(key, append_response(plan, response_cls))

@@ -119,7 +119,10 @@ class ServerConfig:
     max_num_seqs: int = 4096
     max_batch: int = 4096  # sequences per AppendToken / Free
     max_message_bytes: int = 64 << 20
-    max_workers: int = 8  # server threads
+    max_workers: int = 64  # server threads (each open stream, a KeepAlive included, holds one)
+    # Sessions: the lease a client gets unless it asks for another, and the longest it may ask for (milliseconds).
+    session_ttl_ms: int = 10_000
+    max_session_ttl_ms: int = 300_000
     shutdown_grace_s: float = 10.0
     shutdown_drain_s: float = 2.0
     log_level: str = "INFO"
@@ -191,6 +194,11 @@ class ServerConfig:
                      "max_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 100 <= self.session_ttl_ms <= self.max_session_ttl_ms:
+            raise ConfigError(
+                f"--session-ttl-ms must be in [100, --max-session-ttl-ms={self.max_session_ttl_ms}], "
+                f"got {self.session_ttl_ms}"
+            )
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"--max-seq-len must be >= 1, got {self.max_seq_len}")
         if self.max_message_bytes < 64 << 10:
@@ -223,6 +231,9 @@ class ServerConfig:
 _PARSERS = {int: int, float: float, str: str}
 _BYTE_FIELDS = {"pool_bytes", "max_message_bytes"}
 _HELP = {
+    "session_ttl_ms": "a session's lease when its client asks for none: it ends (and its sequences are freed) "
+    "this long after its last heartbeat",
+    "max_session_ttl_ms": "the longest lease a client may ask for",
     "address": "TCP HOST:PORT to listen on (port 0: any free port; empty: no TCP)",
     "unix_socket": "also (or only) listen on this unix socket path",
     "port_file": "write the bound TCP port to this file once listening (for port 0)",

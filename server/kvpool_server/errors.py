@@ -3,6 +3,10 @@
 The core raises before it changes anything, so a call that fails here has left the pool exactly as it was.
 
     SequenceNotFoundError    NOT_FOUND            the id is not live (never registered, or freed)
+    SessionNotFoundError     NOT_FOUND            the session ended (closed, lease expired, keep-alive broken);
+                                                  trailing metadata kvpool-error: session-not-found
+    ServerRestartedError     NOT_FOUND            the session is an earlier server start's; kvpool-error:
+                                                  server-restarted
     SequenceExistsError      ALREADY_EXISTS       a caller-chosen id is already live
     InvalidArgumentError     INVALID_ARGUMENT     the request can never succeed as written
     OutOfBlocksError         RESOURCE_EXHAUSTED   valid, but the pool (or sequence table) is full now
@@ -27,6 +31,8 @@ from kvpool_server.core.errors import (
     OutOfBlocksError,
     SequenceExistsError,
     SequenceNotFoundError,
+    ServerRestartedError,
+    SessionNotFoundError,
 )
 
 logger = logging.getLogger(__name__)
@@ -38,6 +44,7 @@ class ServerShuttingDownError(KVPoolError):
 
 STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
     SequenceNotFoundError: grpc.StatusCode.NOT_FOUND,
+    SessionNotFoundError: grpc.StatusCode.NOT_FOUND,
     SequenceExistsError: grpc.StatusCode.ALREADY_EXISTS,
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     OutOfBlocksError: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -45,6 +52,18 @@ STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
     InvariantViolationError: grpc.StatusCode.INTERNAL,
     ServerShuttingDownError: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+# Trailing metadata ``kvpool-error`` that tells the client which NOT_FOUND it is (kvpool_client/errors.py reads it).
+REASON_KEY = "kvpool-error"
+REASON_OF: dict[type[KVPoolError], str] = {
+    ServerRestartedError: "server-restarted",
+    SessionNotFoundError: "session-not-found",
+}
+
+
+def reason_of(exc: BaseException) -> str | None:
+    return next((REASON_OF[cls] for cls in type(exc).__mro__ if cls in REASON_OF), None)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -64,4 +83,7 @@ def abort(context: grpc.ServicerContext, exc: BaseException, rpc: str) -> NoRetu
     code, message = status_of(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.error("%s failed: %s", rpc, message, exc_info=None if isinstance(exc, KVPoolError) else exc)
+    reason = reason_of(exc)
+    if reason is not None:
+        context.set_trailing_metadata(((REASON_KEY, reason),))
     context.abort(code, message)

@@ -19,9 +19,11 @@ from grpc_reflection.v1alpha import reflection
 from kvpool.v1 import kvpool_pb2, kvpool_pb2_grpc
 from kvpool_server.config import ServerConfig
 from kvpool_server.core import KVCacheManager, KVPoolError
+from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.device import create_pool
 from kvpool_server.drain import Drain
 from kvpool_server.pool_protocol import Pool
+from kvpool_server.reaper import Reaper
 from kvpool_server.service import KVPoolServicer
 
 SERVICE_NAME = kvpool_pb2.DESCRIPTOR.services_by_name["KVPoolService"].full_name
@@ -39,10 +41,12 @@ class ServerHandle:
     servicer: KVPoolServicer
     drain: Drain  # the servicer's: shutdown starts it
     health: health.HealthServicer
+    reaper: Reaper  # ends sessions whose lease passed; shutdown stops it
 
     def start(self) -> None:
         """Start serving; health says SERVING (for "" and KVPoolService) from now on."""
         self.server.start()
+        self.reaper.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
@@ -70,8 +74,13 @@ def build_servicer(config: ServerConfig) -> KVPoolServicer:
     except KVPoolError as exc:
         pool.close()
         raise StartupError(f"bad pool configuration: {exc}") from exc
+    sessions = SessionTable(
+        new_server_epoch(),
+        default_ttl_s=config.session_ttl_ms / 1000.0,
+        max_ttl_s=config.max_session_ttl_ms / 1000.0,
+    )
     return KVPoolServicer(
-        manager, pool, Drain(), max_batch=config.max_batch, max_message_bytes=config.max_message_bytes
+        manager, pool, Drain(), sessions, max_batch=config.max_batch, max_message_bytes=config.max_message_bytes
     )
 
 
@@ -95,7 +104,9 @@ def build_server(config: ServerConfig) -> ServerHandle:
     except BaseException:
         servicer.pool.close()
         raise
-    return ServerHandle(server, port, servicer.pool, servicer, servicer.drain, health_servicer)
+    return ServerHandle(
+        server, port, servicer.pool, servicer, servicer.drain, health_servicer, Reaper(servicer.reap_expired)
+    )
 
 
 def _bind(server: grpc.Server, config: ServerConfig) -> int | None:

@@ -89,6 +89,7 @@ def shutdown(handle: ServerHandle, grace_s: float, drain_s: float = 0.0) -> None
     num_left = handle.drain.wait_idle(grace_s)
     if num_left:
         logger.warning("%d calls still running after the %.1fs grace; cancelling them", num_left, grace_s)
+    handle.reaper.stop()  # the process ends: every session ends with it
     handle.server.stop(0).wait()
     with handle.servicer.lock:  # a call cut off at the grace deadline may still be running
         handle.pool.close()

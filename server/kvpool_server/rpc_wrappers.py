@@ -71,3 +71,25 @@ def stream_rpc(method: F) -> F:
                 drain.release()
 
     return wrapper  # type: ignore[return-value]
+
+
+def keep_alive_rpc(method: F) -> F:
+    """A bidirectional stream whose messages share one state dict, with ``self.keep_alive_ended(state)`` run however
+    the stream ends (half-close, cancellation, the client's connection lost, an error, the server draining): a
+    KeepAlive stream's end may end its session. Messages are not admitted through the Drain: a heartbeat changes
+    no sequence, and an idle keep-alive must not hold up shutdown."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        state: dict[str, Any] = {}
+        try:
+            for request in requests:
+                yield method(self, state, request, context)
+        except grpc.RpcError:
+            return  # cancelled, or the client is gone
+        except Exception as exc:
+            abort(context, exc, method.__name__)
+        finally:
+            self.keep_alive_ended(state)
+
+    return wrapper  # type: ignore[return-value]

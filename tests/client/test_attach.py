@@ -17,8 +17,9 @@ BS = 16
 
 
 def _write_through_attach(target: str, num_tokens: int, out: mp.Queue) -> None:
-    """In a spawned process: register a sequence, append, write its KV only through the attached pool."""
-    with KVPoolClient(target) as client:
+    """In a spawned process: register a sequence, append, write its KV only through the attached pool. Without a
+    session, so that the sequence outlives this process."""
+    with KVPoolClient(target, session=False) as client:
         seq = client.register()
         result = client.append(seq, num_tokens)
         pool = client.attach()

@@ -202,7 +202,8 @@ class FlakyRpc:
 def test_only_idempotent_calls_are_retried(connect, tmp_path):
     layout = pb.PoolLayout(num_blocks=8, num_layers=1, num_kv_heads=1, head_dim=64, block_size=16,
                            dtype=pb.DTYPE_FLOAT32, block_bytes=8192, token_bytes=512)
-    client = connect(f"unix:{tmp_path}/unused.sock", retry=RetryPolicy(max_attempts=4, initial_backoff_s=0.001))
+    client = connect(f"unix:{tmp_path}/unused.sock", retry=RetryPolicy(max_attempts=4, initial_backoff_s=0.001),
+                     session=False)
 
     def flaky(failures, reply, code=grpc.StatusCode.UNAVAILABLE):
         return FlakyRpc(failures, reply, awaitable=connect.kind == "async", code=code)
@@ -229,7 +230,33 @@ def test_only_idempotent_calls_are_retried(connect, tmp_path):
         setattr(stub, name, rpc := flaky(1, None))
         with pytest.raises(UnavailableError):
             call()
-        assert rpc.calls == 1, f"{name}: a mutating call must never be retried"
+        assert rpc.calls == 1, f"{name}: a mutating call without a session's request id must never be retried"
+
+
+def test_mutations_of_a_session_are_retried_with_the_same_request_id(connect, tmp_path):
+    """With a session, a mutation carries a request id: the server applies it once, so it is retried -- on
+    UNAVAILABLE and DEADLINE_EXCEEDED alike -- and every attempt sends the same request."""
+    client = connect(f"unix:{tmp_path}/unused.sock", retry=RetryPolicy(max_attempts=4, initial_backoff_s=0.001))
+    client._session.session_id = 77  # as if OpenSession had answered (no keep-alive is needed here)
+    seen: list = []
+
+    class Recording(FlakyRpc):
+        def __call__(self, request, timeout=None):
+            seen.append(request.SerializeToString())
+            return super().__call__(request, timeout)
+
+    calls = {"RegisterSequence": (client.register, pb.RegisterSequenceResponse(seq_id=5)),
+             "AppendToken": (lambda: client.append(5, 2), pb.AppendTokenResponse(slot_mapping=[0, 1])),
+             "Fork": (lambda: client.fork(5, 1), pb.ForkResponse(child_seq_ids=[6])),
+             "Free": (lambda: client.free(5), pb.FreeResponse(num_blocks_freed=1))}
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        for name, (call, reply) in calls.items():
+            seen.clear()
+            setattr(client._stub, name, rpc := Recording(2, reply, awaitable=connect.kind == "async", code=code))
+            call()
+            assert rpc.calls == 3 and len(set(seen)) == 1, name
+            request = getattr(pb, f"{name}Request" if name != "AppendToken" else "AppendTokenRequest").FromString(seen[0])
+            assert request.session_id == 77 and request.request_id > 0
 
 
 def test_backoff_never_runs_past_the_deadline(connect, tmp_path):

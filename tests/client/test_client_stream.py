@@ -101,7 +101,7 @@ def test_steps_from_threads_are_serialized(server):
 
 
 def test_unreachable_server_fails_at_once_never_retried(tmp_path):
-    with KVPoolClient(f"unix:{tmp_path}/nobody.sock") as client, client.append_stream() as stream:
+    with KVPoolClient(f"unix:{tmp_path}/nobody.sock", session=False) as client, client.append_stream() as stream:
         start = time.monotonic()
         with pytest.raises(UnavailableError):
             stream.step(1)

@@ -5,18 +5,25 @@ from kvpool_server.core import InvalidArgumentError, InvariantViolationError, Se
 from kvpool_server.core.seq_index import MAX_SEQ_ID, SequenceIndex, check_caller_seq_id
 
 
-def test_server_ids_carry_their_row_never_repeat_and_stay_short():
+def test_server_ids_carry_their_row_never_repeat_and_fit():
     index = SequenceIndex(max_rows=4096)
     first = index.new_server_id(3)
     second = index.new_server_id(3)
     assert first != second
     assert first & ((1 << index.row_bits) - 1) == 3 and index.row_bits == 12
-    assert first < 2**32  # a short varint on the wire
+    assert 0 < first < 2**62 <= MAX_SEQ_ID  # room to count up for ever
+
+
+def test_a_restarted_index_does_not_hand_out_the_ids_of_an_earlier_start():
+    """Each start draws its serial's start at random: two starts' first ids differ (and are far apart)."""
+    firsts = {SequenceIndex(max_rows=4096).new_server_id(0) for _ in range(20)}
+    assert len(firsts) == 20
+    assert min(abs(a - b) for a in firsts for b in firsts if a != b) > 2**20
 
 
 def test_server_ids_skip_an_id_a_caller_holds():
     index = SequenceIndex(max_rows=8)
-    taken = (1 << index.row_bits) | 5  # what the first server id for row 5 would be
+    taken = (index._next_serial << index.row_bits) | 5  # what the next server id for row 5 would be
     index.add(taken, 0)
     assert index.new_server_id(5) != taken
 

@@ -20,7 +20,7 @@ def kvctl(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_stats_text_and_json(server, capsys):
-    with KVPoolClient(server.address) as kv:
+    with KVPoolClient(server.address, session=False) as kv:  # its sequences outlive it
         seq = kv.register()
         kv.append([seq], 20)
         kv.fork(seq, 1)
@@ -36,7 +36,7 @@ def test_stats_text_and_json(server, capsys):
 
 
 def test_block_table(unix_server, capsys):
-    with KVPoolClient(unix_server.address) as kv:
+    with KVPoolClient(unix_server.address, session=False) as kv:
         seq = kv.register()
         kv.append([seq], 20)
         expected = [int(b) for b in kv.block_table(seq).block_ids]
@@ -57,15 +57,16 @@ def test_health(server, capsys):
     assert code == EXIT_ERROR and "NOT_FOUND" in err
 
 
-@pytest.mark.parametrize("command", [["sessions"], ["sequences"], ["sequences", "--session", "0x1"]])
-def test_session_listings_say_unimplemented_clearly(server, capsys, command):
-    """Until the server implements ListSessions/ListSequences (sessions are being built), a clear message."""
-    code, out, err = kvctl(capsys, *command, "--target", server.address)
-    if code == 0:  # the server has them now
-        assert "sessions" in out or "sequences" in out
-        return
-    assert code == EXIT_NOT_AVAILABLE
-    assert "does not implement List" in err and "UNIMPLEMENTED" in err
+def test_session_listings(server, capsys):
+    with KVPoolClient(server.address, client_name="kvctl-test") as kv:
+        seq = kv.register()
+        kv.append(seq, 20)
+        code, out, _ = kvctl(capsys, "sessions", "--target", server.address)
+        assert code == 0 and "kvctl-test" in out
+        code, out, _ = kvctl(capsys, "sequences", "--session", str(kv.session_id), "--target", server.address)
+        assert code == 0 and str(seq) in out
+    code, _, err = kvctl(capsys, "sequences", "--session", "0x1", "--target", server.address)
+    assert code == EXIT_ERROR and "NOT_FOUND" in err
 
 
 @pytest.mark.parametrize("command, words", [("drain", "no Drain RPC"), ("events", "not available on this server")])
@@ -81,7 +82,7 @@ def test_no_server_fails_fast(capsys, tmp_path):
 
 
 def test_top_json_lines_and_rates(server, capsys):
-    with KVPoolClient(server.address) as kv:
+    with KVPoolClient(server.address, session=False) as kv:  # its sequences outlive it
         kv.append([kv.register()], 33)
     code, out, _ = kvctl(capsys, "top", "--target", server.address, "--json", "--iterations", "2",
                          "--interval", "0.05")

@@ -25,7 +25,7 @@ from kvpool_server.metrics import (  # noqa: E402
     reason_label,
     start_metrics_server,
 )
-from kvpool_server.service import KVPoolServicer  # noqa: E402
+from kvpool_server.grpc_server import build_servicer  # noqa: E402
 
 
 def scrape_text(text: str) -> dict[tuple[str, tuple], float]:
@@ -132,9 +132,8 @@ def test_names_follow_prometheus_conventions():
 def grpc_server_with_metrics(tmp_path):
     """A real gRPC server wired the way main.py is asked to wire it (interceptor, watch_pool, HTTP server)."""
     config = ServerConfig(backend="host", pool_bytes=64 * 8192, address="127.0.0.1:0", metrics_address="127.0.0.1:0")
-    pool = create_pool(config.layout, backend="host", **config.pool_size_kwargs())
-    manager = KVCacheManager(pool.num_blocks, config.block_size)
-    servicer = KVPoolServicer(manager, pool, max_batch=config.max_batch, max_message_bytes=config.max_message_bytes)
+    servicer = build_servicer(config)
+    pool, manager = servicer.pool, servicer.manager
     metrics = KVPoolMetrics()
     server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[metrics.interceptor()])
     kvpool_pb2_grpc.add_KVPoolServiceServicer_to_server(servicer, server)
@@ -150,7 +149,7 @@ def grpc_server_with_metrics(tmp_path):
 
 def test_http_scrape_after_a_known_workload(grpc_server_with_metrics):
     target, http, manager = grpc_server_with_metrics
-    with KVPoolClient(target) as kv:
+    with KVPoolClient(target, session=False) as kv:
         a, b = kv.register(), kv.register()
         kv.append([a, b], [17, 3])
         children = kv.fork(a, 2)
@@ -191,7 +190,7 @@ def test_kvpool_server_process_serves_metrics(server_factory, tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = server_factory("--metrics-address", f"127.0.0.1:{port}")
-    with KVPoolClient(server.address) as kv:
+    with KVPoolClient(server.address, session=False) as kv:  # its sequences outlive it
         seq = kv.register()
         kv.append([seq], 20)
         stats = kv.stats()

@@ -13,6 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.layout import KVLayout
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_server.core.sessions import SessionTable
+from kvpool_server.replies import ReplyCache
+from kvpool_server.session_gate import SessionGate
 from kvpool_server import parse
 from kvpool_server.append_rpc import append
 from kvpool_server.config import ServerConfig
@@ -100,25 +103,26 @@ def test_parse_passes_good_ids_through() -> None:
     assert parse.append_counts([1, 2, 3], 3).tolist() == [1, 2, 3]
 
 
-def test_the_append_handler_needs_a_manager_a_pool_and_a_lock_not_a_servicer() -> None:
+def test_the_append_handler_needs_a_manager_a_pool_a_lock_and_a_gate_not_a_servicer() -> None:
     layout = KVLayout()
     with create_pool(layout, backend="host", num_blocks=8) as pool:
         manager = KVCacheManager(pool.num_blocks, layout.block_size)
         a = manager.register()
         lock = threading.Lock()
-        reply = append(manager, pool, lock, pb.AppendTokenRequest(seq_ids=[a], num_tokens=[17]),
+        gate = SessionGate(SessionTable(1), ReplyCache())
+        reply = append(manager, pool, lock, gate, pb.AppendTokenRequest(seq_ids=[a], num_tokens=[17]),
                        pb.AppendTokenResponse, max_batch=4, rpc="AppendToken")
         assert len(reply.slot_mapping) == 17 and len(reply.new_block_ids) == 2 and not lock.locked()
         b = manager.fork(a, 1)[0]
-        reply = append(manager, pool, lock, pb.AppendTokenStreamRequest(seq_ids=[b]), pb.AppendTokenStreamResponse,
+        reply = append(manager, pool, lock, gate, pb.AppendTokenStreamRequest(seq_ids=[b]), pb.AppendTokenStreamResponse,
                        max_batch=4, rpc="AppendTokenStream")
         assert [(c.src_block_id, c.dst_block_id) for c in reply.copies] == [(manager.block_table(a)[1],
                                                                             reply.new_block_ids[0])]
         with pytest.raises(InvalidArgumentError, match="AppendTokenStream seq_ids: 0"):
-            append(manager, pool, lock, pb.AppendTokenStreamRequest(seq_ids=[a, 0]), pb.AppendTokenStreamResponse,
+            append(manager, pool, lock, gate, pb.AppendTokenStreamRequest(seq_ids=[a, 0]), pb.AppendTokenStreamResponse,
                    max_batch=4, rpc="AppendTokenStream")
         with pytest.raises(SequenceNotFoundError):
-            append(manager, pool, lock, pb.AppendTokenRequest(seq_ids=[a, 12345]), pb.AppendTokenResponse,
+            append(manager, pool, lock, gate, pb.AppendTokenRequest(seq_ids=[a, 12345]), pb.AppendTokenResponse,
                    max_batch=4, rpc="AppendToken")
         assert manager.num_tokens(a) == 17 and manager.num_tokens(b) == 18
         manager.check_invariants()

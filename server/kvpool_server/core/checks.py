@@ -27,6 +27,17 @@ def check_invariants(manager: KVCacheManager) -> None:
             f"the index names rows {np.setxor1d(indexed, in_use)[:8].tolist()} differently from the tables "
             "(a row is in use iff a live sequence holds it)"
         )
+    check_ownership(manager)
+
+
+def check_ownership(manager: KVCacheManager) -> None:
+    """session_of_seq and seqs_of_session are one relation, over live sequences, with no empty set."""
+    pairs = {(seq_id, session_id) for session_id, seq_ids in manager.seqs_of_session.items() for seq_id in seq_ids}
+    if pairs != set(manager.session_of_seq.items()) or any(not s for s in manager.seqs_of_session.values()):
+        raise InvariantViolationError("session_of_seq and seqs_of_session disagree (or a session has an empty set)")
+    dead = [seq_id for seq_id in manager.session_of_seq if seq_id not in manager.index]
+    if dead:
+        raise InvariantViolationError(f"sequences {dead[:8]} belong to a session but are not live")
 
 
 def check_block_tables(tables: BlockTables) -> None:

@@ -31,8 +31,12 @@ class KVCacheManager:
     Every operation checks everything before it changes anything: an operation that raises leaves the manager
     exactly as it was. A batch that cannot be served in full is not served in part.
 
-    Invariant (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
-    tables is in use iff the index names a live sequence that holds it.
+    A sequence may belong to a session (``register``/``fork`` with a ``session_id``): ``seq_ids_of_session`` is
+    what a session's end frees. Ownership lives here, beside the ids, in two dicts kept off the append path.
+
+    Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
+    tables is in use iff the index names a live sequence that holds it; ``session_of_seq`` and
+    ``seqs_of_session`` are the same relation read both ways, over live sequences only, with no empty set.
     """
 
     def __init__(
@@ -52,6 +56,8 @@ class KVCacheManager:
         self.index: SequenceIndex = SequenceIndex(max_num_seqs)  # checks max_num_seqs
         self.allocator: BlockAllocator = BlockAllocator(num_blocks)
         self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs, self.allocator)
+        self.session_of_seq: dict[int, int] = {}  # seq_id -> session_id, for sequences that belong to a session
+        self.seqs_of_session: dict[int, set[int]] = {}  # session_id -> its live seq_ids
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -63,8 +69,8 @@ class KVCacheManager:
         """Copy-on-write copies planned so far."""
         return self.tables.num_copies
 
-    def register(self, seq_id: int | None = None) -> int:
-        """Create an empty sequence; the manager assigns the id unless one is given."""
+    def register(self, seq_id: int | None = None, session_id: int = 0) -> int:
+        """Create an empty sequence (of ``session_id``, 0: none); the manager assigns the id unless one is given."""
         if seq_id is not None:
             if seq_id in self.index:
                 raise SequenceExistsError(f"sequence {seq_id} already exists")
@@ -73,6 +79,7 @@ class KVCacheManager:
         if seq_id is None:
             seq_id = self.index.new_server_id(row)
         self.index.add(seq_id, row)
+        self._own([seq_id], session_id)
         return seq_id
 
     def append(self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1) -> AppendPlan:
@@ -110,8 +117,11 @@ class KVCacheManager:
             raise InvalidArgumentError(f"every num_tokens must be >= 1, got {counts.min()}")
         return counts.item(0) if num_rows == 1 else counts
 
-    def fork(self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = ()) -> list[int]:
-        """Make children that share every block of the parent (ref counts go up, nothing is copied)."""
+    def fork(
+        self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (), session_id: int = 0
+    ) -> list[int]:
+        """Make children that share every block of the parent (ref counts go up, nothing is copied). The children
+        belong to ``session_id``, or (0) to the parent's session."""
         parent_row = self.index.row(parent_seq_id)
         child_seq_ids = list(child_seq_ids)
         if child_seq_ids:
@@ -134,6 +144,7 @@ class KVCacheManager:
         self.tables.fork(parent_row, rows)
         for seq_id, row in zip(child_seq_ids, rows):
             self.index.add(seq_id, row)
+        self._own(child_seq_ids, session_id or self.session_of_seq.get(parent_seq_id, 0))
         return child_seq_ids
 
     def free(self, seq_ids: int | Sequence[int]) -> int:
@@ -150,7 +161,47 @@ class KVCacheManager:
         num_freed = self.tables.release(rows)
         for seq_id in ids:
             self.index.remove(seq_id)
+        self._disown(ids)
         return num_freed
+
+    # ---------------------------------------------------------------- sessions
+    def _own(self, seq_ids: list[int], session_id: int) -> None:
+        if session_id:
+            self.seqs_of_session.setdefault(session_id, set()).update(seq_ids)
+            for seq_id in seq_ids:
+                self.session_of_seq[seq_id] = session_id
+
+    def _disown(self, seq_ids: list[int]) -> None:
+        if not self.session_of_seq:
+            return
+        for seq_id in seq_ids:
+            session_id = self.session_of_seq.pop(seq_id, 0)
+            if session_id:
+                members = self.seqs_of_session[session_id]
+                members.discard(seq_id)
+                if not members:
+                    del self.seqs_of_session[session_id]
+
+    def seq_ids_of_session(self, session_id: int) -> list[int]:
+        """The live sequences of a session (what its end frees)."""
+        return sorted(self.seqs_of_session.get(session_id, ()))
+
+    def session_usage(self) -> dict[int, tuple[int, int]]:
+        """session_id -> (its sequences, the distinct blocks they hold)."""
+        usage = {}
+        for session_id, seq_ids in self.seqs_of_session.items():
+            blocks = [self.block_table(seq_id) for seq_id in seq_ids]
+            usage[session_id] = (len(seq_ids), int(np.unique(np.concatenate(blocks)).size) if blocks else 0)
+        return usage
+
+    def sequence_infos(self, session_id: int | None = None) -> list[tuple[int, int, int, int]]:
+        """(seq_id, session_id, num_tokens, num_blocks) of every live sequence, or of one session's."""
+        seq_ids = self.index.seq_ids() if session_id is None else self.seq_ids_of_session(session_id)
+        infos = []
+        for seq_id in sorted(seq_ids):
+            num_tokens = self.num_tokens(seq_id)
+            infos.append((seq_id, self.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(num_tokens)))
+        return infos
 
     # ---------------------------------------------------------------- lookups
     def num_tokens(self, seq_id: int) -> int:

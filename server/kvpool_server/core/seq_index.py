@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError, SequenceNotFoundError
 
 # Ids are uint64; 0 is never an id (it is protobuf's "unset"). A server-assigned id is
 #   serial << row_bits | row      (serial: a counter that only goes up; row_bits = bits of max_num_seqs - 1)
-# so the row of a server id is read off its low bits, without a search, and ids stay short on the wire.
+# so the row of a server id is read off its low bits, without a search. The serial starts at a random value in
+# [1, 2**(62 - row_bits)) at every server start, and only goes up from there: within a start no id repeats, and an
+# id of an earlier start is live again only if this start's serial range reaches it -- with 2**50 start values (at
+# the default 4096 rows) and a few million registrations a start, about one chance in 10**8 per restart. So an old
+# id after a restart is NOT_FOUND, not someone else's sequence. (Server ids are 8-9 byte varints on the wire.)
 MAX_ROWS = 1 << 20
 # 2**64 - 1 is reserved too: it is what a -1 becomes when a client's sign bug sends it as a uint64.
 MAX_SEQ_ID = 2**64 - 2
@@ -32,9 +38,9 @@ class SequenceIndex:
     A server-assigned id carries its row in its low ``row_bits`` bits and a never-repeating serial above them, so
     a batch of server ids resolves as ``rows = ids & mask`` checked by ``row_to_id[rows] == ids`` -- no Python
     loop, no search and no bounds check (``row_to_id`` has an entry for every value of the low bits). Any id that
-    fails that check (a caller-chosen one, say) goes through the dict. Because the serial only goes up, an id the
-    server gave out is never given out again, a stale id never matches a reused row, and an id a caller holds is
-    skipped.
+    fails that check (a caller-chosen one, say) goes through the dict. Because the serial only goes up (from a
+    random start, so that a restarted server does not hand out its predecessor's ids), an id the server gave out is
+    never given out again, a stale id never matches a reused row, and an id a caller holds is skipped.
 
     Invariant (``check_invariants``): ``_row_of`` and the live entries of ``row_to_id`` hold the same (seq_id, row)
     pairs; every other entry ``r`` holds ``r ^ 1``, a value whose low bits name another row, so that no id (0 and
@@ -48,7 +54,8 @@ class SequenceIndex:
         self._row_mask: np.uint64 = np.uint64((1 << self.row_bits) - 1)
         self._row_of: dict[int, int] = {}
         self.row_to_id: np.ndarray = np.arange(1 << self.row_bits, dtype=np.uint64) ^ np.uint64(1)
-        self._next_serial: int = 1
+        # A random start, so that ids of a restarted server do not repeat an earlier start's (module docstring).
+        self._next_serial: int = 1 + int.from_bytes(os.urandom(8), "little") % (1 << (62 - self.row_bits))
         self._repeats: RepeatFinder = RepeatFinder(self.row_to_id.size)  # scratch for rows()
 
     def __len__(self) -> int:

@@ -1,0 +1,164 @@
+"""What a client knows of its session, and the keep-alive that holds it open.
+
+A client opens its session on its first call that creates or changes sequences (``OpenSession``), and from then on
+holds one ``KeepAlive`` stream open in the background, sending a heartbeat every third of the lease. While the
+stream is open the server knows the client is alive; when the client's process dies, its connection closes, the
+stream breaks and the server frees every sequence of the session at once. ``close()`` ends the session itself
+(``CloseSession``: all its sequences freed) before it closes the channel.
+
+The keep-alive also tells the client when the server is gone: the stream failing with UNAVAILABLE (the server's
+process died, or its socket vanished) and not coming back within the lease sets ``lost`` to ``ServerGoneError``;
+the server answering that the session is not live (its lease expired while this process was stopped, say) sets it
+to ``SessionLostError``, or ``ServerRestartedError`` when the server started again since. An attached pool refuses
+writes once ``lost`` is set: the memory it maps is no longer the server's, or no longer this session's.
+
+The sync client runs the keep-alive in a daemon thread (``KeepAliveThread``), the asyncio client in a task
+(``keep_alive_task``); both share ``SessionState`` and the reconnect rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_client.errors import KVPoolClientError, ServerGoneError, SessionLostError, from_rpc_error
+
+KEEP_ALIVE_METHOD = "KeepAlive"
+RECONNECT_PAUSE_S = 0.1
+
+
+def default_client_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class SessionState:
+    """The session's id once open, its lease, the next request id, and ``lost`` (None while all is well)."""
+
+    def __init__(self, enabled: bool, client_name: str | None, lease_ttl_s: float | None) -> None:
+        if lease_ttl_s is not None and lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
+        self.enabled = enabled
+        self.client_name = client_name or default_client_name()
+        self.requested_ttl_s = lease_ttl_s
+        self.session_id: int | None = None
+        self.server_epoch: int | None = None
+        self.lease_ttl_s: float = 0.0
+        self.lost: KVPoolClientError | None = None
+        self._request_ids = itertools.count(1)
+        self.lock = threading.Lock()
+
+    def open_request(self) -> pb.OpenSessionRequest:
+        ttl_ms = 0 if self.requested_ttl_s is None else max(1, round(self.requested_ttl_s * 1000))
+        return pb.OpenSessionRequest(client_name=self.client_name, lease_ttl_ms=ttl_ms)
+
+    def opened(self, response: pb.OpenSessionResponse) -> None:
+        self.session_id = response.session_id
+        self.server_epoch = response.server_epoch
+        self.lease_ttl_s = response.lease_ttl_ms / 1000.0
+
+    def next_request_id(self) -> int:
+        return next(self._request_ids)
+
+    @property
+    def heartbeat_s(self) -> float:
+        return max(0.05, self.lease_ttl_s / 3.0)
+
+    def check_live(self, method: str) -> None:
+        """Raise what ended the session, if anything did (before a call that would be refused anyway)."""
+        if self.lost is not None:
+            raise type(self.lost)(self.lost.details, code=self.lost.code, method=method)
+
+    def keep_alive_failed(self, error: KVPoolClientError, gave_up: bool) -> bool:
+        """Record a broken keep-alive stream; True when the client should stop trying (the session is over)."""
+        if isinstance(error, SessionLostError):
+            self.lost = error
+            return True
+        if gave_up:
+            self.lost = ServerGoneError(
+                f"no answer from the server for longer than the lease ({self.lease_ttl_s:g} s): {error.details}",
+                code=error.code, method=KEEP_ALIVE_METHOD,
+            )
+            return True
+        return False
+
+
+class KeepAliveThread(threading.Thread):
+    """Holds a KeepAlive stream open for the sync client; reconnects within the lease after a broken stream."""
+
+    def __init__(self, state: SessionState, open_stream: Callable[[Iterator[pb.KeepAliveRequest]], Any]) -> None:
+        super().__init__(name=f"kvpool-keepalive-{state.session_id}", daemon=True)
+        self._state = state
+        self._open_stream = open_stream
+        self._stop = threading.Event()
+        self._call: Any = None
+
+    def _heartbeats(self) -> Iterator[pb.KeepAliveRequest]:
+        request = pb.KeepAliveRequest(session_id=self._state.session_id)
+        while not self._stop.is_set():
+            yield request
+            self._stop.wait(self._state.heartbeat_s)
+
+    def run(self) -> None:
+        state, broken_since = self._state, None
+        while not self._stop.is_set():
+            try:
+                self._call = self._open_stream(self._heartbeats())
+                for _ in self._call:
+                    broken_since = None
+                if self._stop.is_set():
+                    return
+                raise grpc.RpcError()  # the server ended the stream: a drain; reconnect like a failure
+            except grpc.RpcError as rpc_error:
+                if self._stop.is_set():
+                    return
+                error = from_rpc_error(rpc_error, KEEP_ALIVE_METHOD) if hasattr(rpc_error, "code") else ServerGoneError(
+                    "the server ended the keep-alive stream", method=KEEP_ALIVE_METHOD)
+                now = _monotonic()
+                broken_since = broken_since or now
+                if state.keep_alive_failed(error, gave_up=now - broken_since > state.lease_ttl_s):
+                    return
+                self._stop.wait(RECONNECT_PAUSE_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+
+
+async def keep_alive_task(state: SessionState, open_stream: Callable[[Any], Any]) -> None:
+    """The asyncio client's keep-alive: the same stream and reconnect rule as KeepAliveThread; cancel to stop."""
+
+    async def heartbeats() -> Any:
+        request = pb.KeepAliveRequest(session_id=state.session_id)
+        while True:
+            yield request
+            await asyncio.sleep(state.heartbeat_s)
+
+    broken_since = None
+    while True:
+        try:
+            async for _ in open_stream(heartbeats()):
+                broken_since = None
+            error: KVPoolClientError = ServerGoneError("the server ended the keep-alive stream",
+                                                       method=KEEP_ALIVE_METHOD)
+        except grpc.RpcError as rpc_error:
+            error = from_rpc_error(rpc_error, KEEP_ALIVE_METHOD)
+        now = _monotonic()
+        broken_since = broken_since or now
+        if state.keep_alive_failed(error, gave_up=now - broken_since > state.lease_ttl_s):
+            return
+        await asyncio.sleep(RECONNECT_PAUSE_S)
+
+
+def _monotonic() -> float:
+    import time
+
+    return time.monotonic()

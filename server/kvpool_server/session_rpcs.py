@@ -1,0 +1,126 @@
+"""The session RPCs of KVPoolServicer (a mixin): OpenSession, KeepAlive, CloseSession, ListSessions,
+ListSequences, and the end of a session -- one sweep that frees every sequence it holds.
+
+A session ends in one of three ways, each through ``end_session`` under the servicer's lock:
+
+    closed             CloseSession (the client library calls it from close())
+    lease expired      no heartbeat or call named it for its lease TTL (``reap_expired``, run every 100 ms)
+    keep-alive broken  its last KeepAlive stream ended without a CloseSession (the client process died: its
+                       connection closed, and gRPC ends the stream at once)
+
+Freeing is the manager's ``free``: a block shared with another session's sequence (a fork across sessions) only
+loses this session's references, so copy-on-write sharing stays correct.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_server.core import KVCacheManager
+from kvpool_server.core.sessions import Session, SessionTable
+from kvpool_server.replies import ReplyCache
+
+logger = logging.getLogger(__name__)
+REAP_INTERVAL_S = 0.1
+
+
+def _ms(seconds: float) -> int:
+    return max(0, min(2**32 - 1, round(seconds * 1000)))
+
+
+class SessionRpcs:
+    """Needs ``manager``, ``lock``, ``sessions``, ``replies`` and ``on_session_end`` on the servicer."""
+
+    manager: KVCacheManager
+    lock: Any
+    sessions: SessionTable
+    replies: ReplyCache
+    on_session_end: Callable[[str, float, int, int], None]
+
+    def open_session(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        with self.lock:
+            session = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0)
+        return pb.OpenSessionResponse(
+            session_id=session.session_id, server_epoch=self.sessions.server_epoch,
+            lease_ttl_ms=_ms(session.lease_ttl_s),
+        )
+
+    def close_session(self, request: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
+        with self.lock:
+            num_sequences, num_blocks = self.end_session(request.session_id, "closed")
+        return pb.CloseSessionResponse(num_sequences_freed=num_sequences, num_blocks_freed=num_blocks)
+
+    def end_session(self, session_id: int, reason: str, since: float | None = None) -> tuple[int, int]:
+        """Forget the session and free its sequences (under the lock); returns (sequences, blocks) freed.
+        ``since``: when the end was noticed (time.monotonic()), for the reclamation latency."""
+        session = self.sessions.close(session_id)
+        seq_ids = self.manager.seq_ids_of_session(session_id)
+        num_blocks = self.manager.free(seq_ids) if seq_ids else 0
+        self.replies.drop_session(session_id)
+        latency = time.monotonic() - since if since is not None else 0.0
+        self.on_session_end(reason, latency, len(seq_ids), num_blocks)
+        logger.info("session %d (%s) ended, %s: %d sequences, %d blocks freed", session_id, session.client_name,
+                    reason, len(seq_ids), num_blocks)
+        return len(seq_ids), num_blocks
+
+    def reap_expired(self) -> int:
+        """End every session whose lease has passed; returns how many."""
+        with self.lock:
+            expired = self.sessions.expired()
+            for session in expired:
+                self.end_session(session.session_id, "lease expired", since=session.deadline)
+        return len(expired)
+
+    # ---------------------------------------------------------------- KeepAlive, one stream's life
+    def keep_alive_message(self, state: dict[str, Any], request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
+        """One heartbeat: the first names the session (and counts the stream open), each renews the lease."""
+        with self.lock:
+            session: Session | None = state.get("session")
+            if session is None:
+                session = self.sessions.stream_opened(request.session_id)
+                state["session"] = session
+            else:
+                if request.session_id not in (0, session.session_id):
+                    from kvpool_server.core import InvalidArgumentError
+
+                    raise InvalidArgumentError("a KeepAlive stream keeps one session alive; open another stream")
+                self.sessions.renew(session.session_id)
+            return pb.KeepAliveResponse(lease_remaining_ms=_ms(self.sessions.remaining_s(session)))
+
+    def keep_alive_ended(self, state: dict[str, Any]) -> None:
+        """The stream ended, however: if it was its session's last and the session was not closed, end it."""
+        session: Session | None = state.get("session")
+        if session is None:
+            return
+        since = time.monotonic()
+        with self.lock:
+            if self.sessions.stream_closed(session):
+                self.end_session(session.session_id, "keep-alive broken", since=since)
+
+    # ---------------------------------------------------------------- listing
+    def list_sessions(self, request: pb.ListSessionsRequest) -> pb.ListSessionsResponse:
+        with self.lock:
+            usage = self.manager.session_usage()
+            sessions = [
+                pb.SessionInfo(
+                    session_id=s.session_id, client_name=s.client_name, opened_unix_ms=s.opened_unix_ms,
+                    lease_ttl_ms=_ms(s.lease_ttl_s), lease_remaining_ms=_ms(self.sessions.remaining_s(s)),
+                    keep_alive_open=s.num_keep_alive_streams > 0,
+                    num_sequences=usage.get(s.session_id, (0, 0))[0], num_blocks=usage.get(s.session_id, (0, 0))[1],
+                )
+                for s in self.sessions.sessions()
+            ]
+        return pb.ListSessionsResponse(sessions=sessions, server_epoch=self.sessions.server_epoch)
+
+    def list_sequences(self, request: pb.ListSequencesRequest) -> pb.ListSequencesResponse:
+        with self.lock:
+            if request.session_id:
+                self.sessions.get(request.session_id)  # NOT_FOUND for a session that is not live
+            infos = self.manager.sequence_infos(request.session_id or None)
+        return pb.ListSequencesResponse(
+            sequences=[pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in infos]
+        )
