@@ -13,7 +13,7 @@ SETUP := $(STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
-.PHONY: help setup test run bench bench-service experiments experiments-quick proto lint lint-proto buf-breaking \
+.PHONY: help setup test run bench bench-service soak experiments experiments-quick proto lint lint-proto buf-breaking \
 	docker-up docker-down monitoring-up clean
 
 help:
@@ -25,6 +25,7 @@ help:
 	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
 	@echo "make bench              in-process core benchmark"
 	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
+	@echo "make soak               20 min of load generators SIGKILLed at random: no block left to a dead session"
 	@echo "make experiments        capacity and sharing experiments (about 35 min on 2 cores; docs/experiments.md)"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
 	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
@@ -74,6 +75,10 @@ bench: $(SETUP)
 # Pinned (server on CPU 0, clients on CPU 1) where there are two CPUs: steadier figures (docs/service-bench.md).
 bench-service: $(SETUP)
 	$(PY) benchmarks/bench_service.py $(shell [ $$(nproc) -ge 2 ] && echo --pin)
+
+# 20 minutes of load generator runs SIGKILLed at random; 0 blocks may stay with dead sessions (docs/results.md).
+soak: $(SETUP)
+	$(PY) benchmarks/soak.py --minutes $(or $(MINUTES),20) --json out/soak.json
 
 experiments: $(SETUP)
 	$(PY) benchmarks/experiments.py capacity --requests 2000 --pool-blocks 4096 --json out/exp/capacity.json

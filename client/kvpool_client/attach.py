@@ -21,25 +21,29 @@ copy-on-write copy, so those blocks are yours alone. Views taken from ``blocks``
 
 from __future__ import annotations
 
+import os
+
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvpool import layout as kvlayout
-from kvpool_client.errors import InvalidArgumentError
+from kvpool_client.errors import InvalidArgumentError, ServerGoneError
 from kvpool_client.kernels import reference
 from kvpool_client.kernels.arrays import ACCEPTED_DTYPES, is_torch, to_numpy
 
 if TYPE_CHECKING:
     from kvpool_client.client import KVPoolClient
+    from kvpool_client.session import SessionState
     from kvpool_client.types import PoolDescription
 
 
 class AttachedPool:
     """The pool of one server, mapped into this process. A context manager; ``close()`` unmaps it."""
 
-    def __init__(self, description: PoolDescription, mapped: Any) -> None:
+    def __init__(self, description: PoolDescription, mapped: Any, liveness: ServerLiveness | None = None) -> None:
         self.description = description
+        self._liveness = liveness
         self.layout = description.layout
         self.num_blocks = description.num_blocks
         self.backend = description.backend
@@ -98,6 +102,10 @@ class AttachedPool:
                                        f"got {x.dtype}")
         return x
 
+    def _check_server(self) -> None:
+        if self._liveness is not None:
+            self._liveness.check("write")
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidArgumentError(f"layer {layer} is outside 0..{self.layout.num_layers - 1}")
@@ -108,7 +116,11 @@ class AttachedPool:
         Host pool: NumPy semantics, done on return. GPU pool: ``data`` on the device (CuPy array, PyTorch tensor)
         is moved by one kernel enqueued on ``stream`` and the call returns at once -- synchronize the stream before
         another process reads the slots; ``data`` in host memory (NumPy) goes through pinned staging and the call
-        returns when it is in the pool. Slots: host or device int32/int64 (see ``check_slot_errors``)."""
+        returns when it is in the pool. Slots: host or device int32/int64 (see ``check_slot_errors``).
+
+        Raises ServerGoneError (or SessionLostError) once the server is gone or this client's session has ended:
+        the memory is no longer a live server's, or its blocks may be someone else's now."""
+        self._check_server()
         if self._device is not None:
             self._device.move_tokens(slots, data, True, stream)
             return
@@ -137,7 +149,9 @@ class AttachedPool:
     def write_layer(self, layer: int, slots: Any, k: Any, v: Any, *, stream: Any = None) -> None:
         """Write one layer's new K and V, each [n, num_kv_heads, head_dim], into ``slots`` [n] -- what a frontend
         does after each attention layer (vLLM's ``reshape_and_cache``). The first dimension of ``k``/``v`` may
-        have any stride (views of a fused QKV output are fine); GPU pool: asynchronous on ``stream``."""
+        have any stride (views of a fused QKV output are fine); GPU pool: asynchronous on ``stream``. Refuses
+        like ``write_slots`` once the server or the session is gone."""
+        self._check_server()
         self._check_layer(layer)
         if self._device is not None:
             self._device.move_layer(layer, slots, k, v, True, stream)
@@ -195,6 +209,26 @@ def _on_device(x: Any) -> bool:
     return hasattr(x, "__cuda_array_interface__") or (is_torch(x) and x.is_cuda)
 
 
+class ServerLiveness:
+    """Whether writes into the mapping still reach a live server's pool for a live session: the server's process
+    exists (a signal-0 probe of ``server_pid``: the mapping needs the server's pid namespace anyway, for CUDA IPC
+    too) and the client's keep-alive has not found its session lost (session.py). About a microsecond a check."""
+
+    def __init__(self, server_pid: int, session: SessionState) -> None:
+        self.server_pid = server_pid
+        self.session = session
+
+    def check(self, what: str) -> None:
+        self.session.check_live(what)
+        try:
+            os.kill(self.server_pid, 0)
+        except ProcessLookupError:
+            raise ServerGoneError(f"kvpool-server (pid {self.server_pid}) is gone: refusing to {what} into the "
+                                  "mapping of its pool, which no server holds any more", method="AttachedPool") from None
+        except PermissionError:
+            pass  # alive, another user's
+
+
 def _cupy() -> Any:
     import cupy  # noqa: PLC0415  (lazy: the client installs without CuPy)
 
@@ -212,4 +246,4 @@ def attach(client: KVPoolClient) -> AttachedPool:
         mapped = mapping.map_gpu_pool(description.cuda_ipc_handle, description.pool_bytes, description.cuda_device)
     else:
         raise InvalidArgumentError(f"the server reports backend {description.backend!r}; cannot attach")
-    return AttachedPool(description, mapped)
+    return AttachedPool(description, mapped, ServerLiveness(description.server_pid, client._session))

@@ -245,6 +245,7 @@ class KVPoolCommands(ABC):
     def _describe_pool(self, timeout: float | None) -> Plan[PoolDescription]:
         response = yield from self._call(rpcs.DESCRIBE_POOL, pb.DescribePoolRequest(), timeout)
         self._description = convert.pool_description(response)
+        self._session.server_pid = self._description.server_pid
         return self._description
 
     def _layout(self) -> Plan[KVLayout]:

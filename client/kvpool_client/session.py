@@ -52,6 +52,7 @@ class SessionState:
         self.server_epoch: int | None = None
         self.lease_ttl_s: float = 0.0
         self.lost: KVPoolClientError | None = None
+        self.server_pid: int | None = None  # DescribePool's, once known: a dead server is then noticed at once
         self._request_ids = itertools.count(1)
         self.lock = threading.Lock()
 
@@ -81,7 +82,7 @@ class SessionState:
         if isinstance(error, SessionLostError):
             self.lost = error
             return True
-        if gave_up:
+        if gave_up or not _process_alive(self.server_pid):
             self.lost = ServerGoneError(
                 f"no answer from the server for longer than the lease ({self.lease_ttl_s:g} s): {error.details}",
                 code=error.code, method=KEEP_ALIVE_METHOD,
@@ -156,6 +157,19 @@ async def keep_alive_task(state: SessionState, open_stream: Callable[[Any], Any]
         if state.keep_alive_failed(error, gave_up=now - broken_since > state.lease_ttl_s):
             return
         await asyncio.sleep(RECONNECT_PAUSE_S)
+
+
+def _process_alive(pid: int | None) -> bool:
+    """False only when ``pid`` is known and no such process exists (this host, this pid namespace)."""
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _monotonic() -> float:

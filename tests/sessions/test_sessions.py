@@ -16,7 +16,7 @@ import pytest
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_client import KVPoolClient, NotFoundError, ServerRestartedError, SessionLostError
+from kvpool_client import KVPoolClient, NotFoundError, ServerGoneError, ServerRestartedError, SessionLostError
 from kvpool_client.loadgen.pattern import kv_pattern, token_keys
 
 WORKER = Path(__file__).with_name("session_worker.py")
@@ -236,3 +236,23 @@ def test_lease_expiry_without_heartbeats(server_factory):
         took = wait_for(lambda: stub.Stats(pb.StatsRequest()).num_blocks_used == 0, timeout=2.0, step=0.02)
         assert 0.2 < time.monotonic() - opened and took < 0.3 + 1.0
         assert stub.ListSessions(pb.ListSessionsRequest()).sessions == []
+
+
+def test_an_attached_pool_refuses_writes_once_the_server_is_dead(server_factory):
+    server = server_factory()
+    client = KVPoolClient(server.address)
+    try:
+        seq = client.register()
+        slots = client.append(seq, 3).slot_mapping
+        pool = client.attach()
+        kv = kv_pattern(token_keys(seq, 0, 3), pool.layout)
+        pool.write_slots(slots, kv)  # alive: fine
+        server.kill()  # SIGKILL: no shutdown, no goodbye
+        wait_for(lambda: client.server_lost is not None, timeout=2.0)
+        assert isinstance(client.server_lost, ServerGoneError)
+        with pytest.raises(ServerGoneError):
+            pool.write_slots(slots, kv)
+        with pytest.raises(ServerGoneError):
+            client.append(seq, 1)
+    finally:
+        client.close()

@@ -1,0 +1,108 @@
+"""Soak: load generator runs killed at random, for a long time; at the end no block may be held by a dead session.
+
+    .venv/bin/python benchmarks/soak.py --minutes 20 --json out/soak.json        (make soak)
+
+One kvpool-server (host backend). One survivor client holds a few sequences (and their KV) the whole time. In a
+loop: start ``kvpool-loadgen -p 2 -c 64 --lengths sharegpt`` (two worker processes, each with its own session),
+let it run 0.5-6 s, then SIGKILL its whole process group (main and workers, mid-AppendToken) -- or, one time in
+five, let it finish. After each kill the reclamation latency is the time until ListSessions shows only the
+survivor's session and Stats only the survivor's blocks (polled every 2 ms). At the end: blocks held by dead
+sessions (must be 0), CheckInvariants, the survivor's KV read back byte for byte, kills, reclamations, latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvpool_client import KVPoolClient  # noqa: E402
+from kvpool_client.loadgen.pattern import kv_pattern, token_keys  # noqa: E402
+from tests.conftest import start_server  # noqa: E402
+
+
+def loadgen(target: str, seed: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvpool_client.loadgen.main", "--target", target, "-p", "2", "-c", "64",
+           "--lengths", "sharegpt", "--completions", "400", "--seed", str(seed), "--no-progress"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="kvpool-soak-"))
+    server = start_server(work, "--pool-bytes", "256MiB", "--session-ttl-ms", "5000", unix=True)
+    latencies: list[float] = []
+    kills = finished = 0
+    try:
+        with KVPoolClient(server.address, client_name="soak-survivor") as survivor:
+            seq_ids = [survivor.register() for _ in range(4)]
+            survivor.append(seq_ids, 50)
+            expected = {s: kv_pattern(token_keys(s, 0, 50), survivor.layout) for s in seq_ids}
+            for s, kv in expected.items():
+                survivor.write_kv(s, 0, kv)
+            own_blocks = survivor.stats().num_blocks_used
+            end = time.monotonic() + args.minutes * 60
+            run = 0
+            while time.monotonic() < end:
+                run += 1
+                proc = loadgen(server.address, run)
+                if rng.random() < 0.2:
+                    proc.wait()
+                    finished += 1
+                else:
+                    time.sleep(rng.uniform(0.5, 6.0))
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    kills += 1
+                killed_at = time.monotonic()
+                while True:
+                    sessions = survivor.list_sessions()
+                    if len(sessions) == 1 and survivor.stats().num_blocks_used == own_blocks:
+                        break
+                    if time.monotonic() - killed_at > 30:
+                        raise SystemExit(f"run {run}: not reclaimed after 30 s: {sessions}")
+                    time.sleep(0.002)
+                latencies.append(time.monotonic() - killed_at)
+                if run % 20 == 0:
+                    print(f"{run} runs, {kills} killed, p99 reclamation "
+                          f"{np.percentile(latencies, 99) * 1000:.1f} ms", flush=True)
+            stats = survivor.stats()
+            held_by_dead = stats.num_blocks_used - own_blocks
+            invariants = survivor.check_invariants().ok
+            intact = all(np.array_equal(survivor.read_kv(s), kv) for s, kv in expected.items())
+    finally:
+        server.stop()
+    result = {
+        "minutes": args.minutes, "runs": run, "killed": kills, "finished": finished,
+        "reclamations": len(latencies), "reclamation_ms_p50": float(np.percentile(latencies, 50) * 1000),
+        "reclamation_ms_p99": float(np.percentile(latencies, 99) * 1000),
+        "reclamation_ms_max": float(max(latencies) * 1000), "blocks_held_by_dead_sessions": held_by_dead,
+        "invariants_ok": invariants, "survivor_kv_intact": intact,
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if held_by_dead or not invariants or not intact:
+        raise SystemExit("soak FAILED")
+
+
+if __name__ == "__main__":
+    main()
