@@ -136,6 +136,7 @@ def test_every_explored_copy_kernel_variant_copies_exactly_the_pairs(threads: in
     path = Path(__file__).resolve().parents[2] / "scripts" / "copy_kernel_variants.py"
     spec = importlib.util.spec_from_file_location("copy_kernel_variants", path)
     variants = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = variants  # its dataclass resolves string annotations through sys.modules
     spec.loader.exec_module(variants)
     with GpuPool(layout, 96) as pool:
         config = variants.CopyConfig(threads, unroll, cache, persistent)

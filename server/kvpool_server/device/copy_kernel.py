@@ -73,7 +73,7 @@ kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pai
 }}
 """
 
-_VECTORS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+VECTOR_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 
 
 def vector_bytes(*nbytes: int) -> int:
@@ -105,7 +105,7 @@ class BlockCopier:
         self.unroll = max(1, min(UNROLL, -(-self.vecs_per_span // THREADS)))
         self.chunks_per_span = -(-self.vecs_per_span // (THREADS * self.unroll))
         self.items_per_copy = self.spans_per_block * self.chunks_per_span
-        source = _SOURCE.format(vec=_VECTORS[self.vec_bytes], threads=THREADS, unroll=self.unroll)
+        source = _SOURCE.format(vec=VECTOR_TYPES[self.vec_bytes], threads=THREADS, unroll=self.unroll)
         self._kernel = cupy.RawKernel(source, "kvpool_copy_blocks", options=("-std=c++17",))
         self._kernel.compile()
 
@@ -130,4 +130,4 @@ class BlockCopier:
                 cupy.int64(self.seg_stride), cupy.int64(self.vecs_per_span), cupy.int32(self.chunks_per_span),
                 cupy.int32(self.spans_per_block), cupy.int32(num_items))
         with stream:
-            self._kernel((num_copies * self.chunks_per_block,), (THREADS,), args)
+            self._kernel((num_items,), (THREADS,), args)
