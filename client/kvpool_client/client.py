@@ -19,6 +19,8 @@ inside the same deadline (retry.py). Failed calls raise the exception of errors.
 
 from __future__ import annotations
 
+import functools
+
 import time
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -52,7 +54,7 @@ class KVPoolClient(KVPoolCommands):
         """One step, blocking: a unary call's response, or a sleep."""
         if isinstance(step, plan.Pause):
             return time.sleep(step.seconds)
-        return self._stub_method(step.rpc)(step.request, timeout=step.timeout)
+        return self._stub_method(step.rpc)(step.request, timeout=step.timeout, metadata=self._metadata)
 
     @property
     def layout(self) -> KVLayout:
@@ -64,7 +66,7 @@ class KVPoolClient(KVPoolCommands):
 
         ``timeout`` is the whole stream's deadline; by default it has none (a decode loop lives long). Never retried.
         """
-        return AppendStream(self._stub.AppendTokenStream, timeout)
+        return AppendStream(functools.partial(self._stub.AppendTokenStream, metadata=self._metadata), timeout)
 
     # ---------------------------------------------------------------- zero-copy access
     def attach(self) -> AttachedPool:

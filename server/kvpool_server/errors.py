@@ -9,13 +9,12 @@ The core raises before it changes anything, so a call that fails here has left t
     FailedPreconditionError  FAILED_PRECONDITION  valid, but the current state forbids it (write to a shared block)
     InvariantViolationError  INTERNAL             a bug in kvpool
     ServerShuttingDownError  UNAVAILABLE          the server is draining before it stops; retry elsewhere/later
+    StreamIdleError          UNAVAILABLE          a stream made no progress for --stream-idle-timeout-s; reopen it
+    TooManyStreamsError      RESOURCE_EXHAUSTED   --max-streams streams are open; close one or raise the flag
     anything else            INTERNAL             a bug in kvpool (logged with its traceback)
 """
 
 from __future__ import annotations
-
-import logging
-from typing import NoReturn
 
 import grpc
 
@@ -29,11 +28,17 @@ from kvpool_server.core.errors import (
     SequenceNotFoundError,
 )
 
-logger = logging.getLogger(__name__)
-
 
 class ServerShuttingDownError(KVPoolError):
     """The server got SIGTERM/SIGINT and takes no new calls (raised by the service, not the core)."""
+
+
+class StreamIdleError(KVPoolError):
+    """The server ended a stream that made no progress for ``--stream-idle-timeout-s`` (nothing was lost)."""
+
+
+class TooManyStreamsError(KVPoolError):
+    """``--max-streams`` streams are open: a new one is refused."""
 
 
 STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
@@ -44,6 +49,8 @@ STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     InvariantViolationError: grpc.StatusCode.INTERNAL,
     ServerShuttingDownError: grpc.StatusCode.UNAVAILABLE,
+    StreamIdleError: grpc.StatusCode.UNAVAILABLE,
+    TooManyStreamsError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -57,11 +64,3 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
                 message = f"kvpool bug: {message}"
             return code, message
     return grpc.StatusCode.INTERNAL, f"kvpool bug: {type(exc).__name__}: {exc}"
-
-
-def abort(context: grpc.ServicerContext, exc: BaseException, rpc: str) -> NoReturn:
-    """End the call with the status of ``exc`` (logging kvpool's own bugs); raises, as ``context.abort`` does."""
-    code, message = status_of(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        logger.error("%s failed: %s", rpc, message, exc_info=None if isinstance(exc, KVPoolError) else exc)
-    context.abort(code, message)
