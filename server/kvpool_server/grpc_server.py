@@ -30,6 +30,7 @@ from kvpool_server.config import ServerConfig, pool_error_message
 from kvpool_server.core import KVCacheManager, KVPoolError
 from kvpool_server.device import create_pool
 from kvpool_server.drain import Drain
+from kvpool_server.errors import ServerShuttingDownError
 from kvpool_server.handlers import CallContext, unary_handler
 from kvpool_server.metrics import KVPoolMetrics, MetricsHTTPServer, locked_stats, start_metrics_server
 from kvpool_server.pool_protocol import Pool
@@ -104,6 +105,16 @@ class ServerHandle:
         self.background.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def begin_drain(self) -> None:
+        """Shutdown's first step: refuse new calls (the Drain), health NOT_SERVING, and end every stream waiting
+        for its client's next message with UNAVAILABLE."""
+        self.drain.start()
+        self.run(self._begin_drain())
+
+    async def _begin_drain(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        self.streams.end_waiting(ServerShuttingDownError("kvpool-server is shutting down and takes no new calls"))
 
     def stop(self) -> None:
         """Stop at once: cancel every call, stop the loop and the copy threads, close the metrics server (not the

@@ -75,8 +75,9 @@ def serve(config: ServerConfig) -> int:
 def shutdown(handle: ServerHandle, grace_s: float, drain_s: float = 0.0) -> None:
     """Stop serving without cutting off a call:
 
-    1. health goes NOT_SERVING, and the servicer refuses new calls with UNAVAILABLE (calls already inside go on;
-       an AppendTokenStream finishes its message in progress, then ends with UNAVAILABLE);
+    1. the servicer refuses new calls with UNAVAILABLE and health goes NOT_SERVING (calls already inside go on;
+       an AppendTokenStream finishes its message in progress, then ends with UNAVAILABLE; one waiting for its
+       client's next message ends with UNAVAILABLE at once);
     2. that lasts until no call has been refused for DRAIN_QUIET_S, or ``drain_s`` at most: it empties gRPC's
        queue of calls received but not yet started, which ``server.stop`` would end with CANCELLED, not
        UNAVAILABLE (grpc/grpc#41785);
@@ -87,8 +88,7 @@ def shutdown(handle: ServerHandle, grace_s: float, drain_s: float = 0.0) -> None
        threads stop;
     5. the pool is released (under the lock; a copy cut off at the grace deadline finishes its chunk first).
     """
-    handle.run(handle.health.enter_graceful_shutdown())
-    handle.drain.start()
+    handle.begin_drain()
     handle.drain.wait_quiet(DRAIN_QUIET_S, drain_s)
     num_left = handle.drain.wait_idle(grace_s)
     if num_left:

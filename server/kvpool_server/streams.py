@@ -57,7 +57,8 @@ class OpenStream:
     rpc: str
     task: asyncio.Task | None
     last_progress: float  # loop time of the last message read or reply written
-    expired: bool = False  # set by the idle sweep just before it cancels ``task``
+    reading: bool = False  # waiting for the client's next message (no message of it in progress)
+    end_with: Exception | None = None  # set just before ``task`` is cancelled: the status the stream ends with
 
 
 class OpenStreams:
@@ -90,12 +91,27 @@ class OpenStreams:
         if not self.idle_timeout_s:
             return 0
         deadline = asyncio.get_running_loop().time() - self.idle_timeout_s
-        stale = [s for s in self._open if s.last_progress < deadline and not s.expired]
+        stale = [s for s in self._open if s.last_progress < deadline and s.end_with is None]
         for entry in stale:
-            entry.expired = True
-            if entry.task is not None:
-                entry.task.cancel()
+            self._end(entry, StreamIdleError(
+                f"{entry.rpc} made no progress (no message read, no reply taken) for {self.idle_timeout_s:g} s "
+                "(--stream-idle-timeout-s): the server ended it; open a new stream"
+            ))
         return len(stale)
+
+    def end_waiting(self, error: Exception) -> int:
+        """End with ``error`` every stream waiting for its client's next message (shutdown: UNAVAILABLE at once,
+        not CANCELLED when the listener closes); a stream with a message in progress ends after answering it."""
+        waiting = [s for s in self._open if s.reading and s.end_with is None]
+        for entry in waiting:
+            self._end(entry, error)
+        return len(waiting)
+
+    @staticmethod
+    def _end(entry: OpenStream, error: Exception) -> None:
+        entry.end_with = error
+        if entry.task is not None:
+            entry.task.cancel()
 
 
 _NOT_OPEN = object()
@@ -124,7 +140,9 @@ def stream_handler(
                 while True:
                     if drain.draining:
                         drain.refuse()
+                    entry.reading = True
                     raw = await context.read()
+                    entry.reading = False
                     if raw is grpc.aio.EOF:
                         if context.cancelled():
                             reason, code_name = "cancelled", "CANCELLED"
@@ -145,17 +163,14 @@ def stream_handler(
                     admitted = False
                     drain.release()
             except asyncio.CancelledError:
-                if entry is None or not entry.expired:
+                if entry is None or entry.end_with is None:
                     reason, code_name = ("shutdown" if drain.draining else "cancelled"), "CANCELLED"
                     raise
                 task = asyncio.current_task()
                 if task is not None:
                     task.uncancel()
-                reason = "idle"
-                raise StreamIdleError(
-                    f"{rpc} made no progress (no message read, no reply taken) for {streams.idle_timeout_s:g} s "
-                    "(--stream-idle-timeout-s): the server ended it; open a new stream"
-                ) from None
+                reason = "idle" if isinstance(entry.end_with, StreamIdleError) else "shutdown"
+                raise entry.end_with from None
         except Exception as exc:
             if reason == "half-closed":
                 reason = "shutdown" if isinstance(exc, ServerShuttingDownError) else "error"
