@@ -99,10 +99,11 @@ class ReplyLimits:
             return
         max_bytes, how = limit if isinstance(limit, tuple) else self.limit(limit)
         if bound > max_bytes:
-            per_token = self.slot_bytes + self.block_bytes
+            per_token = self.slot_bytes + self.block_bytes / self.block_size
+            room = max_bytes - 3 * _FIELD_OVERHEAD - num_seqs * (self.block_bytes + self.copy_bytes)
             raise InvalidArgumentError(
                 f"{rpc}'s reply could take {bound} bytes, more than the {max_bytes} bytes this call may send "
-                f"({how}); nothing was appended: append at most about {max(1, max_bytes // per_token - num_seqs)} "
+                f"({how}); nothing was appended: append at most {max(0, int(room / per_token))} "
                 f"tokens a call, or raise the limits"
             )
 
