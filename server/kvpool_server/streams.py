@@ -7,10 +7,12 @@ Its life::
     open(context) -> state          once, before the first message is read (raise to refuse the stream)
     message(state, request) -> reply per message, on the event loop, admitted through the Drain like a unary call
     close(state, reason)            exactly once, however the stream ended, right when it ends:
-        "half-closed"  the client finished sending (every message answered; the call ends OK)
+        "half-closed"  no more messages: the client finished sending (every message answered; the call ends OK)
+                       -- or its connection closed: a SIGKILLed client's socket is closed by its kernel at once,
+                       which grpcio 1.84 reports as the end of its messages (the cancellation follows a moment
+                       later), so the hook runs within milliseconds of the kill
         "error"        a message failed (its status ends the call; that message changed nothing)
-        "cancelled"    the client cancelled, its deadline passed, or its connection died (a SIGKILLed client's
-                       socket closes at once: the hook runs within milliseconds)
+        "cancelled"    the client cancelled, its deadline passed, or its connection died mid-message
         "idle"         no message read or reply written for ``--stream-idle-timeout-s`` (a stalled peer that is
                        still connected: a SIGSTOPped process, a client that never reads); the call ends UNAVAILABLE
         "shutdown"     the server is draining or stopping
