@@ -10,7 +10,8 @@ A unary servicer method is ``method(request, context) -> response``, called on t
 quick. Two escape hatches, both raised/returned by the method and handled here:
 
 - ``return Offload(work, finish)``: ``work()`` (a big KV copy, a whole-manager check) runs on a copy thread and
-  returns the response, serialized there too; ``finish()`` then runs on the loop, whatever happened.
+  returns the response, serialized there too; ``finish()`` then runs on the loop once ``work`` has ended, whatever
+  happened (even if the call was cancelled meanwhile).
 - ``raise Wait(awaitable)``: not now; the handler awaits it and calls the method again (from the start).
 
 A stream is a ``StreamMethod`` (``streams.py``): ``open(context) -> state``, ``message(state, request) ->
@@ -92,8 +93,8 @@ def unary_handler(
         started = time.perf_counter()
         code_name = "OK"
         try:
-            drain.admit()
             try:
+                drain.admit()  # counts the call, then may refuse it: released below either way
                 if len(raw) > BIG_MESSAGE_BYTES:
                     loop = asyncio.get_running_loop()
                     request = await loop.run_in_executor(executor, parse_request, request_cls, raw, rpc)
@@ -109,13 +110,12 @@ def unary_handler(
                     except Wait as wait:
                         await wait.until
                 if isinstance(response, Offload):
-                    offload = response
-                    try:
-                        loop = asyncio.get_running_loop()
-                        response, data = await loop.run_in_executor(executor, _work_and_serialize, offload.work)
-                    finally:
-                        if offload.finish is not None:
-                            offload.finish()
+                    # shield: a cancelled call must not run ``finish`` (unpin, ...) while ``work`` still runs
+                    done = asyncio.get_running_loop().run_in_executor(executor, _work_and_serialize, response.work)
+                    if response.finish is not None:
+                        finish = response.finish
+                        done.add_done_callback(lambda _: finish())
+                    response, data = await asyncio.shield(done)
                 else:
                     data = response.SerializeToString()
                 if count is not None and call.metrics is not None:
