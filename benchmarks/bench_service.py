@@ -2,15 +2,15 @@
 
 Every server is a separate process started by this script, one at a time:
 
-  echo           a bare sync gRPC server whose one method returns the 256 request ids as 256 int64s
-                 (AppendTokenRequest in, AppendTokenResponse out: the same message shapes as a decode step)
-  kvpool         the real ``kvpool-server`` console script (sync gRPC, host backend)
-  echo-stream    the echo server's bidi EchoStream: one stream, one echo message per step (same message shapes)
-  kvpool-stream  the real ``kvpool-server``, AppendTokenStream: one stream, one message per step
-  echo-aio       the echo on grpc.aio
-  kvpool-inproc  kvpool_server.grpc_server.build_server's server started by bench_service_servers.py, without
-                 main.serve() around it (no signal loop, no GC freeze): a diagnostic for the process around the server
-  kvpool-aio     the servicer of build_servicer() on grpc.aio (no thread pool; the same core, pool and servicer)
+  echo             a bare sync gRPC server whose one method returns the 256 request ids as 256 int64s
+                   (AppendTokenRequest in, AppendTokenResponse out: the same message shapes as a decode step)
+  echo-aio         the same echo on grpc.aio: the baseline of kvpool, which is a grpc.aio server
+  kvpool           the real ``kvpool-server`` console script (grpc.aio, host backend)
+  echo-stream      the sync echo's bidi EchoStream: one stream, one echo message per step (same message shapes)
+  echo-aio-stream  the same on the grpc.aio echo: the baseline of kvpool-stream
+  kvpool-stream    the real ``kvpool-server``, AppendTokenStream: one stream, one message per step
+  kvpool-inproc    kvpool_server.grpc_server.build_server's server started by bench_service_servers.py, without
+                   main.serve() around it (no signal loop, no GC freeze): a diagnostic for the process around it
 
 For each: one client doing back-to-back steps (steps/s, p50, p99 latency), then ``--clients`` client processes at
 once (aggregate steps/s; not for the -stream kinds, whose figure is one client holding one stream). For kvpool also
@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--no-aio", action="store_true", help="skip the asyncio variants")
     parser.add_argument("--no-naive", action="store_true", help="skip the one-call-per-sequence figure")
     parser.add_argument("--quick", action="store_true", help="1 s per measurement, 1 round")
-    parser.add_argument("--kinds", default="echo,kvpool,echo-stream,kvpool-stream,echo-aio,kvpool-aio",
+    parser.add_argument("--kinds", default="echo,echo-aio,kvpool,echo-stream,echo-aio-stream,kvpool-stream",
                         help="servers to measure")
     parser.add_argument("server_args", nargs="*", help="after --: extra kvpool-server flags for every server")
     parser.add_argument("--pin", nargs="?", const="0,1", default=None, metavar="SERVER_CPU,CLIENT_CPU",
@@ -203,7 +203,7 @@ def main() -> None:
         os.sched_setaffinity(0, {client_cpu})
     if args.quick:
         args.duration, args.rounds = 1.0, 1
-    kinds = [k for k in args.kinds.split(",") if not (args.no_aio and k.endswith("-aio"))]
+    kinds = [k for k in args.kinds.split(",") if not (args.no_aio and "-aio" in k)]
     print(f"decode step = AppendToken (-stream: one AppendTokenStream message) of {NUM_SEQS} sequences x 1 token; "
           f"{os.cpu_count()} CPUs; {args.duration:.0f} s per figure; {args.rounds} rounds (best and median); "
           f"transport {args.transport}; server flags {args.server_args}")
@@ -227,9 +227,9 @@ def main() -> None:
         print(f"{kind:<14} {label:<16} {f['steps_per_s']:9.0f} {median[(kind, label)]:9.0f} "
               f"{f['steps_per_s'] * NUM_SEQS:11.0f} {p50} {p99} {worst_p99}")
     print("ratios of best (median) steps/s:")
-    for pair in (("kvpool", "echo"), ("kvpool-stream", "echo-stream"), ("kvpool-stream", "kvpool"),
-                 ("echo-stream", "echo"), ("kvpool-aio", "echo-aio"), ("kvpool-aio", "kvpool"),
-                 ("kvpool-inproc", "echo"), ("kvpool", "kvpool-inproc")):
+    for pair in (("kvpool", "echo-aio"), ("kvpool-stream", "echo-aio-stream"), ("kvpool", "echo"),
+                 ("kvpool-stream", "echo-stream"), ("kvpool-stream", "kvpool"), ("echo-aio", "echo"),
+                 ("echo-aio-stream", "echo-stream"), ("kvpool-inproc", "echo-aio"), ("kvpool", "kvpool-inproc")):
         for label in ("1 client", f"{args.clients} clients"):
             a, b = (pair[0], label), (pair[1], label)
             if a in best and b in best:

@@ -1,7 +1,7 @@
 """The servers of benchmarks/bench_service.py, each run as its own process (see that script's docstring).
 
 ``Server(kind, extra_args, transport)`` starts one and waits until it takes calls; ``.address`` is the gRPC target
-(``127.0.0.1:PORT`` or ``unix:PATH``). The in-script servers (echo, echo-aio, kvpool-aio) run this file:
+(``127.0.0.1:PORT`` or ``unix:PATH``). The in-script servers (echo, echo-aio, kvpool-inproc) run this file:
 ``python bench_service_servers.py --kind KIND (--port-file FILE | --unix-socket PATH) [-- kvpool-server flags]``.
 """
 
@@ -54,30 +54,25 @@ def _echo_handler(stream: bool = False) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("kvpool.bench.Echo", methods)
 
 
-def _async_kvpool_servicer(servicer):  # type: ignore[no-untyped-def]
-    """The sync servicer's unary methods as coroutines (errors via ``await context.abort``); AppendTokenStream is
-    left unimplemented (the streaming figures run on the sync server only)."""
-    from kvpool_server.core import KVPoolError
-    from kvpool_server.errors import status_of
+async def _echo_stream_aio(request_iterator, context):  # type: ignore[no-untyped-def]
+    async for request in request_iterator:
+        yield pb.AppendTokenStreamResponse(slot_mapping=request.seq_ids)
 
-    class AsyncServicer(pb_grpc.KVPoolServiceServicer):
-        pass
 
-    def wrap(method):  # type: ignore[no-untyped-def]
-        inner = method.__wrapped__
-
-        async def call(self, request, context):  # type: ignore[no-untyped-def]
-            try:
-                return inner(servicer, request, context)
-            except KVPoolError as exc:
-                await context.abort(*status_of(exc))
-
-        return call
-
-    for name, method in pb.DESCRIPTOR.services_by_name["KVPoolService"].methods_by_name.items():
-        if not (method.client_streaming or method.server_streaming):
-            setattr(AsyncServicer, name, wrap(getattr(type(servicer), name)))
-    return AsyncServicer()
+def _echo_handler_aio() -> grpc.GenericRpcHandler:
+    """The echo on grpc.aio: the same unary Echo (a plain function works there too) and an async EchoStream."""
+    return grpc.method_handlers_generic_handler("kvpool.bench.Echo", {
+        "Echo": grpc.unary_unary_rpc_method_handler(
+            _echo,
+            request_deserializer=pb.AppendTokenRequest.FromString,
+            response_serializer=pb.AppendTokenResponse.SerializeToString,
+        ),
+        "EchoStream": grpc.stream_stream_rpc_method_handler(
+            _echo_stream_aio,
+            request_deserializer=pb.AppendTokenStreamRequest.FromString,
+            response_serializer=pb.AppendTokenStreamResponse.SerializeToString,
+        ),
+    })
 
 
 def listen_args(port_file: str | None, unix_socket: str | None) -> list[str]:
@@ -88,10 +83,10 @@ def listen_args(port_file: str | None, unix_socket: str | None) -> list[str]:
 
 
 def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args: list[str]) -> None:
-    """Run one benchmark server (echo, echo-aio, kvpool-aio, kvpool-inproc) on a free port or a unix socket until
-    SIGTERM. The kvpool kinds are made by kvpool_server.grpc_server, as the real server's are."""
+    """Run one benchmark server (echo, echo-aio, kvpool-inproc) on a free port or a unix socket until SIGTERM. The
+    kvpool kind is made by kvpool_server.grpc_server, as the real server's is."""
     from kvpool_server.config import load_config
-    from kvpool_server.grpc_server import build_server, build_servicer, grpc_options
+    from kvpool_server.grpc_server import build_server, grpc_options
 
     config = load_config([*SERVER_ARGS, *extra_args, *listen_args(port_file, unix_socket)])
     options = grpc_options(config)
@@ -107,7 +102,7 @@ def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args:
         handle.start()
         ready(handle.port or 0)
         signal.sigwait({signal.SIGTERM})
-        handle.server.stop(0)
+        handle.stop()
         handle.pool.close()
         return
     if kind == "echo":
@@ -125,13 +120,7 @@ def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args:
 
     async def run_aio() -> None:
         server = grpc.aio.server(options=options)
-        pool = None
-        if kind == "echo-aio":
-            server.add_generic_rpc_handlers((_echo_handler(),))
-        else:
-            servicer = build_servicer(config)
-            pool = servicer.pool
-            pb_grpc.add_KVPoolServiceServicer_to_server(_async_kvpool_servicer(servicer), server)
+        server.add_generic_rpc_handlers((_echo_handler_aio(),))
         port = server.add_insecure_port(address)
         await server.start()
         ready(port)
@@ -139,8 +128,6 @@ def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await stop.wait()
         await server.stop(0)
-        if pool is not None:
-            pool.close()
 
     asyncio.run(run_aio())
 
@@ -202,7 +189,7 @@ def _read(path: str) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--kind", choices=("echo", "echo-aio", "kvpool-aio", "kvpool-inproc"), required=True)
+    parser.add_argument("--kind", choices=("echo", "echo-aio", "kvpool-inproc"), required=True)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--port-file")
     where.add_argument("--unix-socket")

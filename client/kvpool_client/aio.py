@@ -52,7 +52,7 @@ class AsyncKVPoolClient(KVPoolCommands):
         """One step, awaited: a unary call's response, or a sleep."""
         if isinstance(step, plan.Pause):
             return await asyncio.sleep(step.seconds)
-        return await self._stub_method(step.rpc)(step.request, timeout=step.timeout)
+        return await self._stub_method(step.rpc)(step.request, timeout=step.timeout, metadata=self._metadata)
 
     async def layout(self) -> KVLayout:
         """The pool's layout (fetched once: it is fixed for the life of a server)."""

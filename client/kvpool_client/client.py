@@ -19,6 +19,8 @@ inside the same deadline (retry.py). Failed calls raise the exception of errors.
 
 from __future__ import annotations
 
+import functools
+
 import time
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -57,7 +59,7 @@ class KVPoolClient(KVPoolCommands):
         """One step, blocking: a unary call's response, or a sleep."""
         if isinstance(step, plan.Pause):
             return time.sleep(step.seconds)
-        return self._stub_method(step.rpc)(step.request, timeout=step.timeout)
+        return self._stub_method(step.rpc)(step.request, timeout=step.timeout, metadata=self._metadata)
 
     @property
     def layout(self) -> KVLayout:
@@ -70,7 +72,8 @@ class KVPoolClient(KVPoolCommands):
         ``timeout`` is the whole stream's deadline; by default it has none (a decode loop lives long). Never retried.
         """
         session = self._run(self._session_fields("AppendTokenStream"))
-        return AppendStream(self._stub.AppendTokenStream, timeout, session.get("session_id", 0), self._session)
+        return AppendStream(functools.partial(self._stub.AppendTokenStream, metadata=self._metadata), timeout,
+                            session.get("session_id", 0), self._session)
 
     # ---------------------------------------------------------------- zero-copy access
     def attach(self) -> AttachedPool:

@@ -91,7 +91,9 @@ class KVPoolCommands(ABC):
         self.target = target
         self.timeout = timeout
         self.retry = retry
-        self._channel = channel or self._open_channel(target, convert.channel_options(options))
+        options = convert.channel_options(options)
+        self._channel = channel or self._open_channel(target, options)
+        self._metadata = convert.call_metadata(options) if channel is None else ()  # unknown limit: 4 MiB assumed
         self._stub = pb_grpc.KVPoolServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._description: PoolDescription | None = None

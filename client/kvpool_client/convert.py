@@ -38,6 +38,19 @@ def channel_options(options: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, 
     ]
 
 
+RECEIVE_LIMIT_KEY = "kvpool-max-receive-bytes"  # the server refuses a mutation whose reply could exceed this
+
+
+def call_metadata(options: Sequence[tuple[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """The metadata every call carries: this channel's receive limit (the last ``grpc.max_receive_message_length``
+    of ``options``), so that the server refuses -- unapplied -- a mutation whose reply this client could not take."""
+    limit = MAX_MESSAGE_BYTES
+    for key, value in options:
+        if key == "grpc.max_receive_message_length":
+            limit = int(value)
+    return ((RECEIVE_LIMIT_KEY, str(limit if limit >= 0 else -1)),)
+
+
 def seq_id_list(seq_ids: int | Sequence[int] | np.ndarray) -> list[int]:
     return [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else [int(s) for s in seq_ids]
 

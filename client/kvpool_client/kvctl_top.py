@@ -45,7 +45,7 @@ def snapshot(samples: deque[Sample]) -> dict:
     return {
         "time": time.time(),
         "blocks_used": s.num_blocks_used, "blocks_total": s.num_blocks_total, "blocks_free": s.num_blocks_free,
-        "usage_ratio": s.utilization, "bytes_used": s.bytes_used, "sequences": s.num_sequences,
+        "usage_ratio": s.utilization, "bytes_used": s.num_blocks_used * s.block_bytes, "sequences": s.num_sequences,
         "tokens": s.num_tokens, "internal_fragmentation_ratio": s.internal_fragmentation,
         "blocks_shared": s.num_blocks_shared, "cow_copies": s.num_copies,
         **(rates(samples[-2], cur) if len(samples) > 1 else dict.fromkeys(

@@ -3,6 +3,9 @@
 A stream message is one AppendToken: the same checks, the same lock, the copy-on-write copies run on the pool
 before the response exists, and the same errors. The two RPCs differ only in their message classes, which carry
 the same fields (AppendTokenStreamRequest/Response mirror AppendTokenRequest/Response field for field).
+
+Before the core is called, the reply's worst-case size is checked against the call's reply limit
+(``reply_limits``): an append whose reply might not be deliverable is refused, not applied and then lost.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any, TypeVar
 from kvpool_server import parse
 from kvpool_server.core import KVCacheManager
 from kvpool_server.pool_protocol import Pool
+from kvpool_server.reply_limits import ReplyLimits
 from kvpool_server.responses import append_response
 from kvpool_server.session_gate import SessionGate
 
@@ -29,13 +33,18 @@ def append(
     *,
     max_batch: int,
     rpc: str,
+    limits: ReplyLimits | None = None,
+    limit: Any = None,
 ) -> R:
     """Apply one append request (``seq_ids``, ``num_tokens``) atomically under ``lock`` (the one that covers
     ``manager`` and ``pool``), through ``gate`` (the session must be live; a repeated request id is answered
     with its first answer); ``response_cls`` has AppendTokenResponse's fields. Raises, having changed nothing,
-    on any error; ``rpc`` names the method in error messages."""
+    on any error; ``rpc`` names the method in error messages. With ``limits``, ``limit`` is the call's context (or
+    ``limits.limit(context)``'s result): a request whose reply might exceed it is refused."""
     seq_ids = parse.batch_seq_ids(request.seq_ids, rpc, max_batch)
     num_tokens = parse.append_counts(request.num_tokens, seq_ids.size)
+    if limits is not None:
+        limits.check_append(seq_ids.size, num_tokens, rpc, limit)
     with lock:
         key, replay = gate.enter(request, response_cls)
         if replay is not None:

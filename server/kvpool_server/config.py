@@ -119,7 +119,12 @@ class ServerConfig:
     max_num_seqs: int = 4096
     max_batch: int = 4096  # sequences per AppendToken / Free
     max_message_bytes: int = 64 << 20
-    max_workers: int = 64  # server threads (each open stream, a KeepAlive included, holds one)
+    max_tokens_per_call: int = 1 << 17  # tokens one AppendToken (or stream message) may hand out
+    max_workers: int = 8  # copy threads: big WriteKV/ReadKV copies, CheckInvariants (calls run on the event loop)
+    max_streams: int = 1024  # open streams (AppendTokenStream, ...); more are refused with RESOURCE_EXHAUSTED
+    stream_idle_timeout_s: float = 300.0  # a stream with no message read or reply taken this long is ended (0: never)
+    keepalive_time_s: float = 30.0  # ping every connection this often
+    keepalive_timeout_s: float = 10.0  # a connection whose ping is unanswered this long is dead: its calls cancelled
     # Sessions: the lease a client gets unless it asks for another, and the longest it may ask for (milliseconds).
     session_ttl_ms: int = 10_000
     max_session_ttl_ms: int = 300_000
@@ -191,7 +196,7 @@ class ServerConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_num_seqs", "max_batch",
-                     "max_workers"):
+                     "max_workers", "max_streams", "max_tokens_per_call"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 100 <= self.session_ttl_ms <= self.max_session_ttl_ms:
@@ -205,7 +210,10 @@ class ServerConfig:
             raise ConfigError(f"--max-message-bytes must be >= 65536, got {self.max_message_bytes}")
         if self.layout.token_bytes > self.max_message_bytes // 2:
             raise ConfigError(f"one token's KV ({self.layout.token_bytes} bytes) does not fit --max-message-bytes")
-        for name in ("shutdown_grace_s", "shutdown_drain_s"):
+        for name in ("keepalive_time_s", "keepalive_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("shutdown_grace_s", "shutdown_drain_s", "stream_idle_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         self.cpu_set()  # raises ConfigError on a bad list
@@ -258,7 +266,15 @@ _HELP = {
     "max_seq_len": "longest sequence in tokens (default min(pool tokens, 32768))",
     "max_batch": "most sequences in one AppendToken / Free (more: INVALID_ARGUMENT)",
     "max_message_bytes": "largest gRPC message received or sent",
-    "max_workers": "gRPC server threads",
+    "max_workers": "copy threads: big WriteKV/ReadKV copies and CheckInvariants run there (every call itself runs "
+    "on the server's event loop)",
+    "max_tokens_per_call": "most tokens one AppendToken (or AppendTokenStream message) may hand out "
+    "(more: INVALID_ARGUMENT); bounds how long one call holds the pool",
+    "max_streams": "most open streams (AppendTokenStream); more are refused with RESOURCE_EXHAUSTED",
+    "stream_idle_timeout_s": "end a stream that read no message and had no reply taken for this long "
+    "(UNAVAILABLE; 0: never)",
+    "keepalive_time_s": "ping every client connection this often (finds vanished peers)",
+    "keepalive_timeout_s": "a connection whose ping is not answered within this is dead; its calls are cancelled",
     "cpu_affinity": "pin every server thread to these CPUs, e.g. 0 or 0-3,8 (empty: no pinning). The server runs "
     "Python under one GIL, so one core is all it uses; pinning it keeps its threads' caches warm (docs/api.md)",
     "shutdown_grace_s": "seconds in-flight calls get to finish after SIGTERM/SIGINT",

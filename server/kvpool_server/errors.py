@@ -13,13 +13,12 @@ The core raises before it changes anything, so a call that fails here has left t
     FailedPreconditionError  FAILED_PRECONDITION  valid, but the current state forbids it (write to a shared block)
     InvariantViolationError  INTERNAL             a bug in kvpool
     ServerShuttingDownError  UNAVAILABLE          the server is draining before it stops; retry elsewhere/later
+    StreamIdleError          UNAVAILABLE          a stream made no progress for --stream-idle-timeout-s; reopen it
+    TooManyStreamsError      RESOURCE_EXHAUSTED   --max-streams streams are open; close one or raise the flag
     anything else            INTERNAL             a bug in kvpool (logged with its traceback)
 """
 
 from __future__ import annotations
-
-import logging
-from typing import NoReturn
 
 import grpc
 
@@ -35,11 +34,17 @@ from kvpool_server.core.errors import (
     SessionNotFoundError,
 )
 
-logger = logging.getLogger(__name__)
-
 
 class ServerShuttingDownError(KVPoolError):
     """The server got SIGTERM/SIGINT and takes no new calls (raised by the service, not the core)."""
+
+
+class StreamIdleError(KVPoolError):
+    """The server ended a stream that made no progress for ``--stream-idle-timeout-s`` (nothing was lost)."""
+
+
+class TooManyStreamsError(KVPoolError):
+    """``--max-streams`` streams are open: a new one is refused."""
 
 
 STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
@@ -51,6 +56,8 @@ STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     InvariantViolationError: grpc.StatusCode.INTERNAL,
     ServerShuttingDownError: grpc.StatusCode.UNAVAILABLE,
+    StreamIdleError: grpc.StatusCode.UNAVAILABLE,
+    TooManyStreamsError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -62,8 +69,10 @@ REASON_OF: dict[type[KVPoolError], str] = {
 }
 
 
-def reason_of(exc: BaseException) -> str | None:
-    return next((REASON_OF[cls] for cls in type(exc).__mro__ if cls in REASON_OF), None)
+def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """``((kvpool-error, reason),)`` for the errors that carry a reason, else empty."""
+    reason = next((REASON_OF[cls] for cls in type(exc).__mro__ if cls in REASON_OF), None)
+    return () if reason is None else ((REASON_KEY, reason),)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -76,14 +85,3 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
                 message = f"kvpool bug: {message}"
             return code, message
     return grpc.StatusCode.INTERNAL, f"kvpool bug: {type(exc).__name__}: {exc}"
-
-
-def abort(context: grpc.ServicerContext, exc: BaseException, rpc: str) -> NoReturn:
-    """End the call with the status of ``exc`` (logging kvpool's own bugs); raises, as ``context.abort`` does."""
-    code, message = status_of(exc)
-    if code is grpc.StatusCode.INTERNAL:
-        logger.error("%s failed: %s", rpc, message, exc_info=None if isinstance(exc, KVPoolError) else exc)
-    reason = reason_of(exc)
-    if reason is not None:
-        context.set_trailing_metadata(((REASON_KEY, reason),))
-    context.abort(code, message)

@@ -42,6 +42,7 @@ def serve(config: ServerConfig) -> int:
     try:
         handle.start()
     except BaseException:
+        handle.stop()
         handle.pool.close()
         raise
     if config.port_file and handle.port is not None:
@@ -52,6 +53,8 @@ def serve(config: ServerConfig) -> int:
         where.append(f"{config.address.rsplit(':', 1)[0]}:{handle.port}")
     if config.unix_socket:
         where.append(f"unix:{config.unix_socket}")
+    if handle.metrics_http is not None:
+        where.append(f"metrics {handle.metrics_http.url}")
     logger.info(
         "kvpool-server %d listening on %s: %s pool, %d blocks of %d tokens (%d bytes each); %d start-up objects "
         "frozen out of garbage collection; CPUs %s",
@@ -72,26 +75,26 @@ def serve(config: ServerConfig) -> int:
 def shutdown(handle: ServerHandle, grace_s: float, drain_s: float = 0.0) -> None:
     """Stop serving without cutting off a call:
 
-    1. health goes NOT_SERVING, and the servicer refuses new calls with UNAVAILABLE (calls already inside go on;
-       an AppendTokenStream finishes its message in progress, then ends with UNAVAILABLE);
+    1. the servicer refuses new calls with UNAVAILABLE and health goes NOT_SERVING (calls already inside go on;
+       an AppendTokenStream finishes its message in progress, then ends with UNAVAILABLE; one waiting for its
+       client's next message ends with UNAVAILABLE at once);
     2. that lasts until no call has been refused for DRAIN_QUIET_S, or ``drain_s`` at most: it empties gRPC's
        queue of calls received but not yet started, which ``server.stop`` would end with CANCELLED, not
        UNAVAILABLE (grpc/grpc#41785);
     3. the calls still inside get up to ``grace_s`` to finish;
     4. ``server.stop(0)``: the listener closes and what is left -- health Watch streams, AppendTokenStreams idle
        between messages, calls past the grace -- is cancelled (waiting on them would make every shutdown last
-       ``grace_s``);
-    5. the pool is released.
+       ``grace_s``); every stream's end-of-stream hook runs; the event loop, the background tasks and the copy
+       threads stop;
+    5. the pool is released (under the lock; a copy cut off at the grace deadline finishes its chunk first).
     """
-    handle.health.enter_graceful_shutdown()
-    handle.drain.start()
+    handle.begin_drain()
     handle.drain.wait_quiet(DRAIN_QUIET_S, drain_s)
     num_left = handle.drain.wait_idle(grace_s)
     if num_left:
         logger.warning("%d calls still running after the %.1fs grace; cancelling them", num_left, grace_s)
-    handle.reaper.stop()  # the process ends: every session ends with it
-    handle.server.stop(0).wait()
-    with handle.servicer.lock:  # a call cut off at the grace deadline may still be running
+    handle.stop()
+    with handle.servicer.lock:
         handle.pool.close()
 
 

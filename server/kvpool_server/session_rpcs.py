@@ -20,12 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool_server.core import KVCacheManager
+from kvpool_server.core import InvalidArgumentError, KVCacheManager
 from kvpool_server.core.sessions import Session, SessionTable
+from kvpool_server.metrics import SessionGauges
 from kvpool_server.replies import ReplyCache
 
 logger = logging.getLogger(__name__)
-REAP_INTERVAL_S = 0.1
+REAP_INTERVAL_S = 0.1  # how often ``reap_expired`` runs (grpc_server.build_server schedules it)
 
 
 def _ms(seconds: float) -> int:
@@ -75,6 +76,19 @@ class SessionRpcs:
                 self.end_session(session.session_id, "lease expired", since=session.deadline)
         return len(expired)
 
+    # ---------------------------------------------------------------- the RPCs (handlers.py registers them by name)
+    def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+        return self.open_session(request)
+
+    def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+        return self.close_session(request)
+
+    def ListSessions(self, request: pb.ListSessionsRequest, context: Any) -> pb.ListSessionsResponse:
+        return self.list_sessions(request)
+
+    def ListSequences(self, request: pb.ListSequencesRequest, context: Any) -> pb.ListSequencesResponse:
+        return self.list_sequences(request)
+
     # ---------------------------------------------------------------- KeepAlive, one stream's life
     def keep_alive_message(self, state: dict[str, Any], request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
         """One heartbeat: the first names the session (and counts the stream open), each renews the lease."""
@@ -85,8 +99,6 @@ class SessionRpcs:
                 state["session"] = session
             else:
                 if request.session_id not in (0, session.session_id):
-                    from kvpool_server.core import InvalidArgumentError
-
                     raise InvalidArgumentError("a KeepAlive stream keeps one session alive; open another stream")
                 self.sessions.renew(session.session_id)
             return pb.KeepAliveResponse(lease_remaining_ms=_ms(self.sessions.remaining_s(session)))
@@ -100,6 +112,14 @@ class SessionRpcs:
         with self.lock:
             if self.sessions.stream_closed(session):
                 self.end_session(session.session_id, "keep-alive broken", since=since)
+
+    def session_gauges(self) -> SessionGauges:
+        """For the metrics scrape: live sessions, and blocks still held by sequences of sessions that ended (the
+        sweep frees them with the end, so this reads 0)."""
+        with self.lock:
+            ended = [sid for sid in self.manager.seqs_of_session if sid not in self.sessions]
+            usage = self.manager.session_usage() if ended else {}
+            return SessionGauges(len(self.sessions), sum(usage[sid][1] for sid in ended))
 
     # ---------------------------------------------------------------- listing
     def list_sessions(self, request: pb.ListSessionsRequest) -> pb.ListSessionsResponse:
@@ -124,3 +144,25 @@ class SessionRpcs:
         return pb.ListSequencesResponse(
             sequences=[pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in infos]
         )
+
+
+class KeepAlive:
+    """KeepAlive as a ``streams.StreamMethod``: ``close`` -- which runs however the stream ends, within milliseconds
+    of the client process dying -- ends the session if the stream was its last and it was not closed."""
+
+    request_cls = pb.KeepAliveRequest
+
+    def __init__(self, servicer: SessionRpcs) -> None:
+        self.servicer = servicer
+
+    def open(self, context: Any) -> dict[str, Any]:
+        return {}
+
+    def message(self, state: dict[str, Any], request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
+        return self.servicer.keep_alive_message(state, request)
+
+    def close(self, state: dict[str, Any], reason: str) -> None:
+        try:
+            self.servicer.keep_alive_ended(state)
+        except Exception:  # a hook must not raise; a bug here is logged, and the lease still ends the session
+            logger.exception("ending the session of a closed KeepAlive stream failed")

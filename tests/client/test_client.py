@@ -181,7 +181,7 @@ class FlakyRpc:
                  code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         self.failures, self.reply, self.awaitable, self.code, self.calls = failures, reply, awaitable, code, 0
 
-    def __call__(self, request, timeout=None):
+    def __call__(self, request, timeout=None, metadata=None):
         self.calls += 1
         assert timeout is not None and timeout > 0  # every attempt carries a deadline
         fails = self.calls <= self.failures

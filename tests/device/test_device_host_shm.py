@@ -46,7 +46,7 @@ def run_child(code: str, *args: object) -> str:
 def test_host_pool_is_named_shared_memory_unlinked_on_close() -> None:
     pool = create_pool(LAYOUT, backend="host", num_blocks=8)
     name = pool.attach_info().shm_name
-    assert re.fullmatch(rf"kvpool-{os.getpid()}-[0-9a-f]+", name)
+    assert re.fullmatch(rf"kvpool-{os.getpid()}-[0-9]+-[0-9]+-[0-9a-f]+", name)
     assert os.path.getsize(os.path.join(SHM, name)) == pool.pool_bytes == 8 * LAYOUT.block_bytes
     pool.close()
     assert not os.path.exists(os.path.join(SHM, name))

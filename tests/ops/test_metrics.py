@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import threading
 import urllib.request
-from concurrent import futures
 
-import grpc
 import pytest
 
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from kvpool.v1 import kvpool_pb2_grpc  # noqa: E402
 from kvpool_client import KVPoolClient, NotFoundError  # noqa: E402
 from kvpool_server.core import KVCacheManager  # noqa: E402
-from kvpool_server.device import create_pool  # noqa: E402
 from kvpool_server.config import ServerConfig  # noqa: E402
 from kvpool_server.metrics import (  # noqa: E402
     RECLAIM_REASONS,
@@ -25,7 +21,7 @@ from kvpool_server.metrics import (  # noqa: E402
     reason_label,
     start_metrics_server,
 )
-from kvpool_server.grpc_server import build_servicer  # noqa: E402
+from kvpool_server.grpc_server import build_server  # noqa: E402
 
 
 def scrape_text(text: str) -> dict[tuple[str, tuple], float]:
@@ -130,21 +126,13 @@ def test_names_follow_prometheus_conventions():
 
 @pytest.fixture
 def grpc_server_with_metrics(tmp_path):
-    """A real gRPC server wired the way main.py is asked to wire it (interceptor, watch_pool, HTTP server)."""
+    """A real server as build_server wires it (the handlers' observe/count calls, watch_pool, the HTTP server)."""
     config = ServerConfig(backend="host", pool_bytes=64 * 8192, address="127.0.0.1:0", metrics_address="127.0.0.1:0")
-    servicer = build_servicer(config)
-    pool, manager = servicer.pool, servicer.manager
-    metrics = KVPoolMetrics()
-    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[metrics.interceptor()])
-    kvpool_pb2_grpc.add_KVPoolServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    metrics.watch_pool(locked_stats(manager, servicer.lock), block_bytes=config.layout.block_bytes)
-    http = start_metrics_server(config.metrics_address, metrics.registry)
-    yield f"127.0.0.1:{port}", http, manager
-    http.close()
-    server.stop(0).wait()
-    pool.close()
+    handle = build_server(config.validate())
+    handle.start()
+    yield f"127.0.0.1:{handle.port}", handle.metrics_http, handle.servicer.manager
+    handle.stop()
+    handle.pool.close()
 
 
 def test_http_scrape_after_a_known_workload(grpc_server_with_metrics):
@@ -182,7 +170,6 @@ def test_metrics_server_reports_a_busy_address(grpc_server_with_metrics):
         start_metrics_server(f"127.0.0.1:{http.port}", KVPoolMetrics().registry)
 
 
-@pytest.mark.skip(reason="wired in by the integrator: main.py must call start_metrics_server (docs/metrics.md)")
 def test_kvpool_server_process_serves_metrics(server_factory, tmp_path):
     import socket
 

@@ -77,11 +77,13 @@ def test_signal_under_load_drains_and_exits_0(server_factory, sig: int) -> None:
 
 
 def test_in_flight_calls_finish_new_calls_refused_health_not_serving() -> None:
-    """In-process, to hold calls in flight for sure: the test takes the servicer's lock, so calls wait inside."""
+    """In-process, to hold calls in flight for sure: the test pins the sequences (as a big WriteKV copy in flight
+    does), so Frees of them wait inside the server -- without blocking its event loop."""
     config = ServerConfig(address="127.0.0.1:0", backend="host", num_blocks=64, shutdown_grace_s=20).validate()
     handle = build_server(config)
     handle.start()
     address = f"127.0.0.1:{handle.port}"
+    pins, loop = handle.servicer.pins, handle.loop.loop
     try:
         with connect(address) as stub, grpc.insecure_channel(address) as health_channel:
             seq_ids = [stub.RegisterSequence(pb.RegisterSequenceRequest()).seq_id for _ in range(3)]
@@ -89,25 +91,27 @@ def test_in_flight_calls_finish_new_calls_refused_health_not_serving() -> None:
                 health_pb2.HealthCheckRequest(service="kvpool.v1.KVPoolService")
             )
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-            with handle.servicer.lock:
-                in_flight = [stub.AppendToken.future(pb.AppendTokenRequest(seq_ids=[s]), timeout=30) for s in seq_ids]
-                time.sleep(0.5)  # let them reach the servicer, where they wait for the lock
-                assert not any(f.done() for f in in_flight)
-                stopper = threading.Thread(target=shutdown, args=(handle, config.shutdown_grace_s))
-                stopper.start()
-                assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-                time.sleep(0.3)
-                with pytest.raises(grpc.RpcError) as refused:
-                    stub.Stats(pb.StatsRequest(), timeout=10)
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert not handle.pool.closed and not any(f.done() for f in in_flight)
-            # lock released: the in-flight calls complete, then the pool is closed
+            for s in seq_ids:
+                loop.call_soon_threadsafe(pins.pin, s)
+            in_flight = [stub.Free.future(pb.FreeRequest(seq_ids=[s]), timeout=30) for s in seq_ids]
+            time.sleep(0.5)  # they reach the servicer and wait for the pins
+            assert not any(f.done() for f in in_flight) and handle.drain.num_in_flight == 3
+            stopper = threading.Thread(target=shutdown, args=(handle, config.shutdown_grace_s))
+            stopper.start()
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            time.sleep(0.3)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Stats(pb.StatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert not handle.pool.closed and not any(f.done() for f in in_flight)
+            for s in seq_ids:  # unpinned: the in-flight calls complete, then the pool is closed
+                loop.call_soon_threadsafe(pins.unpin, s)
             for f in in_flight:
-                assert len(f.result().slot_mapping) == 1
+                assert f.result().num_blocks_freed == 0
             stopper.join(30)
             assert not stopper.is_alive() and handle.pool.closed
     finally:
-        handle.server.stop(0)
+        handle.stop()
         handle.pool.close()
 
 

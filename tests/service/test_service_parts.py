@@ -141,7 +141,7 @@ def test_build_server_binds_but_does_not_start_until_start() -> None:
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
                 health_pb2.HealthCheckResponse.SERVING
     finally:
-        handle.server.stop(0)
+        handle.stop()
         handle.pool.close()
 
 

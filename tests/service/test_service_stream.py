@@ -202,30 +202,40 @@ def test_sigterm_during_back_to_back_stream_messages_ends_the_stream_unavailable
 
 
 def test_message_in_flight_at_shutdown_is_answered_then_the_stream_ends_unavailable() -> None:
-    """In-process, to hold a message in flight for sure: the test takes the servicer's lock."""
+    """In-process, to hold a message in flight for sure: the test makes the stream's message step slow (it runs on
+    the event loop, so the loop is busy meanwhile, as with any message)."""
     config = ServerConfig(address="127.0.0.1:0", backend="host", num_blocks=64, shutdown_grace_s=20).validate()
     handle = build_server(config)
     handle.start()
+    method = handle.servicer.AppendTokenStream
+    step = method.message
+    entered = threading.Event()
+
+    def slow_message(state, request):  # type: ignore[no-untyped-def]
+        entered.set()
+        time.sleep(0.5)
+        return step(state, request)
+
     try:
         with connect(f"127.0.0.1:{handle.port}") as stub, futures.ThreadPoolExecutor(1) as pool:
             a = stub.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
             stream = Stream(stub)
             stream.send([a], [5])
-            with handle.servicer.lock:
-                pending = pool.submit(stream.send, [a], [2])
-                time.sleep(0.3)  # the message reaches the servicer and waits for the lock
-                assert handle.drain.num_in_flight == 1
-                stopper = threading.Thread(target=shutdown, args=(handle, config.shutdown_grace_s, 1.0))
-                stopper.start()
-                time.sleep(0.5)
-                assert handle.drain.draining and not pending.done() and not handle.pool.closed
+            method.message = slow_message
+            pending = pool.submit(stream.send, [a], [2])
+            assert entered.wait(10)
+            assert handle.drain.num_in_flight == 1
+            stopper = threading.Thread(target=shutdown, args=(handle, config.shutdown_grace_s, 1.0))
+            stopper.start()
             assert len(pending.result(10).slot_mapping) == 2  # finished and answered
             with pytest.raises(grpc.RpcError) as info:
                 next(stream.responses)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in info.value.details()
             stopper.join(30)
             assert not stopper.is_alive() and handle.pool.closed
             assert handle.servicer.manager.num_tokens(a) == 7
+            assert method.last_close_reason == "shutdown"
     finally:
-        handle.server.stop(0)
+        handle.stop()
         handle.pool.close()
