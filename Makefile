@@ -19,7 +19,7 @@ GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/
 help:
 	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
 	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
-	@echo "make test               the whole test suite (no GPU needed), buf lint and buf breaking"
+	@echo "make test               make lint, the whole test suite (no GPU needed), buf lint and buf breaking"
 	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/core/"
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
 	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
@@ -49,6 +49,7 @@ setup: $(SETUP)
 
 # -p tests.skip_summary: one line saying why tests were skipped (no GPU, no CuPy, ...).
 test: $(SETUP)
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -p tests.skip_summary tests
 	@$(MAKE) --no-print-directory buf-breaking
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
 ECHO_METHOD = "/kvpool.bench.Echo/Echo"
 ECHO_STREAM_METHOD = "/kvpool.bench.Echo/EchoStream"  # the sync echo only: bidi, one echo per request

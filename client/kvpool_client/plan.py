@@ -18,7 +18,7 @@ same way (generators in psycopg/generators.py; ``wait`` and ``wait_async`` in ps
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
-from typing import Any, NamedTuple, TypeVar, Union
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
@@ -40,7 +40,7 @@ class Pause(NamedTuple):
     seconds: float
 
 
-Step = Union[Attempt, Pause]
+Step = Attempt | Pause
 Plan = Generator[Step, Any, R]
 
 

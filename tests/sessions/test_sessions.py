@@ -16,7 +16,7 @@ import pytest
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_client import KVPoolClient, NotFoundError, ServerGoneError, ServerRestartedError, SessionLostError
+from kvpool_client import KVPoolClient, NotFoundError, ServerGoneError, ServerRestartedError
 from kvpool_client.loadgen.pattern import kv_pattern, token_keys
 
 WORKER = Path(__file__).with_name("session_worker.py")

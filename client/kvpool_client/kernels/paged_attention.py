@@ -19,7 +19,6 @@ sequence's context from the pool and runs PyTorch's SDPA with a causal mask offs
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast, overload
+
 import numpy as np
 
 from kvpool_server.core.allocator import BlockAllocator
@@ -66,6 +68,12 @@ class BlockTables:
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
         self.num_copies: int = 0
         self.by_length: LengthLookups = LengthLookups(self)  # derived from the shape above, read-only
+
+    @overload
+    def blocks_for(self, num_tokens: int) -> int: ...
+
+    @overload
+    def blocks_for(self, num_tokens: np.ndarray) -> np.ndarray: ...
 
     def blocks_for(self, num_tokens: int | np.ndarray) -> int | np.ndarray:
         """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size), for an int or an array."""
@@ -151,9 +159,11 @@ class BlockTables:
         Two shapes have tuned paths beside the general one, which they hand over to when a row must copy on write:
         one token for each of many rows (the decode step) and any tokens for one row (a prefill).
         """
+        # ``__class__ is`` rather than isinstance: the cheapest test on the hot path (mypy cannot narrow it: casts)
         if rows.__class__ is int:
-            plan = self._plan_one_row(rows, num_new_tokens)
+            plan = self._plan_one_row(rows, cast(int, num_new_tokens))
             return plan if plan is not None else self._plan_general(np.array([rows]), num_new_tokens)
+        rows = cast(np.ndarray, rows)
         if num_new_tokens.__class__ is int and num_new_tokens == 1:
             plan = self._plan_decode(rows)
             if plan is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -88,10 +89,12 @@ class KVCacheManager:
         ``seq_ids`` is one id, or a non-empty sequence or uint64 array of distinct ids. Slots in
         ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``.
         """
-        rows = self.index.row(seq_ids) if seq_ids.__class__ is int else self._rows(seq_ids)
-        if num_new_tokens.__class__ is not int or num_new_tokens < 1:  # an array of counts, or a count to refuse
-            num_new_tokens = self._counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)
-        return self.tables.plan_append(rows, num_new_tokens)
+        one = seq_ids.__class__ is int  # cheaper than isinstance on the hot path (mypy cannot narrow it)
+        rows = self.index.row(seq_ids) if one else self._rows(seq_ids)  # type: ignore[arg-type]
+        counts = cast("int | np.ndarray", num_new_tokens)
+        if num_new_tokens.__class__ is not int or counts < 1:  # an array of counts, or a count to refuse
+            counts = self._counts(num_new_tokens, 1 if rows.__class__ is int else cast(np.ndarray, rows).size)
+        return self.tables.plan_append(rows, counts)
 
     def _rows(self, seq_ids: int | Sequence[int] | np.ndarray) -> int | np.ndarray:
         """The rows of distinct live ids: an intp array, or an int for one sequence (the tables plan it in scalars)."""
@@ -200,7 +203,7 @@ class KVCacheManager:
         infos = []
         for seq_id in sorted(seq_ids):
             num_tokens = self.num_tokens(seq_id)
-            infos.append((seq_id, self.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(num_tokens)))
+            infos.append((seq_id, self.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(int(num_tokens))))
         return infos
 
     # ---------------------------------------------------------------- lookups
