@@ -62,7 +62,7 @@ def test_logits_and_tokens_match_the_dense_model(server_factory, device, dtype, 
     diffs = [float((ours[s] - theirs[s]).abs().max()) for s in range(steps)]
     scale = max(float(theirs[s].abs().max()) for s in range(steps))
     print(f"\n{device} {dtype} width {width}: max |logit| {scale:.1f}, max |logit diff| per step "
-          f"{['%.2e' % d for d in diffs]}; tokens identical to the dense model's own search: {paged == dense}")
+          f"{[format(d, '.2e') for d in diffs]}; tokens identical to the dense model's own search: {paged == dense}")
     assert max(diffs) / scale < TOLERANCE[dtype]
     if dtype != "bfloat16":  # bf16 rounding (8 bits of mantissa) can flip a near-tie; reported above
         assert paged == dense
