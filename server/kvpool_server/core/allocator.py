@@ -84,9 +84,17 @@ class BlockAllocator:
             self.ref_count.put(block_ids, _ZERO)
             self._push(block_ids)
             return int(block_ids.size)
-        touched = np.unique(block_ids)
-        shared_before = np.count_nonzero(self.ref_count[touched] > 1)
-        np.subtract.at(self.ref_count, block_ids, 1)
+        if block_ids.size * 8 >= self.num_blocks:
+            # Many references (a free of a thousand forks of a long sequence: millions): count them per block in one
+            # pass, O(size + num_blocks); sort-based unique and subtract.at cost ~100 ns an entry (~1 s for 8 M).
+            counts = np.bincount(block_ids, minlength=self.num_blocks)
+            touched = np.flatnonzero(counts)
+            shared_before = np.count_nonzero(self.ref_count[touched] > 1)
+            self.ref_count[touched] -= counts[touched].astype(self.ref_count.dtype)
+        else:
+            touched = np.unique(block_ids)
+            shared_before = np.count_nonzero(self.ref_count[touched] > 1)
+            np.subtract.at(self.ref_count, block_ids, 1)
         after = self.ref_count[touched]
         self.num_shared_blocks -= int(shared_before - np.count_nonzero(after > 1))
         freed = touched[after == 0]
