@@ -5,7 +5,7 @@
     kvctl sequences [--session S]     live sequences, of one session or all (ListSequences)
     kvctl block-table SEQ             one sequence's page table
     kvctl health                      gRPC health (exit 0 only when SERVING)
-    kvctl drain                       (no Drain RPC exists: says how to drain instead)
+    kvctl drain [--wait S]            Drain RPC: NOT_SERVING, no new sessions; --wait until none is live
     kvctl events                      (no event stream exists yet: says so)
     kvctl top                         a live view: usage, rates and Stats latency, refreshed in place
 
@@ -144,11 +144,17 @@ def cmd_health(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_drain(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
-    raise NotAvailable(
-        "kvpool-server has no Drain RPC (kvpool.v1 has none). To drain a server, send it SIGTERM "
-        "(`kill -TERM PID`, `docker compose stop server`): it goes NOT_SERVING, refuses new calls with UNAVAILABLE, "
-        "lets calls in flight finish (--shutdown-grace-s), then exits"
-    )
+    """Drain RPC: NOT_SERVING, no new sessions; ``--wait`` until no session is left."""
+    reply = ctl.call("Drain", pb.DrainRequest())
+    deadline = time.monotonic() + args.wait
+    while args.wait and (reply.num_sessions or reply.num_sequences) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        reply = ctl.call("Drain", pb.DrainRequest())
+    data = {"draining": True, "num_sessions": reply.num_sessions, "num_sequences": reply.num_sequences}
+    done = not (reply.num_sessions or reply.num_sequences)
+    text = (f"draining: health NOT_SERVING, no new sessions; {reply.num_sessions} sessions and "
+            f"{reply.num_sequences} sequences live" + (" -- drained" if done else ""))
+    return data, text
 
 
 def cmd_events(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
@@ -223,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("seq_id", type=int)
     p = sub.add_parser("health", parents=[common], help="gRPC health status")
     p.add_argument("--service", default="", help="service name ('' for the server as a whole)")
-    sub.add_parser("drain", parents=[common], help="drain the server (admin)")
+    drain = sub.add_parser("drain", parents=[common], help="drain the server: NOT_SERVING, no new sessions (admin)")
+    drain.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for it to empty")
     sub.add_parser("events", parents=[common], help="follow the server's event stream")
     p = sub.add_parser("top", parents=[common], help="live view, refreshed in place")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
@@ -236,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.unix_socket:
         args.target = f"unix:{args.unix_socket}"
     args.exit_code = EXIT_OK
-    if args.command in ("drain", "events"):  # decided without a server: fail before connecting
+    if args.command == "events":  # decided without a server: fail before connecting
         return _report_not_available(args, COMMANDS[args.command], None)
     ctl = Ctl(args.target, args.timeout)
     try:

@@ -39,6 +39,10 @@ class ServerShuttingDownError(KVPoolError):
     """The server got SIGTERM/SIGINT and takes no new calls (raised by the service, not the core)."""
 
 
+class DrainingError(KVPoolError):
+    """The server was drained (the Drain RPC, ``kvctl drain``): it takes no new sessions or session-less sequences."""
+
+
 class StreamIdleError(KVPoolError):
     """The server ended a stream that made no progress for ``--stream-idle-timeout-s`` (nothing was lost)."""
 
@@ -56,6 +60,7 @@ STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     InvariantViolationError: grpc.StatusCode.INTERNAL,
     ServerShuttingDownError: grpc.StatusCode.UNAVAILABLE,
+    DrainingError: grpc.StatusCode.UNAVAILABLE,
     StreamIdleError: grpc.StatusCode.UNAVAILABLE,
     TooManyStreamsError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }

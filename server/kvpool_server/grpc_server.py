@@ -188,6 +188,13 @@ def _count_fork(metrics: KVPoolMetrics, response: Any) -> None:
 COUNTERS = {"AppendToken": _count_append, "AppendTokenStream": _count_append, "Fork": _count_fork}
 
 
+def _not_serving_soon(health_servicer: Any) -> None:
+    """Health NOT_SERVING for everything, from a handler on the loop (the Drain RPC)."""
+    for service in ("", SERVICE_NAME):
+        asyncio.get_running_loop().create_task(
+            health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING))
+
+
 def method_handlers(servicer: Any, call: CallContext, streams: OpenStreams) -> dict[str, grpc.RpcMethodHandler]:
     """A raw-bytes handler for every KVPoolService method the servicer has: unary ones are plain methods
     ``(request, context) -> response``, streaming ones ``StreamMethod`` objects."""
@@ -235,6 +242,7 @@ async def _build(config: ServerConfig, servicer: KVPoolServicer, loop: LoopThrea
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        servicer.on_drain = lambda: _not_serving_soon(health_servicer)
         _add_reflection(server)
         port = _bind(server, config)
     except BaseException:

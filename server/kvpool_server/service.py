@@ -25,6 +25,7 @@ and a repeated request id gets its first answer (safe retries). The session RPCs
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +80,14 @@ class KVPoolServicer(SessionRpcs):
         self.gate = SessionGate(self.sessions, self.replies)
         self.on_session_end = _no_metrics  # KVPoolMetrics.session_reclaimed, when metrics are on
         self.KeepAlive = KeepAlive(self)
+        self.draining_for_maintenance = False
+        self.on_drain: Callable[[], None] = lambda: None
 
     # ---------------------------------------------------------------- sequences
     def RegisterSequence(self, request: pb.RegisterSequenceRequest, context: Any) -> pb.RegisterSequenceResponse:
         seq_id = parse.new_seq_id(request.seq_id, request.HasField("seq_id"))
+        if not request.session_id:
+            self.refuse_if_drained("RegisterSequence")
         with self.lock:
             key, replay = self.gate.enter(request, pb.RegisterSequenceResponse)
             if replay is not None:

@@ -22,6 +22,7 @@ from typing import Any
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core import InvalidArgumentError, KVCacheManager
 from kvpool_server.core.sessions import Session, SessionTable
+from kvpool_server.errors import DrainingError
 from kvpool_server.metrics import SessionGauges
 from kvpool_server.replies import ReplyCache
 
@@ -41,8 +42,11 @@ class SessionRpcs:
     sessions: SessionTable
     replies: ReplyCache
     on_session_end: Callable[[str, float, int, int], None]
+    draining_for_maintenance: bool  # set by the Drain RPC, never unset (restart the server to serve again)
+    on_drain: Callable[[], None]  # health NOT_SERVING (grpc_server wires it)
 
     def open_session(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        self.refuse_if_drained("OpenSession")
         with self.lock:
             session = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0)
         return pb.OpenSessionResponse(
@@ -75,6 +79,24 @@ class SessionRpcs:
             for session in expired:
                 self.end_session(session.session_id, "lease expired", since=session.deadline)
         return len(expired)
+
+    # ---------------------------------------------------------------- drain (maintenance)
+
+    def refuse_if_drained(self, rpc: str) -> None:
+        if self.draining_for_maintenance:
+            raise DrainingError(
+                f"{rpc}: kvpool-server is draining (kvctl drain): it takes no new sessions or session-less "
+                "sequences; live sessions go on until they end"
+            )
+
+    def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:
+        """Start draining (once); answer what is still live."""
+        if not self.draining_for_maintenance:
+            self.draining_for_maintenance = True
+            self.on_drain()
+            logger.warning("draining: no new sessions; %d live sessions go on", len(self.sessions))
+        with self.lock:
+            return pb.DrainResponse(num_sessions=len(self.sessions), num_sequences=self.manager.num_sequences)
 
     # ---------------------------------------------------------------- the RPCs (handlers.py registers them by name)
     def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_client import KVPoolClient
+from kvpool_client import KVPoolClient, UnavailableError
 from kvpool_client.kvctl import EXIT_ERROR, EXIT_NO_SERVER, EXIT_NOT_AVAILABLE, main
 
 
@@ -69,11 +69,29 @@ def test_session_listings(server, capsys):
     assert code == EXIT_ERROR and "NOT_FOUND" in err
 
 
-@pytest.mark.parametrize("command, words", [("drain", "no Drain RPC"), ("events", "not available on this server")])
-def test_drain_and_events_are_not_available(capsys, command, words):
-    code, out, err = kvctl(capsys, command, "--json")
-    assert code == EXIT_NOT_AVAILABLE and words in err
+def test_events_are_not_available(capsys):
+    code, out, err = kvctl(capsys, "events", "--json")
+    assert code == EXIT_NOT_AVAILABLE and "not available on this server" in err
     assert json.loads(out)["exit_code"] == EXIT_NOT_AVAILABLE
+
+
+def test_drain_refuses_new_sessions_lets_live_ones_finish_and_waits(server, capsys):
+    live = KVPoolClient(server.address, client_name="live")
+    seq = live.register()
+    live.append(seq, 20)
+    code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--json")
+    assert code == 0 and json.loads(out) == {"draining": True, "num_sessions": 1, "num_sequences": 1}
+    with KVPoolClient(server.address) as newcomer:
+        assert newcomer.health() == "NOT_SERVING"
+        with pytest.raises(UnavailableError, match="draining"):
+            newcomer.register()  # a new session is refused
+        with pytest.raises(UnavailableError, match="draining"):
+            KVPoolClient(server.address, session=False).register()  # and a session-less sequence
+    live.append(seq, 5)  # the live session goes on
+    (child,) = live.fork(seq, 1)
+    live.close()
+    code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--wait", "5")
+    assert code == 0 and "0 sessions and 0 sequences live -- drained" in out
 
 
 def test_no_server_fails_fast(capsys, tmp_path):

@@ -381,3 +381,15 @@ class ListSequencesResponse(_message.Message):
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("num_sessions", "num_sequences")
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    num_sessions: int
+    num_sequences: int
+    def __init__(self, num_sessions: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...

@@ -115,6 +115,11 @@ class KVPoolServiceStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListSequencesRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListSequencesResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvpool.v1.KVPoolService/Drain',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class KVPoolServiceServicer:
@@ -241,6 +246,15 @@ class KVPoolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drain puts the server into draining for maintenance without stopping it: health says NOT_SERVING (so load
+        balancers and routers send new work elsewhere), new sessions and sequences are refused with UNAVAILABLE, and
+        the live sessions go on until they end. Idempotent; the reply says what is still live.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPoolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,6 +337,11 @@ def add_KVPoolServiceServicer_to_server(servicer, server):
                     servicer.ListSequences,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.ListSequencesRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.ListSequencesResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DrainRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -758,6 +777,33 @@ class KVPoolService:
             '/kvpool.v1.KVPoolService/ListSequences',
             kvpool_dot_v1_dot_kvpool__pb2.ListSequencesRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.ListSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPoolService/Drain',
+            kvpool_dot_v1_dot_kvpool__pb2.DrainRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
