@@ -1,5 +1,6 @@
 """Identity: tokens, roles, SIGHUP revocation, the transport rules -- against real server processes."""
 
+# ruff: noqa: B023  (each lambda is called within the iteration that made it)
 from __future__ import annotations
 
 import os

@@ -43,6 +43,8 @@ def check_tenants(manager: KVCacheManager) -> None:
     counted = np.bincount(owners, minlength=len(ledger.names)).tolist()
     if counted != ledger.num_sequences:
         raise InvariantViolationError(f"tenants' sequence counts {ledger.num_sequences} differ from {counted}")
+    if not manager.tenancy:
+        return  # every sequence is tenant 0's, and blocks are not counted per tenant
     lengths = tables.num_tokens[rows]
     held = np.arange(tables.max_blocks_per_seq) < tables.blocks_for(lengths)[:, None]
     pairs = np.unique(np.stack([np.repeat(owners, held.sum(axis=1)), tables.table[rows][held]], axis=1), axis=0)

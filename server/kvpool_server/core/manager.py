@@ -109,9 +109,7 @@ class KVCacheManager:
             num_new_tokens = self._counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)
         if self.tenancy:
             return self._append_as(seq_ids, rows, num_new_tokens, tenant)
-        plan = self.tables.plan_append(rows, num_new_tokens)
-        self.tenants.num_blocks[0] += plan.new_block_ids.size
-        return plan
+        return self.tables.plan_append(rows, num_new_tokens)
 
     def _append_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
                    tenant: int | None) -> AppendPlan:
@@ -215,7 +213,8 @@ class KVCacheManager:
         for owner in sorted(set(owners)):  # a block is never shared across tenants: each group frees its own
             group = rows if len(owners) == 1 else [row for row, o in zip(rows, owners) if o == owner]
             freed = self.tables.release(group)
-            self.tenants.num_blocks[owner] -= freed
+            if self.tenancy:
+                self.tenants.num_blocks[owner] -= freed
             num_freed += freed
         self.tenants.remove_rows(rows)
         for seq_id in ids:

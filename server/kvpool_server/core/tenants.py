@@ -14,7 +14,8 @@ made it), and credited back when its last reference goes.
 
 Invariants (``checks.check_tenants``): a free row's ``tenant_of_row`` is 0 and a live row's names a known tenant;
 ``num_sequences[t]`` is the number of live rows of tenant t; ``num_blocks[t]`` is the number of distinct blocks
-referenced by rows of tenant t; no block is referenced by rows of two tenants (so the ``num_blocks`` sum to the
+referenced by rows of tenant t (kept and checked only with the manager's ``tenancy`` on: off, tenant 0 holds
+every used block, and a benchmark may plan on the tables directly); no block is referenced by rows of two tenants (so the ``num_blocks`` sum to the
 allocator's used blocks).
 """
 
