@@ -20,7 +20,6 @@ inside the event loop that uses it (grpc.aio binds a channel to one loop); it is
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -51,8 +50,8 @@ class AsyncKVPoolClient(KVPoolCommands):
         return plan.run_async(call, self._make)
 
     def _start_keep_alive(self) -> None:
-        self._keep_alive = asyncio.get_running_loop().create_task(keep_alive_task(
-            self._session, functools.partial(self._stub.KeepAlive, metadata=self._metadata)))
+        self._keep_alive = asyncio.get_running_loop().create_task(keep_alive_task(self._session,
+                                                                                    self._keep_alive_method()))
 
     async def _make(self, step: plan.Step) -> Any:
         """One step, awaited: a unary call's response, or a sleep."""

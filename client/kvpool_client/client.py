@@ -56,8 +56,7 @@ class KVPoolClient(KVPoolCommands):
         return plan.run(call, self._make)
 
     def _start_keep_alive(self) -> None:
-        self._keep_alive = KeepAliveThread(self._session,
-                                           functools.partial(self._stub.KeepAlive, metadata=self._metadata))
+        self._keep_alive = KeepAliveThread(self._session, self._keep_alive_method())
         self._keep_alive.start()
 
     def _make(self, step: plan.Step) -> Any:

@@ -103,8 +103,8 @@ class KVPoolCommands(ABC):
         credentials = convert.channel_credentials(tls_ca, tls_cert, tls_key)
         self._channel = channel or self._open_channel(target, options, credentials)
         self._metadata = convert.call_metadata(options) if channel is None else ()  # unknown limit: 4 MiB assumed
-        if token:
-            self._metadata += (("authorization", f"Bearer {token}"),)
+        self._auth_metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata += self._auth_metadata
         self._stub = pb_grpc.KVPoolServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._description: PoolDescription | None = None
@@ -118,6 +118,12 @@ class KVPoolCommands(ABC):
     @abstractmethod
     def _run(self, plan: Plan[R]) -> Any:
         """Run ``plan`` to its result (KVPoolClient), or return an awaitable of it (AsyncKVPoolClient)."""
+
+    def _keep_alive_method(self) -> Any:
+        """The KeepAlive stub method, carrying the token when there is one."""
+        if not self._auth_metadata:
+            return self._stub.KeepAlive
+        return functools.partial(self._stub.KeepAlive, metadata=self._auth_metadata)
 
     @abstractmethod
     def _start_keep_alive(self) -> None:

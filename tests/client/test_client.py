@@ -241,7 +241,7 @@ def test_mutations_of_a_session_are_retried_with_the_same_request_id(connect, tm
     seen: list = []
 
     class Recording(FlakyRpc):
-        def __call__(self, request, timeout=None):
+        def __call__(self, request, timeout=None, metadata=None):
             seen.append(request.SerializeToString())
             return super().__call__(request, timeout)
 
