@@ -81,10 +81,15 @@ class ServerProcess:
             self.proc.wait()
 
 
-def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = STARTUP_TIMEOUT_S) -> None:
-    """Poll gRPC health until the server answers SERVING (raises if ``proc`` exits first or time runs out)."""
+def wait_serving(
+    address: str, proc: subprocess.Popen | None = None, timeout: float = STARTUP_TIMEOUT_S,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Poll gRPC health until the server answers SERVING (raises if ``proc`` exits first or time runs out).
+    ``credentials``: a TLS server's (health needs no token)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel_ = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with channel_ as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
@@ -101,7 +106,8 @@ def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: fl
 
 
 def start_server(
-    tmp_path: Path, *extra_args: str, unix: bool = False, env: dict[str, str] | None = None
+    tmp_path: Path, *extra_args: str, unix: bool = False, env: dict[str, str] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> ServerProcess:
     """Start kvpool-server on port 0 (or a unix socket) with ``extra_args``; return once it is SERVING.
 
@@ -138,7 +144,7 @@ def start_server(
             address = f"unix:{socket_path}"
         else:
             address = f"127.0.0.1:{_wait_port(port_file, proc)}"
-        wait_serving(address, proc)
+        wait_serving(address, proc, credentials=credentials)
     except BaseException:
         proc.kill()
         proc.wait()
@@ -165,8 +171,9 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """``server_factory(*args, unix=False)`` starts a server; all are stopped (SIGTERM, then kill) at teardown."""
     started: list[ServerProcess] = []
 
-    def factory(*extra_args: str, unix: bool = False, env: dict[str, str] | None = None) -> ServerProcess:
-        proc = start_server(tmp_path, *extra_args, unix=unix, env=env)
+    def factory(*extra_args: str, unix: bool = False, env: dict[str, str] | None = None,
+                credentials: grpc.ChannelCredentials | None = None) -> ServerProcess:
+        proc = start_server(tmp_path, *extra_args, unix=unix, env=env, credentials=credentials)
         started.append(proc)
         return proc
 

@@ -39,14 +39,19 @@ class AsyncKVPoolClient(KVPoolCommands):
     ``AsyncKVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None)``: see commands.py."""
 
     @staticmethod
-    def _open_channel(target: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+    def _open_channel(
+        target: str, options: list[tuple[str, Any]], credentials: grpc.ChannelCredentials | None = None
+    ) -> grpc.aio.Channel:
+        if credentials is not None:
+            return grpc.aio.secure_channel(target, credentials, options=options)
         return grpc.aio.insecure_channel(target, options=options)
 
     def _run(self, call: plan.Plan[R]) -> Awaitable[R]:
         return plan.run_async(call, self._make)
 
     def _start_keep_alive(self) -> None:
-        self._keep_alive = asyncio.get_running_loop().create_task(keep_alive_task(self._session, self._stub.KeepAlive))
+        self._keep_alive = asyncio.get_running_loop().create_task(keep_alive_task(self._session,
+                                                                                    self._keep_alive_method()))
 
     async def _make(self, step: plan.Step) -> Any:
         """One step, awaited: a unary call's response, or a sleep."""

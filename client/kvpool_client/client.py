@@ -45,14 +45,18 @@ class KVPoolClient(KVPoolCommands):
     ``KVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None)``: see commands.py."""
 
     @staticmethod
-    def _open_channel(target: str, options: list[tuple[str, Any]]) -> grpc.Channel:
+    def _open_channel(
+        target: str, options: list[tuple[str, Any]], credentials: grpc.ChannelCredentials | None = None
+    ) -> grpc.Channel:
+        if credentials is not None:
+            return grpc.secure_channel(target, credentials, options=options)
         return grpc.insecure_channel(target, options=options)
 
     def _run(self, call: plan.Plan[R]) -> R:
         return plan.run(call, self._make)
 
     def _start_keep_alive(self) -> None:
-        self._keep_alive = KeepAliveThread(self._session, self._stub.KeepAlive)
+        self._keep_alive = KeepAliveThread(self._session, self._keep_alive_method())
         self._keep_alive.start()
 
     def _make(self, step: plan.Step) -> Any:

@@ -77,6 +77,10 @@ class KVPoolCommands(ABC):
         session: bool = True,
         client_name: str | None = None,
         lease_ttl_s: float | None = None,
+        token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        tls_cert: str | bytes | None = None,
+        tls_key: str | bytes | None = None,
     ) -> None:
         """``channel``: an open grpc.Channel (KVPoolClient) or grpc.aio.Channel (AsyncKVPoolClient) to use instead
         of opening one to ``target``; ``options`` are added to the channel's (convert.channel_options).
@@ -85,15 +89,22 @@ class KVPoolCommands(ABC):
         keeps it alive in the background and closes it in ``close()``; every sequence it registers or forks is
         freed when the session ends -- closed, or its process dead (session.py). ``client_name`` names it in
         ListSessions (default host:pid); ``lease_ttl_s`` asks for a lease (default: the server's).
-        ``session=False``: sequences live until freed, whoever dies (and mutations are not retried)."""
+        ``session=False``: sequences live until freed, whoever dies (and mutations are not retried).
+
+        ``token``: sent as ``authorization: Bearer <token>`` on every call (a server with --auth-tokens). ``tls_ca``
+        (PEM bytes or a file path): TLS, trusting that CA; ``tls_cert``/``tls_key``: this client's certificate for
+        mutual TLS (docs/security.md)."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.target = target
         self.timeout = timeout
         self.retry = retry
         options = convert.channel_options(options)
-        self._channel = channel or self._open_channel(target, options)
+        credentials = convert.channel_credentials(tls_ca, tls_cert, tls_key)
+        self._channel = channel or self._open_channel(target, options, credentials)
         self._metadata = convert.call_metadata(options) if channel is None else ()  # unknown limit: 4 MiB assumed
+        self._auth_metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata += self._auth_metadata
         self._stub = pb_grpc.KVPoolServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._description: PoolDescription | None = None
@@ -102,11 +113,17 @@ class KVPoolCommands(ABC):
     # ---------------------------------------------------------------- what a client supplies
     @staticmethod
     @abstractmethod
-    def _open_channel(target: str, options: list[tuple[str, Any]]) -> Any: ...
+    def _open_channel(target: str, options: list[tuple[str, Any]], credentials: Any = None) -> Any: ...
 
     @abstractmethod
     def _run(self, plan: Plan[R]) -> Any:
         """Run ``plan`` to its result (KVPoolClient), or return an awaitable of it (AsyncKVPoolClient)."""
+
+    def _keep_alive_method(self) -> Any:
+        """The KeepAlive stub method, carrying the token when there is one."""
+        if not self._auth_metadata:
+            return self._stub.KeepAlive
+        return functools.partial(self._stub.KeepAlive, metadata=self._auth_metadata)
 
     @abstractmethod
     def _start_keep_alive(self) -> None:

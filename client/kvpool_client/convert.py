@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2
 
@@ -49,6 +50,24 @@ def call_metadata(options: Sequence[tuple[str, Any]]) -> tuple[tuple[str, str], 
         if key == "grpc.max_receive_message_length":
             limit = int(value)
     return ((RECEIVE_LIMIT_KEY, str(limit if limit >= 0 else -1)),)
+
+
+def _pem(value: str | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as f:
+        return f.read()
+
+
+def channel_credentials(tls_ca: str | bytes | None, tls_cert: str | bytes | None,
+                        tls_key: str | bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials (None: a plaintext channel). Each argument is PEM bytes or a path to a PEM file."""
+    if tls_ca is None and tls_cert is None:
+        return None
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key go together (mutual TLS)")
+    return grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                                        certificate_chain=_pem(tls_cert))
 
 
 def seq_id_list(seq_ids: int | Sequence[int] | np.ndarray) -> list[int]:

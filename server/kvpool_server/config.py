@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpool.layout import KV_LAYOUTS, KVLayout
+from kvpool_server.transport import TransportError, check_transport
 
 ENV_PREFIX = "KVPOOL_"
 BACKENDS = ("auto", "gpu", "host")
@@ -136,6 +137,13 @@ class ServerConfig:
     metrics_address: str = ""
     # CPUs every server thread runs on, e.g. "0" or "0-3,8"; "" leaves the scheduler free. See cpu_set().
     cpu_affinity: str = ""
+    # Security (docs/security.md; transport.py): tokens -> tenants and roles, TLS, the unix socket's group.
+    auth_tokens: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    unix_socket_group: str = ""
+    insecure: bool = False
 
     def cpu_set(self) -> frozenset[int] | None:
         """``cpu_affinity`` as a set of CPU numbers (None: no pinning); each must be one this process may use."""
@@ -217,6 +225,10 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         self.cpu_set()  # raises ConfigError on a bad list
+        try:
+            check_transport(self)
+        except TransportError as exc:
+            raise ConfigError(str(exc)) from None
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.log_level = self.log_level.upper()
@@ -277,6 +289,13 @@ _HELP = {
     "keepalive_timeout_s": "a connection whose ping is not answered within this is dead; its calls are cancelled",
     "cpu_affinity": "pin every server thread to these CPUs, e.g. 0 or 0-3,8 (empty: no pinning). The server runs "
     "Python under one GIL, so one core is all it uses; pinning it keeps its threads' caches warm (docs/api.md)",
+    "auth_tokens": "tokens file (TOML: sha256 of each token -> tenant, role; tenants' quotas); every call then needs "
+    "'authorization: Bearer <token>'; re-read on SIGHUP (docs/security.md)",
+    "tls_cert": "PEM certificate (chain) for TLS on the TCP address",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA: mutual TLS, clients must present a certificate it signed",
+    "unix_socket_group": "the unix socket is 0600; with a group it is 0660 and that group's",
+    "insecure": "allow a non-loopback --address without --auth-tokens or --tls-cert (logged as a warning)",
     "shutdown_grace_s": "seconds in-flight calls get to finish after SIGTERM/SIGINT",
     "shutdown_drain_s": "at shutdown, at most this many seconds of refusing new calls (UNAVAILABLE) before the "
     "listener closes; ends early once clients have gone quiet",
@@ -285,7 +304,7 @@ _HELP = {
 
 def _field_type(field: dataclasses.Field) -> type:
     text = str(field.type)
-    for name, typ in (("int", int), ("float", float)):
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
         if text.startswith(name):
             return typ
     return str
@@ -305,7 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
         if field.default is not None and field.name != "pool_bytes":
             help_text += f" (default {field.default!r})"
         kwargs: dict = {"dest": field.name, "default": None, "help": help_text.strip()}
-        if field.name in _BYTE_FIELDS:
+        if typ is bool:
+            kwargs.pop("type", None)
+            kwargs["action"] = "store_const"
+            kwargs["const"] = True
+        elif field.name in _BYTE_FIELDS:
             kwargs["type"] = _bytes_arg
         else:
             kwargs["type"] = typ
@@ -349,6 +372,10 @@ def _parse_env(field: dataclasses.Field, raw: str) -> object:
         except ConfigError:
             raise ConfigError(f"{name}={raw!r} (as {flag}) is not a size: give {BYTES_FORMS}") from None
     typ = _field_type(field)
+    if typ is bool:
+        if raw.strip().lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+            raise ConfigError(f"{name}={raw!r} (as {flag}) must be 1/true/yes or 0/false/no")
+        return raw.strip().lower() in ("1", "true", "yes")
     try:
         return _PARSERS[typ](raw)
     except ValueError:

@@ -15,6 +15,13 @@ The core raises before it changes anything, so a call that fails here has left t
     ServerShuttingDownError  UNAVAILABLE          the server is draining before it stops; retry elsewhere/later
     StreamIdleError          UNAVAILABLE          a stream made no progress for --stream-idle-timeout-s; reopen it
     TooManyStreamsError      RESOURCE_EXHAUSTED   --max-streams streams are open; close one or raise the flag
+    QuotaExceededError       RESOURCE_EXHAUSTED   the caller's tenant is at a quota (named in the message); kvpool-error:
+                                                  quota-exceeded
+    UnauthenticatedError     UNAUTHENTICATED      no token, or one the tokens file does not hold (revoked)
+    PermissionDeniedError    PERMISSION_DENIED    the token's role may not call this RPC (a frontend calling an admin one)
+
+Another tenant's sequence or session is NOT_FOUND (SequenceNotFoundError / SessionNotFoundError), never
+PERMISSION_DENIED: a tenant cannot learn that it exists.
     anything else            INTERNAL             a bug in kvpool (logged with its traceback)
 """
 
@@ -28,6 +35,7 @@ from kvpool_server.core.errors import (
     InvariantViolationError,
     KVPoolError,
     OutOfBlocksError,
+    QuotaExceededError,
     SequenceExistsError,
     SequenceNotFoundError,
     ServerRestartedError,
@@ -51,6 +59,14 @@ class TooManyStreamsError(KVPoolError):
     """``--max-streams`` streams are open: a new one is refused."""
 
 
+class UnauthenticatedError(KVPoolError):
+    """The call has no bearer token, or one the server does not know (never issued, or revoked by SIGHUP)."""
+
+
+class PermissionDeniedError(KVPoolError):
+    """The caller is known but its role may not make this call."""
+
+
 STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
     SequenceNotFoundError: grpc.StatusCode.NOT_FOUND,
     SessionNotFoundError: grpc.StatusCode.NOT_FOUND,
@@ -63,6 +79,8 @@ STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
     DrainingError: grpc.StatusCode.UNAVAILABLE,
     StreamIdleError: grpc.StatusCode.UNAVAILABLE,
     TooManyStreamsError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -71,6 +89,7 @@ REASON_KEY = "kvpool-error"
 REASON_OF: dict[type[KVPoolError], str] = {
     ServerRestartedError: "server-restarted",
     SessionNotFoundError: "session-not-found",
+    QuotaExceededError: "quota-exceeded",
 }
 
 

@@ -10,8 +10,6 @@ Why asyncio: a stream costs a coroutine, not one of a fixed pool of threads (doc
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from kvpool.v1 import kvpool_pb2
+from kvpool_server.auth import Authenticator, TokensFileError
 from kvpool_server.background import BackgroundTasks
 from kvpool_server.config import ServerConfig, pool_error_message
 from kvpool_server.core import KVCacheManager, KVPoolError
@@ -38,6 +37,7 @@ from kvpool_server.pool_protocol import Pool
 from kvpool_server.service import KVPoolServicer
 from kvpool_server.session_rpcs import REAP_INTERVAL_S
 from kvpool_server.streams import OpenStreams, stream_handler
+from kvpool_server.transport import bind
 
 SERVICE = kvpool_pb2.DESCRIPTOR.services_by_name["KVPoolService"]
 SERVICE_NAME = SERVICE.full_name
@@ -162,13 +162,20 @@ def build_servicer(config: ServerConfig) -> KVPoolServicer:
         raise StartupError(pool_error_message(config.backend, exc)) from exc
     try:
         manager = KVCacheManager(
-            pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len, max_num_seqs=config.max_num_seqs
+            pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len, max_num_seqs=config.max_num_seqs,
+            tenancy=bool(config.auth_tokens),
         )
         sessions = SessionTable(new_server_epoch(), default_ttl_s=config.session_ttl_ms / 1000.0,
                                 max_ttl_s=config.max_session_ttl_ms / 1000.0)
-        return KVPoolServicer(manager, pool, Drain(), sessions, max_batch=config.max_batch,
-                              max_message_bytes=config.max_message_bytes,
-                              max_tokens_per_call=config.max_tokens_per_call)
+        servicer = KVPoolServicer(manager, pool, Drain(), sessions, max_batch=config.max_batch,
+                                  max_message_bytes=config.max_message_bytes,
+                                  max_tokens_per_call=config.max_tokens_per_call)
+        if config.auth_tokens:
+            servicer.auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks)
+        return servicer
+    except TokensFileError as exc:
+        pool.close()
+        raise StartupError(str(exc)) from exc
     except KVPoolError as exc:
         pool.close()
         raise StartupError(f"bad pool configuration: {exc}") from exc
@@ -234,7 +241,7 @@ async def _build(config: ServerConfig, servicer: KVPoolServicer, loop: LoopThrea
     background.every(REAP_INTERVAL_S, servicer.reap_expired, "sessions-reaper")  # leases that ran out
     if metrics is not None:
         servicer.on_session_end = metrics.session_reclaimed
-    call = CallContext(servicer.drain, executor, metrics)
+    call = CallContext(servicer.drain, executor, metrics, servicer.auth)
     server = grpc.aio.server(options=grpc_options(config))
     try:
         server.add_generic_rpc_handlers(
@@ -244,7 +251,7 @@ async def _build(config: ServerConfig, servicer: KVPoolServicer, loop: LoopThrea
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         servicer.on_drain = lambda: _not_serving_soon(health_servicer)
         _add_reflection(server)
-        port = _bind(server, config)
+        port = bind(server, config, StartupError)
     except BaseException:
         executor.shutdown(wait=False)
         raise
@@ -291,37 +298,3 @@ def _register_v1_reflection_descriptor() -> None:
         pool.AddSerializedFile(proto.SerializeToString())
     except Exception:  # another copy of the v1 file (another library's) got there first: fine, it is the same
         pass
-
-
-def _bind(server: grpc.aio.Server, config: ServerConfig) -> int | None:
-    port = None
-    if config.address:
-        port = _add_port(server, config.address)
-    if config.unix_socket:
-        _check_unix_socket_free(config.unix_socket)
-        _add_port(server, f"unix:{config.unix_socket}")
-    return port
-
-
-def _add_port(server: grpc.aio.Server, address: str) -> int:
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:  # grpcio raises when the bind fails
-        raise StartupError(f"cannot listen on {address}: {exc} (address in use? another kvpool-server?)") from exc
-    if port == 0 and not address.startswith("unix:"):
-        raise StartupError(f"cannot listen on {address} (address in use? another kvpool-server?)")
-    return port
-
-
-def _check_unix_socket_free(path: str) -> None:
-    """gRPC unlinks an existing socket file before binding; refuse instead if a server still answers there."""
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        return  # a stale file: gRPC replaces it
-    finally:
-        probe.close()
-    raise StartupError(f"cannot listen on unix:{path}: another server is listening there")

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvpool_server.auth import CALLER
 from kvpool_server.core import InvalidArgumentError, KVPoolError
 from kvpool_server.drain import Drain
 from kvpool_server.errors import status_of, trailing_metadata_of
@@ -57,11 +58,19 @@ class Wait(Exception):  # noqa: N818 - a control-flow signal, not an error
 
 @dataclass
 class CallContext:
-    """What every handler shares: the Drain, the copy threads, and the metrics (None when off)."""
+    """What every handler shares: the Drain, the copy threads, the metrics (None when off) and the Authenticator
+    (None without --auth-tokens: every caller is ``auth.ANONYMOUS``)."""
 
     drain: Drain
     executor: Executor
     metrics: Any = None  # kvpool_server.metrics.KVPoolMetrics
+    auth: Any = None  # kvpool_server.auth.Authenticator
+
+    def authenticate(self, context: Any, rpc: str) -> None:
+        """Who calls (``auth.CALLER`` for the servicer, in this call's task); raises UNAUTHENTICATED /
+        PERMISSION_DENIED errors."""
+        if self.auth is not None:
+            CALLER.set(self.auth.identify(context.invocation_metadata(), rpc))
 
 
 def parse_request(request_cls: type, raw: bytes, rpc: str) -> Any:
@@ -95,6 +104,8 @@ def unary_handler(
         try:
             try:
                 drain.admit()  # counts the call, then may refuse it: released below either way
+                if call.auth is not None:
+                    call.authenticate(context, rpc)
                 if len(raw) > BIG_MESSAGE_BYTES:
                     loop = asyncio.get_running_loop()
                     request = await loop.run_in_executor(executor, parse_request, request_cls, raw, rpc)

@@ -39,6 +39,11 @@ def serve(config: ServerConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # SIGHUP: re-read --auth-tokens (revoked tokens are refused from the next call on); without it, ignored.
+    signal.signal(signal.SIGHUP, lambda signum, frame: handle.servicer.reload_tokens())
+    if config.insecure and config.address:
+        logger.warning("--insecure: %s takes calls from other hosts%s", config.address,
+                       "" if config.auth_tokens or config.tls_cert else " with no authentication and no TLS")
     try:
         handle.start()
     except BaseException:

@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core import AppendPlan, PoolStats
+from kvpool_server.core.sessions import SessionTable
+from kvpool_server.core.tenants import TenantLedger
 from kvpool_server.pool_protocol import Pool
 
 DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
@@ -40,7 +42,24 @@ def stats_response(stats: PoolStats, block_bytes: int) -> pb.StatsResponse:
     )
 
 
-def describe_pool_response(pool: Pool) -> pb.DescribePoolResponse:
+def tenant_usage(ledger: TenantLedger, sessions: SessionTable, tenant: int | None) -> list[pb.TenantUsage]:
+    """Every tenant's usage and quotas (``tenant`` None), or one tenant's."""
+    ids = range(1, len(ledger.names)) if tenant is None else [tenant]
+    usage = []
+    for t in ids:
+        lim = ledger.limits[t]
+        usage.append(pb.TenantUsage(
+            tenant=ledger.names[t], num_sequences=ledger.num_sequences[t], num_blocks=ledger.num_blocks[t],
+            num_sessions=sessions.num_sessions(t), max_blocks=lim.max_blocks or 0,
+            max_sequences=lim.max_sequences or 0, max_sessions=lim.max_sessions or 0,
+            reserved_blocks=lim.reserved_blocks,
+        ))
+    return usage
+
+
+def describe_pool_response(pool: Pool, may_attach: bool = True) -> pb.DescribePoolResponse:
+    """The pool's layout; with ``may_attach``, also what maps it (shm name, CUDA IPC handle): mapping the pool
+    gives every byte of every tenant's KV (docs/security.md)."""
     layout, info = pool.layout, pool.attach_info()
     return pb.DescribePoolResponse(
         layout=pb.PoolLayout(
@@ -56,8 +75,8 @@ def describe_pool_response(pool: Pool) -> pb.DescribePoolResponse:
         ),
         backend=BACKEND_TO_PB[info.backend],
         pool_bytes=info.pool_bytes,
-        cuda_ipc_handle=bytes(info.cuda_ipc_handle or b""),
+        cuda_ipc_handle=bytes(info.cuda_ipc_handle or b"") if may_attach else b"",
         cuda_device=info.cuda_device if info.cuda_device is not None else 0,
-        shm_name=info.shm_name or "",
+        shm_name=(info.shm_name or "") if may_attach else "",
         server_pid=os.getpid(),
     )

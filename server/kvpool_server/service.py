@@ -17,6 +17,9 @@ the lock (``invariant_checks``).
 AppendTokenStream is a ``StreamMethod`` (``streams.py``): ``open`` / ``message`` / ``close``; each message is
 AppendToken's own code, ``append_rpc.append``.
 
+Tenants (``auth.caller()``, set by the handler): every call passes the caller's ``tenant_id`` to the core and the
+gate, which answer NOT_FOUND for another tenant's sequence or session (None without authentication: no check).
+
 Every mutating call passes the ``SessionGate`` first, under the lock: the session it names must be live (fencing),
 and a repeated request id gets its first answer (safe retries). The session RPCs, KeepAlive included (a
 ``StreamMethod`` whose ``close`` may end its session), are ``session_rpcs``.
@@ -34,6 +37,7 @@ import numpy as np
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server import parse
 from kvpool_server.append_rpc import append
+from kvpool_server.auth import Authenticator, caller
 from kvpool_server.core import KVCacheManager
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.drain import Drain
@@ -44,7 +48,7 @@ from kvpool_server.kv_wire import ENVELOPE_BYTES, KVWire
 from kvpool_server.pool_protocol import Pool
 from kvpool_server.replies import ReplyCache
 from kvpool_server.reply_limits import ReplyLimits
-from kvpool_server.responses import describe_pool_response, stats_response
+from kvpool_server.responses import describe_pool_response, stats_response, tenant_usage
 from kvpool_server.session_gate import SessionGate
 from kvpool_server.session_rpcs import KeepAlive, SessionRpcs
 
@@ -82,22 +86,32 @@ class KVPoolServicer(SessionRpcs):
         self.KeepAlive = KeepAlive(self)
         self.draining_for_maintenance = False
         self.on_drain: Callable[[], None] = lambda: None
+        self.auth: Authenticator | None = None  # set with --auth-tokens (grpc_server.build_servicer)
+
+    def reload_tokens(self) -> bool:
+        """SIGHUP: re-read the tokens file (under the lock: it changes the tenants' limits)."""
+        if self.auth is None:
+            return False
+        with self.lock:
+            return self.auth.reload()
 
     # ---------------------------------------------------------------- sequences
     def RegisterSequence(self, request: pb.RegisterSequenceRequest, context: Any) -> pb.RegisterSequenceResponse:
         seq_id = parse.new_seq_id(request.seq_id, request.HasField("seq_id"))
         if not request.session_id:
             self.refuse_if_drained("RegisterSequence")
+        tenant = caller().tenant_id
         with self.lock:
-            key, replay = self.gate.enter(request, pb.RegisterSequenceResponse)
+            key, replay = self.gate.enter(request, pb.RegisterSequenceResponse, tenant)
             if replay is not None:
                 return replay
-            seq_id = self.manager.register(seq_id, request.session_id)
+            seq_id = self.manager.register(seq_id, request.session_id, tenant)
             return self.gate.remember(key, pb.RegisterSequenceResponse(seq_id=seq_id))
 
     def AppendToken(self, request: pb.AppendTokenRequest, context: Any) -> pb.AppendTokenResponse:
         return append(self.manager, self.pool, self.lock, self.gate, request, pb.AppendTokenResponse,
-                      max_batch=self.max_batch, rpc="AppendToken", limits=self.limits, limit=context)
+                      max_batch=self.max_batch, rpc="AppendToken", limits=self.limits, limit=context,
+                      tenant=caller().tenant_id)
 
     def Fork(self, request: pb.ForkRequest, context: Any) -> pb.ForkResponse:
         parent_seq_id = parse.seq_id(request.parent_seq_id, "Fork", "parent_seq_id")
@@ -105,41 +119,50 @@ class KVPoolServicer(SessionRpcs):
         num_children = max(request.num_children, len(child_seq_ids))
         self.limits.check_reply(16 + 11 * num_children, "Fork", context, 11, "children")
         self.pins.wait_unpinned((parent_seq_id,))
+        tenant = caller().tenant_id
         with self.lock:
-            key, replay = self.gate.enter(request, pb.ForkResponse)
+            key, replay = self.gate.enter(request, pb.ForkResponse, tenant)
             if replay is not None:
                 return replay
-            children = self.manager.fork(parent_seq_id, request.num_children, child_seq_ids, request.session_id)
+            children = self.manager.fork(parent_seq_id, request.num_children, child_seq_ids, request.session_id,
+                                         tenant)
             return self.gate.remember(key, pb.ForkResponse(child_seq_ids=children))
 
     def Free(self, request: pb.FreeRequest, context: Any) -> pb.FreeResponse:
         seq_ids = parse.batch_seq_ids(request.seq_ids, "Free", self.max_batch)
         if len(self.pins):
             self.pins.wait_unpinned(seq_ids.tolist())
+        tenant = caller().tenant_id
         with self.lock:
-            key, replay = self.gate.enter(request, pb.FreeResponse)
+            key, replay = self.gate.enter(request, pb.FreeResponse, tenant)
             if replay is not None:
                 return replay
-            num_freed = self.manager.free(seq_ids.tolist())
+            num_freed = self.manager.free(seq_ids.tolist(), tenant)
             return self.gate.remember(key, pb.FreeResponse(num_blocks_freed=num_freed))
 
     # ---------------------------------------------------------------- inspection
     def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        identity = caller()
         with self.lock:
             stats = self.manager.stats()
-        return stats_response(stats, self.pool.layout.block_bytes)
+            usage = tenant_usage(self.manager.tenants, self.sessions, None if identity.is_admin else
+                                 identity.tenant_id) if self.manager.tenancy else []
+        response = stats_response(stats, self.pool.layout.block_bytes)
+        response.tenants.extend(usage)
+        return response
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any) -> pb.GetBlockTableResponse:
         seq_id = parse.seq_id(request.seq_id, "GetBlockTable")
+        tenant = caller().tenant_id
         with self.lock:
-            block_ids = self.manager.block_table(seq_id)
-            num_tokens = self.manager.num_tokens(seq_id)
+            block_ids = self.manager.block_table(seq_id, tenant)
+            num_tokens = self.manager.num_tokens(seq_id, tenant)
         return pb.GetBlockTableResponse(
             block_ids=block_ids.tolist(), num_tokens=num_tokens, block_size=self.manager.block_size
         )
 
     def DescribePool(self, request: pb.DescribePoolRequest, context: Any) -> pb.DescribePoolResponse:
-        return describe_pool_response(self.pool)
+        return describe_pool_response(self.pool, may_attach=caller().may_attach)
 
     def CheckInvariants(self, request: pb.CheckInvariantsRequest, context: Any) -> Offload:
         return self.invariants.request(self.lock)
@@ -149,9 +172,10 @@ class KVPoolServicer(SessionRpcs):
         tokens = self.wire.decode(request.data)
         seq_id = parse.seq_id(request.seq_id, "WriteKV")
         response = pb.WriteKVResponse(num_tokens_written=len(tokens))
+        tenant = caller().tenant_id
         with self.lock:
-            self.gate.enter(request, pb.WriteKVResponse)  # fencing only: a write is idempotent
-            slots = self.manager.slots(seq_id, request.start_position, len(tokens), for_write=True)
+            self.gate.enter(request, pb.WriteKVResponse, tenant)  # fencing only: a write is idempotent
+            slots = self.manager.slots(seq_id, request.start_position, len(tokens), for_write=True, tenant=tenant)
             if tokens.nbytes <= INLINE_BYTES:
                 self.pool.write_slots(slots, tokens)
                 return response
@@ -165,14 +189,15 @@ class KVPoolServicer(SessionRpcs):
 
     def ReadKV(self, request: pb.ReadKVRequest, context: Any) -> pb.ReadKVResponse | Offload:
         seq_id, start = parse.seq_id(request.seq_id, "ReadKV"), request.start_position
+        tenant = caller().tenant_id
         with self.lock:
-            num_tokens = request.num_tokens or self.manager.num_tokens(seq_id) - start
+            num_tokens = request.num_tokens or self.manager.num_tokens(seq_id, tenant) - start
             if request.num_tokens == 0 and num_tokens == 0:
                 return pb.ReadKVResponse(data=b"", num_tokens=0)  # reading to the end, from the end
             self.wire.check_read(num_tokens)
             self.limits.check_reply(ENVELOPE_BYTES + num_tokens * self.wire.token_bytes, "ReadKV", context,
                                     self.wire.token_bytes, "tokens")
-            slots = self.manager.slots(seq_id, start, num_tokens)
+            slots = self.manager.slots(seq_id, start, num_tokens, tenant=tenant)
             if num_tokens * self.wire.token_bytes <= INLINE_BYTES:
                 return pb.ReadKVResponse(data=self.wire.encode(self.pool.read_slots(slots)), num_tokens=num_tokens)
         self.pins.pin(seq_id)
@@ -188,6 +213,7 @@ class KVPoolServicer(SessionRpcs):
 @dataclass
 class AppendStreamState:
     reply_limit: tuple[int, str]  # read once from the stream's metadata
+    tenant: int | None  # the caller's, read once at the stream's start
     num_messages: int = 0
 
 
@@ -207,13 +233,13 @@ class AppendTokenStream:
 
     def open(self, context: Any) -> AppendStreamState:
         self.num_open += 1
-        return AppendStreamState(self.servicer.limits.limit(context))
+        return AppendStreamState(self.servicer.limits.limit(context), caller().tenant_id)
 
     def message(self, state: AppendStreamState, request: pb.AppendTokenStreamRequest) -> pb.AppendTokenStreamResponse:
         s = self.servicer
         state.num_messages += 1
         return append(s.manager, s.pool, s.lock, s.gate, request, pb.AppendTokenStreamResponse, max_batch=s.max_batch,
-                      rpc="AppendTokenStream", limits=s.limits, limit=state.reply_limit)
+                      rpc="AppendTokenStream", limits=s.limits, limit=state.reply_limit, tenant=state.tenant)
 
     def close(self, state: AppendStreamState, reason: str) -> None:
         self.num_open -= 1

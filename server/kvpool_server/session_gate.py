@@ -34,11 +34,14 @@ class SessionGate:
         self.sessions = sessions
         self.replies = replies
 
-    def enter(self, request: Any, response_cls: type[R]) -> tuple[Key | None, R | None]:
-        """Renew the request's session (raising if it is not live) and find a first answer to replay."""
+    def enter(
+        self, request: Any, response_cls: type[R], tenant: int | None = None
+    ) -> tuple[Key | None, R | None]:
+        """Renew the request's session (raising if it is not live, or not ``tenant``'s when given) and find a first
+        answer to replay."""
         session_id = request.session_id
         if session_id:
-            self.sessions.renew(session_id)
+            self.sessions.renew(session_id, tenant)
         request_id = getattr(request, "request_id", 0)
         if not request_id:
             return None, None

@@ -20,7 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_server.auth import caller
 from kvpool_server.core import InvalidArgumentError, KVCacheManager
+from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.core.sessions import Session, SessionTable
 from kvpool_server.errors import DrainingError
 from kvpool_server.metrics import SessionGauges
@@ -47,15 +49,22 @@ class SessionRpcs:
 
     def open_session(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
         self.refuse_if_drained("OpenSession")
+        tenant = caller().tenant_id or 0
         with self.lock:
-            session = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0)
+            limit = self.manager.tenants.limits[tenant].max_sessions
+            if limit is not None and self.sessions.num_sessions(tenant) >= limit:
+                raise QuotaExceededError(f"tenant {self.manager.tenants.names[tenant]!r} quota max_sessions={limit} "
+                                         "(all open): close one first")
+            session = self.sessions.open(request.client_name, request.lease_ttl_ms / 1000.0, tenant)
         return pb.OpenSessionResponse(
             session_id=session.session_id, server_epoch=self.sessions.server_epoch,
             lease_ttl_ms=_ms(session.lease_ttl_s),
         )
 
     def close_session(self, request: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
+        tenant = caller().tenant_id
         with self.lock:
+            self.sessions.get(request.session_id, tenant)  # another tenant's: NOT_FOUND
             num_sequences, num_blocks = self.end_session(request.session_id, "closed")
         return pb.CloseSessionResponse(num_sequences_freed=num_sequences, num_blocks_freed=num_blocks)
 
@@ -117,7 +126,7 @@ class SessionRpcs:
         with self.lock:
             session: Session | None = state.get("session")
             if session is None:
-                session = self.sessions.stream_opened(request.session_id)
+                session = self.sessions.stream_opened(request.session_id, state.get("tenant"))
                 state["session"] = session
             else:
                 if request.session_id not in (0, session.session_id):
@@ -178,7 +187,7 @@ class KeepAlive:
         self.servicer = servicer
 
     def open(self, context: Any) -> dict[str, Any]:
-        return {}
+        return {"tenant": caller().tenant_id}
 
     def message(self, state: dict[str, Any], request: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
         return self.servicer.keep_alive_message(state, request)

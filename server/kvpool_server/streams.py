@@ -137,6 +137,7 @@ def stream_handler(
         loop = asyncio.get_running_loop()
         try:
             try:
+                call.authenticate(context, rpc)  # once, for the whole stream
                 entry = streams.open(rpc)
                 state = method.open(context)
                 while True:

@@ -145,7 +145,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "utilization", "num_tokens", "num_slots_unused", "internal_fragmentation", "num_blocks_shared", "num_copies", "num_sequences", "block_size", "block_bytes")
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "utilization", "num_tokens", "num_slots_unused", "internal_fragmentation", "num_blocks_shared", "num_copies", "num_sequences", "block_size", "block_bytes", "tenants")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class StatsResponse(_message.Message):
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_free: int
     num_blocks_used: int
@@ -170,7 +171,28 @@ class StatsResponse(_message.Message):
     num_sequences: int
     block_size: int
     block_bytes: int
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., utilization: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_slots_unused: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., num_blocks_shared: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., utilization: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_slots_unused: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., num_blocks_shared: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "num_sequences", "num_blocks", "num_sessions", "max_blocks", "max_sequences", "max_sessions", "reserved_blocks")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    num_sequences: int
+    num_blocks: int
+    num_sessions: int
+    max_blocks: int
+    max_sequences: int
+    max_sessions: int
+    reserved_blocks: int
+    def __init__(self, tenant: _Optional[str] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_sessions: _Optional[int] = ..., max_blocks: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_sessions: _Optional[int] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
 
 class GetBlockTableRequest(_message.Message):
     __slots__ = ("seq_id",)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError, OutOfBlocksError
+from kvpool_server.core.errors import (
+    InvalidArgumentError,
+    InvariantViolationError,
+    OutOfBlocksError,
+    QuotaExceededError,
+)
 
 # 0-d arrays of the ref counts' dtype: ``put`` of one of these costs less than of a Python int.
 _ONE, _ZERO = np.array(1, dtype=np.int32), np.array(0, dtype=np.int32)
@@ -44,6 +49,10 @@ class BlockAllocator:
         # Reversed so that block 0 is handed out first on a fresh pool.
         self._free_stack: np.ndarray = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self.num_free_blocks: int = num_blocks
+        # At most this many blocks may be taken by one allocation: the manager lowers it around one tenant's append
+        # (its quota) and puts it back; the check costs one compare when no quota is set.
+        self.budget: int = 1 << 62
+        self.budget_reason: str = ""
         self.num_shared_blocks: int = 0
 
     @property
@@ -51,9 +60,10 @@ class BlockAllocator:
         return self.num_blocks - self.num_free_blocks
 
     def allocate(self, num: int) -> np.ndarray:
-        """Take ``num`` free blocks, each with ref count 1. Raises OutOfBlocksError (changing nothing) if too few."""
-        if num > self.num_free_blocks:
-            raise OutOfBlocksError(f"need {num} free blocks, {self.num_free_blocks} of {self.num_blocks} are free")
+        """Take ``num`` free blocks, each with ref count 1. Raises OutOfBlocksError (changing nothing) if too few,
+        QuotaExceededError if more than ``budget``."""
+        if num > self.num_free_blocks or num > self.budget:
+            raise self._refusal(num)
         top = self.num_free_blocks
         block_ids = self._free_stack[top - num : top][::-1].copy()
         self.num_free_blocks = top - num
@@ -61,8 +71,8 @@ class BlockAllocator:
         return block_ids
 
     def allocate_one(self) -> int:
-        if self.num_free_blocks == 0:
-            raise OutOfBlocksError(f"need 1 free block, 0 of {self.num_blocks} are free")
+        if self.num_free_blocks == 0 or self.budget < 1:
+            raise self._refusal(1)
         self.num_free_blocks -= 1
         block_id = self._free_stack.item(self.num_free_blocks)
         self.ref_count[block_id] = 1
@@ -100,6 +110,11 @@ class BlockAllocator:
         freed = touched[after == 0]
         self._push(freed)
         return int(freed.size)
+
+    def _refusal(self, num: int) -> OutOfBlocksError:
+        if num > self.budget and num <= self.num_free_blocks:
+            return QuotaExceededError(f"need {num} blocks, over {self.budget_reason}")
+        return OutOfBlocksError(f"need {num} free blocks, {self.num_free_blocks} of {self.num_blocks} are free")
 
     def _push(self, block_ids: np.ndarray) -> None:
         top = self.num_free_blocks

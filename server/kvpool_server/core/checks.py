@@ -28,6 +28,31 @@ def check_invariants(manager: KVCacheManager) -> None:
             "(a row is in use iff a live sequence holds it)"
         )
     check_ownership(manager)
+    check_tenants(manager)
+
+
+def check_tenants(manager: KVCacheManager) -> None:
+    """The TenantLedger's invariants (see its module docstring)."""
+    ledger, tables = manager.tenants, manager.tables
+    rows = tables.rows_in_use()
+    owners = ledger.tenant_of_row[rows]
+    if np.count_nonzero(np.delete(ledger.tenant_of_row, rows)):
+        raise InvariantViolationError("a free sequence row still names a tenant")
+    if owners.size and not 0 <= owners.min() <= owners.max() < len(ledger.names):
+        raise InvariantViolationError("a live sequence row names an unknown tenant")
+    counted = np.bincount(owners, minlength=len(ledger.names)).tolist()
+    if counted != ledger.num_sequences:
+        raise InvariantViolationError(f"tenants' sequence counts {ledger.num_sequences} differ from {counted}")
+    if not manager.tenancy:
+        return  # every sequence is tenant 0's, and blocks are not counted per tenant
+    lengths = tables.num_tokens[rows]
+    held = np.arange(tables.max_blocks_per_seq) < tables.blocks_for(lengths)[:, None]
+    pairs = np.unique(np.stack([np.repeat(owners, held.sum(axis=1)), tables.table[rows][held]], axis=1), axis=0)
+    if np.unique(pairs[:, 1]).size != pairs.shape[0]:
+        raise InvariantViolationError("a block is held by sequences of two tenants")
+    blocks = np.bincount(pairs[:, 0], minlength=len(ledger.names)).tolist()
+    if blocks != ledger.num_blocks:
+        raise InvariantViolationError(f"tenants' block counts {ledger.num_blocks} differ from the tables' {blocks}")
 
 
 def check_ownership(manager: KVCacheManager) -> None:

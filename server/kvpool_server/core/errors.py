@@ -45,3 +45,8 @@ class SessionNotFoundError(KVPoolError, KeyError):
 
 class ServerRestartedError(SessionNotFoundError):
     """A session_id from an earlier start of the server: the restart lost that session and all its sequences."""
+
+
+class QuotaExceededError(OutOfBlocksError):
+    """A tenant's quota (max_blocks, max_sequences, max_sessions, or other tenants' reservations) refuses the request;
+    the message names the quota. Another tenant may still allocate."""

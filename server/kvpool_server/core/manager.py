@@ -11,7 +11,8 @@ from kvpool_server.core import checks
 from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
-from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id
+from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
+from kvpool_server.core.tenants import DEFAULT_TENANT, UNLIMITED, TenantLedger
 from kvpool_server.core.types import AppendPlan, PoolStats
 
 
@@ -35,6 +36,11 @@ class KVCacheManager:
     A sequence may belong to a session (``register``/``fork`` with a ``session_id``): ``seq_ids_of_session`` is
     what a session's end frees. Ownership lives here, beside the ids, in two dicts kept off the append path.
 
+    Every sequence belongs to a tenant (``tenants``, a ``TenantLedger``: an array entry per row). With ``tenancy``
+    on, the calls take the caller's ``tenant``: a sequence of another tenant is NOT_FOUND, exactly as one that does
+    not exist, and appends are budgeted by the tenant's quotas. ``tenant=None`` is a trusted caller (a session's
+    end, tests) that may name any tenant's sequences. With ``tenancy`` off every sequence is tenant 0's, unchecked.
+
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
     tables is in use iff the index names a live sequence that holds it; ``session_of_seq`` and
     ``seqs_of_session`` are the same relation read both ways, over live sequences only, with no empty set.
@@ -46,6 +52,7 @@ class KVCacheManager:
         block_size: int,
         max_seq_len: int | None = None,
         max_num_seqs: int = 4096,
+        tenancy: bool = False,
     ) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
@@ -59,6 +66,8 @@ class KVCacheManager:
         self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs, self.allocator)
         self.session_of_seq: dict[int, int] = {}  # seq_id -> session_id, for sequences that belong to a session
         self.seqs_of_session: dict[int, set[int]] = {}  # session_id -> its live seq_ids
+        self.tenancy: bool = tenancy
+        self.tenants: TenantLedger = TenantLedger(max_num_seqs)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -70,8 +79,11 @@ class KVCacheManager:
         """Copy-on-write copies planned so far."""
         return self.tables.num_copies
 
-    def register(self, seq_id: int | None = None, session_id: int = 0) -> int:
-        """Create an empty sequence (of ``session_id``, 0: none); the manager assigns the id unless one is given."""
+    def register(self, seq_id: int | None = None, session_id: int = 0, tenant: int | None = None) -> int:
+        """Create an empty sequence (of ``session_id``, 0: none; of ``tenant``, None: the default); the manager
+        assigns the id unless one is given."""
+        tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
+        self.tenants.check_new_sequences(tenant, 1)
         if seq_id is not None:
             if seq_id in self.index:
                 raise SequenceExistsError(f"sequence {seq_id} already exists")
@@ -81,9 +93,13 @@ class KVCacheManager:
             seq_id = self.index.new_server_id(row)
         self.index.add(seq_id, row)
         self._own([seq_id], session_id)
+        self.tenants.add_rows([row], tenant)
         return seq_id
 
-    def append(self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1) -> AppendPlan:
+    def append(
+        self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1,
+        tenant: int | None = None,
+    ) -> AppendPlan:
         """Append ``num_new_tokens`` (one count for all, or one per sequence) to one sequence or a batch, atomically.
 
         ``seq_ids`` is one id, or a non-empty sequence or uint64 array of distinct ids. Slots in
@@ -94,7 +110,37 @@ class KVCacheManager:
         counts = cast("int | np.ndarray", num_new_tokens)
         if num_new_tokens.__class__ is not int or counts < 1:  # an array of counts, or a count to refuse
             counts = self._counts(num_new_tokens, 1 if rows.__class__ is int else cast(np.ndarray, rows).size)
+        if self.tenancy:
+            return self._append_as(seq_ids, rows, counts, tenant)
         return self.tables.plan_append(rows, counts)
+
+    def _append_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
+                   tenant: int | None) -> AppendPlan:
+        """``append`` with tenancy on: every row must be ``tenant``'s (one gather, one compare), and the blocks it
+        may take are bounded by the tenant's budget (``TenantLedger.budget``), through the allocator."""
+        ledger = self.tenants
+        owners = ledger.tenant_of_row.take(rows)
+        if tenant is None:
+            tenant = int(owners if rows.__class__ is int else owners.item(0))
+        if np.count_nonzero(owners != tenant):
+            ids = np.atleast_1d(np.asarray(seq_ids, dtype=np.uint64))
+            raise not_live(int(ids[np.atleast_1d(owners) != tenant][0]))
+        allocator = self.allocator
+        if ledger.limited:
+            allocator.budget, allocator.budget_reason = ledger.budget(tenant, allocator.num_free_blocks)
+        try:
+            plan = self.tables.plan_append(rows, num_new_tokens)
+        finally:
+            allocator.budget = UNLIMITED
+        ledger.num_blocks[tenant] += plan.new_block_ids.size
+        return plan
+
+    def _row(self, seq_id: int, tenant: int | None) -> int:
+        """The row of a live sequence the caller (``tenant``) may see; another tenant's is NOT_FOUND."""
+        row = self.index.row(seq_id)
+        if tenant is not None and self.tenancy and self.tenants.tenant_of_row.item(row) != tenant:
+            raise not_live(seq_id)
+        return row
 
     def _rows(self, seq_ids: int | Sequence[int] | np.ndarray) -> int | np.ndarray:
         """The rows of distinct live ids: an intp array, or an int for one sequence (the tables plan it in scalars)."""
@@ -121,11 +167,13 @@ class KVCacheManager:
         return counts.item(0) if num_rows == 1 else counts
 
     def fork(
-        self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (), session_id: int = 0
+        self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (), session_id: int = 0,
+        tenant: int | None = None,
     ) -> list[int]:
         """Make children that share every block of the parent (ref counts go up, nothing is copied). The children
-        belong to ``session_id``, or (0) to the parent's session."""
-        parent_row = self.index.row(parent_seq_id)
+        belong to ``session_id``, or (0) to the parent's session, and always to the parent's tenant."""
+        parent_row = self._row(parent_seq_id, tenant)
+        parent_tenant = self.tenants.tenant_of_row.item(parent_row)
         child_seq_ids = list(child_seq_ids)
         if child_seq_ids:
             if num_children not in (0, len(child_seq_ids)):
@@ -141,6 +189,7 @@ class KVCacheManager:
             num_children = len(child_seq_ids)
         elif num_children < 1:
             raise InvalidArgumentError(f"num_children must be >= 1, got {num_children}")
+        self.tenants.check_new_sequences(parent_tenant, num_children)
         rows = self.tables.acquire_rows(num_children)
         if not child_seq_ids:
             child_seq_ids = [self.index.new_server_id(row) for row in rows]
@@ -148,20 +197,29 @@ class KVCacheManager:
         for seq_id, row in zip(child_seq_ids, rows):
             self.index.add(seq_id, row)
         self._own(child_seq_ids, session_id or self.session_of_seq.get(parent_seq_id, 0))
+        self.tenants.add_rows(rows, parent_tenant)
         return child_seq_ids
 
-    def free(self, seq_ids: int | Sequence[int]) -> int:
+    def free(self, seq_ids: int | Sequence[int], tenant: int | None = None) -> int:
         """Release sequences, all or none; blocks whose ref count reaches 0 are reusable at once.
 
-        Returns the number of blocks freed.
+        Returns the number of blocks freed (credited back to the tenants that held them).
         """
         ids = [seq_ids] if isinstance(seq_ids, int) else [int(s) for s in seq_ids]
         if not ids:
             raise InvalidArgumentError("free needs at least one seq_id")
-        rows = [self.index.row(seq_id) for seq_id in ids]
+        rows = [self._row(seq_id, tenant) for seq_id in ids]
         if len(rows) > 1 and len(set(rows)) != len(rows):
             raise InvalidArgumentError("free names a sequence twice")
-        num_freed = self.tables.release(rows)
+        owners = self.tenants.tenant_of_row[rows].tolist()
+        num_freed = 0
+        for owner in sorted(set(owners)):  # a block is never shared across tenants: each group frees its own
+            group = rows if len(owners) == 1 else [row for row, o in zip(rows, owners) if o == owner]
+            freed = self.tables.release(group)
+            if self.tenancy:
+                self.tenants.num_blocks[owner] -= freed
+            num_freed += freed
+        self.tenants.remove_rows(rows)
         for seq_id in ids:
             self.index.remove(seq_id)
         self._disown(ids)
@@ -197,9 +255,12 @@ class KVCacheManager:
             usage[session_id] = (len(seq_ids), int(np.unique(np.concatenate(blocks)).size) if blocks else 0)
         return usage
 
-    def sequence_infos(self, session_id: int | None = None) -> list[tuple[int, int, int, int]]:
-        """(seq_id, session_id, num_tokens, num_blocks) of every live sequence, or of one session's."""
+    def sequence_infos(self, session_id: int | None = None, tenant: int | None = None) -> list[tuple[int, int, int, int]]:
+        """(seq_id, session_id, num_tokens, num_blocks) of every live sequence, or of one session's; only
+        ``tenant``'s when given."""
         seq_ids = self.index.seq_ids() if session_id is None else self.seq_ids_of_session(session_id)
+        if tenant is not None:
+            seq_ids = [s for s in seq_ids if self.tenants.tenant_of_row.item(self.index.row(s)) == tenant]
         infos = []
         for seq_id in sorted(seq_ids):
             num_tokens = self.num_tokens(seq_id)
@@ -207,22 +268,24 @@ class KVCacheManager:
         return infos
 
     # ---------------------------------------------------------------- lookups
-    def num_tokens(self, seq_id: int) -> int:
+    def num_tokens(self, seq_id: int, tenant: int | None = None) -> int:
         """How many tokens the sequence holds."""
-        return self.tables.num_tokens.item(self.index.row(seq_id))
+        return self.tables.num_tokens.item(self._row(seq_id, tenant))
 
-    def block_table(self, seq_id: int) -> np.ndarray:
+    def block_table(self, seq_id: int, tenant: int | None = None) -> np.ndarray:
         """A copy of the sequence's block ids, logical order."""
-        row = self.index.row(seq_id)
+        row = self._row(seq_id, tenant)
         return self.tables.table[row, : self.tables.blocks_for(self.tables.num_tokens.item(row))].copy()
 
-    def slots(self, seq_id: int, start: int, count: int, for_write: bool = False) -> np.ndarray:
+    def slots(
+        self, seq_id: int, start: int, count: int, for_write: bool = False, tenant: int | None = None
+    ) -> np.ndarray:
         """Slots of tokens [start, start + count) of a sequence.
 
         With ``for_write``, every block touched must be this sequence's alone (ref count 1): writing into a shared
         block would change the other sequences' KV, so it raises FailedPreconditionError.
         """
-        row = self.index.row(seq_id)
+        row = self._row(seq_id, tenant)
         length = self.tables.num_tokens.item(row)
         if start < 0 or count < 1 or start + count > length:
             raise InvalidArgumentError(

@@ -28,7 +28,7 @@ def check_caller_seq_id(seq_id: int) -> int:
     return seq_id
 
 
-def _not_live(seq_id: int) -> SequenceNotFoundError:
+def not_live(seq_id: int) -> SequenceNotFoundError:
     return SequenceNotFoundError(f"sequence {seq_id} is not live (never registered, or freed)")
 
 
@@ -73,7 +73,7 @@ class SequenceIndex:
     def row(self, seq_id: int) -> int:
         row = self._row_of.get(seq_id)
         if row is None:
-            raise _not_live(seq_id)
+            raise not_live(seq_id)
         return row
 
     def rows(self, seq_ids: np.ndarray) -> np.ndarray:
@@ -84,7 +84,7 @@ class SequenceIndex:
             for i, seq_id in enumerate(seq_ids.tolist()):
                 row = self._row_of.get(seq_id)
                 if row is None:
-                    raise _not_live(seq_id)
+                    raise not_live(seq_id)
                 rows[i] = row
         if rows.size > 1 and self._repeats.any_repeated(rows):
             raise InvalidArgumentError("the batch names a sequence twice")

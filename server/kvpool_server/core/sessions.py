@@ -43,6 +43,7 @@ class Session:
     lease_ttl_s: float
     deadline: float  # on the table's monotonic clock
     num_keep_alive_streams: int = 0
+    tenant: int = 0  # the tenant that opened it (0 without authentication); other tenants cannot name it
 
 
 def new_server_epoch() -> int:
@@ -84,7 +85,7 @@ class SessionTable:
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
 
-    def open(self, client_name: str = "", lease_ttl_s: float = 0.0) -> Session:
+    def open(self, client_name: str = "", lease_ttl_s: float = 0.0, tenant: int = 0) -> Session:
         """A new session; ``lease_ttl_s`` 0 takes the default, anything above the maximum is capped."""
         if lease_ttl_s < 0:
             raise InvalidArgumentError(f"lease_ttl_ms must be >= 0, got {lease_ttl_s * 1000:g}")
@@ -93,15 +94,18 @@ class SessionTable:
         ttl = min(lease_ttl_s or self.default_ttl_s, self.max_ttl_s)
         session_id = self.server_epoch << 32 | self._next_number
         self._next_number += 1
-        session = Session(session_id, client_name, int(time.time() * 1000), ttl, self._clock() + ttl)
+        session = Session(session_id, client_name, int(time.time() * 1000), ttl, self._clock() + ttl, 0, tenant)
         self._sessions[session_id] = session
         return session
 
-    def get(self, session_id: int) -> Session:
-        """The live session ``session_id``; raises SessionNotFoundError (ServerRestartedError for an id of an
-        earlier start)."""
+    def num_sessions(self, tenant: int) -> int:
+        return sum(1 for s in self._sessions.values() if s.tenant == tenant)
+
+    def get(self, session_id: int, tenant: int | None = None) -> Session:
+        """The live session ``session_id`` (of ``tenant``, when given: another tenant's is not found); raises
+        SessionNotFoundError (ServerRestartedError for an id of an earlier start)."""
         session = self._sessions.get(session_id)
-        if session is not None:
+        if session is not None and (tenant is None or session.tenant == tenant):
             return session
         epoch = session_id >> 32
         if epoch != self.server_epoch and 0 < epoch < 2**32:
@@ -111,18 +115,18 @@ class SessionTable:
             )
         raise SessionNotFoundError(f"session {session_id} is not live (never opened, closed, or its lease expired)")
 
-    def renew(self, session_id: int) -> Session:
+    def renew(self, session_id: int, tenant: int | None = None) -> Session:
         """Push the lease deadline a full TTL ahead (a heartbeat, or any call naming the session)."""
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         session.deadline = self._clock() + session.lease_ttl_s
         return session
 
     def remaining_s(self, session: Session) -> float:
         return max(0.0, session.deadline - self._clock())
 
-    def close(self, session_id: int) -> Session:
+    def close(self, session_id: int, tenant: int | None = None) -> Session:
         """Forget the session (the caller frees its sequences)."""
-        session = self.get(session_id)
+        session = self.get(session_id, tenant)
         del self._sessions[session_id]
         return session
 
@@ -131,8 +135,8 @@ class SessionTable:
         now = self._clock()
         return [s for s in self._sessions.values() if s.deadline <= now]
 
-    def stream_opened(self, session_id: int) -> Session:
-        session = self.renew(session_id)
+    def stream_opened(self, session_id: int, tenant: int | None = None) -> Session:
+        session = self.renew(session_id, tenant)
         session.num_keep_alive_streams += 1
         return session
 

@@ -1,0 +1,124 @@
+"""Where the server listens and how the transport is protected: TLS / mutual TLS on TCP, the unix socket's mode.
+
+    --address HOST:PORT        TCP. A non-loopback HOST needs --auth-tokens or --tls-cert, or an explicit
+                               --insecure (logged as a warning): no one binds the pool to a network by accident.
+    --tls-cert/--tls-key       TLS on the TCP address (PEM files); --tls-client-ca CA.pem: mutual TLS, a client
+                               must present a certificate that CA signed (another CA's is refused in the handshake).
+    --unix-socket PATH         created mode 0600 (the server's uid only); --unix-socket-group G: 0660, group G.
+                               The unix socket is never TLS: its file mode is its access control.
+"""
+
+from __future__ import annotations
+
+import grp
+import ipaddress
+import os
+import socket
+from typing import TYPE_CHECKING
+
+import grpc
+
+if TYPE_CHECKING:
+    from kvpool_server.config import ServerConfig
+
+
+class TransportError(Exception):
+    """A listening or TLS setting that cannot work (config.py turns it into a ConfigError)."""
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_transport(config: ServerConfig) -> None:
+    """Raise TransportError for TLS files given half-way, or a network address left open without --insecure."""
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise TransportError("--tls-cert and --tls-key go together")
+    if config.tls_client_ca and not config.tls_cert:
+        raise TransportError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"):
+        path = getattr(config, name)
+        if path and not os.path.isfile(path):
+            raise TransportError(f"--{name.replace('_', '-')} {path}: no such file")
+    if config.address and not is_loopback(config.address.rsplit(":", 1)[0]) and not config.insecure:
+        if not (config.auth_tokens or config.tls_cert):
+            raise TransportError(
+                f"--address {config.address} is reachable from other hosts, and there is neither --auth-tokens nor "
+                "--tls-cert: anyone there could free or read every sequence. Add authentication and TLS "
+                "(docs/security.md), listen on 127.0.0.1 or a unix socket, or pass --insecure to accept that"
+            )
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert:
+        return None
+    with open(config.tls_key, "rb") as f:  # type: ignore[arg-type]
+        key = f.read()
+    with open(config.tls_cert, "rb") as f:
+        cert = f.read()
+    client_ca = None
+    if config.tls_client_ca:
+        with open(config.tls_client_ca, "rb") as f:
+            client_ca = f.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def bind(server: grpc.aio.Server, config: ServerConfig, startup_error: type[Exception]) -> int | None:
+    port = None
+    if config.address:
+        port = _add_port(server, config.address, server_credentials(config), startup_error)
+    if config.unix_socket:
+        _check_unix_socket_free(config.unix_socket, startup_error)
+        old = os.umask(0o177)  # the socket file is born 0600: no window in which others may connect
+        try:
+            _add_port(server, f"unix:{config.unix_socket}", None, startup_error)
+        finally:
+            os.umask(old)
+        _set_socket_access(config.unix_socket, config.unix_socket_group, startup_error)
+    return port
+
+
+def _set_socket_access(path: str, group: str, startup_error: type[Exception]) -> None:
+    if not group:
+        os.chmod(path, 0o600)
+        return
+    try:
+        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+    except (KeyError, PermissionError) as exc:
+        raise startup_error(f"--unix-socket-group {group}: {exc}") from exc
+    os.chmod(path, 0o660)
+
+
+def _add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None,
+              startup_error: type[Exception]) -> int:
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # grpcio raises when the bind fails
+        raise startup_error(f"cannot listen on {address}: {exc} (address in use? another kvpool-server?)") from exc
+    if port == 0 and not address.startswith("unix:"):
+        raise startup_error(f"cannot listen on {address} (address in use? another kvpool-server?)")
+    return port
+
+
+def _check_unix_socket_free(path: str, startup_error: type[Exception]) -> None:
+    """gRPC unlinks an existing socket file before binding; refuse instead if a server still answers there."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # a stale file: gRPC replaces it
+    finally:
+        probe.close()
+    raise startup_error(f"cannot listen on unix:{path}: another server is listening there")
