@@ -328,7 +328,7 @@ def bench_model(address: str, results: dict, steps: int = 10, prompt_len: int = 
 
     config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                      head_dim=128, max_position_embeddings=8192, rope_theta=500000.0,
+                                      head_dim=128, max_position_embeddings=8192,
                                       attn_implementation="sdpa", initializer_range=0.02)
     torch.set_default_dtype(torch.float16)
     t0 = time.perf_counter()
