@@ -321,7 +321,9 @@ def bench_model(address: str, results: dict, steps: int = 10, prompt_len: int = 
     one token for each of B sequences, with its KV in kvpool (``KVPoolLlama``: Append + BlockTable RPCs, per-layer
     ``write_layer``, Triton paged decode) vs the same model with its own dense ``DynamicCache``; same batch,
     same prompt length, a synchronize after every step. The kvpool step's RPCs and KV writes are timed inside it
-    (host wall time of the calls: the step is host-bound at these sizes, so that is what they add)."""
+    (host wall time of the calls: the step is host-bound at these sizes, so that is what they add). The client's
+    ``append`` and ``block_table`` count as RPCs (the integration keeps block tables from Append replies, so a
+    known sequence costs no BlockTable call)."""
     import transformers
 
     from kvpool_client.integrations.hf_llama import KVPoolLlama
@@ -336,7 +338,7 @@ def bench_model(address: str, results: dict, steps: int = 10, prompt_len: int = 
         model = transformers.LlamaForCausalLM(config).eval()
     torch.set_default_dtype(torch.float32)
     print(f"random Llama-3-8B on the GPU in {time.perf_counter() - t0:.1f} s", flush=True)
-    spent = {"rpc": 0.0, "write": 0.0}
+    spent = {"rpc": 0.0, "write": 0.0, "rpc_calls": 0}
 
     def timed(fn, key):
         def call(*a, **k):
@@ -345,6 +347,7 @@ def bench_model(address: str, results: dict, steps: int = 10, prompt_len: int = 
                 return fn(*a, **k)
             finally:
                 spent[key] += time.perf_counter() - t
+                spent[key + "_calls"] = spent.get(key + "_calls", 0) + 1
         return call
 
     out = {}
@@ -373,22 +376,23 @@ def bench_model(address: str, results: dict, steps: int = 10, prompt_len: int = 
                 runner.forward(seqs[i : i + 16], prompt[i : i + 16])
             paged, rpc, write = [], [], []
             for i in range(steps + 3):
-                spent["rpc"] = spent["write"] = 0.0
+                spent["rpc"] = spent["write"] = spent["rpc_calls"] = 0
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 runner.forward(seqs, tokens[i])
                 torch.cuda.synchronize()
                 paged.append(time.perf_counter() - t)
                 rpc.append(spent["rpc"])
+                calls = spent["rpc_calls"]
                 write.append(spent["write"])
             client.free(seqs)
             td, tp = statistics.median(dense[3:]), statistics.median(paged[3:])
             tr, tw = statistics.median(rpc[3:]), statistics.median(write[3:])
             out[batch] = {"dense_step_s": td, "kvpool_step_s": tp, "rpc_s": tr, "write_s": tw,
-                          "overhead_share": (tr + tw) / tp, "context": prompt_len + 3 + steps}
+                          "overhead_share": (tr + tw) / tp, "context": prompt_len + 3 + steps, "rpcs_per_step": calls}
             print(f"model step, batch {batch}, context ~{prompt_len}: dense cache {td * 1e3:.2f} ms, kvpool "
-                  f"{tp * 1e3:.2f} ms ({tp / td:.2f}x); in the kvpool step: RPCs {tr * 1e3:.2f} ms (Append + "
-                  f"{batch} BlockTable), write_layer calls {tw * 1e3:.2f} ms (32 layers) = "
+                  f"{tp * 1e3:.2f} ms ({tp / td:.2f}x); in the kvpool step: RPCs {tr * 1e3:.2f} ms ({calls} "
+                  f"call(s)), write_layer calls {tw * 1e3:.2f} ms (32 layers) = "
                   f"{(tr + tw) / tp:.1%} of the step", flush=True)
     results["model"] = out
     del model, runner
