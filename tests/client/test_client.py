@@ -241,9 +241,9 @@ def test_mutations_of_a_session_are_retried_with_the_same_request_id(connect, tm
     seen: list = []
 
     class Recording(FlakyRpc):
-        def __call__(self, request, timeout=None):
+        def __call__(self, request, timeout=None, metadata=None):
             seen.append(request.SerializeToString())
-            return super().__call__(request, timeout)
+            return super().__call__(request, timeout, metadata)
 
     calls = {"RegisterSequence": (client.register, pb.RegisterSequenceResponse(seq_id=5)),
              "AppendToken": (lambda: client.append(5, 2), pb.AppendTokenResponse(slot_mapping=[0, 1])),
