@@ -254,7 +254,7 @@ def bench_attention(pool, results: dict, rows: list, quick: bool = False) -> Non
 def bench_copy(kv_layout: str, rows: list, results: dict) -> None:
     """The copy-on-write kernel in this process (a GpuPool of 4096 Llama-3-8B blocks, 8 GiB): c random distinct
     (src, dst) pairs, sources in one half, destinations in the other; vs one memcpy of the same bytes."""
-    from kvpool.layout import KVLayout
+    from kvpool.layout import KVLayout, blocks_view
     from kvpool_server.device.gpu_pool import GpuPool
 
     layout = KVLayout(32, 8, 128, 16, "float16", kv_layout)
@@ -270,18 +270,133 @@ def bench_copy(kv_layout: str, rows: list, results: dict) -> None:
             m = memcpy_time(c * layout.block_bytes, stream)
             rows.append((f"copy_blocks c={c} ({spans} x {span_bytes // 1024} KiB spans)", c * layout.block_bytes, t, m))
             results[f"copy_{c}"] = {"bytes": c * layout.block_bytes, "copy_s": t, "memcpy_s": m, "spans": spans}
-        # correctness of the kernel as the server runs it (validate, upload, launch, sync)
-        flat = cupy.random.randint(0, 255, gp.pool_bytes, dtype=cupy.uint8)
-        from kvpool.layout import storage_of
-
-        storage_of(gp.blocks, layout).reshape(-1).view(cupy.uint8)[...] = flat
+        # correctness of the kernel as the server runs it (validate, upload, launch, sync), bit for bit over the
+        # whole pool. Compared as integers: random bytes seen as float16 hold NaNs (NaN != NaN), which is why the
+        # check used to print False for a correct copy.
+        stream.synchronize()
         cupy.cuda.Device().synchronize()
+        words = gp.pool_bytes // 8  # the pool itself, not a copy: one raw uint64 view of the allocation
+        raw = cupy.ndarray((words,), dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(gp._mem, 0))
+        _fill_hash(raw)
         pairs = np.stack([rng.permutation(half)[:64], half + rng.permutation(half)[:64]], 1)
         before = [cupy.asnumpy(gp.blocks[int(s)]) for s in pairs[:, 0]]  # basic indexing: a view of one block
+        differ = all(not np.array_equal(cupy.asnumpy(gp.blocks[int(d)]).view(np.uint16), b.view(np.uint16))
+                     for d, b in zip(pairs[:, 1], before))
         gp.copy_blocks(pairs)
-        results["copy_ok"] = all(np.array_equal(cupy.asnumpy(gp.blocks[int(d)]), b)
-                                 for d, b in zip(pairs[:, 1], before))
-        print(f"copy_blocks ({kv_layout}) correct: {results['copy_ok']}", flush=True)
+        after = [cupy.asnumpy(gp.blocks[int(d)]) for d in pairs[:, 1]]
+        float_eq = all(np.array_equal(a, b) for a, b in zip(after, before))  # the old check
+        blocks_ok = all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(after, before))
+        expected = cupy.empty(words, dtype=cupy.uint64)  # the whole pool as it must be: the fill, then the copies
+        _fill_hash(expected)
+        exp_blocks = blocks_view(expected.view(layout.storage_dtype), layout, gp.num_blocks)
+        exp_blocks[cupy.asarray(pairs[:, 1])] = exp_blocks[cupy.asarray(pairs[:, 0])]
+        pool_ok = bool(cupy.array_equal(raw, expected))
+        nans = int(cupy.isnan(gp.blocks[0]).sum())
+        del expected, exp_blocks, raw
+        results["copy_ok"] = bool(differ and blocks_ok and pool_ok)
+        results["copy_check"] = {"dst_differed_before": differ, "blocks_bitwise": blocks_ok, "whole_pool": pool_ok,
+                                 "float_compare": float_eq, "nans_in_block0": nans}
+        print(f"copy_blocks ({kv_layout}) correct: {results['copy_ok']} (64 pairs; destinations differed before: "
+              f"{differ}; copied blocks bit-identical: {blocks_ok}; whole {gp.pool_bytes >> 30} GiB pool as "
+              f"expected: {pool_ok}; the old float compare: {float_eq}, {nans} NaN halves in block 0)", flush=True)
+
+
+_HASH = None
+
+
+def _fill_hash(words) -> None:
+    """words[i] = a 64-bit hash of i (splitmix64): every byte of the pool distinct-looking, reproducible."""
+    global _HASH
+    if _HASH is None:
+        _HASH = cupy.ElementwiseKernel(
+            "", "uint64 w",
+            "unsigned long long z = (unsigned long long)i * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;"
+            "z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull; z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;"
+            "w = z ^ (z >> 31);", "kvpool_fill_hash")
+    _HASH(words)
+
+
+def bench_model(address: str, results: dict, steps: int = 10, prompt_len: int = 512) -> None:
+    """The integration's per-step overhead: a random Llama-3-8B (HF ``LlamaForCausalLM``, fp16, SDPA) decoding
+    one token for each of B sequences, with its KV in kvpool (``KVPoolLlama``: Append + BlockTable RPCs, per-layer
+    ``write_layer``, Triton paged decode) vs the same model with its own dense ``DynamicCache``; same batch,
+    same prompt length, a synchronize after every step. The kvpool step's RPCs and KV writes are timed inside it
+    (host wall time of the calls: the step is host-bound at these sizes, so that is what they add). The client's
+    ``append`` and ``block_table`` count as RPCs (the integration keeps block tables from Append replies, so a
+    known sequence costs no BlockTable call)."""
+    import transformers
+
+    from kvpool_client.integrations.hf_llama import KVPoolLlama
+
+    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                      head_dim=128, max_position_embeddings=8192,
+                                      attn_implementation="sdpa", initializer_range=0.02)
+    torch.set_default_dtype(torch.float16)
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    print(f"random Llama-3-8B on the GPU in {time.perf_counter() - t0:.1f} s", flush=True)
+    spent = {"rpc": 0.0, "write": 0.0, "rpc_calls": 0}
+
+    def timed(fn, key):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+                spent[key + "_calls"] = spent.get(key + "_calls", 0) + 1
+        return call
+
+    out = {}
+    with KVPoolClient(address) as client:
+        runner = KVPoolLlama(model, client)
+        client.append = timed(client.append, "rpc")
+        client.block_table = timed(client.block_table, "rpc")
+        runner.pool.write_layer = timed(runner.pool.write_layer, "write")
+        gen = torch.Generator().manual_seed(0)
+        for batch in (1, 16, 64):
+            prompt = torch.randint(0, 128256, (batch, prompt_len), generator=gen)
+            tokens = torch.randint(0, 128256, (steps + 3, batch, 1), generator=gen)
+            with torch.no_grad():  # dense: the model's own cache
+                cache = transformers.DynamicCache()
+                model(input_ids=prompt.cuda(), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                dense = []
+                for i in range(steps + 3):
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    model(input_ids=tokens[i].cuda(), past_key_values=cache, use_cache=True)
+                    torch.cuda.synchronize()
+                    dense.append(time.perf_counter() - t)
+                del cache
+            seqs = [client.register() for _ in range(batch)]
+            for i in range(0, batch, 16):  # prefill 16 at a time (all positions' logits come back)
+                runner.forward(seqs[i : i + 16], prompt[i : i + 16])
+            paged, rpc, write = [], [], []
+            for i in range(steps + 3):
+                spent["rpc"] = spent["write"] = spent["rpc_calls"] = 0
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                runner.forward(seqs, tokens[i])
+                torch.cuda.synchronize()
+                paged.append(time.perf_counter() - t)
+                rpc.append(spent["rpc"])
+                calls = spent["rpc_calls"]
+                write.append(spent["write"])
+            client.free(seqs)
+            td, tp = statistics.median(dense[3:]), statistics.median(paged[3:])
+            tr, tw = statistics.median(rpc[3:]), statistics.median(write[3:])
+            out[batch] = {"dense_step_s": td, "kvpool_step_s": tp, "rpc_s": tr, "write_s": tw,
+                          "overhead_share": (tr + tw) / tp, "context": prompt_len + 3 + steps, "rpcs_per_step": calls}
+            print(f"model step, batch {batch}, context ~{prompt_len}: dense cache {td * 1e3:.2f} ms, kvpool "
+                  f"{tp * 1e3:.2f} ms ({tp / td:.2f}x); in the kvpool step: RPCs {tr * 1e3:.2f} ms ({calls} "
+                  f"call(s)), write_layer calls {tw * 1e3:.2f} ms (32 layers) = "
+                  f"{(tr + tw) / tp:.1%} of the step", flush=True)
+    results["model"] = out
+    del model, runner
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -290,26 +405,30 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=int, default=66)
     parser.add_argument("--kv-layout", choices=("block-major", "layer-major"), default="block-major")
     parser.add_argument("--quick", action="store_true", help="no latency loops, fewer sizes and attention configs")
-    parser.add_argument("--sections", default="moves,attention,copy", help="comma-separated: moves,attention,copy")
+    parser.add_argument("--sections", default="moves,attention,copy",
+                        help="comma-separated: moves,attention,copy,model (model: the integration's step overhead)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    proc, address = start_server(args.pool_gib, args.kv_layout)
     rows: list = []
     results: dict = {}
-    try:
-        with KVPoolClient(address) as client:
-            client.wait_until_serving(60)
-            pool = client.attach()
-            print(f"attached {pool.num_blocks} blocks of {pool.layout.block_bytes} B ({pool.layout.kv_layout}) by "
-                  "CUDA IPC", flush=True)
-            if "moves" in sections:
-                bench_moves(pool, rows, results, args.quick)
-            if "attention" in sections:
-                bench_attention(pool, results, rows, args.quick)
-            pool.close()
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    if sections & {"moves", "attention", "model"}:
+        proc, address = start_server(args.pool_gib, args.kv_layout)
+        try:
+            with KVPoolClient(address) as client:
+                client.wait_until_serving(60)
+                pool = client.attach()
+                print(f"attached {pool.num_blocks} blocks of {pool.layout.block_bytes} B ({pool.layout.kv_layout}) "
+                      "by CUDA IPC", flush=True)
+                if "moves" in sections:
+                    bench_moves(pool, rows, results, args.quick)
+                if "attention" in sections:
+                    bench_attention(pool, results, rows, args.quick)
+                pool.close()
+            if "model" in sections:
+                bench_model(address, results)
+        finally:
+            proc.terminate()
+            proc.wait(30)
     if "copy" in sections:
         bench_copy(args.kv_layout, rows, results)
     if args.json:

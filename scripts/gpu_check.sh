@@ -41,7 +41,12 @@ if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAtt
     step "GPU tests, both layouts (device ops + copy kernel, client kernels, FlexAttention, Llama on the GPU)" \
         bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs \
             tests/device/test_device_pool_ops.py tests/device/test_device_gpu.py tests/client/test_kernels_gpu.py \
-            tests/client/test_flex_paged.py tests/client/test_integration_llama.py -k 'not cpu' 2>&1 | tee $OUT/datapath2_tests.log"
+            tests/client/test_flex_paged.py tests/client/test_integration_llama.py -k 'not cpu and not share_one_server' 2>&1 | tee $OUT/datapath2_tests.log"
+    step "3 frontend processes, each its own Llama, greedy + beam search at once against one server (sessions)" \
+        bash -c "set -o pipefail; timeout ${T_PROCS:-150} python3 -m pytest -q -p no:cacheprovider -rs -s \
+            tests/client/test_integration_llama.py -k share_one_server 2>&1 | tee $OUT/datapath2_processes.log"
+    step "the integration's per-step overhead (random Llama-3-8B, batch 1/16/64, kvpool vs its own dense cache)" \
+        bash -c "set -o pipefail; timeout ${T_MODEL:-150} python3 benchmarks/bench_datapath.py --sections model --json $OUT/datapath_model.json 2>&1 | tee $OUT/bench_model.log"
     for kvl in layer-major block-major; do
         step "data-path benchmark, $kvl (quick: moves, Triton + FlexAttention decode, copy kernel)" \
             bash -c "set -o pipefail; timeout ${T_BENCH:-100} python3 benchmarks/bench_datapath.py --quick --kv-layout $kvl --json $OUT/datapath_$kvl.json 2>&1 | tee $OUT/bench_$kvl.log"

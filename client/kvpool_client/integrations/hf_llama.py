@@ -4,7 +4,7 @@ from the pool through block tables, beams forked on the server (copy-on-write).
     prompt  --register + append(P)-->  slots          the server allocates blocks, the model writes K/V:
     forward(prompt)  each layer:  pool.write_layer(layer, slots, k, v)      (one kernel, the torch stream)
                                   paged_prefill_attention(q, K_l, V_l, block_table, seq_len)
-    step    --append(seqs, 1)-->  slots, block tables (copy-on-write already done by the server)
+    step    --append(seqs, 1)-->  slots (copy-on-write already done by the server); block tables kept here from them
     forward(tokens)  each layer:  pool.write_layer(...);  paged_decode_attention(q, K_l, V_l, tables, lens)
     beam    --fork(parent, k)-->  children share every block; the next append copies the shared last block
 
@@ -98,6 +98,7 @@ class KVPoolLlama:
             raise ValueError(f"the server's layout {self.pool.layout} does not hold this model's KV ({expected})")
         whole = torch_views.blocks(self.pool)
         self.kv = [torch_views.layer_kv(self.pool, layer, whole) for layer in range(self.pool.layout.num_layers)]
+        self._known: dict[int, tuple[list[int], int]] = {}  # seq -> (block ids, tokens), from Append replies
 
     @contextlib.contextmanager
     def _attention(self, step: _Step) -> Iterator[None]:
@@ -111,35 +112,70 @@ class KVPoolLlama:
             _ACTIVE.reset(token)
             config._attn_implementation = previous
 
-    def _tables(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        tables = [self.client.block_table(s) for s in seq_ids]
-        width = max(len(t.block_ids) for t in tables)
+    def _tables(self, seq_ids: list[int], slots: np.ndarray, q_len: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 list[int]]:
+        """Block tables and lengths after an Append of ``q_len`` tokens to each of ``seq_ids`` (``slots`` its
+        reply). Kept here, not asked for: token ``pos`` lives in block ``slots // block_size``, so the reply names
+        every block that changed (new blocks, and a shared last block replaced by its copy-on-write copy); the
+        blocks before are the sequence's own and never move. One BlockTable RPC only for a sequence not seen yet
+        (registered elsewhere, or forked from one not seen)."""
+        bs = self.pool.layout.block_size
+        for i, seq in enumerate(seq_ids):
+            table = self._known.get(seq)
+            if table is None:
+                t = self.client.block_table(seq)
+                self._known[seq] = ([int(b) for b in t.block_ids], int(t.num_tokens))
+                continue
+            blocks, n = table
+            for j, slot in enumerate(slots[i * q_len : (i + 1) * q_len].tolist()):
+                idx = (n + j) // bs
+                if idx == len(blocks):
+                    blocks.append(slot // bs)
+                else:
+                    blocks[idx] = slot // bs
+            self._known[seq] = (blocks, n + q_len)
+        tables = [self._known[s] for s in seq_ids]
+        width = max(len(b) for b, _ in tables)
         padded = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            padded[i, : len(t.block_ids)] = t.block_ids
-        lens = [int(t.num_tokens) for t in tables]
+        for i, (b, _) in enumerate(tables):
+            padded[i, : len(b)] = b
+        lens = [n for _, n in tables]
         return (torch.from_numpy(padded).to(self.device), torch.tensor(lens, dtype=torch.int32, device=self.device),
                 lens)
 
     @torch.no_grad()
     def forward(self, seq_ids: list[int], input_ids: torch.Tensor) -> torch.Tensor:
-        """Append ``input_ids`` [B, S] to sequences ``seq_ids`` (same S each) and return their logits [B, S, V]."""
+        """Append ``input_ids`` [B, S] to sequences ``seq_ids`` (same S each) and return their logits [B, S, V].
+        One RPC (Append) per call once the sequences are known here."""
         batch, q_len = input_ids.shape
         result = self.client.append(seq_ids, q_len)
-        slots = torch.from_numpy(np.asarray(result.slot_mapping, dtype=np.int64)).to(self.device)
-        tables, lens, lens_host = self._tables(seq_ids)
+        host_slots = np.asarray(result.slot_mapping, dtype=np.int64)
+        slots = torch.from_numpy(host_slots).to(self.device)
+        tables, lens, lens_host = self._tables(seq_ids, host_slots, q_len)
         positions = torch.tensor([[n - q_len + i for i in range(q_len)] for n in lens_host], device=self.device)
         step = _Step(self.pool, self.kv, slots, tables, lens, lens_host)
         with self._attention(step):
             out = self.model(input_ids=input_ids.to(self.device), position_ids=positions, use_cache=False)
         return out.logits
 
+    def register(self) -> int:
+        seq = self.client.register()
+        self._known[seq] = ([], 0)
+        return seq
+
     def fork(self, parent: int, num_children: int) -> list[int]:
-        return self.client.fork(parent, num_children) if num_children else []
+        children = self.client.fork(parent, num_children) if num_children else []
+        if parent in self._known:  # children share every block of the parent until they append
+            blocks, n = self._known[parent]
+            for child in children:
+                self._known[child] = (list(blocks), n)
+        return children
 
     def free(self, seq_ids: list[int]) -> None:
         if seq_ids:
             self.client.free(seq_ids)
+            for seq in seq_ids:
+                self._known.pop(seq, None)
 
 
 # --- decoding: one algorithm, two KV stores (the pool, or transformers' dense recompute as the reference) -------
@@ -152,7 +188,7 @@ class PagedBeams:
         self.seqs: list[int] = []
 
     def start(self, prompt: torch.Tensor) -> torch.Tensor:
-        seq = self.runner.client.register()
+        seq = self.runner.register()
         self.seqs = [seq]
         return self.runner.forward([seq], prompt[None])[0, -1]
 
