@@ -29,6 +29,7 @@ from kvpool_client.types import (
     PoolStats,
     SequenceInfo,
     SessionInfo,
+    TenantUsage,
 )
 
 __all__ = [
@@ -54,5 +55,6 @@ __all__ = [
     "ServerRestartedError",
     "SessionInfo",
     "SessionLostError",
+    "TenantUsage",
     "UnavailableError",
 ]

@@ -23,6 +23,7 @@ from kvpool_client.types import (
     PoolStats,
     SequenceInfo,
     SessionInfo,
+    TenantUsage,
 )
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -134,7 +135,9 @@ def sequence_info(r: pb.SequenceInfo) -> SequenceInfo:
 
 # ---------------------------------------------------------------- reads
 def pool_stats(r: pb.StatsResponse) -> PoolStats:
-    return PoolStats(**{f.name: getattr(r, f.name) for f in fields(PoolStats)})
+    tenants = tuple(TenantUsage(**{f.name: getattr(t, f.name) for f in fields(TenantUsage)}) for t in r.tenants)
+    return PoolStats(**{f.name: getattr(r, f.name) for f in fields(PoolStats) if f.name != "tenants"},
+                     tenants=tenants)
 
 
 def block_table(r: pb.GetBlockTableResponse) -> BlockTable:

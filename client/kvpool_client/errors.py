@@ -69,6 +69,10 @@ class ResourceExhaustedError(KVPoolClientError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class QuotaExceededError(ResourceExhaustedError):
+    """The caller's tenant is at one of its quotas (the message names it); other tenants may still allocate."""
+
+
 class FailedPreconditionError(KVPoolClientError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -126,7 +130,7 @@ def from_rpc_error(error: grpc.RpcError, method: str = "") -> KVPoolClientError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
     cls = ERROR_FOR_CODE.get(code, UnknownError)
-    if code is grpc.StatusCode.NOT_FOUND:
+    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED):
         cls = REASONS.get(_reason(error), cls)
     return cls(details, code=code, method=method)
 
@@ -135,6 +139,7 @@ def from_rpc_error(error: grpc.RpcError, method: str = "") -> KVPoolClientError:
 REASONS: dict[str, type[KVPoolClientError]] = {
     "session-not-found": SessionLostError,
     "server-restarted": ServerRestartedError,
+    "quota-exceeded": QuotaExceededError,
 }
 
 

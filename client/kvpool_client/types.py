@@ -63,6 +63,20 @@ class BlockTable:
 
 
 @dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's share of the pool and its quotas (0: no limit), as Stats reports it."""
+
+    tenant: str
+    num_sequences: int
+    num_blocks: int  # distinct blocks its sequences hold
+    num_sessions: int
+    max_blocks: int
+    max_sequences: int
+    max_sessions: int
+    reserved_blocks: int
+
+
+@dataclass(frozen=True)
 class PoolStats:
     """Pool occupancy, as StatsResponse reports it (see the proto for each field)."""
 
@@ -78,6 +92,8 @@ class PoolStats:
     num_sequences: int
     block_size: int
     block_bytes: int
+    # The caller's own tenant (a frontend token) or every tenant (admin); empty on a server without --auth-tokens
+    tenants: tuple[TenantUsage, ...] = ()
 
     @property
     def bytes_used(self) -> int:

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from kvpool_client.loadgen.tenants import render_tenants
+
 
 class ProgressBar:
     """``[#####.....]  42/100 completions  12,345 tokens  3.1 s`` redrawn at most 10 times a second."""
@@ -53,6 +55,12 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
+def _invariants(end: dict[str, Any]) -> str:
+    if not end.get("invariants_checked", True):
+        return "not checked (CheckInvariants needs --admin-token)"
+    return "ok" if end["invariants_ok"] else "VIOLATED: " + end.get("invariants_error", "")
+
+
 def render(summary: dict[str, Any]) -> str:
     """The dashboard as text."""
     cfg, run, ver, mem = summary["config"], summary["run"], summary["verification"], summary["memory"]
@@ -98,6 +106,9 @@ def render(summary: dict[str, Any]) -> str:
             f"{share['peak_blocks_without_sharing']:,} blocks)",
             f"          forks {share['forks']:,}   copy-on-write copies {share['copies']:,}",
         ]
+    tenant_lines = render_tenants(summary.get("tenants") or {})
+    if tenant_lines:
+        lines += ["-" * 78, *tenant_lines]
     lines += ["-" * 78, " RPC latency (ms)          count      p50      p99"]
     for name, row in lat.items():
         if row["count"]:
@@ -106,7 +117,7 @@ def render(summary: dict[str, Any]) -> str:
     lines += [
         "-" * 78,
         f" at the end: {end['blocks_used']} blocks used, {end['sequences']} sequences; invariants "
-        f"{'ok' if end['invariants_ok'] else 'VIOLATED: ' + end.get('invariants_error', '')}",
+        f"{_invariants(end)}",
     ]
     if ver["messages"]:
         lines += [" verification failures:"] + [f"   {m}" for m in ver["messages"]]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import queue
 import sys
 import time
@@ -20,87 +19,27 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import InternalError, KVPoolClientError
 from kvpool_client.loadgen import metrics, preflight
+from kvpool_client.loadgen import tenants as tenancy
+from kvpool_client.loadgen.args import build_parser, check_args
 from kvpool_client.loadgen.dashboard import ProgressBar, render
-from kvpool_client.loadgen.pattern import KEY_MULTIPLIER
 from kvpool_client.loadgen.sampler import StatsSampler
-from kvpool_client.loadgen.worker import EXHAUSTED_WAIT_S, WorkerConfig, worker_main
-from kvpool_client.loadgen.workload import MODES, distribution, make_request, sequences_per_request
+from kvpool_client.loadgen.worker import WorkerConfig, worker_main
+from kvpool_client.loadgen.workload import distribution, make_request, sequences_per_request
 
 READY_TIMEOUT_S = 120.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvpool-loadgen", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    p.add_argument("--target", default=os.environ.get("KVPOOL_TARGET", "127.0.0.1:50051"),
-                   help="server address: HOST:PORT or unix:PATH (env KVPOOL_TARGET; default %(default)s)")
-    p.add_argument("--processes", "-p", type=int, default=2, help="client processes (default %(default)s)")
-    p.add_argument("--concurrency", "-c", type=int, default=8, help="requests in flight, all processes (default 8)")
-    p.add_argument("--completions", "-n", type=int, default=100, help="requests to complete (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed: same seed, same requests (default 0)")
-    p.add_argument("--lengths", choices=("uniform", "sharegpt", "alpaca"), default="uniform",
-                   help="uniform: prompt 4-32, target 32-256 (prompt + output); sharegpt / alpaca: lognormal")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="longest sequence (prompt + output): 256 for uniform, 2048 for the lognormals")
-    p.add_argument("--mode", choices=MODES, default="plain", help="plain, beam (search) or parallel (sampling)")
-    p.add_argument("--beam-width", type=int, default=4, help="beams per request in --mode beam (default 4)")
-    p.add_argument("--num-samples", type=int, default=4, help="samples per prompt in --mode parallel (default 4)")
-    p.add_argument("--prune-every", type=int, default=4,
-                   help="beam mode: every this many steps free the worst half of the beams, fork the best")
-    p.add_argument("--verify", choices=("table", "readkv", "both"), default="both",
-                   help="check KV before Free through GetBlockTable + the attached pool, ReadKV, or both")
-    p.add_argument("--sample-interval-ms", type=float, default=5.0, help="Stats polling period (default 5 ms)")
-    p.add_argument("--timeout", type=float, default=30.0, help="deadline of each RPC in seconds")
-    p.add_argument("--connect-timeout", type=float, default=preflight.CONNECT_TIMEOUT_S,
-                   help="seconds to wait for the server to answer SERVING at start (default %(default)s)")
-    p.add_argument("--exhausted-wait", type=float, default=EXHAUSTED_WAIT_S, metavar="S",
-                   help="seconds a step waits for other requests to free blocks when the pool is full, before the "
-                   "worker gives up (default %(default)s)")
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    p.add_argument("--json", metavar="PATH", help="write the summary (with downsampled series) as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of memory in use over time, paged vs naive")
-    p.add_argument("--inject-errors", type=int, default=0, metavar="K",
-                   help="self-test: corrupt one token of each of requests 0..K-1 before it is verified; the run "
-                        "must then report the errors and exit 1")
-    p.add_argument("--kv-source", choices=("auto", "host", "device"), default="auto",
-                   help="write KV from host arrays, or from GPU arrays through the client's kernels (GPU pool "
-                        "only); auto: device on a GPU pool, host otherwise (default auto)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a tty)")
-    return p
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
-
-        return version("kvpool-client")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.inject_errors < 0:
-        p.error("--inject-errors must be >= 0")
-    for name in ("processes", "concurrency", "completions", "beam_width", "num_samples", "prune_every"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.max_len is not None and a.max_len < 33 and a.lengths == "uniform":
-        p.error("--max-len must be >= 33 for uniform lengths (targets start at 32)")
-    if a.max_len is not None and not 2 <= a.max_len < KEY_MULTIPLIER:
-        p.error(f"--max-len must be in [2, {KEY_MULTIPLIER}) (token keys are seq_id * {KEY_MULTIPLIER} + position)")
-    if a.sample_interval_ms <= 0 or a.timeout <= 0 or a.connect_timeout <= 0 or a.exhausted_wait < 0:
-        p.error("--sample-interval-ms, --timeout and --connect-timeout must be > 0, --exhausted-wait >= 0")
-
-
 def run(a: argparse.Namespace) -> dict[str, Any]:
     """Run the load and return the summary (see docs/loadgen.md for every field)."""
-    with KVPoolClient(a.target, timeout=a.timeout) as client:
+    tenants = tenancy.read_token_file(a.token_file, a.tenants) if a.tenants else []
+    main_token = a.admin_token or (tenants[0][1] if tenants else a.token)
+    with KVPoolClient(a.target, timeout=a.timeout, token=main_token) as client:
         preflight.connect(client, a.target, a.connect_timeout)
         desc = client.describe_pool()
         before = client.stats()
@@ -120,19 +59,23 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     claim, start, events = ctx.Value("q", 0), ctx.Event(), ctx.Queue()
     procs = []
     for i, share in enumerate(shares):
+        tenant, token = tenancy.worker_token(tenants, i, a.token)
         cfg = WorkerConfig(i, a.target, share, a.completions, a.seed, a.lengths, dist.max_len, a.mode, a.beam_width,
                            a.num_samples, a.prune_every, a.verify, a.timeout, a.inject_errors,
-                           exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source)
+                           exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant)
         proc = ctx.Process(target=worker_main, args=(cfg, claim, start, events), name=f"kvpool-loadgen-{i}")
         proc.start()
         procs.append(proc)
 
     results: dict[int, dict[str, Any]] = {}
+    failed: dict[int, dict[str, Any]] = {}  # what a worker that failed had done (for the per-tenant counts)
     worker_errors: list[str] = []
     sampler = None
     try:
         ready = _wait_ready(events, procs, worker_errors)
-        sampler = StatsSampler(a.target, a.sample_interval_ms / 1e3).start()
+        stats_tokens = [a.admin_token] if a.admin_token else [t for _, t in tenants] or [a.token]
+        sampler = StatsSampler(a.target, a.sample_interval_ms / 1e3, tokens=stats_tokens,
+                               tenants=[name for name, _ in tenants]).start()
         t0 = time.monotonic()
         if ready:
             start.set()
@@ -154,6 +97,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 results[wid] = payload
             elif kind == "error":
                 worker_errors.append(f"worker {wid}: {payload}")
+                if extra is not None:
+                    failed[wid] = extra
         bar.close()
     finally:
         start.set()
@@ -165,13 +110,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if sampler is not None:
             sampler.stop()
 
-    with KVPoolClient(a.target, timeout=a.timeout) as client:
+    with KVPoolClient(a.target, timeout=a.timeout, token=main_token) as client:
         after = client.stats()
+        invariants_checked = True
         try:
             client.check_invariants()
             invariants_ok, invariants_error = True, ""
         except InternalError as error:
             invariants_ok, invariants_error = False, str(error)
+        except KVPoolClientError as error:  # a frontend token may not call CheckInvariants: not checked
+            if error.code is not grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            invariants_ok, invariants_error, invariants_checked = True, "", False
 
     workers = [results[i] for i in sorted(results)]
     t1 = max((w["t_end"] for w in workers), default=time.monotonic())
@@ -199,7 +149,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     verification_errors = counts.get("verify_errors", 0)
     summary: dict[str, Any] = {
         "config": {
-            **{k: v for k, v in vars(a).items() if k not in ("json", "plot", "no_progress")},
+            **{k: v for k, v in vars(a).items() if k not in ("json", "plot", "no_progress", "token", "admin_token")},
             "max_len": dist.max_len, "processes": num_procs, "backend": desc.backend, "layout": asdict(layout),
             "block_size": bs, "token_bytes": layout.token_bytes, "naive_seqs": naive_seqs,
             "sequences_per_request": width,
@@ -219,6 +169,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "decode_steps": counts.get("decode_steps", 0),
             "beams_pruned": counts.get("beams_pruned", 0),
             "resource_exhausted_retries": counts.get("exhausted_retries", 0),
+            "quota_refusals": counts.get("quota_refusals", 0),
             "stats_samples": len(sampler.series["t"]),
         },
         "verification": {
@@ -237,12 +188,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                      "write_slots")},
         "end": {"blocks_used": after.num_blocks_used, "blocks_free": after.num_blocks_free,
                 "blocks_total": after.num_blocks_total, "sequences": after.num_sequences,
-                "invariants_ok": invariants_ok, "invariants_error": invariants_error},
+                "invariants_ok": invariants_ok, "invariants_error": invariants_error,
+                "invariants_checked": invariants_checked},
+        "tenants": tenancy.tenant_summary(sampler.tenant_series, sampler.quotas, workers + list(failed.values()),
+                                          t0, t1, [tenancy.worker_token(tenants, i, None)[0] for i in range(num_procs)]),
         "worker_errors": worker_errors,
         "series": {
             "stats": metrics.downsample(sampler.series, t0),
             "unshared": _thin(t_unshared - t0, blocks=unshared),
             "sequences": _thin(t_seqs - t0, seqs=live_seqs, tokens=live_tokens),
+            "tenants": {name: metrics.downsample(series, t0) for name, series in sampler.tenant_series.items()},
         },
     }
     summary["ok"] = bool(
@@ -295,12 +250,12 @@ def _sum_counts(dicts: Any) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(__doc__)
     args = parser.parse_args(argv)
     check_args(parser, args)
     try:
         summary = run(args)
-    except (KVPoolClientError, preflight.NoServerError, preflight.NoRoomError) as error:
+    except (KVPoolClientError, preflight.NoServerError, preflight.NoRoomError, tenancy.TokenFileError) as error:
         print(f"kvpool-loadgen: {error}", file=sys.stderr)
         return 2
     summary["diagnosis"] = preflight.explain_incomplete(summary)

@@ -74,11 +74,16 @@ def explain_incomplete(summary: dict[str, Any]) -> list[str]:
         return []
     lines = [f"only {run['completions']} of {cfg['completions']} requests completed:"]
     errors = " ".join(summary.get("worker_errors", []))
-    exhausted = "RESOURCE_EXHAUSTED" in errors or run.get("resource_exhausted_retries", 0) > 0
+    quota_hit = {name: u for name, u in (summary.get("tenants") or {}).items() if u.get("quota_refusals")}
+    for name, u in quota_hit.items():
+        lines.append(f"  tenant {name} was refused {u['quota_refusals']} times by its quota (max_blocks="
+                     f"{u['max_blocks']}, peak {u['peak_blocks']}): its {u['processes']} process(es) wait only for "
+                     "its own blocks; raise its quota in the tokens file, or ask for less (-c, --max-len)")
+    exhausted = not quota_hit and ("RESOURCE_EXHAUSTED" in errors or run.get("resource_exhausted_retries", 0) > 0)
     mem = summary.get("memory", {})
     num_blocks = summary["end"]["blocks_total"]
     fit = pool_fit(num_blocks, cfg["block_size"], cfg["max_len"], cfg["sequences_per_request"], cfg["concurrency"])
-    if exhausted or not fit.all_fit:
+    if exhausted or (not fit.all_fit and not quota_hit):
         lines.append(f"  the pool ran out of blocks (RESOURCE_EXHAUSTED): {cfg['concurrency']} requests in flight "
                      f"may hold up to {fit.blocks_in_flight} blocks, the pool has {num_blocks} "
                      f"(peak use {mem.get('peak_used_blocks', '?')})")

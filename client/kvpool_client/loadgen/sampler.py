@@ -9,28 +9,60 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import KVPoolClientError
+from kvpool_client.types import PoolStats
 
 FIELDS = ("t", "used", "free", "tokens", "unused", "shared", "copies", "seqs")
+TENANT_FIELDS = ("t", "blocks", "seqs")
 
 
 class StatsSampler:
-    def __init__(self, target: str, interval_s: float = 0.005, timeout: float = 5.0) -> None:
+    """``tokens``: one Stats call per token each sample (the pool's totals from the first); ``tenants``: the tenants
+    whose usage (the Stats response's TenantUsage) goes into ``tenant_series`` -- one token per tenant, or one admin
+    token that sees them all."""
+
+    def __init__(
+        self,
+        target: str,
+        interval_s: float = 0.005,
+        timeout: float = 5.0,
+        *,
+        tokens: Sequence[str | None] = (None,),
+        tenants: Sequence[str] = (),
+    ) -> None:
         self.interval_s = interval_s
-        self._client = KVPoolClient(target, timeout=timeout)
+        self._clients = [KVPoolClient(target, timeout=timeout, token=token) for token in tokens]
         self.series: dict[str, list[float]] = {name: [] for name in FIELDS}
+        self.tenant_series: dict[str, dict[str, list[float]]] = {
+            name: {field: [] for field in TENANT_FIELDS} for name in tenants
+        }
+        self.quotas: dict[str, int] = {}  # tenant -> max_blocks (0: none), as Stats last reported it
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpool-stats-sampler", daemon=True)
 
     def sample(self) -> None:
-        try:
-            stats = self._client.stats()
-        except KVPoolClientError:
-            self.errors += 1
-            return
+        for i, client in enumerate(self._clients):
+            try:
+                stats = client.stats()
+            except KVPoolClientError:
+                self.errors += 1
+                continue
+            now = time.monotonic()
+            for usage in stats.tenants:
+                series = self.tenant_series.get(usage.tenant)
+                if series is not None:
+                    series["t"].append(now)
+                    series["blocks"].append(usage.num_blocks)
+                    series["seqs"].append(usage.num_sequences)
+                    self.quotas[usage.tenant] = usage.max_blocks
+            if i == 0:
+                self._record(stats)
+
+    def _record(self, stats: PoolStats) -> None:
         s = self.series
         s["t"].append(time.monotonic())
         s["used"].append(stats.num_blocks_used)
@@ -60,4 +92,5 @@ class StatsSampler:
         self._stop.set()
         self._thread.join()
         self.sample()  # one last look, after the workers are done
-        self._client.close()
+        for client in self._clients:
+            client.close()

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvpool_client.client import KVPoolClient
-from kvpool_client.errors import ResourceExhaustedError
+from kvpool_client.errors import QuotaExceededError, ResourceExhaustedError
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER, history_keys, kv_pattern, token_keys
 from kvpool_client.loadgen.workload import distribution, make_request, prune_and_refork, sequences_per_request
 
@@ -49,6 +49,8 @@ class WorkerConfig:
     # device arrays (pattern and slots uploaded first), one scatter kernel per write -- needs a GPU pool;
     # "auto": device on a GPU pool, host otherwise
     kv_source: str = "auto"
+    token: str | None = None  # the bearer token this process calls with (--token, or its tenant's)
+    tenant: str = ""  # --tenants: the tenant that token belongs to
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Worker:
         self.events = events
         self.dist = distribution(cfg.lengths, cfg.max_len)
         self.width = sequences_per_request(cfg.mode, cfg.beam_width, cfg.num_samples)
-        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout)
+        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, token=cfg.token)
         self.pool = self.client.attach()
         self.layout = self.pool.layout
         if cfg.kv_source == "device" and self.pool.backend != "gpu":
@@ -105,10 +107,11 @@ class Worker:
             try:
                 result = self._timed(name, self.client.append, seq_ids, num_tokens)
                 break
-            except ResourceExhaustedError:
+            except ResourceExhaustedError as error:
                 if time.monotonic() > deadline:
                     raise
                 self.counts["exhausted_retries"] += 1
+                self.counts["quota_refusals"] += isinstance(error, QuotaExceededError)
                 time.sleep(0.005)
         self.counts["append_calls"] += 1
         self.counts["tokens_appended"] += len(result.slot_mapping)
@@ -283,6 +286,7 @@ class Worker:
     def summary(self) -> dict[str, Any]:
         return {
             "worker_id": self.cfg.worker_id,
+            "tenant": self.cfg.tenant,
             "counts": dict(self.counts),
             "latency": dict(self.latency),
             "series": self.series,
@@ -306,7 +310,8 @@ def worker_main(cfg: WorkerConfig, claim: Any, start: Any, events: Any) -> None:
         worker.run()
         events.put(("result", cfg.worker_id, worker.summary(), None))
     except BaseException:  # noqa: BLE001  (reported to the parent, which fails the run)
-        events.put(("error", cfg.worker_id, traceback.format_exc(), None))
+        partial = None if worker is None else {"tenant": cfg.tenant, "counts": dict(worker.counts)}
+        events.put(("error", cfg.worker_id, traceback.format_exc(), partial))  # its counts so far, for the tenants
     finally:
         if worker is not None:
             worker.close()

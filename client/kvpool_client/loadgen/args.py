@@ -1,0 +1,90 @@
+"""kvpool-loadgen's command line: the options (docs/loadgen.md) and their checks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvpool_client.loadgen import preflight
+from kvpool_client.loadgen.pattern import KEY_MULTIPLIER
+from kvpool_client.loadgen.worker import EXHAUSTED_WAIT_S
+from kvpool_client.loadgen.workload import MODES
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvpool-loadgen", description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--target", default=os.environ.get("KVPOOL_TARGET", "127.0.0.1:50051"),
+                   help="server address: HOST:PORT or unix:PATH (env KVPOOL_TARGET; default %(default)s)")
+    p.add_argument("--processes", "-p", type=int, default=2, help="client processes (default %(default)s)")
+    p.add_argument("--concurrency", "-c", type=int, default=8, help="requests in flight, all processes (default 8)")
+    p.add_argument("--completions", "-n", type=int, default=100, help="requests to complete (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed: same seed, same requests (default 0)")
+    p.add_argument("--lengths", choices=("uniform", "sharegpt", "alpaca"), default="uniform",
+                   help="uniform: prompt 4-32, target 32-256 (prompt + output); sharegpt / alpaca: lognormal")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="longest sequence (prompt + output): 256 for uniform, 2048 for the lognormals")
+    p.add_argument("--mode", choices=MODES, default="plain", help="plain, beam (search) or parallel (sampling)")
+    p.add_argument("--beam-width", type=int, default=4, help="beams per request in --mode beam (default 4)")
+    p.add_argument("--num-samples", type=int, default=4, help="samples per prompt in --mode parallel (default 4)")
+    p.add_argument("--prune-every", type=int, default=4,
+                   help="beam mode: every this many steps free the worst half of the beams, fork the best")
+    p.add_argument("--verify", choices=("table", "readkv", "both"), default="both",
+                   help="check KV before Free through GetBlockTable + the attached pool, ReadKV, or both")
+    p.add_argument("--sample-interval-ms", type=float, default=5.0, help="Stats polling period (default 5 ms)")
+    p.add_argument("--timeout", type=float, default=30.0, help="deadline of each RPC in seconds")
+    p.add_argument("--connect-timeout", type=float, default=preflight.CONNECT_TIMEOUT_S,
+                   help="seconds to wait for the server to answer SERVING at start (default %(default)s)")
+    p.add_argument("--exhausted-wait", type=float, default=EXHAUSTED_WAIT_S, metavar="S",
+                   help="seconds a step waits for other requests to free blocks when the pool is full, before the "
+                   "worker gives up (default %(default)s)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--json", metavar="PATH", help="write the summary (with downsampled series) as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of memory in use over time, paged vs naive")
+    p.add_argument("--inject-errors", type=int, default=0, metavar="K",
+                   help="self-test: corrupt one token of each of requests 0..K-1 before it is verified; the run "
+                        "must then report the errors and exit 1")
+    p.add_argument("--kv-source", choices=("auto", "host", "device"), default="auto",
+                   help="write KV from host arrays, or from GPU arrays through the client's kernels (GPU pool "
+                        "only); auto: device on a GPU pool, host otherwise (default auto)")
+    p.add_argument("--token", default=os.environ.get("KVPOOL_TOKEN"),
+                   help="bearer token for a server with --auth-tokens (env KVPOOL_TOKEN); without --tenants")
+    p.add_argument("--tenants", type=int, default=0, metavar="N",
+                   help="run as N tenants at once: process i calls with tenant i %% N's token from --token-file")
+    p.add_argument("--token-file", default=os.environ.get("KVPOOL_TOKEN_FILE"), metavar="FILE",
+                   help="one 'TENANT TOKEN' per line, N lines at least (env KVPOOL_TOKEN_FILE)")
+    p.add_argument("--admin-token", default=os.environ.get("KVPOOL_ADMIN_TOKEN"), metavar="TOKEN",
+                   help="an admin token: Stats of every tenant in one call, and CheckInvariants at the end "
+                        "(env KVPOOL_ADMIN_TOKEN)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a tty)")
+    return p
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+        return version("kvpool-client")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.inject_errors < 0:
+        p.error("--inject-errors must be >= 0")
+    for name in ("processes", "concurrency", "completions", "beam_width", "num_samples", "prune_every"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.max_len is not None and a.max_len < 33 and a.lengths == "uniform":
+        p.error("--max-len must be >= 33 for uniform lengths (targets start at 32)")
+    if a.max_len is not None and not 2 <= a.max_len < KEY_MULTIPLIER:
+        p.error(f"--max-len must be in [2, {KEY_MULTIPLIER}) (token keys are seq_id * {KEY_MULTIPLIER} + position)")
+    if a.sample_interval_ms <= 0 or a.timeout <= 0 or a.connect_timeout <= 0 or a.exhausted_wait < 0:
+        p.error("--sample-interval-ms, --timeout and --connect-timeout must be > 0, --exhausted-wait >= 0")
+    if a.tenants < 0:
+        p.error("--tenants must be >= 0")
+    if a.tenants and not a.token_file:
+        p.error("--tenants needs --token-file (or KVPOOL_TOKEN_FILE): one 'TENANT TOKEN' per line")
+    if a.tenants and min(a.processes, a.concurrency) < a.tenants:
+        p.error(f"--tenants {a.tenants} needs at least {a.tenants} processes (-p) and requests in flight (-c)")
