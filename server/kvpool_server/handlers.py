@@ -31,8 +31,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvpool_server.auth import CALLER
+from kvpool_server.auth import CALLER, caller
 from kvpool_server.core import InvalidArgumentError, KVPoolError
+from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.drain import Drain
 from kvpool_server.errors import status_of, trailing_metadata_of
 
@@ -137,6 +138,8 @@ def unary_handler(
         except Exception as exc:
             code, message = error_status(exc, rpc)
             code_name = code.name
+            if isinstance(exc, QuotaExceededError) and call.metrics is not None:
+                call.metrics.quota_refused(caller().tenant, message)
             await context.abort(code, message, trailing_metadata_of(exc))
             raise  # unreachable: abort raises
         except asyncio.CancelledError:

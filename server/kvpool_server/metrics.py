@@ -54,6 +54,8 @@ class SessionGauges:
 
     num_live: int
     num_blocks_held_by_ended: int
+    # (tenant name, blocks its sequences hold, its live sequences) for every tenant, with --auth-tokens
+    tenants: tuple[tuple[str, int, int], ...] = ()
 
 
 def locked_stats(manager: Any, lock: threading.Lock) -> Callable[[], PoolStats]:
@@ -126,6 +128,14 @@ class PoolCollector(Collector):
             gauge("kvpool_ended_session_blocks", "Blocks still held by sequences of ended sessions (must be 0)",
                   sess(lambda g: g.num_blocks_held_by_ended)),
         ]
+        tenant_blocks = GaugeMetricFamily("kvpool_tenant_blocks_used", "Blocks a tenant's sequences hold (with "
+                                          "--auth-tokens; docs/security.md says how shared blocks count)",
+                                          labels=["tenant"])
+        tenant_sequences = GaugeMetricFamily("kvpool_tenant_sequences", "A tenant's live sequences", labels=["tenant"])
+        for name, num_blocks, num_sequences in (sessions.tenants if sessions is not None else ()):
+            tenant_blocks.add_metric([name], num_blocks)
+            tenant_sequences.add_metric([name], num_sequences)
+        families += [tenant_blocks, tenant_sequences]
         block_bytes = self.block_bytes
         if block_bytes is not None:
             families += [
@@ -162,6 +172,9 @@ class KVPoolMetrics:
         for reason in RECLAIM_REASONS:  # every reason's series exists from the start, at 0
             self.sessions_reclaimed.labels(reason)
             self.reclaim_duration.labels(reason)
+        self.quota_refusals = Counter("kvpool_quota_refusals", "Requests refused by a tenant's quota, by tenant and "
+                                      "quota (max_blocks, max_sequences, max_sessions, reserved)",
+                                      ["tenant", "quota"], registry=r)
         self.pool_collector: PoolCollector | None = None
 
     def watch_pool(self, read_stats: Callable[[], PoolStats], read_sessions: Callable[[], SessionGauges] | None = None,
@@ -182,6 +195,12 @@ class KVPoolMetrics:
         """``num_calls`` AppendToken calls (or stream messages) that handed out ``num_tokens`` slots, all applied."""
         self.append_calls.inc(num_calls)
         self.appended_tokens.inc(num_tokens)
+
+    def quota_refused(self, tenant: str, message: str) -> None:
+        """A request refused by a quota; ``message`` names it (``... quota max_blocks=8 ...``)."""
+        found = re.search(r"quota (\w+)=", message)
+        quota = found.group(1) if found else ("reserved" if "reserv" in message else "other")
+        self.quota_refusals.labels(tenant, quota).inc()
 
     def count_fork(self, num_children: int) -> None:
         """One Fork that created ``num_children`` sequences."""

@@ -150,7 +150,10 @@ class SessionRpcs:
         with self.lock:
             ended = [sid for sid in self.manager.seqs_of_session if sid not in self.sessions]
             usage = self.manager.session_usage() if ended else {}
-            return SessionGauges(len(self.sessions), sum(usage[sid][1] for sid in ended))
+            ledger = self.manager.tenants
+            tenants = tuple((name, ledger.num_blocks[t], ledger.num_sequences[t])
+                            for t, name in enumerate(ledger.names) if name) if self.manager.tenancy else ()
+            return SessionGauges(len(self.sessions), sum(usage[sid][1] for sid in ended), tenants)
 
     # ---------------------------------------------------------------- listing
     def list_sessions(self, request: pb.ListSessionsRequest) -> pb.ListSessionsResponse:

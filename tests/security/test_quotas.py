@@ -76,3 +76,29 @@ def test_check_invariants_fires_on_a_corrupted_tenant_row():
     m.tenants.tenant_of_row[m.index.row(seq)] = b
     with pytest.raises(InvariantViolationError, match="sequence counts"):
         m.check_invariants()
+
+
+def test_per_tenant_usage_and_quota_refusals_are_exported_as_metrics(server_factory, tmp_path):
+    import socket
+    import urllib.request
+
+    from tests.ops.test_metrics import scrape_text
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = server_factory("--auth-tokens", str(write_tokens(tmp_path / "t.toml", tenants=QUOTAS)),
+                            "--metrics-address", f"127.0.0.1:{port}")
+    with grpc.insecure_channel(server.address) as channel:
+        a, b = As(channel, "tok-a"), As(channel, "tok-b")
+        seq = a.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
+        a.AppendToken(pb.AppendTokenRequest(seq_ids=[seq], num_tokens=[16 * 8]))  # a: all 8 of its blocks
+        with pytest.raises(grpc.RpcError):
+            a.AppendToken(pb.AppendTokenRequest(seq_ids=[seq]))  # over max_blocks
+        other = b.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
+        b.AppendToken(pb.AppendTokenRequest(seq_ids=[other], num_tokens=[40]))  # b: 3 blocks
+    got = scrape_text(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+    assert got[("kvpool_tenant_blocks_used", (("tenant", "a"),))] == 8
+    assert got[("kvpool_tenant_blocks_used", (("tenant", "b"),))] == 3
+    assert got[("kvpool_tenant_sequences", (("tenant", "b"),))] == 1
+    assert got[("kvpool_quota_refusals_total", (("quota", "max_blocks"), ("tenant", "a")))] == 1
