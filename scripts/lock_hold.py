@@ -35,7 +35,7 @@ def main() -> None:
         def append(seqs: int = seqs, count: int = count) -> None:
             ids = [m.register() for _ in range(seqs)]
             t0 = time.perf_counter()
-            m.append_batch(ids, count)
+            m.append(ids, count)
             append.took = time.perf_counter() - t0  # type: ignore[attr-defined]
             m.free(ids)
         worst = 0.0
@@ -44,7 +44,7 @@ def main() -> None:
             worst = max(worst, append.took)  # type: ignore[attr-defined]
         print(f"append {seqs} x {count} tokens: {worst * 1e3:.2f} ms")
     parent = m.register()
-    m.append_batch([parent], m.max_seq_len)
+    m.append([parent], m.max_seq_len)
     children: list[int] = []
 
     def fork() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
     print(f"free of 4096 sequences ({m.stats().num_blocks_used} blocks): {timed(lambda: m.free([parent, *children]), 1):.2f} ms")
     ids = [m.register() for _ in range(2048)]  # half the pool in use
     for i in range(0, 2048, 16):
-        m.append_batch(ids[i:i + 16], 4096)
+        m.append(ids[i:i + 16], 4096)
     checks = InvariantChecks(m)
     print(f"CheckInvariants' copy under the lock ({m.stats().num_blocks_used} blocks used): "
           f"{timed(lambda: copy_state(m, checks._snapshot)):.2f} ms (the check itself, off the lock: "
