@@ -22,8 +22,8 @@ service_benches() {  # BENCH_SPECS: transport[:pin[=SERVER_CPU,CLIENT_CPU]] ...,
     for spec in ${BENCH_SPECS:-unix tcp unix:pin=6,7}; do
         transport=${spec%%:*}; pin=""; [ "$spec" != "$transport" ] && pin="--${spec#*:}"
         step "service benchmark over $transport $pin, server on the GPU backend" \
-            bash -c "set -o pipefail; timeout 240 python3 benchmarks/bench_service.py --no-aio --no-naive --rounds ${BENCH_ROUNDS:-2} --duration 3 \
-                --kinds echo,kvpool,echo-stream,kvpool-stream --transport $transport $pin -- --backend gpu 2>&1 \
+            bash -c "set -o pipefail; timeout 240 python3 benchmarks/bench_service.py --no-naive --rounds ${BENCH_ROUNDS:-2} --duration 3 \
+                --kinds echo,echo-aio,kvpool,echo-stream,echo-aio-stream,kvpool-stream --transport $transport $pin -- --backend gpu 2>&1 \
                 | tee $OUT/bench_service_gpu_${transport}${pin:+_pin}.log"
     done
 }
