@@ -17,11 +17,10 @@ Every call has a deadline: the client's ``timeout`` unless the call passes its o
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 from grpc_health.v1 import health_pb2_grpc
@@ -30,18 +29,18 @@ from kvpool.layout import KVLayout
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from kvpool_client import convert, rpcs
-from kvpool_client.errors import DeadlineExceededError, KVPoolClientError, SessionLostError, UnavailableError
+from kvpool_client.errors import DeadlineExceededError, UnavailableError
+from kvpool_client.command import command
 from kvpool_client.plan import Pause, Plan
 from kvpool_client.retry import RetryPolicy, call_with_retries
 from kvpool_client.session import SessionState
+from kvpool_client.session_commands import SessionCommands
 from kvpool_client.types import (
     AppendResult,
     BlockTable,
     InvariantReport,
     PoolDescription,
     PoolStats,
-    SequenceInfo,
-    SessionInfo,
 )
 
 P = ParamSpec("P")
@@ -49,21 +48,7 @@ R = TypeVar("R")
 HEALTH_POLL_S = 0.05
 
 
-def command(plan: Callable[Concatenate[KVPoolCommands, P], Plan[R]]) -> Callable[Concatenate[KVPoolCommands, P], R]:
-    """A method written as a plan, returning what the client's ``_run`` makes of it: the result, or an awaitable."""
-
-    @functools.wraps(plan)
-    def run_command(self: KVPoolCommands, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self._run(plan(self, *args, **kwargs))
-
-    # help() shows what the call returns, not the plan: "Plan[int]" -> "int" (annotations are strings, PEP 563).
-    signature = inspect.signature(plan)
-    result = signature.return_annotation.removeprefix("Plan[").removesuffix("]")
-    run_command.__signature__ = signature.replace(return_annotation=result)  # type: ignore[attr-defined]
-    return run_command
-
-
-class KVPoolCommands(ABC):
+class KVPoolCommands(SessionCommands, ABC):
     """The API over one channel. A subclass supplies ``_open_channel`` (sync or grpc.aio) and ``_run``."""
 
     def __init__(
@@ -125,44 +110,6 @@ class KVPoolCommands(ABC):
             return self._stub.KeepAlive
         return functools.partial(self._stub.KeepAlive, metadata=self._auth_metadata)
 
-    @abstractmethod
-    def _start_keep_alive(self) -> None:
-        """Start holding the KeepAlive stream of the session just opened (a thread, or a task)."""
-
-    # ---------------------------------------------------------------- the session
-    @property
-    def session_id(self) -> int | None:
-        """This client's session, once opened (None before its first mutating call, or with session=False)."""
-        return self._session.session_id
-
-    @property
-    def server_epoch(self) -> int | None:
-        """The server start the session was opened on (a restart gives a new one)."""
-        return self._session.server_epoch
-
-    @property
-    def server_lost(self) -> KVPoolClientError | None:
-        """Why the session is over (ServerGoneError, SessionLostError, ServerRestartedError), or None."""
-        return self._session.lost
-
-    def _session_fields(self, method: str, timeout: float | None = None) -> Plan[dict[str, int]]:
-        """``session_id`` and a fresh ``request_id`` for a mutating request, opening the session first if needed."""
-        state = self._session
-        if not state.enabled:
-            return {}
-        state.check_live(method)
-        if state.session_id is None:
-            response = yield from self._call(rpcs.OPEN_SESSION, state.open_request(), timeout)
-            with state.lock:
-                opened_here = state.session_id is None
-                if opened_here:
-                    state.opened(response)
-            if opened_here:
-                self._start_keep_alive()
-            else:  # another call of this client opened one meanwhile: give this one back
-                yield from self._call(rpcs.CLOSE_SESSION, pb.CloseSessionRequest(session_id=response.session_id), None)
-        return {"session_id": state.session_id, "request_id": state.next_request_id()}
-
     # ---------------------------------------------------------------- plumbing
     def _stub_method(self, rpc: rpcs.Rpc) -> Callable:
         return getattr(self._health if rpc.stub == rpcs.HEALTH_STUB else self._stub, rpc.stub_method)
@@ -214,37 +161,6 @@ class KVPoolCommands(ABC):
         session = yield from self._session_fields(rpcs.FREE.name, timeout)
         response = yield from self._call(rpcs.FREE, convert.free_request(seq_ids, **session), timeout)
         return response.num_blocks_freed
-
-    # ---------------------------------------------------------------- sessions
-    @command
-    def open_session(self, *, timeout: float | None = None) -> Plan[int]:
-        """Open this client's session now (it opens by itself on the first mutating call); returns its id."""
-        yield from self._session_fields(rpcs.OPEN_SESSION.name, timeout)
-        return self._session.session_id or 0
-
-    @command
-    def list_sessions(self, *, timeout: float | None = None) -> Plan[list[SessionInfo]]:
-        """The server's live sessions: id, name, since when, lease left, sequences and blocks held."""
-        response = yield from self._call(rpcs.LIST_SESSIONS, pb.ListSessionsRequest(), timeout)
-        return [convert.session_info(s) for s in response.sessions]
-
-    @command
-    def list_sequences(self, session_id: int | None = None, *, timeout: float | None = None) -> Plan[list[SequenceInfo]]:
-        """The live sequences, of one session (``session_id``) or of all (None)."""
-        request = pb.ListSequencesRequest(session_id=session_id or 0)
-        response = yield from self._call(rpcs.LIST_SEQUENCES, request, timeout)
-        return [convert.sequence_info(s) for s in response.sequences]
-
-    def _close_session(self) -> Plan[None]:
-        """End this client's session (the server frees its sequences); nothing when none is open or it is lost."""
-        state = self._session
-        session_id, state.session_id = state.session_id, None
-        if session_id is None or state.lost is not None:
-            return
-        try:
-            yield from self._call(rpcs.CLOSE_SESSION, pb.CloseSessionRequest(session_id=session_id), None)
-        except (SessionLostError, UnavailableError, DeadlineExceededError):
-            pass  # already over (lease, restart) or no server to tell: its sequences are or will be freed
 
     # ---------------------------------------------------------------- reads (retried on UNAVAILABLE)
     @command
