@@ -9,10 +9,12 @@ import numpy as np
 
 from kvpool_server.core import checks
 from kvpool_server.core.allocator import BlockAllocator
+from kvpool_server.core.block_hash import chain_hashes
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
 from kvpool_server.core.tenants import DEFAULT_TENANT, UNLIMITED, TenantLedger
+from kvpool_server.core.token_chains import TokenChains
 from kvpool_server.core.types import AppendPlan, PoolStats
 
 
@@ -41,6 +43,11 @@ class KVCacheManager:
     not exist, and appends are budgeted by the tenant's quotas. ``tenant=None`` is a trusted caller (a session's
     end, tests) that may name any tenant's sequences. With ``tenancy`` off every sequence is tenant 0's, unchecked.
 
+    Prefix caching (docs/prefix-caching.md): appends may carry their token ids (``token_ids``); full blocks of such
+    sequences are hashed (``TokenChains``), sealed with the sequence's next append and then matchable
+    (``allocator.cache``, a ``PrefixCache``); ``register`` with ``prompt_token_ids`` starts the sequence with the
+    longest cached run. The salt is the tenant's name, so different tenants never share a block.
+
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
     tables is in use iff the index names a live sequence that holds it; ``session_of_seq`` and
     ``seqs_of_session`` are the same relation read both ways, over live sequences only, with no empty set.
@@ -68,6 +75,7 @@ class KVCacheManager:
         self.seqs_of_session: dict[int, set[int]] = {}  # session_id -> its live seq_ids
         self.tenancy: bool = tenancy
         self.tenants: TenantLedger = TenantLedger(max_num_seqs)
+        self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -79,9 +87,11 @@ class KVCacheManager:
         """Copy-on-write copies planned so far."""
         return self.tables.num_copies
 
-    def register(self, seq_id: int | None = None, session_id: int = 0, tenant: int | None = None) -> int:
-        """Create an empty sequence (of ``session_id``, 0: none; of ``tenant``, None: the default); the manager
-        assigns the id unless one is given."""
+    def register(self, seq_id: int | None = None, session_id: int = 0, tenant: int | None = None,
+                 prompt_token_ids: Sequence[int] | np.ndarray | None = None) -> int:
+        """Create a sequence (of ``session_id``, 0: none; of ``tenant``, None: the default); the manager assigns the
+        id unless one is given. With ``prompt_token_ids`` it starts with the longest run of the prompt's full
+        blocks that are cached (``num_tokens`` says how many tokens: the caller appends the rest), and is tracked."""
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         self.tenants.check_new_sequences(tenant, 1)
         if seq_id is not None:
@@ -94,17 +104,42 @@ class KVCacheManager:
         self.index.add(seq_id, row)
         self._own([seq_id], session_id)
         self.tenants.add_rows([row], tenant)
+        if prompt_token_ids is not None:
+            self._reuse_prefix(row, tenant, np.asarray(prompt_token_ids, dtype=np.uint32))
         return seq_id
+
+    def _reuse_prefix(self, row: int, tenant: int, prompt: np.ndarray) -> None:
+        """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``:
+        one token is always left to compute), within the tenant's budget for blocks revived from the LRU."""
+        salt = self.tenants.names[tenant].encode()
+        usable = max(0, (prompt.size - 1) // self.block_size) * self.block_size
+        hashes = chain_hashes(prompt[:usable], self.block_size, salt)
+        blocks = np.array(self.allocator.cache.match(hashes), dtype=np.int32)
+        if blocks.size and self.tenancy and self.tenants.limited:
+            budget, _ = self.tenants.budget(tenant, self.allocator.num_allocatable)
+            revived = np.cumsum(self.allocator.ref_count[blocks] == 0)
+            blocks = blocks[: int(np.searchsorted(revived, budget, side="right"))]
+        revived_count = self.tables.adopt(row, blocks) if blocks.size else 0
+        if self.tenancy:
+            self.tenants.num_blocks[tenant] += revived_count
+        self.chains.start(row, salt, hashes[: blocks.size])
 
     def append(
         self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1,
-        tenant: int | None = None,
+        tenant: int | None = None, token_ids: Sequence[int] | np.ndarray | None = None,
     ) -> AppendPlan:
         """Append ``num_new_tokens`` (one count for all, or one per sequence) to one sequence or a batch, atomically.
 
         ``seq_ids`` is one id, or a non-empty sequence or uint64 array of distinct ids. Slots in
-        ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``.
+        ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``. ``token_ids``: every appended
+        token's id, concatenated in that order, or None (the sequences are then not cached from here on).
         """
+        if token_ids is not None or self.chains.chains:  # a dict's truth: the cheapest test
+            return self._append_tracked(seq_ids, num_new_tokens, tenant, token_ids)
+        return self._append_plain(seq_ids, num_new_tokens, tenant)
+
+    def _append_plain(self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int],
+                      tenant: int | None) -> AppendPlan:
         one = seq_ids.__class__ is int  # cheaper than isinstance on the hot path (mypy cannot narrow it)
         rows = self.index.row(seq_ids) if one else self._rows(seq_ids)  # type: ignore[arg-type]
         counts = cast("int | np.ndarray", num_new_tokens)
@@ -113,6 +148,23 @@ class KVCacheManager:
         if self.tenancy:
             return self._append_as(seq_ids, rows, counts, tenant)
         return self.tables.plan_append(rows, counts)
+
+    def _append_tracked(self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int],
+                         tenant: int | None, token_ids: Sequence[int] | np.ndarray | None) -> AppendPlan:
+        """``append`` when token ids are given or some rows are tracked (``TokenChains.after_append``)."""
+        rows = np.atleast_1d(np.asarray(self._rows(seq_ids), dtype=np.intp))
+        counts = np.broadcast_to(np.asarray(self._counts(num_new_tokens, rows.size), dtype=np.int64), rows.shape)
+        ids = None
+        if token_ids is not None:
+            ids = np.asarray(token_ids, dtype=np.uint32)
+            if ids.shape != (int(counts.sum()),):
+                raise InvalidArgumentError(f"{ids.size} token_ids for {int(counts.sum())} appended tokens")
+        lengths = self.tables.num_tokens.take(rows)
+        plan = self._append_plain(seq_ids, num_new_tokens, tenant)
+        names = self.tenants.names
+        salts = [names[t].encode() for t in self.tenants.tenant_of_row.take(rows).tolist()] if ids is not None else []
+        self.chains.after_append(rows, counts, lengths, ids, self.tables.table, self.allocator.cache, salts)
+        return plan
 
     def _append_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
                    tenant: int | None) -> AppendPlan:
@@ -127,7 +179,7 @@ class KVCacheManager:
             raise not_live(int(ids[np.atleast_1d(owners) != tenant][0]))
         allocator = self.allocator
         if ledger.limited:
-            allocator.budget, allocator.budget_reason = ledger.budget(tenant, allocator.num_free_blocks)
+            allocator.budget, allocator.budget_reason = ledger.budget(tenant, allocator.num_allocatable)
         try:
             plan = self.tables.plan_append(rows, num_new_tokens)
         finally:
@@ -194,6 +246,7 @@ class KVCacheManager:
         if not child_seq_ids:
             child_seq_ids = [self.index.new_server_id(row) for row in rows]
         self.tables.fork(parent_row, rows)
+        self.chains.fork(parent_row, rows)
         for seq_id, row in zip(child_seq_ids, rows):
             self.index.add(seq_id, row)
         self._own(child_seq_ids, session_id or self.session_of_seq.get(parent_seq_id, 0))
@@ -220,6 +273,7 @@ class KVCacheManager:
                 self.tenants.num_blocks[owner] -= freed
             num_freed += freed
         self.tenants.remove_rows(rows)
+        self.chains.drop(rows)
         for seq_id in ids:
             self.index.remove(seq_id)
         self._disown(ids)
@@ -296,6 +350,11 @@ class KVCacheManager:
             raise FailedPreconditionError(
                 f"tokens [{start}, {start + count}) of sequence {seq_id} lie in blocks shared with other "
                 "sequences; append to the sequence (copy-on-write) before writing there"
+            )
+        if for_write and self.allocator.cache.num_cached and self.allocator.cache.is_cached[slots // self.block_size].any():
+            raise FailedPreconditionError(
+                f"tokens [{start}, {start + count}) of sequence {seq_id} lie in sealed cached blocks, which others may "
+                "match: their KV is immutable"
             )
         return slots
 
