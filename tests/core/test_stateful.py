@@ -181,6 +181,20 @@ class ManagerMachine(RuleBasedStateMachine):
         self.token_of_tag.update(zip(new_tags, token_ids))
         self.model.append(seq_id, new_tags)
 
+    @rule()
+    def pressure(self):
+        """Eviction under pressure: a new sequence takes every allocatable block it can hold (free + evictable)."""
+        if len(self.model.tags) >= 12:
+            return
+        seq_id = self.manager.register()
+        self.model.tags[seq_id], self.model.blocks[seq_id] = [], []
+        num_blocks = min(NUM_BLOCKS - self.model.used(), MAX_SEQ_LEN // BLOCK_SIZE)
+        if num_blocks:
+            plan = self.manager.append(seq_id, num_blocks * BLOCK_SIZE)
+            new_tags = [next(self._tag) for _ in range(num_blocks * BLOCK_SIZE)]
+            self.write_tags(plan.slot_mapping, new_tags)
+            self.model.append(seq_id, new_tags)
+
     @precondition(lambda self: self.model.tags)
     @rule(data=st.data(), count=st.integers(1, 6))
     def append_with_ids(self, data, count):
