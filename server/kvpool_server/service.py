@@ -105,8 +105,10 @@ class KVPoolServicer(SessionRpcs):
             key, replay = self.gate.enter(request, pb.RegisterSequenceResponse, tenant)
             if replay is not None:
                 return replay
-            seq_id = self.manager.register(seq_id, request.session_id, tenant)
-            return self.gate.remember(key, pb.RegisterSequenceResponse(seq_id=seq_id))
+            prompt = request.prompt_token_ids
+            seq_id = self.manager.register(seq_id, request.session_id, tenant, prompt if len(prompt) else None)
+            cached = self.manager.num_tokens(seq_id) if len(prompt) else 0
+            return self.gate.remember(key, pb.RegisterSequenceResponse(seq_id=seq_id, num_cached_tokens=cached))
 
     def AppendToken(self, request: pb.AppendTokenRequest, context: Any) -> pb.AppendTokenResponse:
         return append(self.manager, self.pool, self.lock, self.gate, request, pb.AppendTokenResponse,
@@ -157,8 +159,11 @@ class KVPoolServicer(SessionRpcs):
         with self.lock:
             block_ids = self.manager.block_table(seq_id, tenant)
             num_tokens = self.manager.num_tokens(seq_id, tenant)
+            entries = self.manager.allocator.cache.entries
+            hashes = [entries[b].block_hash if b in entries else b"" for b in block_ids.tolist()] if entries else []
         return pb.GetBlockTableResponse(
-            block_ids=block_ids.tolist(), num_tokens=num_tokens, block_size=self.manager.block_size
+            block_ids=block_ids.tolist(), num_tokens=num_tokens, block_size=self.manager.block_size,
+            block_hashes=hashes,
         )
 
     def DescribePool(self, request: pb.DescribePoolRequest, context: Any) -> pb.DescribePoolResponse:
