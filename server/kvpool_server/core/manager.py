@@ -7,9 +7,8 @@ from typing import cast
 
 import numpy as np
 
-from kvpool_server.core import checks
+from kvpool_server.core import checks, prefix_ops
 from kvpool_server.core.allocator import BlockAllocator
-from kvpool_server.core.block_hash import chain_hashes
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
@@ -105,24 +104,8 @@ class KVCacheManager:
         self._own([seq_id], session_id)
         self.tenants.add_rows([row], tenant)
         if prompt_token_ids is not None:
-            self._reuse_prefix(row, tenant, np.asarray(prompt_token_ids, dtype=np.uint32))
+            prefix_ops.reuse_prefix(self, row, tenant, np.asarray(prompt_token_ids, dtype=np.uint32))
         return seq_id
-
-    def _reuse_prefix(self, row: int, tenant: int, prompt: np.ndarray) -> None:
-        """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``:
-        one token is always left to compute), within the tenant's budget for blocks revived from the LRU."""
-        salt = self.tenants.names[tenant].encode()
-        usable = max(0, (prompt.size - 1) // self.block_size) * self.block_size
-        hashes = chain_hashes(prompt[:usable], self.block_size, salt)
-        blocks = np.array(self.allocator.cache.match(hashes), dtype=np.int32)
-        if blocks.size and self.tenancy and self.tenants.limited:
-            budget, _ = self.tenants.budget(tenant, self.allocator.num_allocatable)
-            revived = np.cumsum(self.allocator.ref_count[blocks] == 0)
-            blocks = blocks[: int(np.searchsorted(revived, budget, side="right"))]
-        revived_count = self.tables.adopt(row, blocks) if blocks.size else 0
-        if self.tenancy:
-            self.tenants.num_blocks[tenant] += revived_count
-        self.chains.start(row, salt, hashes[: blocks.size])
 
     def append(
         self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1,
@@ -135,7 +118,7 @@ class KVCacheManager:
         token's id, concatenated in that order, or None (the sequences are then not cached from here on).
         """
         if token_ids is not None or self.chains.chains:  # a dict's truth: the cheapest test
-            return self._append_tracked(seq_ids, num_new_tokens, tenant, token_ids)
+            return prefix_ops.append_tracked(self, seq_ids, num_new_tokens, tenant, token_ids)
         return self._append_plain(seq_ids, num_new_tokens, tenant)
 
     def _append_plain(self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int],
@@ -148,23 +131,6 @@ class KVCacheManager:
         if self.tenancy:
             return self._append_as(seq_ids, rows, counts, tenant)
         return self.tables.plan_append(rows, counts)
-
-    def _append_tracked(self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int],
-                         tenant: int | None, token_ids: Sequence[int] | np.ndarray | None) -> AppendPlan:
-        """``append`` when token ids are given or some rows are tracked (``TokenChains.after_append``)."""
-        rows = np.atleast_1d(np.asarray(self._rows(seq_ids), dtype=np.intp))
-        counts = np.broadcast_to(np.asarray(self._counts(num_new_tokens, rows.size), dtype=np.int64), rows.shape)
-        ids = None
-        if token_ids is not None:
-            ids = np.asarray(token_ids, dtype=np.uint32)
-            if ids.shape != (int(counts.sum()),):
-                raise InvalidArgumentError(f"{ids.size} token_ids for {int(counts.sum())} appended tokens")
-        lengths = self.tables.num_tokens.take(rows)
-        plan = self._append_plain(seq_ids, num_new_tokens, tenant)
-        names = self.tenants.names
-        salts = [names[t].encode() for t in self.tenants.tenant_of_row.take(rows).tolist()] if ids is not None else []
-        self.chains.after_append(rows, counts, lengths, ids, self.tables.table, self.allocator.cache, salts)
-        return plan
 
     def _append_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
                    tenant: int | None) -> AppendPlan:
