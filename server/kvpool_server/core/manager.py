@@ -119,10 +119,6 @@ class KVCacheManager:
         """
         if token_ids is not None or self.chains.chains:  # a dict's truth: the cheapest test
             return prefix_ops.append_tracked(self, seq_ids, num_new_tokens, tenant, token_ids)
-        return self._append_plain(seq_ids, num_new_tokens, tenant)
-
-    def _append_plain(self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int],
-                      tenant: int | None) -> AppendPlan:
         one = seq_ids.__class__ is int  # cheaper than isinstance on the hot path (mypy cannot narrow it)
         rows = self.index.row(seq_ids) if one else self._rows(seq_ids)  # type: ignore[arg-type]
         counts = cast("int | np.ndarray", num_new_tokens)

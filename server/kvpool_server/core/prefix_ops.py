@@ -39,15 +39,20 @@ def append_tracked(
     tenant: int | None, token_ids: Sequence[int] | np.ndarray | None,
 ) -> AppendPlan:
     """``KVCacheManager.append`` when token ids are given or some rows are tracked (``TokenChains.after_append``)."""
-    rows = np.atleast_1d(np.asarray(manager._rows(seq_ids), dtype=np.intp))
-    counts = np.broadcast_to(np.asarray(manager._counts(num_new_tokens, rows.size), dtype=np.int64), rows.shape)
+    plain_rows = manager._rows(seq_ids)  # an int for one sequence, as the plain path has it
+    rows = np.atleast_1d(np.asarray(plain_rows, dtype=np.intp))
+    plain_counts = manager._counts(num_new_tokens, rows.size)
+    counts = np.broadcast_to(np.asarray(plain_counts, dtype=np.int64), rows.shape)
     ids = None
     if token_ids is not None:
         ids = np.asarray(token_ids, dtype=np.uint32)
         if ids.shape != (int(counts.sum()),):
             raise InvalidArgumentError(f"{ids.size} token_ids for {int(counts.sum())} appended tokens")
     lengths = manager.tables.num_tokens.take(rows)
-    plan = manager._append_plain(seq_ids, num_new_tokens, tenant)
+    if manager.tenancy:
+        plan = manager._append_as(seq_ids, plain_rows, plain_counts, tenant)
+    else:
+        plan = manager.tables.plan_append(plain_rows, plain_counts)
     names = manager.tenants.names
     salts = [names[t].encode() for t in manager.tenants.tenant_of_row.take(rows).tolist()] if ids is not None else []
     manager.chains.after_append(rows, counts, lengths, ids, manager.tables.table, manager.allocator.cache, salts)
