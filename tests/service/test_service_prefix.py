@@ -76,3 +76,33 @@ def test_different_tenants_never_share(server_factory, tmp_path: Path) -> None:
         assert tenant_b.RegisterSequence(pb.RegisterSequenceRequest(prompt_token_ids=PROMPT)).num_cached_tokens == 0
         assert tenant_a.RegisterSequence(pb.RegisterSequenceRequest(prompt_token_ids=PROMPT)).num_cached_tokens == \
             2 * BLOCK_SIZE
+
+
+def test_a_session_that_dies_before_sealing_leaves_nothing_matchable(server) -> None:
+    with connect(server.address) as stub:
+        sid = stub.OpenSession(pb.OpenSessionRequest(client_name="prefix")).session_id
+        seq = stub.RegisterSequence(pb.RegisterSequenceRequest(session_id=sid, prompt_token_ids=PROMPT)).seq_id
+        stub.AppendToken(pb.AppendTokenRequest(seq_ids=[seq], num_tokens=[len(PROMPT)], token_ids=PROMPT,
+                                               session_id=sid))
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))  # its two full blocks were never sealed
+        assert stub.RegisterSequence(pb.RegisterSequenceRequest(prompt_token_ids=PROMPT)).num_cached_tokens == 0
+        stats = stub.Stats(pb.StatsRequest())
+        assert stats.num_blocks_evictable == 0 and stats.num_blocks_used == 0
+
+
+def test_append_stream_carries_token_ids(server) -> None:
+    with connect(server.address) as stub:
+        seq = stub.RegisterSequence(pb.RegisterSequenceRequest(prompt_token_ids=PROMPT)).seq_id
+        requests = [pb.AppendTokenStreamRequest(seq_ids=[seq], num_tokens=[len(PROMPT)], token_ids=PROMPT),
+                    pb.AppendTokenStreamRequest(seq_ids=[seq], token_ids=[9])]
+        assert len(list(stub.AppendTokenStream(iter(requests)))) == 2
+        hashes = list(stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=seq)).block_hashes)
+        assert hashes == [*chain_hashes(PROMPT, BLOCK_SIZE), b""]
+        bad = pb.AppendTokenStreamRequest(seq_ids=[seq], num_tokens=[2], token_ids=[1])
+        try:
+            list(stub.AppendTokenStream(iter([bad])))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        else:
+            raise AssertionError("2 tokens with 1 token id were accepted")
+        assert stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=seq)).num_tokens == len(PROMPT) + 1
