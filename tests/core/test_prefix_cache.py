@@ -206,3 +206,27 @@ def test_a_block_both_free_and_evictable_is_caught(cached: KVCacheManager) -> No
     allocator._push(np.array([next(iter(allocator.cache.evictable))], dtype=np.int32))
     with pytest.raises(InvariantViolationError, match="free and evictable"):
         cached.check_invariants()
+
+
+# ---------------------------------------------------------------- KV events (the core of SubscribeEvents)
+def test_kv_events_record_stores_and_evictions_in_numbered_batches() -> None:
+    from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+
+    manager = KVCacheManager(num_blocks=6, block_size=BS)
+    log = manager.allocator.cache.events = KVEventLog(epoch=7, capacity=2)
+    a = prefill(manager)
+    manager.append(a, 1, token_ids=[7])
+    first = log.publish()
+    h0, h1 = chain_hashes(PROMPT, BS)
+    assert first is not None and (first.epoch, first.seq) == (7, 1)
+    assert first.events == (BlockStored((h0,), None, tuple(PROMPT[:4]), BS), BlockStored((h1,), h0, tuple(PROMPT[4:8]), BS))
+    manager.free(a)
+    manager.append(manager.register(), 5 * BS)  # evicts the leaf
+    assert log.publish().events == (BlockRemoved((h1,)),)
+    assert log.publish() is None  # nothing pending
+    assert [b.seq for b in log.since(1)] == [1, 2]
+    manager.append(manager.register(), BS)  # evicts the other
+    log.publish()
+    assert log.num_dropped == 1 and log.since(1) is None and [b.seq for b in log.since(2)] == [2, 3]
+    snap = log.snapshot(manager.allocator.cache)
+    assert snap.snapshot and snap.seq == 3 and snap.events == (AllBlocksCleared(),)

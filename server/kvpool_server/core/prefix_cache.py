@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvpool_server.core.block_hash import block_hash
 from kvpool_server.core.errors import InvariantViolationError
+
+if TYPE_CHECKING:
+    from kvpool_server.core.kv_events import KVEventLog
 
 
 class CachedBlock(NamedTuple):
@@ -51,6 +54,7 @@ class PrefixCache:
         self.is_cached: np.ndarray = np.zeros(num_blocks, dtype=bool)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest (first to evict) first
         self.num_evicted: int = 0
+        self.events: KVEventLog | None = None  # set to record BlockStored / BlockRemoved (kv_events.py)
 
     @property
     def num_cached(self) -> int:
@@ -68,6 +72,8 @@ class PrefixCache:
         self.block_of_hash[entry.block_hash] = block_id
         self.entries[block_id] = entry
         self.is_cached[block_id] = True
+        if self.events is not None:
+            self.events.stored(entry.block_hash, entry.parent_hash, tuple(entry.token_ids.tolist()))
         return True
 
     def match(self, hashes: list[bytes]) -> list[int]:
@@ -93,10 +99,14 @@ class PrefixCache:
     def evict(self, num: int) -> np.ndarray:
         """Forget the ``num`` least recently used evictable blocks (``num`` <= ``num_evictable``); returns them."""
         evicted = np.empty(num, dtype=np.int32)
+        hashes = []
         for i in range(num):
             block_id, _ = self.evictable.popitem(last=False)
-            del self.block_of_hash[self.entries.pop(block_id).block_hash]
+            hashes.append(self.entries.pop(block_id).block_hash)
+            del self.block_of_hash[hashes[-1]]
             evicted[i] = block_id
+        if self.events is not None:
+            self.events.removed(tuple(hashes))
         self.is_cached[evicted] = False
         self.num_evicted += num
         return evicted
