@@ -213,7 +213,8 @@ def test_kv_events_record_stores_and_evictions_in_numbered_batches() -> None:
     from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 
     manager = KVCacheManager(num_blocks=6, block_size=BS)
-    log = manager.allocator.cache.events = KVEventLog(epoch=7, capacity=2)
+    log = KVEventLog(epoch=7, capacity=2)
+    log.attach(manager.allocator.cache)
     a = prefill(manager)
     manager.append(a, 1, token_ids=[7])
     first = log.publish()

@@ -1,7 +1,6 @@
 """KVEventLog: the prefix cache's changes as vLLM-style KV events, in numbered batches, for a router to follow.
 
-Not yet served: the ``SubscribeEvents`` RPC (issue #13, part 5) is still to be written; this is its core. The
-events carry vLLM's kv_events fields (``BlockStored{block_hashes, parent_block_hash, token_ids, block_size}``,
+Served by the ``SubscribeEvents`` RPC (``event_stream.py``). The events carry vLLM's kv_events fields (``BlockStored{block_hashes, parent_block_hash, token_ids, block_size}``,
 ``BlockRemoved{block_hashes}``, ``AllBlocksCleared{}``); a batch carries the pool's ``epoch`` (a new one each start:
 sequence numbers restart) and its sequence number.
 """
@@ -12,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvpool_server.core.block_hash import NONE_HASH
-from kvpool_server.core.prefix_cache import PrefixCache
+from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -61,12 +60,9 @@ class KVEventLog:
         self.next_seq: int = 1
         self.num_dropped: int = 0
 
-    def stored(self, block_hash: bytes, parent_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        parent = None if parent_hash == NONE_HASH else parent_hash
-        self.pending.append(BlockStored((block_hash,), parent, token_ids, len(token_ids)))
-
-    def removed(self, block_hashes: tuple[bytes, ...]) -> None:
-        self.pending.append(BlockRemoved(block_hashes))
+    def attach(self, cache: PrefixCache) -> None:
+        """Record ``cache``'s stores and evictions into ``pending``."""
+        cache.events = self.pending
 
     def publish(self) -> EventBatch | None:
         """Close the pending events into the next batch (None when there are none)."""
@@ -77,7 +73,7 @@ class KVEventLog:
             self.num_dropped += 1
         self.batches.append(batch)
         self.next_seq += 1
-        self.pending = []
+        self.pending.clear()  # the same list: the cache appends to it
         return batch
 
     def since(self, from_seq: int) -> list[EventBatch] | None:
@@ -90,8 +86,10 @@ class KVEventLog:
     def snapshot(self, cache: PrefixCache) -> EventBatch:
         """The cache's content as one batch, numbered as the last published batch (resume at its seq + 1)."""
         events: list[KVEvent] = [AllBlocksCleared()]
-        for entry in cache.entries.values():
-            parent = None if entry.parent_hash == NONE_HASH else entry.parent_hash
-            events.append(BlockStored((entry.block_hash,), parent, tuple(entry.token_ids.tolist()),
-                                      int(entry.token_ids.size)))
+        events += [stored_event(entry) for entry in cache.entries.values()]
         return EventBatch(self.epoch, self.next_seq - 1, tuple(events), snapshot=True)
+
+
+def stored_event(entry: CachedBlock) -> BlockStored:
+    parent = None if entry.parent_hash == NONE_HASH else entry.parent_hash
+    return BlockStored((entry.block_hash,), parent, tuple(entry.token_ids.tolist()), int(entry.token_ids.size))

@@ -11,7 +11,7 @@ from kvpool_server.core.block_hash import block_hash
 from kvpool_server.core.errors import InvariantViolationError
 
 if TYPE_CHECKING:
-    from kvpool_server.core.kv_events import KVEventLog
+    from kvpool_server.core.kv_events import KVEvent
 
 
 class CachedBlock(NamedTuple):
@@ -54,7 +54,8 @@ class PrefixCache:
         self.is_cached: np.ndarray = np.zeros(num_blocks, dtype=bool)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest (first to evict) first
         self.num_evicted: int = 0
-        self.events: KVEventLog | None = None  # set to record BlockStored / BlockRemoved (kv_events.py)
+        # A KVEventLog's ``pending`` list when one is attached (kv_events.py): BlockStored / BlockRemoved go there.
+        self.events: list[KVEvent] | None = None
 
     @property
     def num_cached(self) -> int:
@@ -73,7 +74,8 @@ class PrefixCache:
         self.entries[block_id] = entry
         self.is_cached[block_id] = True
         if self.events is not None:
-            self.events.stored(entry.block_hash, entry.parent_hash, tuple(entry.token_ids.tolist()))
+            from kvpool_server.core.kv_events import stored_event  # kv_events imports this module
+            self.events.append(stored_event(entry))
         return True
 
     def match(self, hashes: list[bytes]) -> list[int]:
@@ -106,7 +108,8 @@ class PrefixCache:
             del self.block_of_hash[hashes[-1]]
             evicted[i] = block_id
         if self.events is not None:
-            self.events.removed(tuple(hashes))
+            from kvpool_server.core.kv_events import BlockRemoved
+            self.events.append(BlockRemoved(tuple(hashes)))
         self.is_cached[evicted] = False
         self.num_evicted += num
         return evicted
