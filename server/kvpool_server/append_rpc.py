@@ -36,6 +36,7 @@ def append(
     limits: ReplyLimits | None = None,
     limit: Any = None,
     tenant: int | None = None,
+    events: Any = None,
 ) -> R:
     """Apply one append request (``seq_ids``, ``num_tokens``, maybe ``token_ids`` for prefix caching) atomically under ``lock`` (the one that covers
     ``manager`` and ``pool``), through ``gate`` (the session must be live; a repeated request id is answered
@@ -53,6 +54,8 @@ def append(
         if replay is not None:
             return replay
         plan = manager.append(seq_ids, num_tokens, tenant, token_ids)
+        if events is not None and events.log.pending:  # prefix cache: blocks sealed or evicted (SubscribeEvents)
+            events.publish()
         if plan.copies.shape[0]:
             pool.copy_blocks(plan.copies)
         if key is None:

@@ -76,6 +76,15 @@ def test_different_tenants_never_share(server_factory, tmp_path: Path) -> None:
         assert tenant_b.RegisterSequence(pb.RegisterSequenceRequest(prompt_token_ids=PROMPT)).num_cached_tokens == 0
         assert tenant_a.RegisterSequence(pb.RegisterSequenceRequest(prompt_token_ids=PROMPT)).num_cached_tokens == \
             2 * BLOCK_SIZE
+        try:  # events carry every tenant's hashes and token ids: admins only
+            next(tenant_a.SubscribeEvents(pb.SubscribeEventsRequest()))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.PERMISSION_DENIED
+        else:
+            raise AssertionError("a frontend subscribed to every tenant's KV events")
+        admin = As(channel, "tok-admin").SubscribeEvents(pb.SubscribeEventsRequest())
+        assert len(next(admin).events) == 3  # cleared + a's two blocks
+        admin.cancel()
 
 
 def test_a_session_that_dies_before_sealing_leaves_nothing_matchable(server) -> None:
@@ -106,3 +115,41 @@ def test_append_stream_carries_token_ids(server) -> None:
         else:
             raise AssertionError("2 tokens with 1 token id were accepted")
         assert stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=seq)).num_tokens == len(PROMPT) + 1
+
+
+def test_subscribe_events_snapshot_then_live_batches_then_resume(server) -> None:
+    with connect(server.address) as stub:
+        a, _ = prefill(stub)  # seals 2 blocks: batch 1
+        stream = stub.SubscribeEvents(pb.SubscribeEventsRequest(), timeout=10)
+        snap = next(stream)
+        assert snap.snapshot and snap.seq == 1 and snap.events[0].HasField("all_blocks_cleared")
+        h0, h1 = chain_hashes(PROMPT, BLOCK_SIZE)
+        stored = [e.block_stored for e in snap.events[1:]]
+        assert [(list(s.block_hashes), s.parent_block_hash, list(s.token_ids), s.block_size) for s in stored] == [
+            ([h0], b"", PROMPT[:BLOCK_SIZE], BLOCK_SIZE), ([h1], h0, PROMPT[BLOCK_SIZE : 2 * BLOCK_SIZE], BLOCK_SIZE)]
+        b = stub.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
+        tokens = list(range(BLOCK_SIZE))
+        stub.AppendToken(pb.AppendTokenRequest(seq_ids=[b], num_tokens=[BLOCK_SIZE], token_ids=tokens))
+        stub.AppendToken(pb.AppendTokenRequest(seq_ids=[b], token_ids=[0]))  # seals b's block: batch 2
+        live = next(stream)
+        assert (live.seq, live.snapshot, live.epoch) == (2, False, snap.epoch)
+        assert [list(e.block_stored.token_ids) for e in live.events] == [tokens]
+        stream.cancel()
+        resume = stub.SubscribeEvents(pb.SubscribeEventsRequest(from_seq=2), timeout=10)
+        resumed = next(resume)
+        resume.cancel()
+        assert (resumed.seq, resumed.snapshot) == (2, False)
+        stub.Free(pb.FreeRequest(seq_ids=[a, b]))
+
+
+def test_a_subscriber_does_not_hold_up_shutdown(server) -> None:
+    import signal
+    import time
+
+    with connect(server.address) as stub:
+        stream = stub.SubscribeEvents(pb.SubscribeEventsRequest(), timeout=30)
+        assert next(stream).snapshot
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=15) == 0
+        assert time.monotonic() - started < 10
