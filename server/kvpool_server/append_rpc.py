@@ -36,8 +36,9 @@ def append(
     limits: ReplyLimits | None = None,
     limit: Any = None,
     tenant: int | None = None,
+    events: Any = None,
 ) -> R:
-    """Apply one append request (``seq_ids``, ``num_tokens``) atomically under ``lock`` (the one that covers
+    """Apply one append request (``seq_ids``, ``num_tokens``, maybe ``token_ids`` for prefix caching) atomically under ``lock`` (the one that covers
     ``manager`` and ``pool``), through ``gate`` (the session must be live; a repeated request id is answered
     with its first answer); ``response_cls`` has AppendTokenResponse's fields. Raises, having changed nothing,
     on any error; ``rpc`` names the method in error messages. With ``limits``, ``limit`` is the call's context (or
@@ -45,13 +46,16 @@ def append(
     (another tenant's sequence is NOT_FOUND; the tenant's quotas bound the blocks taken), None without auth."""
     seq_ids = parse.batch_seq_ids(request.seq_ids, rpc, max_batch)
     num_tokens = parse.append_counts(request.num_tokens, seq_ids.size)
+    token_ids = request.token_ids if len(request.token_ids) else None  # prefix caching; None: no per-token work
     if limits is not None:
         limits.check_append(seq_ids.size, num_tokens, rpc, limit)
     with lock:
         key, replay = gate.enter(request, response_cls, tenant)
         if replay is not None:
             return replay
-        plan = manager.append(seq_ids, num_tokens, tenant)
+        plan = manager.append(seq_ids, num_tokens, tenant, token_ids)
+        if events is not None and events.log.pending:  # prefix cache: blocks sealed or evicted (SubscribeEvents)
+            events.publish()
         if plan.copies.shape[0]:
             pool.copy_blocks(plan.copies)
         if key is None:

@@ -41,7 +41,7 @@ from kvpool_server.errors import PermissionDeniedError, UnauthenticatedError
 
 logger = logging.getLogger(__name__)
 ROLES = ("frontend", "admin")
-ADMIN_RPCS = frozenset({"ListSessions", "ListSequences", "CheckInvariants", "Drain"})
+ADMIN_RPCS = frozenset({"ListSessions", "ListSequences", "CheckInvariants", "Drain", "SubscribeEvents"})
 
 
 @dataclass(frozen=True)

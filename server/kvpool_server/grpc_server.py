@@ -36,6 +36,7 @@ from kvpool_server.metrics import KVPoolMetrics, MetricsHTTPServer, locked_stats
 from kvpool_server.pool_protocol import Pool
 from kvpool_server.service import KVPoolServicer
 from kvpool_server.session_rpcs import REAP_INTERVAL_S
+from kvpool_server.event_stream import events_handler
 from kvpool_server.streams import OpenStreams, stream_handler
 from kvpool_server.transport import bind
 
@@ -210,7 +211,9 @@ def method_handlers(servicer: Any, call: CallContext, streams: OpenStreams) -> d
         impl = getattr(servicer, name, None)
         if impl is None:
             continue
-        if method.client_streaming or method.server_streaming:
+        if name == "SubscribeEvents":
+            handlers[name] = events_handler(call, servicer)
+        elif method.client_streaming or method.server_streaming:
             handlers[name] = stream_handler(call, name, impl, streams, COUNTERS.get(name))
         else:
             handlers[name] = unary_handler(call, name, impl, GetMessageClass(method.input_type), COUNTERS.get(name))

@@ -111,6 +111,8 @@ class PoolCollector(Collector):
             gauge("kvpool_blocks", "Blocks in the pool (its capacity)", pool(lambda s: s.num_blocks_total)),
             gauge("kvpool_blocks_free", "Blocks on the free list", pool(lambda s: s.num_blocks_free)),
             gauge("kvpool_blocks_used", "Blocks referenced by at least one sequence", pool(lambda s: s.num_blocks_used)),
+            gauge("kvpool_blocks_evictable", "Cached blocks no sequence holds (prefix cache; allocatable, LRU first)",
+                  pool(lambda s: s.num_blocks_evictable)),
             gauge("kvpool_blocks_shared", "Blocks referenced by more than one sequence (fork sharing)",
                   pool(lambda s: s.num_blocks_shared)),
             gauge("kvpool_usage_ratio", "Used blocks / all blocks", pool(lambda s: s.utilization)),

@@ -39,6 +39,7 @@ def stats_response(stats: PoolStats, block_bytes: int) -> pb.StatsResponse:
         num_sequences=stats.num_sequences,
         block_size=stats.block_size,
         block_bytes=block_bytes,
+        num_blocks_evictable=stats.num_blocks_evictable,
     )
 
 

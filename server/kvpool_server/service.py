@@ -41,6 +41,7 @@ from kvpool_server.auth import Authenticator, caller
 from kvpool_server.core import KVCacheManager
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.drain import Drain
+from kvpool_server.event_stream import EventFeed
 from kvpool_server.handlers import Offload
 from kvpool_server.invariant_checks import InvariantChecks
 from kvpool_server.kv_copies import INLINE_BYTES, SequencePins, chunk_tokens, read_chunked, write_chunked
@@ -87,6 +88,8 @@ class KVPoolServicer(SessionRpcs):
         self.draining_for_maintenance = False
         self.on_drain: Callable[[], None] = lambda: None
         self.auth: Authenticator | None = None  # set with --auth-tokens (grpc_server.build_servicer)
+        self.events = EventFeed(self.sessions.server_epoch, manager.allocator.cache)  # SubscribeEvents
+        self.SubscribeEvents = self.events  # registered by grpc_server (event_stream.events_handler)
 
     def reload_tokens(self) -> bool:
         """SIGHUP: re-read the tokens file (under the lock: it changes the tenants' limits)."""
@@ -105,13 +108,15 @@ class KVPoolServicer(SessionRpcs):
             key, replay = self.gate.enter(request, pb.RegisterSequenceResponse, tenant)
             if replay is not None:
                 return replay
-            seq_id = self.manager.register(seq_id, request.session_id, tenant)
-            return self.gate.remember(key, pb.RegisterSequenceResponse(seq_id=seq_id))
+            prompt = request.prompt_token_ids
+            seq_id = self.manager.register(seq_id, request.session_id, tenant, prompt if len(prompt) else None)
+            cached = self.manager.num_tokens(seq_id) if len(prompt) else 0
+            return self.gate.remember(key, pb.RegisterSequenceResponse(seq_id=seq_id, num_cached_tokens=cached))
 
     def AppendToken(self, request: pb.AppendTokenRequest, context: Any) -> pb.AppendTokenResponse:
         return append(self.manager, self.pool, self.lock, self.gate, request, pb.AppendTokenResponse,
                       max_batch=self.max_batch, rpc="AppendToken", limits=self.limits, limit=context,
-                      tenant=caller().tenant_id)
+                      tenant=caller().tenant_id, events=self.events)
 
     def Fork(self, request: pb.ForkRequest, context: Any) -> pb.ForkResponse:
         parent_seq_id = parse.seq_id(request.parent_seq_id, "Fork", "parent_seq_id")
@@ -157,8 +162,11 @@ class KVPoolServicer(SessionRpcs):
         with self.lock:
             block_ids = self.manager.block_table(seq_id, tenant)
             num_tokens = self.manager.num_tokens(seq_id, tenant)
+            entries = self.manager.allocator.cache.entries
+            hashes = [entries[b].block_hash if b in entries else b"" for b in block_ids.tolist()] if entries else []
         return pb.GetBlockTableResponse(
-            block_ids=block_ids.tolist(), num_tokens=num_tokens, block_size=self.manager.block_size
+            block_ids=block_ids.tolist(), num_tokens=num_tokens, block_size=self.manager.block_size,
+            block_hashes=hashes,
         )
 
     def DescribePool(self, request: pb.DescribePoolRequest, context: Any) -> pb.DescribePoolResponse:
@@ -239,7 +247,8 @@ class AppendTokenStream:
         s = self.servicer
         state.num_messages += 1
         return append(s.manager, s.pool, s.lock, s.gate, request, pb.AppendTokenStreamResponse, max_batch=s.max_batch,
-                      rpc="AppendTokenStream", limits=s.limits, limit=state.reply_limit, tenant=state.tenant)
+                      rpc="AppendTokenStream", limits=s.limits, limit=state.reply_limit, tenant=state.tenant,
+                      events=s.events)
 
     def close(self, state: AppendStreamState, reason: str) -> None:
         self.num_open -= 1

@@ -4,6 +4,12 @@ The reference keeps, per sequence, its token tags and a list of abstract block i
 token at a time in batch order -- the obviously-correct semantics the batched planner must reproduce exactly
 (free block counts, copies made). Token data lives in a tag memory written through the returned slots, so every
 step also checks that each sequence reads back its own tokens through its page table.
+
+Prefix caching: appends may carry token ids (from a tiny alphabet, so that equal blocks recur), and
+``register_with_prefix`` starts a sequence from cached blocks. The model does not predict what is cached; it
+follows the manager's choice (mapping physical blocks to its own through the live sequences' tables, a bijection
+checked every step) and checks that every reused block holds the token ids asked for and reads back exactly the
+tags its first writer wrote. Eviction under pressure: free + evictable must serve every append the model allows.
 """
 
 import itertools
@@ -34,6 +40,7 @@ class ReferenceModel:
         self.blocks: dict[int, list[int]] = {}
         self.refs: dict[int, int] = {}
         self.copies = 0
+        self.content: dict[int, list[int]] = {}  # block -> the tags written into it, in order
         self._next_block = itertools.count()
 
     def used(self) -> int:
@@ -58,12 +65,23 @@ class ReferenceModel:
             if length % BLOCK_SIZE == 0:
                 blocks.append(next(self._next_block))
                 self.refs[blocks[-1]] = 1
+                self.content[blocks[-1]] = []
             elif self.refs[blocks[-1]] > 1:
                 self.refs[blocks[-1]] -= 1
+                old = blocks[-1]
                 blocks[-1] = next(self._next_block)
                 self.refs[blocks[-1]] = 1
+                self.content[blocks[-1]] = list(self.content[old])
                 self.copies += 1
             self.tags[seq_id].append(tag)
+            self.content[blocks[-1]].append(tag)
+
+    def adopt(self, seq_id: int, blocks: list[int]) -> None:
+        """A new sequence starting with the (full) ``blocks``, matched in the prefix cache."""
+        self.blocks[seq_id] = list(blocks)
+        self.tags[seq_id] = [tag for block in blocks for tag in self.content[block]]
+        for block in blocks:
+            self.refs[block] += 1
 
     def fork(self, parent: int, children: list[int]) -> None:
         for child in children:
@@ -87,6 +105,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.freed: list[int] = []
         self.assigned: set[int] = set()
         self._tag = itertools.count(1)
+        self.token_of_tag: dict[int, int] = {}  # tags written by appends that carried token ids
+        self.model_block: dict[int, int] = {}  # physical block -> the model's, as of the last step
 
     # KV memory: a tag per slot here; tests/device/test_stateful_pool.py runs the same machine on a real pool.
     def copy_blocks(self, copies: np.ndarray) -> None:
@@ -129,6 +149,59 @@ class ManagerMachine(RuleBasedStateMachine):
             assert seq_id not in self.assigned, "the manager handed out an id twice"
             self.assigned.add(seq_id)
         self.model.tags[seq_id], self.model.blocks[seq_id] = [], []
+
+    @rule(data=st.data(), variant=st.integers(0, 1), length=st.integers(1, 14))
+    def register_with_prefix(self, data, variant, length):
+        """Register with a prompt (two variants sharing their first 6 tokens), then append the rest with ids."""
+        if len(self.model.tags) >= 12:
+            return
+        prompt = [p if p < 6 else 100 * variant + p for p in range(length)]
+        seq_id = self.manager.register(prompt_token_ids=prompt)
+        cached = self.manager.num_tokens(seq_id)
+        assert cached % BLOCK_SIZE == 0 and cached <= max(0, length - 1)
+        blocks = [self.model_block[b] for b in self.manager.block_table(seq_id).tolist()]
+        assert all(self.model.refs[b] == 0 or len(self.model.content[b]) == BLOCK_SIZE for b in blocks)
+        self.model.adopt(seq_id, blocks)
+        assert [self.token_of_tag[t] for t in self.model.tags[seq_id]] == prompt[:cached], "matched other tokens"
+        if cached < length:
+            self._append_with_ids(seq_id, prompt[cached:])
+
+    def _append_with_ids(self, seq_id: int, token_ids: list[int]) -> None:
+        enough = self.model.blocks_needed([seq_id], [len(token_ids)]) <= NUM_BLOCKS - self.model.used()
+        before = snapshot(self.manager)
+        try:
+            plan = self.manager.append(seq_id, len(token_ids), token_ids=token_ids)
+        except OutOfBlocksError:
+            assert not enough and snapshot(self.manager) == before
+            return
+        assert enough, "append with token ids succeeded where the reference says it cannot"
+        self.copy_blocks(plan.copies)
+        new_tags = [next(self._tag) for _ in token_ids]
+        self.write_tags(plan.slot_mapping, new_tags)
+        self.token_of_tag.update(zip(new_tags, token_ids))
+        self.model.append(seq_id, new_tags)
+
+    @rule()
+    def pressure(self):
+        """Eviction under pressure: a new sequence takes every allocatable block it can hold (free + evictable)."""
+        if len(self.model.tags) >= 12:
+            return
+        seq_id = self.manager.register()
+        self.model.tags[seq_id], self.model.blocks[seq_id] = [], []
+        num_blocks = min(NUM_BLOCKS - self.model.used(), MAX_SEQ_LEN // BLOCK_SIZE)
+        if num_blocks:
+            plan = self.manager.append(seq_id, num_blocks * BLOCK_SIZE)
+            new_tags = [next(self._tag) for _ in range(num_blocks * BLOCK_SIZE)]
+            self.write_tags(plan.slot_mapping, new_tags)
+            self.model.append(seq_id, new_tags)
+
+    @precondition(lambda self: self.model.tags)
+    @rule(data=st.data(), count=st.integers(1, 6))
+    def append_with_ids(self, data, count):
+        """Decode-like appends carrying ids (seals the sequence's filled blocks), from a 2-token alphabet."""
+        seq_id = data.draw(st.sampled_from(self.live()))
+        if len(self.model.tags[seq_id]) + count <= MAX_SEQ_LEN:
+            self._append_with_ids(seq_id, data.draw(st.lists(st.integers(0, 1), min_size=count, max_size=count)))
 
     @precondition(lambda self: self.model.tags)
     @rule(data=st.data(), single=st.booleans())
@@ -209,6 +282,14 @@ class ManagerMachine(RuleBasedStateMachine):
             else:
                 raise AssertionError("an operation on a freed sequence succeeded")
             assert snapshot(self.manager) == before
+
+    @invariant()
+    def same_sharing_as_reference(self):
+        """Physical and model blocks correspond one to one through the live sequences' tables."""
+        pairs = {(p, m) for s in self.model.tags
+                 for p, m in zip(self.manager.block_table(s).tolist(), self.model.blocks[s])}
+        assert len({p for p, _ in pairs}) == len(pairs) == len({m for _, m in pairs})
+        self.model_block.update(pairs)
 
     @invariant()
     def matches_reference(self):

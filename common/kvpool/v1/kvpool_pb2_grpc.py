@@ -90,6 +90,11 @@ class KVPoolServiceStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeEvents = channel.unary_stream(
+                '/kvpool.v1.KVPoolService/SubscribeEvents',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.SubscribeEventsRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SubscribeEventsResponse.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_unary(
                 '/kvpool.v1.KVPoolService/OpenSession',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.OpenSessionRequest.SerializeToString,
@@ -208,6 +213,14 @@ class KVPoolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeEvents(self, request, context):
+        """SubscribeEvents streams the prefix cache's changes as vLLM-style KV events (docs/prefix-caching.md): a snapshot
+        first (unless from_seq resumes within the buffer), then every batch as it is published. Admin only with auth.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenSession(self, request, context):
         """OpenSession starts a session: every sequence registered (or forked) under its id belongs to it, and all of
         them are freed in one sweep when the session ends -- closed, its lease expired without a heartbeat, or its
@@ -312,6 +325,11 @@ def add_KVPoolServiceServicer_to_server(servicer, server):
                     servicer.CheckInvariants,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsResponse.SerializeToString,
+            ),
+            'SubscribeEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeEvents,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.SubscribeEventsRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.SubscribeEventsResponse.SerializeToString,
             ),
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
@@ -642,6 +660,33 @@ class KVPoolService:
             '/kvpool.v1.KVPoolService/CheckInvariants',
             kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.CheckInvariantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvpool.v1.KVPoolService/SubscribeEvents',
+            kvpool_dot_v1_dot_kvpool__pb2.SubscribeEventsRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.SubscribeEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,7 @@ from kvpool_server.core.errors import (
     OutOfBlocksError,
     QuotaExceededError,
 )
+from kvpool_server.core.prefix_cache import PrefixCache
 
 # 0-d arrays of the ref counts' dtype: ``put`` of one of these costs less than of a Python int.
 _ONE, _ZERO = np.array(1, dtype=np.int32), np.array(0, dtype=np.int32)
@@ -31,7 +32,13 @@ class BlockAllocator:
         shared, appends skip the copy-on-write test and frees skip the duplicate handling);
       - ref counts are never negative;
       - the free list holds each free block exactly once, so a block id is never handed out twice;
-      - a block is on the free list iff its ref count is 0.
+      - a block is on the free list iff its ref count is 0 and it is not evictable (prefix caching: a cached
+        block reaching ref count 0 keeps its content on ``cache``'s evictable LRU instead);
+      - no block is both free and evictable; ``cache``'s own invariants hold.
+
+    Allocation takes truly free blocks first, then evicts the least recently used cached blocks
+    (``cache.evict``): free + evictable is what can be allocated (``num_allocatable``). While nothing is cached
+    (``cache.num_cached == 0``) no path below does any extra work.
 
     ::
 
@@ -54,16 +61,24 @@ class BlockAllocator:
         self.budget: int = 1 << 62
         self.budget_reason: str = ""
         self.num_shared_blocks: int = 0
+        self.cache: PrefixCache = PrefixCache(num_blocks)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        """Blocks some sequence references (neither free nor evictable)."""
+        return self.num_blocks - self.num_free_blocks - self.cache.num_evictable
+
+    @property
+    def num_allocatable(self) -> int:
+        return self.num_free_blocks + self.cache.num_evictable
 
     def allocate(self, num: int) -> np.ndarray:
         """Take ``num`` free blocks, each with ref count 1. Raises OutOfBlocksError (changing nothing) if too few,
         QuotaExceededError if more than ``budget``."""
         if num > self.num_free_blocks or num > self.budget:
-            raise self._refusal(num)
+            if num > self.budget or num > self.num_allocatable:
+                raise self._refusal(num)
+            self._push(self.cache.evict(num - self.num_free_blocks))
         top = self.num_free_blocks
         block_ids = self._free_stack[top - num : top][::-1].copy()
         self.num_free_blocks = top - num
@@ -72,7 +87,9 @@ class BlockAllocator:
 
     def allocate_one(self) -> int:
         if self.num_free_blocks == 0 or self.budget < 1:
-            raise self._refusal(1)
+            if self.budget < 1 or not self.cache.num_evictable:
+                raise self._refusal(1)
+            self._push(self.cache.evict(1))
         self.num_free_blocks -= 1
         block_id = self._free_stack.item(self.num_free_blocks)
         self.ref_count[block_id] = 1
@@ -83,6 +100,14 @@ class BlockAllocator:
         self.num_shared_blocks += int(np.count_nonzero(self.ref_count[block_ids] == 1))
         self.ref_count[block_ids] += times
 
+    def reuse(self, block_ids: np.ndarray) -> int:
+        """Take one more reference to each of the distinct cached ``block_ids`` (a prefix match), taking those of
+        ref count 0 off the evictable LRU. Returns how many were revived (had ref count 0)."""
+        idle = block_ids[self.ref_count[block_ids] == 0]
+        self.cache.unpark(idle)
+        self.incref(block_ids)
+        return int(idle.size)
+
     def decref(self, block_ids: np.ndarray) -> int:
         """Drop one reference per entry of ``block_ids`` (ids may repeat); blocks reaching 0 go back on the free list.
 
@@ -92,7 +117,10 @@ class BlockAllocator:
             return 0
         if self.num_shared_blocks == 0:  # every block in use has exactly one reference: ids are distinct
             self.ref_count.put(block_ids, _ZERO)
-            self._push(block_ids)
+            if self.cache.num_cached:
+                self._retire(block_ids, block_ids)
+            else:
+                self._push(block_ids)
             return int(block_ids.size)
         if block_ids.size * 8 >= self.num_blocks:
             # Many references (a free of a thousand forks of a long sequence: millions): count them per block in one
@@ -108,13 +136,33 @@ class BlockAllocator:
         after = self.ref_count[touched]
         self.num_shared_blocks -= int(shared_before - np.count_nonzero(after > 1))
         freed = touched[after == 0]
-        self._push(freed)
+        if self.cache.num_cached:
+            self._retire(freed, block_ids)
+        else:
+            self._push(freed)
         return int(freed.size)
 
+    def _retire(self, freed: np.ndarray, order: np.ndarray) -> None:
+        """Blocks that reached ref count 0: uncached ones go on the free list, cached ones on the evictable LRU,
+        in the reverse of their order in ``order`` (a sequence's tail first: leaves are evicted first)."""
+        cached = self.cache.is_cached[freed]
+        if not cached.any():
+            self._push(freed)
+            return
+        self._push(freed[~cached])
+        keep = np.zeros(self.num_blocks, dtype=bool)
+        keep[freed[cached]] = True
+        reverse = order[::-1]
+        unique, first = np.unique(reverse, return_index=True)
+        self.cache.park(reverse[np.sort(first[keep[unique]])])
+
     def _refusal(self, num: int) -> OutOfBlocksError:
-        if num > self.budget and num <= self.num_free_blocks:
+        if num > self.budget and num <= self.num_allocatable:
             return QuotaExceededError(f"need {num} blocks, over {self.budget_reason}")
-        return OutOfBlocksError(f"need {num} free blocks, {self.num_free_blocks} of {self.num_blocks} are free")
+        return OutOfBlocksError(
+            f"need {num} free blocks, {self.num_free_blocks} of {self.num_blocks} are free"
+            + (f" and {self.cache.num_evictable} evictable" if self.cache.num_evictable else "")
+        )
 
     def _push(self, block_ids: np.ndarray) -> None:
         top = self.num_free_blocks
@@ -141,7 +189,14 @@ class BlockAllocator:
             raise InvariantViolationError("a block is on the free list twice")
         on_free_list = np.zeros(self.num_blocks, dtype=bool)
         on_free_list[free] = True
-        zero_ref = self.ref_count == 0
+        evictable = np.zeros(self.num_blocks, dtype=bool)
+        evictable[list(self.cache.evictable)] = True
+        if (on_free_list & evictable).any():
+            raise InvariantViolationError(f"blocks {np.flatnonzero(on_free_list & evictable)[:8]} are free and evictable")
+        zero_ref = (self.ref_count == 0) & ~evictable
         if not np.array_equal(on_free_list, zero_ref):
             bad = np.flatnonzero(on_free_list != zero_ref)
-            raise InvariantViolationError(f"a block is on the free list iff its ref count is 0; broken at {bad[:8]}")
+            raise InvariantViolationError(
+                f"a block is on the free list iff its ref count is 0 and it is not evictable; broken at {bad[:8]}"
+            )
+        self.cache.check_invariants(self.ref_count)

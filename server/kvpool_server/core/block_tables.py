@@ -119,6 +119,13 @@ class BlockTables:
         self.next_slot[child_rows] = self.next_slot[parent_row]
         self.allocator.incref(blocks, len(child_rows))  # a row never holds a block twice
 
+    def adopt(self, row: int, block_ids: np.ndarray) -> int:
+        """Give the empty ``row`` the full cached ``block_ids`` (a prefix match), one more reference each. Returns
+        how many of them were revived from the evictable LRU."""
+        self.table[row, : block_ids.size] = block_ids
+        self.num_tokens[row] = block_ids.size * self.block_size
+        return self.allocator.reuse(block_ids)
+
     def release(self, rows: list[int]) -> int:
         """Drop the distinct ``rows``' references to their blocks and put the rows back on the free list.
 

@@ -29,6 +29,22 @@ def check_invariants(manager: KVCacheManager) -> None:
         )
     check_ownership(manager)
     check_tenants(manager)
+    check_chains(manager)
+
+
+def check_chains(manager: KVCacheManager) -> None:
+    """TokenChains' invariants: ``tracked`` marks exactly the chains' rows, all live; a tracked row of n tokens
+    has n // block_size hashes and n % block_size partial tokens."""
+    chains, tables = manager.chains, manager.tables
+    if set(np.flatnonzero(chains.tracked).tolist()) != set(chains.chains):
+        raise InvariantViolationError("TokenChains.tracked does not mark exactly the tracked rows")
+    live = set(tables.rows_in_use().tolist())
+    for row, chain in chains.chains.items():
+        n = tables.num_tokens.item(row)
+        if row not in live or len(chain.hashes) != n // tables.block_size or chain.partial.size != n % tables.block_size:
+            raise InvariantViolationError(f"row {row}'s token chain disagrees with its {n} tokens")
+        if len(chain.pending_tokens) != len(chain.hashes) - chain.num_sealed:
+            raise InvariantViolationError(f"row {row}'s pending blocks and hashes disagree")
 
 
 def check_tenants(manager: KVCacheManager) -> None:
@@ -127,4 +143,5 @@ def stats(manager: KVCacheManager) -> PoolStats:
         num_copies=tables.num_copies,
         num_sequences=len(manager.index),
         block_size=bs,
+        num_blocks_evictable=allocator.cache.num_evictable,
     )

@@ -6,12 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool_server.core import checks
+from kvpool_server.core import checks, prefix_ops
 from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
 from kvpool_server.core.tenants import DEFAULT_TENANT, UNLIMITED, TenantLedger
+from kvpool_server.core.token_chains import TokenChains
 from kvpool_server.core.types import AppendPlan, PoolStats
 
 
@@ -40,6 +41,11 @@ class KVCacheManager:
     not exist, and appends are budgeted by the tenant's quotas. ``tenant=None`` is a trusted caller (a session's
     end, tests) that may name any tenant's sequences. With ``tenancy`` off every sequence is tenant 0's, unchecked.
 
+    Prefix caching (docs/prefix-caching.md): appends may carry their token ids (``token_ids``); full blocks of such
+    sequences are hashed (``TokenChains``), sealed with the sequence's next append and then matchable
+    (``allocator.cache``, a ``PrefixCache``); ``register`` with ``prompt_token_ids`` starts the sequence with the
+    longest cached run. The salt is the tenant's name, so different tenants never share a block.
+
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
     tables is in use iff the index names a live sequence that holds it; ``session_of_seq`` and
     ``seqs_of_session`` are the same relation read both ways, over live sequences only, with no empty set.
@@ -67,6 +73,7 @@ class KVCacheManager:
         self.seqs_of_session: dict[int, set[int]] = {}  # session_id -> its live seq_ids
         self.tenancy: bool = tenancy
         self.tenants: TenantLedger = TenantLedger(max_num_seqs)
+        self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -78,9 +85,11 @@ class KVCacheManager:
         """Copy-on-write copies planned so far."""
         return self.tables.num_copies
 
-    def register(self, seq_id: int | None = None, session_id: int = 0, tenant: int | None = None) -> int:
-        """Create an empty sequence (of ``session_id``, 0: none; of ``tenant``, None: the default); the manager
-        assigns the id unless one is given."""
+    def register(self, seq_id: int | None = None, session_id: int = 0, tenant: int | None = None,
+                 prompt_token_ids: Sequence[int] | np.ndarray | None = None) -> int:
+        """Create a sequence (of ``session_id``, 0: none; of ``tenant``, None: the default); the manager assigns the
+        id unless one is given. With ``prompt_token_ids`` it starts with the longest run of the prompt's full
+        blocks that are cached (``num_tokens`` says how many tokens: the caller appends the rest), and is tracked."""
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         self.tenants.check_new_sequences(tenant, 1)
         if seq_id is not None:
@@ -93,17 +102,22 @@ class KVCacheManager:
         self.index.add(seq_id, row)
         self._own([seq_id], session_id)
         self.tenants.add_rows([row], tenant)
+        if prompt_token_ids is not None:
+            prefix_ops.reuse_prefix(self, row, tenant, np.asarray(prompt_token_ids, dtype=np.uint32))
         return seq_id
 
     def append(
         self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1,
-        tenant: int | None = None,
+        tenant: int | None = None, token_ids: Sequence[int] | np.ndarray | None = None,
     ) -> AppendPlan:
         """Append ``num_new_tokens`` (one count for all, or one per sequence) to one sequence or a batch, atomically.
 
         ``seq_ids`` is one id, or a non-empty sequence or uint64 array of distinct ids. Slots in
-        ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``.
+        ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``. ``token_ids``: every appended
+        token's id, concatenated in that order, or None (the sequences are then not cached from here on).
         """
+        if token_ids is not None or self.chains.chains:  # a dict's truth: the cheapest test
+            return prefix_ops.append_tracked(self, seq_ids, num_new_tokens, tenant, token_ids)
         # ``__class__ is`` tests: the cheapest on the hot path; mypy cannot narrow them (the ignores below; no
         # typing.cast, which is a call)
         one = seq_ids.__class__ is int
@@ -127,7 +141,7 @@ class KVCacheManager:
             raise not_live(int(ids[np.atleast_1d(owners) != tenant][0]))
         allocator = self.allocator
         if ledger.limited:
-            allocator.budget, allocator.budget_reason = ledger.budget(tenant, allocator.num_free_blocks)
+            allocator.budget, allocator.budget_reason = ledger.budget(tenant, allocator.num_allocatable)
         try:
             plan = self.tables.plan_append(rows, num_new_tokens)
         finally:
@@ -194,6 +208,7 @@ class KVCacheManager:
         if not child_seq_ids:
             child_seq_ids = [self.index.new_server_id(row) for row in rows]
         self.tables.fork(parent_row, rows)
+        self.chains.fork(parent_row, rows)
         for seq_id, row in zip(child_seq_ids, rows):
             self.index.add(seq_id, row)
         self._own(child_seq_ids, session_id or self.session_of_seq.get(parent_seq_id, 0))
@@ -220,6 +235,7 @@ class KVCacheManager:
                 self.tenants.num_blocks[owner] -= freed
             num_freed += freed
         self.tenants.remove_rows(rows)
+        self.chains.drop(rows)
         for seq_id in ids:
             self.index.remove(seq_id)
         self._disown(ids)
@@ -296,6 +312,11 @@ class KVCacheManager:
             raise FailedPreconditionError(
                 f"tokens [{start}, {start + count}) of sequence {seq_id} lie in blocks shared with other "
                 "sequences; append to the sequence (copy-on-write) before writing there"
+            )
+        if for_write and self.allocator.cache.num_cached and self.allocator.cache.is_cached[slots // self.block_size].any():
+            raise FailedPreconditionError(
+                f"tokens [{start}, {start + count}) of sequence {seq_id} lie in sealed cached blocks, which others may "
+                "match: their KV is immutable"
             )
         return slots
 

@@ -48,6 +48,7 @@ class PoolStats:
     num_copies: int
     num_sequences: int
     block_size: int
+    num_blocks_evictable: int = 0  # cached blocks nobody holds: allocatable (free + evictable), evicted LRU first
 
     @property
     def utilization(self) -> float:

@@ -1,0 +1,46 @@
+"""Content hashes of full blocks: chained, deterministic sha256 over a canonical byte encoding.
+
+Every process, restart and router that encodes the same (parent hash, token ids, extra keys, salt) gets the same
+32 bytes -- never Python's ``hash()``, which is salted per process. The encoding (docs/prefix-caching.md)::
+
+    block_hash = sha256( b"kvpool.block.v1\\x00"
+                         || parent_hash                       32 bytes; 32 zero bytes (NONE_HASH) for block 0
+                         || u32le(len(salt))  || salt         the tenant's name, UTF-8; empty without auth
+                         || u32le(len(extra)) || extra        extra keys (LoRA, multimodal); empty today
+                         || u32le(n)          || n x u32le    the block's token ids, in order )
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+DOMAIN = b"kvpool.block.v1\x00"
+NONE_HASH = bytes(32)  # the parent of a sequence's first block
+_U32 = struct.Struct("<I")
+
+
+def block_hash(parent_hash: bytes, token_ids: Sequence[int] | np.ndarray, salt: bytes = b"", extra: bytes = b"") -> bytes:
+    """The 32-byte hash of one full block whose predecessor hashed to ``parent_hash`` (NONE_HASH for the first)."""
+    tokens = np.asarray(token_ids, dtype="<u4")
+    digest = hashlib.sha256(DOMAIN)
+    digest.update(parent_hash)
+    digest.update(_U32.pack(len(salt)) + salt)
+    digest.update(_U32.pack(len(extra)) + extra)
+    digest.update(_U32.pack(tokens.size))
+    digest.update(tokens.tobytes())
+    return digest.digest()
+
+
+def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: bytes = b"",
+                 parent_hash: bytes = NONE_HASH) -> list[bytes]:
+    """The hashes of every full block of ``token_ids`` (a partial tail is not hashed), chained from ``parent_hash``."""
+    tokens = np.asarray(token_ids, dtype="<u4")
+    hashes = []
+    for start in range(0, tokens.size - block_size + 1, block_size):
+        parent_hash = block_hash(parent_hash, tokens[start : start + block_size], salt)
+        hashes.append(parent_hash)
+    return hashes

@@ -1,0 +1,129 @@
+"""PrefixCache: the content index of sealed full blocks (hash -> block) and the LRU of cached blocks nobody holds."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from kvpool_server.core.block_hash import block_hash
+from kvpool_server.core.errors import InvariantViolationError
+
+if TYPE_CHECKING:
+    from kvpool_server.core.kv_events import KVEvent
+
+
+class CachedBlock(NamedTuple):
+    """What a cached block's hash was computed from, kept so that the hash can be checked against its content."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: np.ndarray  # uint32 [block_size]
+    salt: bytes
+
+
+class PrefixCache:
+    """Which physical blocks hold a sealed full block of known content, and which of those may be evicted.
+
+    Pure bookkeeping: it never allocates and never touches KV memory. The allocator owns one and asks it two
+    things: which blocks reaching ref count 0 keep their content (``is_cached``: they are ``park``-ed on the
+    evictable LRU instead of the free list), and which blocks to take when the free list runs dry (``evict``: the
+    least recently used, whose hash is then forgotten). A prefix match takes blocks back off the LRU (``unpark``).
+
+    The LRU is an OrderedDict (block id -> None), oldest first: O(1) park, unpark of any block and eviction from the
+    front. A released sequence's blocks are parked tail first (the allocator reverses them), so that the leaves of a
+    hash chain are evicted before the blocks they extend -- evicting a parent first would strand its children,
+    unreachable by any match, as vLLM's free queue also avoids.
+
+    ::
+
+        block_of_hash {h0: 7, h1: 3, h2: 9}     evictable (LRU, oldest first): [9, 3]      ref_count: 7 -> 2
+        entries[3] = (h1, parent h0, tokens, salt)                                                   3, 9 -> 0
+
+    Invariants (``check_invariants``, with the allocator's ref counts):
+      - ``block_of_hash`` and ``entries`` are the same relation read both ways, and ``is_cached`` marks exactly
+        the blocks in ``entries``;
+      - every cached block's hash is ``block_hash(parent_hash, token_ids, salt)`` of its recorded content;
+      - the evictable LRU holds exactly the cached blocks whose ref count is 0, each once.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.block_of_hash: dict[bytes, int] = {}
+        self.entries: dict[int, CachedBlock] = {}  # block_id -> what its hash was computed from
+        self.is_cached: np.ndarray = np.zeros(num_blocks, dtype=bool)
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest (first to evict) first
+        self.num_evicted: int = 0
+        # A KVEventLog's ``pending`` list when one is attached (kv_events.py): BlockStored / BlockRemoved go there.
+        self.events: list[KVEvent] | None = None
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.evictable)
+
+    def insert(self, block_id: int, entry: CachedBlock) -> bool:
+        """Make an in-use full block matchable (its sealing). A hash already cached (the same content in another
+        block) or a block already cached is left as it is: returns False."""
+        if entry.block_hash in self.block_of_hash or self.is_cached[block_id]:
+            return False
+        self.block_of_hash[entry.block_hash] = block_id
+        self.entries[block_id] = entry
+        self.is_cached[block_id] = True
+        if self.events is not None:
+            from kvpool_server.core.kv_events import stored_event  # kv_events imports this module
+            self.events.append(stored_event(entry))
+        return True
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest run of ``hashes``, from the first, that are all cached."""
+        blocks = []
+        for h in hashes:
+            block_id = self.block_of_hash.get(h)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def park(self, block_ids: np.ndarray) -> None:
+        """Cached blocks whose ref count reached 0, in eviction order: they keep their content and hash."""
+        for block_id in block_ids.tolist():
+            self.evictable[block_id] = None
+
+    def unpark(self, block_ids: np.ndarray) -> None:
+        """Cached blocks taken back into use (a prefix match)."""
+        for block_id in block_ids.tolist():
+            del self.evictable[block_id]
+
+    def evict(self, num: int) -> np.ndarray:
+        """Forget the ``num`` least recently used evictable blocks (``num`` <= ``num_evictable``); returns them."""
+        evicted = np.empty(num, dtype=np.int32)
+        hashes = []
+        for i in range(num):
+            block_id, _ = self.evictable.popitem(last=False)
+            hashes.append(self.entries.pop(block_id).block_hash)
+            del self.block_of_hash[hashes[-1]]
+            evicted[i] = block_id
+        if self.events is not None:
+            from kvpool_server.core.kv_events import BlockRemoved
+            self.events.append(BlockRemoved(tuple(hashes)))
+        self.is_cached[evicted] = False
+        self.num_evicted += num
+        return evicted
+
+    def check_invariants(self, ref_count: np.ndarray) -> None:
+        if {h: b for b, e in self.entries.items() for h in [e.block_hash]} != self.block_of_hash:
+            raise InvariantViolationError("block_of_hash and the cached blocks' entries disagree")
+        if set(np.flatnonzero(self.is_cached).tolist()) != set(self.entries):
+            raise InvariantViolationError("is_cached does not mark exactly the cached blocks")
+        for block_id, e in self.entries.items():
+            if block_hash(e.parent_hash, e.token_ids, e.salt) != e.block_hash:
+                raise InvariantViolationError(f"cached block {block_id}'s hash does not match its content chain")
+        idle = set(np.flatnonzero(self.is_cached & (ref_count == 0)).tolist())
+        if set(self.evictable) != idle:
+            raise InvariantViolationError(
+                f"the evictable LRU {sorted(self.evictable)[:8]} is not the cached blocks of ref count 0 {sorted(idle)[:8]}"
+            )
