@@ -6,7 +6,7 @@
     kvctl block-table SEQ             one sequence's page table
     kvctl health                      gRPC health (exit 0 only when SERVING)
     kvctl drain [--wait S]            Drain RPC: NOT_SERVING, no new sessions; --wait until none is live
-    kvctl events                      (no event stream exists yet: says so)
+    kvctl events [--batches N]        follow SubscribeEvents (the prefix cache's KV events); --json: a batch a line
     kvctl top                         a live view: usage, rates and Stats latency, refreshed in place
 
 Every command takes --json (one JSON document; `top --json` writes one line a refresh). Exit codes: 0 done,
@@ -158,13 +158,51 @@ def cmd_drain(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_events(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
-    names = {m.name for m in pb.DESCRIPTOR.services_by_name["KVPoolService"].methods}
-    streams = sorted(n for n in names if "event" in n.lower() or n.lower().startswith("watch"))
-    raise NotAvailable(
-        "event stream not available on this server: kvpool.v1 has no event RPC yet"
-        + (f" (this kvctl knows {', '.join(streams)}, but not how to read it: upgrade kvctl)" if streams else "")
-        + "; `kvctl top` polls Stats instead"
-    )
+    """Follow SubscribeEvents: one line per event (``--json``: one JSON object per batch), as they come; stops after
+    ``--batches`` batches or ``--seconds`` (0: until Ctrl-C). Returns a summary."""
+    request = pb.SubscribeEventsRequest()
+    if args.from_seq is not None:
+        request.from_seq = args.from_seq
+    stream = ctl.stub.SubscribeEvents(request, timeout=args.seconds or None)
+    batches = events = 0
+    last: tuple[int, int] = (0, 0)
+    try:
+        for batch in stream:
+            batches += 1
+            events += len(batch.events)
+            last = (batch.epoch, batch.seq)
+            rows = [_event_row(e) for e in batch.events]
+            if args.json:
+                print(json.dumps({"epoch": batch.epoch, "seq": batch.seq, "snapshot": batch.snapshot,
+                                  "num_dropped": batch.num_dropped, "events": rows}), flush=True)
+            else:
+                for row in rows:
+                    print(f"{batch.epoch:x}:{batch.seq}{' snapshot' if batch.snapshot else ''} {row['type']} "
+                          f"{' '.join(h[:16] for h in row.get('block_hashes', []))}", flush=True)
+            if args.batches and batches >= args.batches:
+                stream.cancel()
+                break
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise NotAvailable("event stream not available on this server (it predates SubscribeEvents); "
+                               "`kvctl top` polls Stats instead") from None
+        if error.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            raise from_rpc_error(error, "SubscribeEvents") from None
+    data = {"batches": batches, "events": events, "epoch": last[0], "last_seq": last[1]}
+    return data, f"{batches} batches, {events} events (epoch {last[0]:x}, last seq {last[1]}; resume with --from-seq {last[1] + 1})"
+
+
+def _event_row(event: pb.KVEvent) -> dict:
+    kind = event.WhichOneof("event")
+    body = getattr(event, kind)
+    row: dict = {"type": {"block_stored": "BlockStored", "block_removed": "BlockRemoved",
+                          "all_blocks_cleared": "AllBlocksCleared"}[kind]}
+    if kind != "all_blocks_cleared":
+        row["block_hashes"] = [h.hex() for h in body.block_hashes]
+    if kind == "block_stored":
+        row.update(parent_block_hash=body.parent_block_hash.hex(), token_ids=list(body.token_ids),
+                   block_size=body.block_size)
+    return row
 
 
 COMMANDS: dict[str, Callable[[Ctl, argparse.Namespace], tuple[dict, str]]] = {
@@ -231,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="service name ('' for the server as a whole)")
     drain = sub.add_parser("drain", parents=[common], help="drain the server: NOT_SERVING, no new sessions (admin)")
     drain.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for it to empty")
-    sub.add_parser("events", parents=[common], help="follow the server's event stream")
+    p = sub.add_parser("events", parents=[common], help="follow the server's KV event stream (admin with auth)")
+    p.add_argument("--from-seq", type=int, default=None, help="resume at this batch (else: a snapshot first)")
+    p.add_argument("--batches", type=int, default=0, help="stop after this many batches (0: follow)")
+    p.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: follow until Ctrl-C)")
     p = sub.add_parser("top", parents=[common], help="live view, refreshed in place")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
@@ -243,8 +284,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.unix_socket:
         args.target = f"unix:{args.unix_socket}"
     args.exit_code = EXIT_OK
-    if args.command == "events":  # decided without a server: fail before connecting
-        return _report_not_available(args, COMMANDS[args.command], None)
     ctl = Ctl(args.target, args.timeout)
     try:
         ctl.connect()
@@ -265,14 +304,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctl.close()
     print(json.dumps(data, indent=1) if args.json else text)
     return args.exit_code
-
-
-def _report_not_available(args: argparse.Namespace, command: Callable, ctl: Ctl | None) -> int:
-    try:
-        command(ctl, args)
-    except NotAvailable as exc:
-        return _fail(args, EXIT_NOT_AVAILABLE, str(exc))
-    return EXIT_OK
 
 
 def _fail(args: argparse.Namespace, code: int, message: str) -> int:

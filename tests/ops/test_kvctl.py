@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client import KVPoolClient, UnavailableError
-from kvpool_client.kvctl import EXIT_ERROR, EXIT_NO_SERVER, EXIT_NOT_AVAILABLE, main
+from kvpool_client.kvctl import EXIT_ERROR, EXIT_NO_SERVER, main
 
 
 def kvctl(capsys, *argv: str) -> tuple[int, str, str]:
@@ -69,10 +70,19 @@ def test_session_listings(server, capsys):
     assert code == EXIT_ERROR and "NOT_FOUND" in err
 
 
-def test_events_are_not_available(capsys):
-    code, out, err = kvctl(capsys, "events", "--json")
-    assert code == EXIT_NOT_AVAILABLE and "not available on this server" in err
-    assert json.loads(out)["exit_code"] == EXIT_NOT_AVAILABLE
+def test_events_follow_the_prefix_cache(server, capsys):
+    """A block filled with token ids and sealed (by the next append) appears as BlockStored."""
+    with KVPoolClient(server.address, session=False) as kv:
+        seq = kv.register()
+        kv._stub.AppendToken(pb.AppendTokenRequest(seq_ids=[seq], num_tokens=[17], token_ids=list(range(17))))
+        kv._stub.AppendToken(pb.AppendTokenRequest(seq_ids=[seq], num_tokens=[1], token_ids=[99]))  # seals block 0
+    code, out, _ = kvctl(capsys, "--target", server.address, "events", "--batches", "1", "--json")
+    first, _, rest = out.strip().partition("\n")  # one line a batch, then the summary
+    batch = json.loads(first)
+    assert code == 0 and batch["snapshot"] is True
+    stored = [e for e in batch["events"] if e["type"] == "BlockStored"]
+    assert len(stored) == 1 and stored[0]["token_ids"] == list(range(16)) and stored[0]["block_size"] == 16
+    assert json.loads(rest)["batches"] == 1
 
 
 def test_drain_refuses_new_sessions_lets_live_ones_finish_and_waits(server, capsys):
