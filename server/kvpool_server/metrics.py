@@ -126,6 +126,11 @@ class PoolCollector(Collector):
             gauge("kvpool_block_size_tokens", "Tokens a block holds", pool(lambda s: s.block_size)),
             CounterMetricFamily("kvpool_cow_copies", "Copy-on-write block copies since start",
                                 value=pool(lambda s: s.num_copies)),
+            CounterMetricFamily("kvpool_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                "(RegisterSequence with prompt_token_ids; vLLM's prefix_cache_queries)",
+                                value=pool(lambda s: s.prefix_query_tokens)),
+            CounterMetricFamily("kvpool_prefix_cache_hits", "Of those, tokens found cached (hit rate: the ratio of "
+                                "the two counters' rates)", value=pool(lambda s: s.prefix_hit_tokens)),
             gauge("kvpool_sessions", "Live sessions", sess(lambda g: g.num_live)),
             gauge("kvpool_ended_session_blocks", "Blocks still held by sequences of ended sessions (must be 0)",
                   sess(lambda g: g.num_blocks_held_by_ended)),

@@ -153,3 +153,23 @@ def test_a_subscriber_does_not_hold_up_shutdown(server) -> None:
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=15) == 0
         assert time.monotonic() - started < 10
+
+
+def test_prefix_cache_queries_and_hits_are_counted_in_stats_and_metrics():
+    """Two registrations of the same 40-token prompt after the first was cached: queries 80, hits 32 (two full
+    blocks; the partial third is never shared)."""
+    from kvpool_server.core import KVCacheManager
+    from kvpool_server.metrics import KVPoolMetrics
+
+    manager = KVCacheManager(num_blocks=32, block_size=16)
+    prompt = list(range(1000, 1040))
+    first = manager.register(prompt_token_ids=prompt)
+    manager.append(first, 40, token_ids=prompt)
+    manager.append(first, 1, token_ids=[7])  # seals the full blocks
+    manager.register(prompt_token_ids=prompt)
+    stats = manager.stats()
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (80, 32)
+    metrics = KVPoolMetrics()
+    metrics.watch_pool(manager.stats)
+    values = {s.name: s.value for f in metrics.registry.collect() for s in f.samples}
+    assert values["kvpool_prefix_cache_queries_total"] == 80 and values["kvpool_prefix_cache_hits_total"] == 32

@@ -144,4 +144,6 @@ def stats(manager: KVCacheManager) -> PoolStats:
         num_sequences=len(manager.index),
         block_size=bs,
         num_blocks_evictable=allocator.cache.num_evictable,
+        prefix_query_tokens=manager.prefix_query_tokens,
+        prefix_hit_tokens=manager.prefix_hit_tokens,
     )

@@ -71,6 +71,8 @@ class KVCacheManager:
         self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs, self.allocator)
         self.session_of_seq: dict[int, int] = {}  # seq_id -> session_id, for sequences that belong to a session
         self.seqs_of_session: dict[int, set[int]] = {}  # session_id -> its live seq_ids
+        self.prefix_query_tokens: int = 0  # prompt tokens registered with ids, and of them the cached ones
+        self.prefix_hit_tokens: int = 0
         self.tenancy: bool = tenancy
         self.tenants: TenantLedger = TenantLedger(max_num_seqs)
         self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
@@ -103,7 +105,10 @@ class KVCacheManager:
         self._own([seq_id], session_id)
         self.tenants.add_rows([row], tenant)
         if prompt_token_ids is not None:
-            prefix_ops.reuse_prefix(self, row, tenant, np.asarray(prompt_token_ids, dtype=np.uint32))
+            prompt = np.asarray(prompt_token_ids, dtype=np.uint32)
+            prefix_ops.reuse_prefix(self, row, tenant, prompt)
+            self.prefix_query_tokens += int(prompt.size)  # vLLM's prefix_cache_queries / _hits, in tokens
+            self.prefix_hit_tokens += self.tables.num_tokens.item(row)
         return seq_id
 
     def append(

@@ -49,6 +49,8 @@ class PoolStats:
     num_sequences: int
     block_size: int
     num_blocks_evictable: int = 0  # cached blocks nobody holds: allocatable (free + evictable), evicted LRU first
+    prefix_query_tokens: int = 0  # prompt tokens registered with their ids since start
+    prefix_hit_tokens: int = 0  # of those, tokens found cached (the frontend skips computing them)
 
     @property
     def utilization(self) -> float:
