@@ -39,8 +39,9 @@ def copy_state(src: Any, dst: Any) -> None:
                 np.copyto(current, value)
             else:
                 into[name] = value.copy()
-        elif hasattr(value, "__dict__") and type(current) is type(value) and not isinstance(value, type):
-            copy_state(value, current)
+        elif type(value).__module__.startswith("kvpool_server.") and type(current) is type(value):
+            copy_state(value, current)  # one of the core's objects: field by field, reusing its arrays
+            # (not any object with a __dict__: an OrderedDict has one, empty, and its items would be lost)
         else:
             into[name] = copy.deepcopy(value)
 
