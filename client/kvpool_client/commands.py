@@ -126,17 +126,34 @@ class KVPoolCommands(SessionCommands, ABC):
         return response.seq_id
 
     @command
+    def register_prompt(
+        self, prompt_token_ids: Sequence[int] | np.ndarray, seq_id: int | None = None, *, timeout: float | None = None
+    ) -> Plan[tuple[int, int]]:
+        """Create a sequence for a prompt (prefix caching, docs/prefix-caching.md): it starts with the prompt's
+        longest cached run of full blocks. Returns (seq_id, num_cached_tokens); the caller appends the rest of the
+        prompt with its ``token_ids``."""
+        session = yield from self._session_fields(rpcs.REGISTER_SEQUENCE.name, timeout)
+        request = convert.register_request(seq_id, **session)
+        request.prompt_token_ids.extend(np.asarray(prompt_token_ids, dtype=np.uint32).tolist())
+        response = yield from self._call(rpcs.REGISTER_SEQUENCE, request, timeout)
+        return response.seq_id, response.num_cached_tokens
+
+    @command
     def append(
         self,
         seq_ids: int | Sequence[int] | np.ndarray,
         num_tokens: int | Sequence[int] | np.ndarray = 1,
         *,
+        token_ids: Sequence[int] | np.ndarray | None = None,
         timeout: float | None = None,
     ) -> Plan[AppendResult]:
-        """Grow every sequence of ``seq_ids`` by ``num_tokens`` (one count for all, or one each), atomically."""
+        """Grow every sequence of ``seq_ids`` by ``num_tokens`` (one count for all, or one each), atomically.
+        ``token_ids``: the appended tokens' ids, all sequences' concatenated in order (prefix caching), or None."""
         ids, counts, counts_field = convert.append_args(seq_ids, num_tokens, rpcs.APPEND_TOKEN.name)
         session = yield from self._session_fields(rpcs.APPEND_TOKEN.name, timeout)
         request = pb.AppendTokenRequest(seq_ids=ids, num_tokens=counts_field, **session)
+        if token_ids is not None:
+            request.token_ids.extend(np.asarray(token_ids, dtype=np.uint32).tolist())
         response = yield from self._call(rpcs.APPEND_TOKEN, request, timeout)
         return convert.append_result(ids, counts, response)
 

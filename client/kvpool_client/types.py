@@ -94,6 +94,7 @@ class PoolStats:
     block_bytes: int
     # The caller's own tenant (a frontend token) or every tenant (admin); empty on a server without --auth-tokens
     tenants: tuple[TenantUsage, ...] = ()
+    num_blocks_evictable: int = 0  # cached blocks no sequence holds (prefix caching)
 
     @property
     def bytes_used(self) -> int:

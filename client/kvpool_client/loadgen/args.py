@@ -25,6 +25,14 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="uniform: prompt 4-32, target 32-256 (prompt + output); sharegpt / alpaca: lognormal")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest sequence (prompt + output): 256 for uniform, 2048 for the lognormals")
+    p.add_argument("--workload", choices=("standard", "shared-prefix"), default="standard",
+                   help="standard: --lengths prompts; shared-prefix: one of --num-prompts shared prompts + a unique "
+                   "part, registered with its token ids (prefix caching), output lengths from --lengths")
+    p.add_argument("--num-prompts", type=int, default=4, help="shared-prefix: shared prompts (default 4)")
+    p.add_argument("--shared-tokens", type=int, default=8000,
+                   help="shared-prefix: tokens of each shared prompt (default 8000)")
+    p.add_argument("--unique-tokens", type=int, default=1000,
+                   help="shared-prefix: tokens of each request's own prompt part (default 1000)")
     p.add_argument("--mode", choices=MODES, default="plain", help="plain, beam (search) or parallel (sampling)")
     p.add_argument("--beam-width", type=int, default=4, help="beams per request in --mode beam (default 4)")
     p.add_argument("--num-samples", type=int, default=4, help="samples per prompt in --mode parallel (default 4)")
@@ -82,6 +90,13 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--max-len must be in [2, {KEY_MULTIPLIER}) (token keys are seq_id * {KEY_MULTIPLIER} + position)")
     if a.sample_interval_ms <= 0 or a.timeout <= 0 or a.connect_timeout <= 0 or a.exhausted_wait < 0:
         p.error("--sample-interval-ms, --timeout and --connect-timeout must be > 0, --exhausted-wait >= 0")
+    if a.workload == "shared-prefix":
+        if a.mode != "plain":
+            p.error("--workload shared-prefix runs --mode plain")
+        if min(a.num_prompts, a.shared_tokens, a.unique_tokens) < 1:
+            p.error("--num-prompts, --shared-tokens and --unique-tokens must be >= 1")
+        if a.shared_tokens + a.unique_tokens + (a.max_len or 2048) >= KEY_MULTIPLIER:
+            p.error(f"--shared-tokens + --unique-tokens + --max-len must be < {KEY_MULTIPLIER}")
     if a.tenants < 0:
         p.error("--tenants must be >= 0")
     if a.tenants and not a.token_file:

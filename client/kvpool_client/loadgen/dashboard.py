@@ -106,6 +106,17 @@ def render(summary: dict[str, Any]) -> str:
             f"{share['peak_blocks_without_sharing']:,} blocks)",
             f"          forks {share['forks']:,}   copy-on-write copies {share['copies']:,}",
         ]
+    prefix = summary.get("prefix")
+    if prefix:
+        lines += [
+            "-" * 78,
+            f" prefix cache: {cfg['num_prompts']} shared prompts x {cfg['shared_tokens']} tokens + "
+            f"{cfg['unique_tokens']} unique tokens per request",
+            f"   prompt tokens {prefix['prompt_tokens']:,}   cached {prefix['cached_tokens']:,}   token hit rate "
+            f"{_pct(prefix['token_hit_rate'])}   ({prefix['requests_with_hit']:,} requests hit)",
+            f"   prefill tokens saved {prefix['prefill_tokens_saved']:,}   evictable blocks at the end "
+            f"{prefix['evictable_blocks_end']:,}",
+        ]
     tenant_lines = render_tenants(summary.get("tenants") or {})
     if tenant_lines:
         lines += ["-" * 78, *tenant_lines]

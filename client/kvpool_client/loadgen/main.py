@@ -30,7 +30,12 @@ from kvpool_client.loadgen.args import build_parser, check_args
 from kvpool_client.loadgen.dashboard import ProgressBar, render
 from kvpool_client.loadgen.sampler import StatsSampler
 from kvpool_client.loadgen.worker import WorkerConfig, worker_main
-from kvpool_client.loadgen.workload import distribution, make_request, sequences_per_request
+from kvpool_client.loadgen.workload import (
+    distribution,
+    make_request,
+    make_shared_prefix_request,
+    sequences_per_request,
+)
 
 READY_TIMEOUT_S = 120.0
 
@@ -46,9 +51,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     layout = desc.layout
     dist = distribution(a.lengths, a.max_len)
     width = sequences_per_request(a.mode, a.beam_width, a.num_samples)
-    fit = preflight.pool_fit(desc.num_blocks, layout.block_size, dist.max_len, width, a.concurrency)
+    shared_prefix = a.workload == "shared-prefix"
+    # the longest sequence: with shared-prefix, the whole prompt plus the longest output
+    seq_max_len = dist.max_len + (a.shared_tokens + a.unique_tokens if shared_prefix else 0)
+    fit = preflight.pool_fit(desc.num_blocks, layout.block_size, seq_max_len, width, a.concurrency)
     if not fit.one_fits:
-        raise preflight.NoRoomError(preflight.too_small_message(fit, dist.max_len))
+        raise preflight.NoRoomError(preflight.too_small_message(fit, seq_max_len))
     if not fit.all_fit:
         print(f"kvpool-loadgen: warning: {a.concurrency} requests in flight may need up to {fit.blocks_in_flight} "
               f"blocks and the pool has {desc.num_blocks}: expect RESOURCE_EXHAUSTED retries", file=sys.stderr)
@@ -62,7 +70,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         tenant, token = tenancy.worker_token(tenants, i, a.token)
         cfg = WorkerConfig(i, a.target, share, a.completions, a.seed, a.lengths, dist.max_len, a.mode, a.beam_width,
                            a.num_samples, a.prune_every, a.verify, a.timeout, a.inject_errors,
-                           exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant)
+                           exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant,
+                           workload=a.workload, num_prompts=a.num_prompts, shared_tokens=a.shared_tokens,
+                           unique_tokens=a.unique_tokens)
         proc = ctx.Process(target=worker_main, args=(cfg, claim, start, events), name=f"kvpool-loadgen-{i}")
         proc.start()
         procs.append(proc)
@@ -131,7 +141,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for name, samples in w["latency"].items():
             latency.setdefault(name, []).extend(samples)
 
-    specs = [make_request(a.seed, i, dist, a.mode, a.num_samples) for i in range(a.completions)]
+    specs = [make_shared_prefix_request(a.seed, i, dist, a.num_prompts, a.shared_tokens, a.unique_tokens)
+             if shared_prefix else make_request(a.seed, i, dist, a.mode, a.num_samples) for i in range(a.completions)]
     naive_seqs = a.concurrency * width
     bs = layout.block_size
     worker_series = [w["series"] for w in workers]
@@ -139,7 +150,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     _, live_tokens = metrics.merge_step_series([(s["t"], s["tokens"]) for s in worker_series])
     sequences = {"t": t_seqs, "seqs": live_seqs, "tokens": live_tokens}  # the same change times, in the same order
     mem = metrics.memory_summary(sampler.series, t0=t0, t1=t1, num_blocks=desc.num_blocks, block_size=bs,
-                                 block_bytes=desc.block_bytes, naive_blocks_per_seq=-(-dist.max_len // bs),
+                                 block_bytes=desc.block_bytes, naive_blocks_per_seq=-(-seq_max_len // bs),
                                  naive_peak_seqs=naive_seqs, sequences=sequences)
     share = metrics.sharing_summary(worker_series, t0, t1)
     share.update(forks=counts.get("forks", 0), copies=counts.get("copies", 0),
@@ -150,7 +161,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "config": {
             **{k: v for k, v in vars(a).items() if k not in ("json", "plot", "no_progress", "token", "admin_token")},
-            "max_len": dist.max_len, "processes": num_procs, "backend": desc.backend, "layout": asdict(layout),
+            "max_len": seq_max_len, "processes": num_procs, "backend": desc.backend, "layout": asdict(layout),
             "block_size": bs, "token_bytes": layout.token_bytes, "naive_seqs": naive_seqs,
             "sequences_per_request": width,
         },
@@ -188,6 +199,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                      "write_slots")},
         "end": {"blocks_used": after.num_blocks_used, "blocks_free": after.num_blocks_free,
                 "blocks_total": after.num_blocks_total, "sequences": after.num_sequences,
+                "blocks_evictable": after.num_blocks_evictable,
                 "invariants_ok": invariants_ok, "invariants_error": invariants_error,
                 "invariants_checked": invariants_checked},
         "tenants": tenancy.tenant_summary(sampler.tenant_series, sampler.quotas, workers + list(failed.values()),
@@ -200,6 +212,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "tenants": {name: metrics.downsample(series, t0) for name, series in sampler.tenant_series.items()},
         },
     }
+    if shared_prefix:
+        prompt_tokens, cached_tokens = counts.get("prompt_tokens", 0), counts.get("cached_tokens", 0)
+        summary["prefix"] = {
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            "token_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+            "prefill_tokens_saved": cached_tokens,
+            "requests_with_hit": counts.get("requests_with_hit", 0),
+            "evictable_blocks_end": after.num_blocks_evictable,
+        }
     summary["ok"] = bool(
         verification_errors == 0 and not worker_errors and invariants_ok
         and summary["run"]["completions"] == a.completions

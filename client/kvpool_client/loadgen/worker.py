@@ -23,7 +23,16 @@ import numpy as np
 from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import QuotaExceededError, ResourceExhaustedError
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER, history_keys, kv_pattern, token_keys
-from kvpool_client.loadgen.workload import distribution, make_request, prune_and_refork, sequences_per_request
+from kvpool_client.loadgen.workload import (
+    SHARED_WRITER_BASE,
+    distribution,
+    make_request,
+    make_shared_prefix_request,
+    prune_and_refork,
+    request_token_ids,
+    sequences_per_request,
+    shared_token_ids,
+)
 
 EXHAUSTED_WAIT_S = 30.0  # how long a step waits for other processes to free blocks before it gives up
 
@@ -51,6 +60,12 @@ class WorkerConfig:
     kv_source: str = "auto"
     token: str | None = None  # the bearer token this process calls with (--token, or its tenant's)
     tenant: str = ""  # --tenants: the tenant that token belongs to
+    # --workload shared-prefix: each request = one of num_prompts shared prompts (shared_tokens) + unique_tokens of
+    # its own, registered with its token ids (prefix caching); every appended token carries its id
+    workload: str = "standard"
+    num_prompts: int = 4
+    shared_tokens: int = 8000
+    unique_tokens: int = 1000
 
 
 @dataclass
@@ -61,6 +76,7 @@ class Seq:
     target_len: int
     history: list[list[int]]  # [writer seq_id, start, stop): who wrote which positions
     last_slot: int = -1
+    request_index: int = -1
 
 
 @dataclass
@@ -101,11 +117,11 @@ class Worker:
         finally:
             self.latency[name].append(time.perf_counter() - start)
 
-    def _append(self, name: str, seq_ids: list[int], num_tokens: int) -> Any:
+    def _append(self, name: str, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None = None) -> Any:
         deadline = time.monotonic() + self.cfg.exhausted_wait_s
         while True:
             try:
-                result = self._timed(name, self.client.append, seq_ids, num_tokens)
+                result = self._timed(name, self._append_call, seq_ids, num_tokens, token_ids)
                 break
             except ResourceExhaustedError as error:
                 if time.monotonic() > deadline:
@@ -119,6 +135,11 @@ class Worker:
         self.counts["blocks_allocated"] += len(result.new_block_ids)
         self.used_blocks += len(result.new_block_ids)
         return result
+
+    def _append_call(self, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None) -> Any:
+        if token_ids is None:
+            return self.client.append(seq_ids, num_tokens)
+        return self.client.append(seq_ids, num_tokens, token_ids=token_ids)
 
     def _claim_next(self) -> int | None:
         with self.claim.get_lock():
@@ -153,6 +174,9 @@ class Worker:
         self.t_end = time.monotonic()
 
     def start_request(self, index: int) -> None:
+        if self.cfg.workload == "shared-prefix":
+            self.start_shared_prefix_request(index)
+            return
         spec = make_request(self.cfg.seed, index, self.dist, self.cfg.mode, self.cfg.num_samples)
         root = self._timed("register", self.client.register)
         result = self._append("append_prefill", [root], spec.prompt_len)
@@ -171,6 +195,32 @@ class Worker:
         self.active.append(request)
         self._record()
 
+    def start_shared_prefix_request(self, index: int) -> None:
+        """Register with the prompt's token ids; append and write only the part that is not cached. The shared
+        part's KV is a function of (prompt id, position), so a cached block holds what this request would write."""
+        cfg = self.cfg
+        spec = make_shared_prefix_request(cfg.seed, index, self.dist, cfg.num_prompts, cfg.shared_tokens,
+                                          cfg.unique_tokens)
+        shared, prompt_len = spec.shared_len, spec.prompt_len
+        ids = np.concatenate([shared_token_ids(cfg.seed, spec.prompt_id, 0, shared),
+                              request_token_ids(cfg.seed, index, shared, prompt_len)])
+        root, cached = self._timed("register", self.client.register_prompt, ids)
+        self.counts["prompt_tokens"] += prompt_len
+        self.counts["cached_tokens"] += cached
+        self.counts["requests_with_hit"] += cached > 0
+        self.used_blocks += cached // self.layout.block_size  # held again (approximate: may be shared)
+        result = self._append("append_prefill", [root], prompt_len - cached, ids[cached:])
+        writer = SHARED_WRITER_BASE + spec.prompt_id
+        keys = np.concatenate([token_keys(writer, min(cached, shared), shared),
+                               token_keys(root, max(cached, shared), prompt_len)])
+        self._write_kv(result.slot_mapping, kv_pattern(keys, self.layout))
+        history = [[writer, 0, shared], [root, shared, prompt_len]]
+        request = Request(index, next_name=1)
+        request.seqs[root] = Seq(root, 0, prompt_len, spec.max_total_len, history, request_index=index)
+        self.counts["sequences"] += 1
+        self.active.append(request)
+        self._record()
+
     def _write_kv(self, slots: np.ndarray, data: np.ndarray) -> None:
         """Write token KV into ``slots``: from host arrays, or (``--kv-source device``) from device arrays through
         the client's scatter kernel, then wait for it (other processes and the server read these slots next)."""
@@ -186,7 +236,11 @@ class Worker:
     def decode_step(self) -> None:
         """One batched AppendToken over every live sequence of this process, then one write of the new KV."""
         seqs = [s for r in self.active for s in r.seqs.values()]
-        result = self._append("append_decode", [s.seq_id for s in seqs], 1)
+        token_ids = None
+        if self.cfg.workload == "shared-prefix":
+            token_ids = np.concatenate([request_token_ids(self.cfg.seed, s.request_index, s.length, s.length + 1)
+                                        for s in seqs])
+        result = self._append("append_decode", [s.seq_id for s in seqs], 1, token_ids)
         keys = np.array([s.seq_id for s in seqs], dtype=np.uint64) * np.uint64(KEY_MULTIPLIER)
         keys += np.array([s.length for s in seqs], dtype=np.uint64)
         self._timed("write_slots", self._write_kv, result.slot_mapping, kv_pattern(keys, self.layout))

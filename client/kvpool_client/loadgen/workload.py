@@ -116,3 +116,63 @@ def prune_and_refork(
     num_drop = k // 2
     ranked = sorted(beam_names, key=lambda name: (-beam_score(seed, request_index, step, name), name))
     return ranked[k - num_drop :], ranked[:num_drop]
+
+
+# ---------------------------------------------------------------- the shared-prefix workload
+SHARED_WRITER_BASE = 1 << 60  # pseudo writer ids of the shared prompts' KV: SHARED_WRITER_BASE + prompt id
+_TOKEN_ID_MASK = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class SharedPrefixSpec:
+    """One shared-prefix request: shared prompt ``prompt_id`` (``shared_len`` tokens), then ``unique_len`` tokens of
+    its own, then ``output_len`` decoded tokens."""
+
+    index: int
+    prompt_id: int
+    shared_len: int
+    unique_len: int
+    output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        return self.shared_len + self.unique_len
+
+    @property
+    def output_lens(self) -> tuple[int, ...]:
+        return (self.output_len,)
+
+    @property
+    def max_total_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+
+def make_shared_prefix_request(
+    seed: int, index: int, dist: LengthDistribution, num_prompts: int, shared_len: int, unique_len: int
+) -> SharedPrefixSpec:
+    """Request ``index``: a prompt id and an output length (the distribution's), from (seed, index) only."""
+    rng = np.random.default_rng([seed, index, 1])
+    prompt_id = int(rng.integers(num_prompts))
+    _, (output_len,) = dist.sample(rng, 1)
+    return SharedPrefixSpec(index, prompt_id, shared_len, unique_len, output_len)
+
+
+def shared_token_ids(seed: int, prompt_id: int, start: int, stop: int) -> np.ndarray:
+    """Token ids of shared prompt ``prompt_id`` at positions [start, stop): a function of (seed, prompt, position)."""
+    return _token_ids(seed, (1 << 40) + prompt_id, start, stop)
+
+
+def request_token_ids(seed: int, index: int, start: int, stop: int) -> np.ndarray:
+    """Token ids of request ``index``'s own tokens (its unique prompt part and its output) at [start, stop)."""
+    return _token_ids(seed, index, start, stop)
+
+
+def _token_ids(seed: int, stream: int, start: int, stop: int) -> np.ndarray:
+    h = _splitmix64(_splitmix64(seed & _MASK) ^ (stream & _MASK))
+    pos = np.arange(start, stop, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = pos * np.uint64(0x9E3779B97F4A7C15) + np.uint64(h)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(29)
+    return (x & np.uint64(_TOKEN_ID_MASK)).astype(np.uint32)
