@@ -6,30 +6,20 @@ tests -- do not collide):
 - the pool's state, read from the manager when Prometheus scrapes (``PoolCollector``): blocks, usage, sequences,
   tokens, fragmentation, sharing, copy-on-write copies, sessions. Nothing is kept in step with the manager, so
   these can never drift from ``Stats``;
-- what happened, counted as it happens: RPC latency by method and status code, appends, forks, session
-  reclamations. ``MetricsInterceptor`` does the RPC, append and fork counting from outside the servicer; session
-  reclamation is reported by whoever reclaims (``KVPoolMetrics.session_reclaimed``).
+- what happened, counted as it happens: RPC latency by method and status code, appends, forks, quota refusals (the
+  call handlers, handlers.py and streams.py, report them), session reclamations (the session sweep).
 
-Wiring (main.py; ``--metrics-address`` is in config.py)::
-
-    metrics = KVPoolMetrics() if config.metrics_address else None
-    server = grpc.server(executor, options=..., interceptors=[metrics.interceptor()] if metrics else None)
-    ...                                                      # once the servicer exists:
-    if metrics:
-        metrics.watch_pool(locked_stats(manager, servicer.lock), block_bytes=config.layout.block_bytes)
-        metrics_http = start_metrics_server(config.metrics_address, metrics.registry)   # .close() at shutdown
+Wiring: ``grpc_server.build_server`` (``--metrics-address`` is in config.py; docs/metrics.md).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -224,99 +214,9 @@ class KVPoolMetrics:
         self.reclaimed_sequences.inc(num_sequences)
         self.reclaimed_blocks.inc(num_blocks)
 
-    def interceptor(self) -> MetricsInterceptor:
-        return MetricsInterceptor(self)
-
     def metric_names(self) -> set[str]:
         """Every sample name this registry exposes (``_bucket``/``_count``/``_sum``/``_total`` included)."""
         return {sample.name for family in self.registry.collect() for sample in family.samples}
-
-
-class MetricsInterceptor(grpc.ServerInterceptor):
-    """Times every KVPoolService call (by method and final status code) and counts appends and forks from the
-    requests and responses, without the servicer knowing. For the synchronous ``grpc.server``; an asyncio server
-    calls ``observe_rpc`` / ``count_append`` / ``count_fork`` from its own wrapper."""
-
-    def __init__(self, metrics: KVPoolMetrics) -> None:
-        self.metrics = metrics
-
-    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(handler_call_details)
-        service, _, method = handler_call_details.method.lstrip("/").partition("/")
-        if handler is None or service != KVPOOL_SERVICE:
-            return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._stream(method, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
-
-    def _unary(self, method: str, behavior: Callable) -> Callable:
-        metrics = self.metrics
-
-        def timed(request: Any, context: grpc.ServicerContext) -> Any:
-            started = time.perf_counter()
-            code = "UNKNOWN"
-            try:
-                response = behavior(request, context)
-                code = _code_name(context, "OK")
-                if code == "OK":
-                    _count(metrics, method, response)
-                return response
-            except BaseException:
-                code = _code_name(context, "UNKNOWN")
-                raise
-            finally:
-                metrics.observe_rpc(method, code, time.perf_counter() - started)
-
-        return timed
-
-    def _stream(self, method: str, behavior: Callable) -> Callable:
-        metrics = self.metrics
-
-        def timed(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            started = time.perf_counter()
-            code = "UNKNOWN"
-            try:
-                for response in behavior(requests, context):
-                    _count(metrics, method, response)
-                    yield response
-                code = _code_name(context, "OK")
-            except GeneratorExit:
-                code = "CANCELLED"
-                raise
-            except BaseException:
-                code = _code_name(context, "UNKNOWN")
-                raise
-            finally:
-                metrics.observe_rpc(method, code, time.perf_counter() - started)
-
-        return timed
-
-
-def _code_name(context: grpc.ServicerContext, default: str) -> str:
-    try:
-        code = context.code()
-    except (AttributeError, NotImplementedError):
-        return default
-    if code is None:
-        return default
-    return code.name if isinstance(code, grpc.StatusCode) else str(code)
-
-
-def _count(metrics: KVPoolMetrics, method: str, response: Any) -> None:
-    if method in ("AppendToken", "AppendTokenStream"):
-        metrics.count_append(1, len(response.slot_mapping))
-    elif method == "Fork":
-        metrics.count_fork(len(response.child_seq_ids))
 
 
 class MetricsHTTPServer:
