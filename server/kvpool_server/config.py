@@ -80,11 +80,8 @@ def server_version() -> str:
 
 
 def pool_error_message(backend: str, exc: BaseException) -> str:
-    """What to tell the user when ``create_pool`` failed: the error, and what to do about it.
-
-    main.create_server should raise ``StartupError(pool_error_message(config.backend, exc))`` where it now raises
-    ``StartupError(f"cannot create the {config.backend} pool: {exc}")``.
-    """
+    """What to tell the user when ``create_pool`` failed: the error, and what to do about it (``build_servicer``
+    raises ``StartupError`` with it)."""
     text = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)
     cuda_words = ("cuda", "cupy", "nvrtc", "libcu", "driver")
     if backend == "gpu" and (isinstance(exc, ImportError) or any(w in text.lower() for w in cuda_words)):
