@@ -9,6 +9,9 @@ Every server is a separate process started by this script, one at a time:
   echo-stream      the sync echo's bidi EchoStream: one stream, one echo message per step (same message shapes)
   echo-aio-stream  the same on the grpc.aio echo: the baseline of kvpool-stream
   kvpool-stream    the real ``kvpool-server``, AppendTokenStream: one stream, one message per step
+  kvpool-before    with ``--before DIR``: the real server of an older tree (``git archive REV server common | tar -x
+                   -C DIR``), and ``kvpool-before-stream``; run in the same rounds, so ``kvpool / kvpool-before`` is
+                   a change's cost measured in one run
   kvpool-inproc    kvpool_server.grpc_server.build_server's server started by bench_service_servers.py, without
                    main.serve() around it (no signal loop, no GC freeze): a diagnostic for the process around it
 
@@ -190,6 +193,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 s per measurement, 1 round")
     parser.add_argument("--kinds", default="echo,echo-aio,kvpool,echo-stream,echo-aio-stream,kvpool-stream",
                         help="servers to measure")
+    parser.add_argument("--before", metavar="DIR", help="also measure the server of an older tree unpacked in DIR "
+                        "(kinds kvpool-before, kvpool-before-stream), alternating with this tree's")
     parser.add_argument("server_args", nargs="*", help="after --: extra kvpool-server flags for every server")
     parser.add_argument("--pin", nargs="?", const="0,1", default=None, metavar="SERVER_CPU,CLIENT_CPU",
                         help="pin every server to one CPU and the clients to another (default 0,1): steadier "
@@ -204,6 +209,9 @@ def main() -> None:
     if args.quick:
         args.duration, args.rounds = 1.0, 1
     kinds = [k for k in args.kinds.split(",") if not (args.no_aio and "-aio" in k)]
+    if args.before:
+        os.environ["KVPOOL_BENCH_BEFORE"] = os.path.abspath(args.before)
+        kinds += [f"{k.replace('kvpool', 'kvpool-before')}" for k in kinds if k in ("kvpool", "kvpool-stream")]
     print(f"decode step = AppendToken (-stream: one AppendTokenStream message) of {NUM_SEQS} sequences x 1 token; "
           f"{os.cpu_count()} CPUs; {args.duration:.0f} s per figure; {args.rounds} rounds (best and median); "
           f"transport {args.transport}; server flags {args.server_args}")
@@ -217,19 +225,20 @@ def main() -> None:
     best = {key: max(runs, key=lambda f: f["steps_per_s"]) for key, runs in rounds.items()}
     median = {key: statistics.median(f["steps_per_s"] for f in runs) for key, runs in rounds.items()}
     # p50 and p99 of the best round, and the worst p99 of any round (the figure a latency goal must meet).
-    print(f"{'server':<14} {'clients':<16} {'steps/s':>9} {'median':>9} {'entries/s':>11} {'p50 us':>8} {'p99 us':>8} "
+    print(f"{'server':<20} {'clients':<16} {'steps/s':>9} {'median':>9} {'entries/s':>11} {'p50 us':>8} {'p99 us':>8} "
           f"{'worst p99':>10}")
     for (kind, label), f in best.items():
         p50 = f"{f['p50_us']:8.0f}" if "p50_us" in f else f"{'':8}"
         p99 = f"{f['p99_us']:8.0f}" if "p99_us" in f else f"{'':8}"
         worst = max((r["p99_us"] for r in rounds[(kind, label)] if "p99_us" in r), default=None)
         worst_p99 = f"{worst:10.0f}" if worst is not None else f"{'':10}"
-        print(f"{kind:<14} {label:<16} {f['steps_per_s']:9.0f} {median[(kind, label)]:9.0f} "
+        print(f"{kind:<20} {label:<16} {f['steps_per_s']:9.0f} {median[(kind, label)]:9.0f} "
               f"{f['steps_per_s'] * NUM_SEQS:11.0f} {p50} {p99} {worst_p99}")
     print("ratios of best (median) steps/s:")
     for pair in (("kvpool", "echo-aio"), ("kvpool-stream", "echo-aio-stream"), ("kvpool", "echo"),
                  ("kvpool-stream", "echo-stream"), ("kvpool-stream", "kvpool"), ("echo-aio", "echo"),
-                 ("echo-aio-stream", "echo-stream"), ("kvpool-inproc", "echo-aio"), ("kvpool", "kvpool-inproc")):
+                 ("echo-aio-stream", "echo-stream"), ("kvpool-inproc", "echo-aio"), ("kvpool", "kvpool-inproc"),
+                 ("kvpool", "kvpool-before"), ("kvpool-stream", "kvpool-before-stream")):
         for label in ("1 client", f"{args.clients} clients"):
             a, b = (pair[0], label), (pair[1], label)
             if a in best and b in best:

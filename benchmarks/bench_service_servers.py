@@ -139,17 +139,21 @@ class Server:
         unix_socket = os.path.join(self.tmpdir, "s.sock") if transport == "unix" else None
         port_file = None if unix_socket else os.path.join(self.tmpdir, "port")
         listen = listen_args(port_file, unix_socket)
-        if kind == "kvpool":
+        env = None
+        if kind in ("kvpool", "kvpool-before"):
             script = Path(sys.executable).with_name("kvpool-server")
             cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvpool_server"]
             cmd += [*SERVER_ARGS, *extra_args, *listen, "--log-level", "WARNING"]
+            if kind == "kvpool-before":  # an older tree's server and stubs (bench_service.py --before DIR)
+                before = os.environ["KVPOOL_BENCH_BEFORE"]
+                env = {**os.environ, "PYTHONPATH": f"{before}/server:{before}/common"}
         else:
             cmd = [sys.executable, __file__, "--kind", kind, *listen[2:], "--", *extra_args]
         # KVPOOL_BENCH_SERVER_CPUS="0": pin every server to those CPUs (bench_service.py --pin sets it), so that
         # server and client do not share a core by chance; a 2-core machine otherwise swings by +-100 us a step.
         cpus = os.environ.get("KVPOOL_BENCH_SERVER_CPUS")
         preexec = (lambda: os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})) if cpus else None
-        self.proc = subprocess.Popen(cmd, preexec_fn=preexec)
+        self.proc = subprocess.Popen(cmd, preexec_fn=preexec, env=env)
         try:
             self._wait_ready(kind, port_file, unix_socket)
         except BaseException:
@@ -165,7 +169,7 @@ class Server:
         self.address = f"unix:{unix_socket}" if unix_socket else f"127.0.0.1:{_read(port_file)}"
         with grpc.insecure_channel(self.address) as channel:
             grpc.channel_ready_future(channel).result(timeout=30)
-            if kind == "kvpool":  # the real server: health SERVING (TCP: already so when the port file appears)
+            if kind in ("kvpool", "kvpool-before"):  # the real server: health SERVING (TCP: already so when the port file appears)
                 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
