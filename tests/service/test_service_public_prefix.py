@@ -94,7 +94,7 @@ def test_bad_public_prefix_or_extra_key_is_invalid_and_changes_nothing(sharing_s
         for request in (pb.RegisterSequenceRequest(prompt_token_ids=PROMPT, public_prefix_len=len(PROMPT) + 1),
                         pb.RegisterSequenceRequest(public_prefix_len=1),
                         pb.RegisterSequenceRequest(prompt_token_ids=PROMPT, cache_extra_key=bytes(257))):
-            assert code_of(lambda: b.RegisterSequence(request)) == grpc.StatusCode.INVALID_ARGUMENT
+            assert code_of(lambda r=request: b.RegisterSequence(r)) == grpc.StatusCode.INVALID_ARGUMENT
         assert admin.Stats(pb.StatsRequest()) == before
         key = bytes(range(256))  # the longest key, and a sequence that shares with its own key only
         seq, _ = prefill(b, extra=key)
