@@ -119,21 +119,29 @@ class KVPoolCommands(SessionCommands, ABC):
 
     # ---------------------------------------------------------------- sequences
     @command
-    def register(self, seq_id: int | None = None, *, timeout: float | None = None) -> Plan[int]:
-        """Create an empty sequence; the server assigns the id (never reused) unless ``seq_id`` is given."""
+    def register(self, seq_id: int | None = None, *, cache_extra_key: bytes = b"",
+                 timeout: float | None = None) -> Plan[int]:
+        """Create an empty sequence; the server assigns the id (never reused) unless ``seq_id`` is given.
+        ``cache_extra_key`` (prefix caching): goes into the hash of each of its blocks once its appends carry
+        token ids (a LoRA adapter's name, a digest of multimodal inputs; at most 256 bytes)."""
         session = yield from self._session_fields(rpcs.REGISTER_SEQUENCE.name, timeout)
-        response = yield from self._call(rpcs.REGISTER_SEQUENCE, convert.register_request(seq_id, **session), timeout)
+        request = convert.register_request(seq_id, cache_extra_key=cache_extra_key, **session)
+        response = yield from self._call(rpcs.REGISTER_SEQUENCE, request, timeout)
         return response.seq_id
 
     @command
     def register_prompt(
-        self, prompt_token_ids: Sequence[int] | np.ndarray, seq_id: int | None = None, *, timeout: float | None = None
+        self, prompt_token_ids: Sequence[int] | np.ndarray, seq_id: int | None = None, *,
+        public_prefix_len: int = 0, cache_extra_key: bytes = b"", timeout: float | None = None,
     ) -> Plan[tuple[int, int]]:
         """Create a sequence for a prompt (prefix caching, docs/prefix-caching.md): it starts with the prompt's
         longest cached run of full blocks. Returns (seq_id, num_cached_tokens); the caller appends the rest of the
-        prompt with its ``token_ids``."""
+        prompt with its ``token_ids``. ``public_prefix_len``: the prompt's first tokens whose full blocks are
+        shared across tenants (needs the tenant's ``share_prefixes``); ``cache_extra_key``: goes into every block's
+        hash (a LoRA adapter's name, a digest of multimodal inputs; at most 256 bytes)."""
         session = yield from self._session_fields(rpcs.REGISTER_SEQUENCE.name, timeout)
-        request = convert.register_request(seq_id, **session)
+        request = convert.register_request(seq_id, public_prefix_len=public_prefix_len,
+                                           cache_extra_key=cache_extra_key, **session)
         request.prompt_token_ids.extend(np.asarray(prompt_token_ids, dtype=np.uint32).tolist())
         response = yield from self._call(rpcs.REGISTER_SEQUENCE, request, timeout)
         return response.seq_id, response.num_cached_tokens

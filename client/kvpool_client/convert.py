@@ -76,9 +76,14 @@ def seq_id_list(seq_ids: int | Sequence[int] | np.ndarray) -> list[int]:
 
 
 # ---------------------------------------------------------------- sequences
-def register_request(seq_id: int | None, **session: int) -> pb.RegisterSequenceRequest:
-    """``session``: session_id and request_id (commands._session_fields), or nothing."""
-    request = pb.RegisterSequenceRequest(**session)
+def register_request(seq_id: int | None, *, public_prefix_len: int = 0, cache_extra_key: bytes = b"",
+                     **session: int) -> pb.RegisterSequenceRequest:
+    """``session``: session_id and request_id (commands._session_fields), or nothing. A negative
+    ``public_prefix_len`` is InvalidArgumentError before anything is sent (the field is unsigned)."""
+    if public_prefix_len < 0:
+        raise InvalidArgumentError(f"public_prefix_len must be >= 0, got {public_prefix_len}")
+    request = pb.RegisterSequenceRequest(public_prefix_len=public_prefix_len, cache_extra_key=cache_extra_key,
+                                         **session)
     if seq_id is not None:
         request.seq_id = seq_id
     return request

@@ -14,6 +14,7 @@ new`` makes a random token and its digest)::
     max_sessions = 8
     reserved_blocks = 64      # blocks no other tenant may take
     may_attach = false        # DescribePool answers the shm name / CUDA IPC handle only to tenants that may attach
+    share_prefixes = false    # may register public prefixes, shared with the other tenants that may (issue #13)
 
     [[tokens]]
     sha256 = "<64 hex digits>"
@@ -21,8 +22,9 @@ new`` makes a random token and its digest)::
     role = "frontend"         # or "admin"
 
 Roles: ``frontend`` uses its own tenant's sessions and sequences; ``admin`` also may call ``ADMIN_RPCS`` (and sees
-every tenant in Stats). Errors: no or unknown token -> UNAUTHENTICATED; a frontend calling an admin RPC ->
-PERMISSION_DENIED (``errors.py``).
+every tenant in Stats). Errors: no or unknown token -> UNAUTHENTICATED; a frontend calling an admin RPC, or a
+tenant without ``share_prefixes`` registering a public prefix (``check_may_share_prefixes``) -> PERMISSION_DENIED
+(``errors.py``).
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ class Identity:
     tenant_id: int | None  # None: no authentication (the server checks nobody's tenant)
     role: str
     may_attach: bool = True
+    may_share_prefixes: bool = True
 
     @property
     def is_admin(self) -> bool:
         return self.role == "admin"
 
 
-ANONYMOUS = Identity("", None, "admin", may_attach=True)
+ANONYMOUS = Identity("", None, "admin", may_attach=True, may_share_prefixes=True)
 CALLER: ContextVar[Identity] = ContextVar("kvpool_caller", default=ANONYMOUS)
 
 
@@ -73,6 +76,7 @@ def hash_token(token: str) -> str:
 class TenantPolicy:
     limits: TenantLimits = TenantLimits()
     may_attach: bool = False
+    share_prefixes: bool = False
 
 
 @dataclass
@@ -110,7 +114,8 @@ def load_tokens_file(path: str, num_blocks: int) -> TokensFile:
             max_sequences=spec.get("max_sequences"), max_sessions=spec.get("max_sessions"),
             reserved_blocks=_blocks(spec.get("reserved_blocks", 0), num_blocks, f"{where}.reserved_blocks") or 0,
         )
-        out.tenants[name] = TenantPolicy(limits, bool(spec.get("may_attach", False)))
+        out.tenants[name] = TenantPolicy(limits, bool(spec.get("may_attach", False)),
+                                         bool(spec.get("share_prefixes", False)))
     for i, entry in enumerate(data.get("tokens", [])):
         digest, tenant, role = entry.get("sha256", ""), entry.get("tenant", ""), entry.get("role", "frontend")
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
@@ -141,7 +146,8 @@ class Authenticator:
             self.ledger.set_limits(self.ledger.tenant_id(name), policy.limits)
         self.policies = parsed.tenants
         self.identities = {
-            digest: Identity(tenant, self.ledger.tenant_id(tenant), role, parsed.tenants[tenant].may_attach)
+            digest: Identity(tenant, self.ledger.tenant_id(tenant), role, parsed.tenants[tenant].may_attach,
+                             parsed.tenants[tenant].share_prefixes)
             for digest, (tenant, role) in parsed.tokens.items()
         }
 
@@ -168,6 +174,16 @@ class Authenticator:
         if rpc in ADMIN_RPCS and not identity.is_admin:
             raise PermissionDeniedError(f"{rpc} needs the admin role; tenant {identity.tenant!r} is a frontend")
         return identity
+
+
+def check_may_share_prefixes(identity: Identity, public_prefix_len: int) -> None:
+    """A public prefix (``public_prefix_len`` > 0) needs the tenant's ``share_prefixes``: its blocks are read by
+    other tenants, and a match tells it that another tenant cached the prefix (docs/security.md)."""
+    if public_prefix_len and not identity.may_share_prefixes:
+        raise PermissionDeniedError(
+            f"RegisterSequence public_prefix_len={public_prefix_len}: tenant {identity.tenant!r} may not share "
+            "prefixes (share_prefixes = true in its tokens-file section)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,8 @@ The core raises before it changes anything, so a call that fails here has left t
     QuotaExceededError       RESOURCE_EXHAUSTED   the caller's tenant is at a quota (named in the message); kvpool-error:
                                                   quota-exceeded
     UnauthenticatedError     UNAUTHENTICATED      no token, or one the tokens file does not hold (revoked)
-    PermissionDeniedError    PERMISSION_DENIED    the token's role may not call this RPC (a frontend calling an admin one)
+    PermissionDeniedError    PERMISSION_DENIED    the token's role may not call this RPC (a frontend calling an admin one),
+                                                  or its tenant may not share prefixes (a public_prefix_len)
 
 Another tenant's sequence or session is NOT_FOUND (SequenceNotFoundError / SessionNotFoundError), never
 PERMISSION_DENIED: a tenant cannot learn that it exists.
@@ -64,7 +65,7 @@ class UnauthenticatedError(KVPoolError):
 
 
 class PermissionDeniedError(KVPoolError):
-    """The caller is known but its role may not make this call."""
+    """The caller is known but its role (or its tenant's policy) may not make this call."""
 
 
 STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {

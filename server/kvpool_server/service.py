@@ -37,7 +37,7 @@ import numpy as np
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server import parse
 from kvpool_server.append_rpc import append
-from kvpool_server.auth import Authenticator, caller
+from kvpool_server.auth import Authenticator, caller, check_may_share_prefixes
 from kvpool_server.core import KVCacheManager
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.drain import Drain
@@ -103,13 +103,16 @@ class KVPoolServicer(SessionRpcs):
         seq_id = parse.new_seq_id(request.seq_id, request.HasField("seq_id"))
         if not request.session_id:
             self.refuse_if_drained("RegisterSequence")
-        tenant = caller().tenant_id
+        identity = caller()
+        check_may_share_prefixes(identity, request.public_prefix_len)
+        tenant = identity.tenant_id
         with self.lock:
             key, replay = self.gate.enter(request, pb.RegisterSequenceResponse, tenant)
             if replay is not None:
                 return replay
             prompt = request.prompt_token_ids
-            seq_id = self.manager.register(seq_id, request.session_id, tenant, prompt if len(prompt) else None)
+            seq_id = self.manager.register(seq_id, request.session_id, tenant, prompt if len(prompt) else None,
+                                           request.public_prefix_len, request.cache_extra_key)
             cached = self.manager.num_tokens(seq_id) if len(prompt) else 0
             return self.gate.remember(key, pb.RegisterSequenceResponse(seq_id=seq_id, num_cached_tokens=cached))
 

@@ -37,16 +37,20 @@ KV_LAYOUT_BLOCK_MAJOR: KvLayout
 KV_LAYOUT_LAYER_MAJOR: KvLayout
 
 class RegisterSequenceRequest(_message.Message):
-    __slots__ = ("seq_id", "session_id", "request_id", "prompt_token_ids")
+    __slots__ = ("seq_id", "session_id", "request_id", "prompt_token_ids", "public_prefix_len", "cache_extra_key")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     session_id: int
     request_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    public_prefix_len: int
+    cache_extra_key: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[int] = ..., request_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., public_prefix_len: _Optional[int] = ..., cache_extra_key: _Optional[bytes] = ...) -> None: ...
 
 class RegisterSequenceResponse(_message.Message):
     __slots__ = ("seq_id", "num_cached_tokens")

@@ -5,9 +5,14 @@ Every process, restart and router that encodes the same (parent hash, token ids,
 
     block_hash = sha256( b"kvpool.block.v1\\x00"
                          || parent_hash                       32 bytes; 32 zero bytes (NONE_HASH) for block 0
-                         || u32le(len(salt))  || salt         the tenant's name, UTF-8; empty without auth
-                         || u32le(len(extra)) || extra        extra keys (LoRA, multimodal); empty today
+                         || u32le(len(salt))  || salt         the tenant's name, UTF-8 (empty without auth), or
+                                                              PUBLIC_SALT for a block of a public prefix
+                         || u32le(len(extra)) || extra        the sequence's cache_extra_key (LoRA, multimodal)
                          || u32le(n)          || n x u32le    the block's token ids, in order )
+
+A public prefix (RegisterSequenceRequest.public_prefix_len) hashes its first full blocks with ``PUBLIC_SALT``, the
+one byte 0xFF, which occurs in no UTF-8 string: no tenant's salt can equal it, not even tenant 0's empty one. The
+blocks after it continue the same chain (parent = the last public hash) with the tenant's salt.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import numpy as np
 
 DOMAIN = b"kvpool.block.v1\x00"
 NONE_HASH = bytes(32)  # the parent of a sequence's first block
+PUBLIC_SALT = b"\xff"  # the salt of a public prefix's blocks: never valid UTF-8, so never a tenant's name
+MAX_EXTRA_KEY_BYTES = 256  # the longest cache_extra_key (a LoRA adapter's name, a digest of multimodal inputs)
 _U32 = struct.Struct("<I")
 
 
@@ -36,11 +43,17 @@ def block_hash(parent_hash: bytes, token_ids: Sequence[int] | np.ndarray, salt: 
 
 
 def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: bytes = b"",
-                 parent_hash: bytes = NONE_HASH) -> list[bytes]:
-    """The hashes of every full block of ``token_ids`` (a partial tail is not hashed), chained from ``parent_hash``."""
+                 parent_hash: bytes = NONE_HASH, extra: bytes = b"", num_public: int = 0) -> list[bytes]:
+    """The hashes of every full block of ``token_ids`` (a partial tail is not hashed), chained from ``parent_hash``:
+    the first ``num_public`` with ``PUBLIC_SALT``, the others with ``salt``; every one with ``extra``."""
     tokens = np.asarray(token_ids, dtype="<u4")
     hashes = []
-    for start in range(0, tokens.size - block_size + 1, block_size):
-        parent_hash = block_hash(parent_hash, tokens[start : start + block_size], salt)
+    for i, start in enumerate(range(0, tokens.size - block_size + 1, block_size)):
+        parent_hash = block_hash(parent_hash, tokens[start : start + block_size], salt_of(i, num_public, salt), extra)
         hashes.append(parent_hash)
     return hashes
+
+
+def salt_of(block_index: int, num_public: int, salt: bytes) -> bytes:
+    """The salt of logical block ``block_index`` of a sequence whose first ``num_public`` blocks are public."""
+    return PUBLIC_SALT if block_index < num_public else salt

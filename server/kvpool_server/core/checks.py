@@ -63,12 +63,19 @@ def check_tenants(manager: KVCacheManager) -> None:
         return  # every sequence is tenant 0's, and blocks are not counted per tenant
     lengths = tables.num_tokens[rows]
     held = np.arange(tables.max_blocks_per_seq) < tables.blocks_for(lengths)[:, None]
-    pairs = np.unique(np.stack([np.repeat(owners, held.sum(axis=1)), tables.table[rows][held]], axis=1), axis=0)
-    if np.unique(pairs[:, 1]).size != pairs.shape[0]:
-        raise InvariantViolationError("a block is held by sequences of two tenants")
+    refs = np.stack([np.repeat(owners, held.sum(axis=1)), tables.table[rows][held]], axis=1)  # (tenant, block) each
+    pairs, num_rows = np.unique(refs, axis=0, return_counts=True)
+    block_ids, num_tenants = np.unique(pairs[:, 1], return_counts=True)
+    is_public = manager.allocator.cache.is_public
+    if not is_public[block_ids[num_tenants > 1]].all():
+        raise InvariantViolationError("a block that is not a sealed public block is held by sequences of two tenants")
     blocks = np.bincount(pairs[:, 0], minlength=len(ledger.names)).tolist()
     if blocks != ledger.num_blocks:
         raise InvariantViolationError(f"tenants' block counts {ledger.num_blocks} differ from the tables' {blocks}")
+    public = is_public[pairs[:, 1]]
+    counted_refs = {(t, b): n for (t, b), n in zip(pairs[public].tolist(), num_rows[public].tolist())}
+    if counted_refs != ledger.public_refs:
+        raise InvariantViolationError("the ledger's public_refs differ from the rows that reference public blocks")
 
 
 def check_ownership(manager: KVCacheManager) -> None:

@@ -44,7 +44,8 @@ class KVCacheManager:
     Prefix caching (docs/prefix-caching.md): appends may carry their token ids (``token_ids``); full blocks of such
     sequences are hashed (``TokenChains``), sealed with the sequence's next append and then matchable
     (``allocator.cache``, a ``PrefixCache``); ``register`` with ``prompt_token_ids`` starts the sequence with the
-    longest cached run. The salt is the tenant's name, so different tenants never share a block.
+    longest cached run. The salt is the tenant's name, so different tenants never share a block -- except the
+    blocks of a public prefix (``public_prefix_len``), hashed with PUBLIC_SALT, which any tenant may adopt.
 
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
     tables is in use iff the index names a live sequence that holds it; ``session_of_seq`` and
@@ -88,10 +89,17 @@ class KVCacheManager:
         return self.tables.num_copies
 
     def register(self, seq_id: int | None = None, session_id: int = 0, tenant: int | None = None,
-                 prompt_token_ids: Sequence[int] | np.ndarray | None = None) -> int:
+                 prompt_token_ids: Sequence[int] | np.ndarray | None = None, public_prefix_len: int = 0,
+                 cache_extra_key: bytes = b"") -> int:
         """Create a sequence (of ``session_id``, 0: none; of ``tenant``, None: the default); the manager assigns the
         id unless one is given. With ``prompt_token_ids`` it starts with the longest run of the prompt's full
-        blocks that are cached (``num_tokens`` says how many tokens: the caller appends the rest), and is tracked."""
+        blocks that are cached (``num_tokens`` says how many tokens: the caller appends the rest), and is tracked.
+        The prompt's first ``public_prefix_len`` tokens (their full blocks) are a public prefix, shared across
+        tenants; ``cache_extra_key`` goes into every block's hash (docs/prefix-caching.md)."""
+        prompt = None if prompt_token_ids is None else np.asarray(prompt_token_ids, dtype=np.uint32)
+        prefix_ops.check_register_args(prompt, public_prefix_len, cache_extra_key)
+        if prompt is None and cache_extra_key:
+            prompt = np.zeros(0, dtype=np.uint32)  # tracked from its first append, with the key
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         self.tenants.check_new_sequences(tenant, 1)
         if seq_id is not None:
@@ -104,9 +112,8 @@ class KVCacheManager:
         self.index.add(seq_id, row)
         self._own([seq_id], session_id)
         self.tenants.add_rows([row], tenant)
-        if prompt_token_ids is not None:
-            prompt = np.asarray(prompt_token_ids, dtype=np.uint32)
-            prefix_ops.reuse_prefix(self, row, tenant, prompt)
+        if prompt is not None:
+            prefix_ops.reuse_prefix(self, row, tenant, prompt, public_prefix_len, cache_extra_key)
             self.prefix_query_tokens += int(prompt.size)  # vLLM's prefix_cache_queries / _hits, in tokens
             self.prefix_hit_tokens += self.tables.num_tokens.item(row)
         return seq_id
@@ -214,6 +221,8 @@ class KVCacheManager:
             child_seq_ids = [self.index.new_server_id(row) for row in rows]
         self.tables.fork(parent_row, rows)
         self.chains.fork(parent_row, rows)
+        if self.tenancy and self.allocator.cache.num_public:
+            prefix_ops.fork_public(self, parent_row, num_children, parent_tenant)
         for seq_id, row in zip(child_seq_ids, rows):
             self.index.add(seq_id, row)
         self._own(child_seq_ids, session_id or self.session_of_seq.get(parent_seq_id, 0))
@@ -233,11 +242,12 @@ class KVCacheManager:
             raise InvalidArgumentError("free names a sequence twice")
         owners = self.tenants.tenant_of_row[rows].tolist()
         num_freed = 0
-        for owner in sorted(set(owners)):  # a block is never shared across tenants: each group frees its own
+        for owner in sorted(set(owners)):  # each tenant's rows apart: the ledger credits what it no longer holds
             group = rows if len(owners) == 1 else [row for row, o in zip(rows, owners) if o == owner]
+            public = prefix_ops.held_public(self, group) if self.tenancy and self.tenants.public_refs else []
             freed = self.tables.release(group)
             if self.tenancy:
-                self.tenants.num_blocks[owner] -= freed
+                self.tenants.num_blocks[owner] -= prefix_ops.released_blocks(self, owner, public, freed)
             num_freed += freed
         self.tenants.remove_rows(rows)
         self.chains.drop(rows)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvpool_server.core.block_hash import block_hash
+from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
 from kvpool_server.core.errors import InvariantViolationError
 
 if TYPE_CHECKING:
@@ -20,7 +20,8 @@ class CachedBlock(NamedTuple):
     block_hash: bytes
     parent_hash: bytes
     token_ids: np.ndarray  # uint32 [block_size]
-    salt: bytes
+    salt: bytes  # the tenant's name, or PUBLIC_SALT: the block is public (may be held by several tenants)
+    extra: bytes = b""  # the sequence's cache_extra_key
 
 
 class PrefixCache:
@@ -44,7 +45,9 @@ class PrefixCache:
     Invariants (``check_invariants``, with the allocator's ref counts):
       - ``block_of_hash`` and ``entries`` are the same relation read both ways, and ``is_cached`` marks exactly
         the blocks in ``entries``;
-      - every cached block's hash is ``block_hash(parent_hash, token_ids, salt)`` of its recorded content;
+      - ``is_public`` marks exactly the cached blocks whose salt is ``PUBLIC_SALT`` (a public prefix's blocks, the
+        only ones rows of several tenants may hold: ``TenantLedger``), and ``num_public`` counts them;
+      - every cached block's hash is ``block_hash(parent_hash, token_ids, salt, extra)`` of its recorded content;
       - the evictable LRU holds exactly the cached blocks whose ref count is 0, each once.
     """
 
@@ -52,6 +55,8 @@ class PrefixCache:
         self.block_of_hash: dict[bytes, int] = {}
         self.entries: dict[int, CachedBlock] = {}  # block_id -> what its hash was computed from
         self.is_cached: np.ndarray = np.zeros(num_blocks, dtype=bool)
+        self.is_public: np.ndarray = np.zeros(num_blocks, dtype=bool)  # cached with PUBLIC_SALT
+        self.num_public: int = 0
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest (first to evict) first
         self.num_evicted: int = 0
         # A KVEventLog's ``pending`` list when one is attached (kv_events.py): BlockStored / BlockRemoved go there.
@@ -73,6 +78,9 @@ class PrefixCache:
         self.block_of_hash[entry.block_hash] = block_id
         self.entries[block_id] = entry
         self.is_cached[block_id] = True
+        if entry.salt == PUBLIC_SALT:
+            self.is_public[block_id] = True
+            self.num_public += 1
         if self.events is not None:
             from kvpool_server.core.kv_events import stored_event  # kv_events imports this module
             self.events.append(stored_event(entry))
@@ -111,6 +119,9 @@ class PrefixCache:
             from kvpool_server.core.kv_events import BlockRemoved
             self.events.append(BlockRemoved(tuple(hashes)))
         self.is_cached[evicted] = False
+        if self.num_public:
+            self.num_public -= int(np.count_nonzero(self.is_public[evicted]))
+            self.is_public[evicted] = False
         self.num_evicted += num
         return evicted
 
@@ -119,8 +130,11 @@ class PrefixCache:
             raise InvariantViolationError("block_of_hash and the cached blocks' entries disagree")
         if set(np.flatnonzero(self.is_cached).tolist()) != set(self.entries):
             raise InvariantViolationError("is_cached does not mark exactly the cached blocks")
+        public = {b for b, e in self.entries.items() if e.salt == PUBLIC_SALT}
+        if set(np.flatnonzero(self.is_public).tolist()) != public or self.num_public != len(public):
+            raise InvariantViolationError("is_public (or num_public) does not mark exactly the cached public blocks")
         for block_id, e in self.entries.items():
-            if block_hash(e.parent_hash, e.token_ids, e.salt) != e.block_hash:
+            if block_hash(e.parent_hash, e.token_ids, e.salt, e.extra) != e.block_hash:
                 raise InvariantViolationError(f"cached block {block_id}'s hash does not match its content chain")
         idle = set(np.flatnonzero(self.is_cached & (ref_count == 0)).tolist())
         if set(self.evictable) != idle:

@@ -1,6 +1,7 @@
 """The manager's prefix-caching operations (docs/prefix-caching.md): a register that starts from cached blocks,
-and an append that carries token ids (or touches tracked sequences). Kept apart from manager.py, which calls them
-only when a prompt or token ids are given or some sequence is tracked: the plain append path does no extra work."""
+an append that carries token ids (or touches tracked sequences), and the tenants' accounting of public blocks on
+fork and free. Kept apart from manager.py, which calls them only when a prompt or token ids are given, some
+sequence is tracked, or some public block is held: the plain paths do no extra work."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool_server.core.block_hash import chain_hashes
+from kvpool_server.core.block_hash import MAX_EXTRA_KEY_BYTES, chain_hashes
 from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.core.types import AppendPlan
 
@@ -17,21 +18,54 @@ if TYPE_CHECKING:
     from kvpool_server.core.manager import KVCacheManager
 
 
-def reuse_prefix(manager: KVCacheManager, row: int, tenant: int, prompt: np.ndarray) -> None:
+def check_register_args(prompt: np.ndarray | None, public_prefix_len: int, cache_extra_key: bytes) -> None:
+    """``register``'s prefix-caching arguments, before anything changes."""
+    if public_prefix_len < 0:
+        raise InvalidArgumentError(f"public_prefix_len must be >= 0, got {public_prefix_len}")
+    if public_prefix_len > (0 if prompt is None else prompt.size):
+        raise InvalidArgumentError(
+            f"public_prefix_len={public_prefix_len} is longer than the prompt's {0 if prompt is None else prompt.size} "
+            "tokens"
+        )
+    if len(cache_extra_key) > MAX_EXTRA_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"cache_extra_key has {len(cache_extra_key)} bytes, at most {MAX_EXTRA_KEY_BYTES} are allowed"
+        )
+
+
+def reuse_prefix(manager: KVCacheManager, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int = 0,
+                 extra: bytes = b"") -> None:
     """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``:
-    one token is always left to compute), within the tenant's budget for blocks revived from the LRU."""
+    one token is always left to compute), within the tenant's budget for blocks new to it: revived from the LRU,
+    or public blocks that only other tenants hold. Its first ``public_prefix_len // block_size`` blocks are
+    public (hashed with PUBLIC_SALT)."""
     salt = manager.tenants.names[tenant].encode()
-    usable = max(0, (prompt.size - 1) // manager.block_size) * manager.block_size
-    hashes = chain_hashes(prompt[:usable], manager.block_size, salt)
-    blocks = np.array(manager.allocator.cache.match(hashes), dtype=np.int32)
-    if blocks.size and manager.tenancy and manager.tenants.limited:
-        budget, _ = manager.tenants.budget(tenant, manager.allocator.num_allocatable)
-        revived = np.cumsum(manager.allocator.ref_count[blocks] == 0)
-        blocks = blocks[: int(np.searchsorted(revived, budget, side="right"))]
-    revived_count = manager.tables.adopt(row, blocks) if blocks.size else 0
-    if manager.tenancy:
-        manager.tenants.num_blocks[tenant] += revived_count
-    manager.chains.start(row, salt, hashes[: blocks.size])
+    bs, allocator, ledger = manager.block_size, manager.allocator, manager.tenants
+    num_public = public_prefix_len // bs
+    usable = max(0, (prompt.size - 1) // bs) * bs
+    hashes = chain_hashes(prompt[:usable], bs, salt, extra=extra, num_public=num_public)
+    blocks = np.array(allocator.cache.match(hashes), dtype=np.int32)
+    public = allocator.cache.is_public[blocks] if manager.tenancy and allocator.cache.num_public else None
+    if blocks.size and manager.tenancy and ledger.limited:
+        budget, _ = ledger.budget(tenant, allocator.num_allocatable)
+        revived = allocator.ref_count[blocks] == 0  # take allocatable blocks: bounded by quota and reservations
+        new = revived if public is None else revived | (public & _unheld(ledger.public_refs, tenant, blocks))
+        blocks = blocks[: min(int(np.searchsorted(np.cumsum(revived), budget, side="right")),
+                              int(np.searchsorted(np.cumsum(new), ledger.quota_left(tenant), side="right")))]
+    if blocks.size:
+        newly_held = int(np.count_nonzero(allocator.ref_count[blocks] == 0)) if manager.tenancy else 0
+        if public is not None:
+            public = public[: blocks.size]
+            newly_held -= int(np.count_nonzero(allocator.ref_count[blocks[public]] == 0))  # counted below
+            newly_held += ledger.adopt_public(tenant, blocks[public].tolist())
+        manager.tables.adopt(row, blocks)
+        ledger.num_blocks[tenant] += newly_held
+    manager.chains.start(row, salt, hashes[: blocks.size], extra, num_public)
+
+
+def _unheld(public_refs: dict[tuple[int, int], int], tenant: int, blocks: np.ndarray) -> np.ndarray:
+    """Which of ``blocks`` no row of ``tenant`` references through ``public_refs``."""
+    return np.array([(tenant, b) not in public_refs for b in blocks.tolist()], dtype=bool)
 
 
 def append_tracked(
@@ -53,7 +87,40 @@ def append_tracked(
         plan = manager._append_as(seq_ids, plain_rows, plain_counts, tenant)
     else:
         plan = manager.tables.plan_append(plain_rows, plain_counts)
-    names = manager.tenants.names
-    salts = [names[t].encode() for t in manager.tenants.tenant_of_row.take(rows).tolist()] if ids is not None else []
-    manager.chains.after_append(rows, counts, lengths, ids, manager.tables.table, manager.allocator.cache, salts)
+    ledger = manager.tenants
+    salts = [ledger.names[t].encode() for t in ledger.tenant_of_row.take(rows).tolist()] if ids is not None else []
+    sealed_public = manager.chains.after_append(rows, counts, lengths, ids, manager.tables.table,
+                                                manager.allocator.cache, salts)
+    if manager.tenancy:
+        for row, block_id in sealed_public:
+            ledger.seal_public(ledger.tenant_of_row.item(row), block_id, manager.allocator.ref_count.item(block_id))
     return plan
+
+
+def fork_public(manager: KVCacheManager, parent_row: int, num_children: int, tenant: int) -> None:
+    """A fork's children reference the parent's public blocks too (with tenancy, while some block is public)."""
+    blocks = manager.tables.table[parent_row, : manager.tables.blocks_for(manager.tables.num_tokens.item(parent_row))]
+    public = blocks[manager.allocator.cache.is_public[blocks]]
+    if public.size:
+        manager.tenants.adopt_public(tenant, public.tolist(), num_children)
+
+
+def held_public(manager: KVCacheManager, rows: list[int]) -> list[int]:
+    """The public blocks ``rows`` reference, one entry per reference (call before releasing them)."""
+    tables, is_public = manager.tables, manager.allocator.cache.is_public
+    held = []
+    for row in rows:
+        blocks = tables.table[row, : tables.blocks_for(tables.num_tokens.item(row))]
+        held += blocks[is_public[blocks]].tolist()
+    return held
+
+
+def released_blocks(manager: KVCacheManager, tenant: int, public: list[int], num_freed: int) -> int:
+    """How many blocks ``tenant`` no longer holds after its rows that referenced ``public`` (``held_public``) were
+    released, freeing ``num_freed`` blocks: the freed private ones, and the public ones it has no row left on (a
+    freed public block is among those)."""
+    if not public:
+        return num_freed
+    unique = np.unique(np.array(public, dtype=np.int32))
+    freed_public = int(np.count_nonzero(manager.allocator.ref_count[unique] == 0))
+    return num_freed - freed_public + manager.tenants.release_public(tenant, public)

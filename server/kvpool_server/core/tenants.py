@@ -7,16 +7,31 @@ sequence row beside its block-table row, so that a batch of 256 ids is checked w
     rows          [ 3 | 9 | 4 ]        tenant_of_row.take(rows) == [1 1 1] == caller's tenant 1 ?  yes: serve
     tenant_of_row [0 0 0 1 1 0 0 0 0 1 ...]                                                       no: NOT_FOUND
 
-Blocks are charged to tenants without a per-block owner array: a fork's children belong to their parent's tenant,
-and only a sequence of the caller's tenant can be forked, so a block is never shared across tenants. A block is
-charged once, to the tenant whose append allocated it (a copy-on-write copy is charged to the tenant whose append
-made it), and credited back when its last reference goes.
+A tenant holds a block while some row of it references the block, and is charged for each block it holds once
+(``num_blocks``), like a shared page in each process's RSS. Most blocks are held by one tenant only: a fork's
+children belong to their parent's tenant, only a sequence of the caller's tenant can be forked, and a prefix match
+with the tenant's own salt finds only its own blocks. So these need no per-block owner: a block is charged to the
+tenant whose append allocated it (a copy-on-write copy to the tenant whose append made it) or revived it from the
+evictable LRU, and credited back when its last reference goes.
+
+The exception is a public prefix (docs/prefix-caching.md): a sealed block hashed with PUBLIC_SALT
+(``PrefixCache.is_public``) may be adopted by rows of any tenant allowed to share prefixes. For those blocks only,
+``public_refs[(tenant, block)]`` counts the tenant's rows that reference the block: a tenant is charged when its
+count goes 0 -> 1 (a register that adopts it) and credited when it goes back to 0 (a free), whatever other
+tenants hold. A sealed block is full, so copy-on-write never touches it; its references change only in register,
+fork (children of the same tenant) and free, and the append path never looks at ``public_refs``.
+
+::
+
+    block 7 (public)   rows of tenant a: 3, 5   rows of tenant b: 9     public_refs {(a, 7): 2, (b, 7): 1}
+                       ref_count[7] = 3                                  num_blocks[a] and [b] each count block 7
 
 Invariants (``checks.check_tenants``): a free row's ``tenant_of_row`` is 0 and a live row's names a known tenant;
-``num_sequences[t]`` is the number of live rows of tenant t; ``num_blocks[t]`` is the number of distinct blocks
-referenced by rows of tenant t (kept and checked only with the manager's ``tenancy`` on: off, tenant 0 holds
-every used block, and a benchmark may plan on the tables directly); no block is referenced by rows of two tenants (so the ``num_blocks`` sum to the
-allocator's used blocks).
+``num_sequences[t]`` is the number of live rows of tenant t; and, kept and checked only with the manager's
+``tenancy`` on (off, tenant 0 holds every used block, and a benchmark may plan on the tables directly):
+``num_blocks[t]`` is the number of distinct blocks referenced by rows of tenant t; only sealed public blocks may
+be referenced by rows of two tenants; ``public_refs`` holds exactly the (tenant, public block) pairs with a
+reference, each with the number of the tenant's rows that reference the block.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ class TenantLedger:
         self.num_sequences: list[int] = [0]  # tenant_id -> its live sequences
         self.tenant_of_row: np.ndarray = np.zeros(max_rows, dtype=np.int32)
         self.limited: bool = False  # whether any tenant has a block quota or a reservation (appends then budget)
+        self.public_refs: dict[tuple[int, int], int] = {}  # (tenant, public block) -> the tenant's rows holding it
 
     def tenant_id(self, name: str) -> int:
         """The id of tenant ``name``, made on first use."""
@@ -80,6 +96,42 @@ class TenantLedger:
             budget = max(0, num_free_blocks - reserved)
             why = f"{reserved} free blocks are reserved for other tenants (their reserved_blocks)"
         return budget, why
+
+    def quota_left(self, tenant: int) -> int:
+        """How many more blocks ``tenant`` may hold under its ``max_blocks`` (reservations aside)."""
+        limit = self.limits[tenant].max_blocks
+        return UNLIMITED if limit is None else limit - self.num_blocks[tenant]
+
+    # ------------------------------------------------ public blocks: references per (tenant, block)
+    def seal_public(self, tenant: int, block_id: int, num_refs: int) -> None:
+        """A block ``tenant``'s rows hold (``num_refs`` of them: only one tenant can hold an unsealed block) was
+        sealed as public: count its references from here on (the tenant holds it already)."""
+        self.public_refs[(tenant, block_id)] = num_refs
+
+    def adopt_public(self, tenant: int, block_ids: list[int], times: int = 1) -> int:
+        """``times`` more rows of ``tenant`` reference each public block (a register, or a fork's children).
+        Returns how many of them the tenant did not hold before (the caller charges them)."""
+        newly_held, refs = 0, self.public_refs
+        for block_id in block_ids:
+            key = (tenant, block_id)
+            before = refs.get(key, 0)
+            refs[key] = before + times
+            newly_held += before == 0
+        return newly_held
+
+    def release_public(self, tenant: int, block_ids: list[int]) -> int:
+        """One reference of a row of ``tenant`` per entry of ``block_ids`` (may repeat) is gone (a free). Returns
+        how many blocks the tenant no longer holds (the caller credits them)."""
+        released, refs = 0, self.public_refs
+        for block_id in block_ids:
+            key = (tenant, block_id)
+            left = refs[key] - 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key]
+                released += 1
+        return released
 
     def check_new_sequences(self, tenant: int, num: int) -> None:
         limit = self.limits[tenant].max_sequences
