@@ -38,9 +38,15 @@ class IndexedBlock(NamedTuple):
 class EventCounts:
     num_batches: int = 0  # batches applied (snapshots included)
     num_snapshots: int = 0
-    num_block_events: int = 0  # one per hash in a BlockStored or BlockRemoved (snapshots' BlockStored included)
+    num_blocks_stored: int = 0  # hashes in BlockStored events (snapshots' included)
+    num_blocks_removed: int = 0  # hashes in BlockRemoved events
     num_duplicates: int = 0  # batches skipped: already applied (at-least-once delivery)
     num_unknown_removed: int = 0  # BlockRemoved hashes the index did not hold
+
+    @property
+    def num_block_events(self) -> int:
+        """One per block hash in a BlockStored or BlockRemoved."""
+        return self.num_blocks_stored + self.num_blocks_removed
 
 
 class EventIndex:
@@ -100,12 +106,12 @@ class EventIndex:
                 for i, block_hash in enumerate(stored.block_hashes):
                     blocks[block_hash] = IndexedBlock(parent, tuple(tokens[i * size : (i + 1) * size]), size)
                     parent = block_hash
-                counts.num_block_events += len(stored.block_hashes)
+                counts.num_blocks_stored += len(stored.block_hashes)
             elif kind == "block_removed":
                 for block_hash in event.block_removed.block_hashes:
                     if blocks.pop(block_hash, None) is None:
                         counts.num_unknown_removed += 1
-                counts.num_block_events += len(event.block_removed.block_hashes)
+                counts.num_blocks_removed += len(event.block_removed.block_hashes)
             elif kind == "all_blocks_cleared":
                 blocks.clear()
         self.epoch, self.last_seq = batch.epoch, batch.seq
