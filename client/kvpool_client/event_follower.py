@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool_client.errors import KVPoolClientError, from_rpc_error
+from kvpool_client.errors import from_rpc_error
 from kvpool_client.events import EventGapError, EventIndex, IndexedBlock
 from kvpool_client.retry import RetryPolicy
 
@@ -49,7 +49,7 @@ class _Follower:
         self.retry = retry
         self.num_reconnects = 0  # subscriptions after the first
         self.num_resyncs = 0  # EventGapError: resubscribed for a snapshot
-        self.error: KVPoolClientError | None = None
+        self.error: Exception | None = None  # what ended start()'s thread
         self._changed = threading.Condition()
         self._closed = False
         self._call: Any = None
@@ -141,7 +141,7 @@ class EventFollower(_Follower):
             try:
                 for _ in self.batches():
                     pass
-            except KVPoolClientError as exc:
+            except Exception as exc:  # errors.py's, or a bug: kept for wait_until to raise
                 with self._changed:
                     self.error = exc
                     self._changed.notify_all()
