@@ -13,7 +13,7 @@ SETUP := $(STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
-.PHONY: help setup test run bench bench-service soak experiments experiments-quick proto lint lint-proto buf-breaking \
+.PHONY: help setup test run bench bench-service bench-events soak experiments experiments-quick proto lint lint-proto buf-breaking \
 	docker-up docker-down monitoring-up clean
 
 help:
@@ -25,6 +25,7 @@ help:
 	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
 	@echo "make bench              in-process core benchmark"
 	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
+	@echo "make bench-events       KV events: block events/s to a SubscribeEvents subscriber process, none dropped"
 	@echo "make soak               20 min of load generators SIGKILLed at random: no block left to a dead session"
 	@echo "make experiments        capacity and sharing experiments (about 35 min on 2 cores; docs/experiments.md)"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
@@ -76,6 +77,10 @@ bench: $(SETUP)
 # Pinned (server on CPU 0, clients on CPU 1) where there are two CPUs: steadier figures (docs/service-bench.md).
 bench-service: $(SETUP)
 	$(PY) benchmarks/bench_service.py $(shell [ $$(nproc) -ge 2 ] && echo --pin)
+
+# A server sealing blocks as fast as it can, a subscriber process counting block events/s (docs/experiments.md).
+bench-events: $(SETUP)
+	$(PY) benchmarks/bench_events.py --seconds $(or $(EVENTS_SECONDS),10)
 
 # 20 minutes of load generator runs SIGKILLed at random; 0 blocks may stay with dead sessions (docs/results.md).
 soak: $(SETUP)

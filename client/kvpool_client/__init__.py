@@ -5,6 +5,8 @@ generator. The wire contract and the memory layout it speaks live in kvpool-comm
 from kvpool.layout import KVLayout
 from kvpool_client.aio import AsyncKVPoolClient
 from kvpool_client.client import KVPoolClient
+from kvpool_client.event_follower import AsyncEventFollower, EventFollower, fetch_snapshot
+from kvpool_client.events import EventGapError, EventIndex, IndexedBlock
 from kvpool_client.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -36,10 +38,15 @@ __all__ = [
     "AlreadyExistsError",
     "AppendResult",
     "AppendStream",
+    "AsyncEventFollower",
     "AsyncKVPoolClient",
     "BlockTable",
     "DeadlineExceededError",
+    "EventFollower",
+    "EventGapError",
+    "EventIndex",
     "FailedPreconditionError",
+    "IndexedBlock",
     "InternalError",
     "InvalidArgumentError",
     "KVLayout",
@@ -57,4 +64,5 @@ __all__ = [
     "SessionLostError",
     "TenantUsage",
     "UnavailableError",
+    "fetch_snapshot",
 ]

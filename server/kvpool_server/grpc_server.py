@@ -170,7 +170,8 @@ def build_servicer(config: ServerConfig) -> KVPoolServicer:
                                 max_ttl_s=config.max_session_ttl_ms / 1000.0)
         servicer = KVPoolServicer(manager, pool, Drain(), sessions, max_batch=config.max_batch,
                                   max_message_bytes=config.max_message_bytes,
-                                  max_tokens_per_call=config.max_tokens_per_call)
+                                  max_tokens_per_call=config.max_tokens_per_call,
+                                  event_buffer_batches=config.event_buffer_batches)
         if config.auth_tokens:
             servicer.auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks)
         return servicer

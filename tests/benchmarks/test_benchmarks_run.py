@@ -34,3 +34,10 @@ def test_bench_service_prints_a_table_and_ratios() -> None:
     for kind in ("echo", "kvpool", "kvpool-stream"):
         assert re.search(rf"^{kind}\s+1 client\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+$", out, re.M), out
     assert re.search(r"kvpool / echo \(1 client\): [\d.]+ \([\d.]+\)", out), out
+
+
+def test_bench_events_prints_the_rate_and_checks_the_index() -> None:
+    out = run_script("bench_events.py", "--seconds", "0.5", "--seqs", "8", "--max-seq-len", "1024",
+                     "--num-blocks", "512", timeout=300)
+    assert re.search(r"subscriber\s+[\d,]+ block events/s", out), out
+    assert "equal to a fresh snapshot: True" in out and re.search(r"dropped\s+0 re-snapshots", out), out

@@ -220,7 +220,7 @@ def test_kv_events_record_stores_and_evictions_in_numbered_batches() -> None:
     first = log.publish()
     h0, h1 = chain_hashes(PROMPT, BS)
     assert first is not None and (first.epoch, first.seq) == (7, 1)
-    assert first.events == (BlockStored((h0,), None, tuple(PROMPT[:4]), BS), BlockStored((h1,), h0, tuple(PROMPT[4:8]), BS))
+    assert first.events == (BlockStored((h0, h1), None, tuple(PROMPT[:8]), BS),)  # a run: one event
     manager.free(a)
     manager.append(manager.register(), 5 * BS)  # evicts the leaf
     assert log.publish().events == (BlockRemoved((h1,)),)

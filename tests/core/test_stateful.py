@@ -10,6 +10,9 @@ Prefix caching: appends may carry token ids (from a tiny alphabet, so that equal
 follows the manager's choice (mapping physical blocks to its own through the live sequences' tables, a bijection
 checked every step) and checks that every reused block holds the token ids asked for and reads back exactly the
 tags its first writer wrote. Eviction under pressure: free + evictable must serve every append the model allows.
+KV events: the manager's KVEventLog is published after every step (as the servicer publishes after every append);
+one consumer applies every batch, another resumes every few steps (``since``, or a snapshot once it fell behind
+the small buffer); both indexes must equal the prefix cache's entries.
 """
 
 import itertools
@@ -27,7 +30,10 @@ from kvpool_server.core import (
     SequenceNotFoundError,
 )
 
+from kvpool_server.core.kv_events import KVEventLog
+
 from .conftest import run_copies, snapshot, tag_memory
+from .event_consumer import EventConsumer, cache_index
 
 NUM_BLOCKS, BLOCK_SIZE, MAX_SEQ_LEN = 24, 4, 48
 
@@ -107,6 +113,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self._tag = itertools.count(1)
         self.token_of_tag: dict[int, int] = {}  # tags written by appends that carried token ids
         self.model_block: dict[int, int] = {}  # physical block -> the model's, as of the last step
+        self.events = KVEventLog(epoch=1, capacity=1)
+        self.events.attach(self.manager.allocator.cache)
+        self.consumer = EventConsumer()  # applies every batch
+        self.lagging = EventConsumer()  # catches up every 10 steps: resumes, or takes a snapshot past the buffer
+        self.steps = 0
 
     # KV memory: a tag per slot here; tests/device/test_stateful_pool.py runs the same machine on a real pool.
     def copy_blocks(self, copies: np.ndarray) -> None:
@@ -292,6 +303,19 @@ class ManagerMachine(RuleBasedStateMachine):
                  for p, m in zip(self.manager.block_table(s).tolist(), self.model.blocks[s])}
         assert len({p for p, _ in pairs}) == len(pairs) == len({m for _, m in pairs})
         self.model_block.update(pairs)
+
+    @invariant()
+    def event_consumers_index_equals_the_prefix_cache(self):
+        batch = self.events.publish()
+        if batch is not None:
+            self.consumer.apply(batch)
+        self.steps += 1
+        if self.steps % 10 == 0:
+            missed = self.events.since(self.lagging.seq + 1)
+            for b in missed if missed is not None else [self.events.snapshot(self.manager.allocator.cache)]:
+                self.lagging.apply(b)
+            assert self.lagging.blocks == cache_index(self.manager.allocator.cache)
+        assert self.consumer.blocks == cache_index(self.manager.allocator.cache)
 
     @invariant()
     def matches_reference(self):

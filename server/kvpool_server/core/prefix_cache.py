@@ -11,7 +11,7 @@ from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
 from kvpool_server.core.errors import InvariantViolationError
 
 if TYPE_CHECKING:
-    from kvpool_server.core.kv_events import KVEvent
+    from kvpool_server.core.kv_events import PendingEvent
 
 
 class CachedBlock(NamedTuple):
@@ -59,8 +59,8 @@ class PrefixCache:
         self.num_public: int = 0
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest (first to evict) first
         self.num_evicted: int = 0
-        # A KVEventLog's ``pending`` list when one is attached (kv_events.py): BlockStored / BlockRemoved go there.
-        self.events: list[KVEvent] | None = None
+        # A KVEventLog's ``pending`` list when one is attached (kv_events.py): the entries stored, BlockRemoved.
+        self.events: list[PendingEvent] | None = None
 
     @property
     def num_cached(self) -> int:
@@ -82,8 +82,7 @@ class PrefixCache:
             self.is_public[block_id] = True
             self.num_public += 1
         if self.events is not None:
-            from kvpool_server.core.kv_events import stored_event  # kv_events imports this module
-            self.events.append(stored_event(entry))
+            self.events.append(entry)  # made a BlockStored (with the run it belongs to) when the batch is published
         return True
 
     def match(self, hashes: list[bytes]) -> list[int]:
