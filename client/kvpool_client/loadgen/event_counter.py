@@ -1,9 +1,9 @@
 """EventCounter: a thread in the load generator's driver that follows SubscribeEvents and counts what it consumes.
 
 It reads the raw stream (as ``kvctl events`` does): a snapshot first (AllBlocksCleared + a BlockStored per cached
-block), then one batch per append that changed the cache. It counts batches, snapshots, BlockStored and
-BlockRemoved events and their block hashes (blocks sealed and blocks evicted), and keeps the set of hashes the
-stream says are cached -- so that at the end it can be compared with the server (``cached_blocks`` equals the
+block), then one batch per append that changed the cache. It counts batches, snapshots and the blocks they list,
+BlockStored and BlockRemoved events outside snapshots and their block hashes (blocks sealed and blocks evicted
+while it ran), and keeps the set of hashes the stream says are cached -- so that at the end it can be compared with the server (``cached_blocks`` equals the
 evictable blocks once no sequence is left).
 
 ``stop()`` first catches up: a second, one-message subscription returns a snapshot stamped with the last batch
@@ -33,8 +33,8 @@ class EventCounter:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.catch_up_s = catch_up_s
         self.counts: dict[str, int] = dict.fromkeys(
-            ("batches", "snapshots", "events", "block_stored_events", "blocks_stored", "block_removed_events",
-             "blocks_removed", "all_blocks_cleared", "num_dropped"), 0)
+            ("batches", "snapshots", "snapshot_blocks", "events", "block_stored_events", "blocks_stored",
+             "block_removed_events", "blocks_removed", "all_blocks_cleared", "num_dropped"), 0)
         self.cached: set[bytes] = set()  # the hashes the stream says are cached now
         self.epoch = 0
         self.last_seq = 0
@@ -69,8 +69,11 @@ class EventCounter:
             c["events"] += 1
             if kind == "block_stored":
                 hashes = event.block_stored.block_hashes
-                c["block_stored_events"] += 1
-                c["blocks_stored"] += len(hashes)
+                if batch.snapshot:
+                    c["snapshot_blocks"] += len(hashes)
+                else:
+                    c["block_stored_events"] += 1
+                    c["blocks_stored"] += len(hashes)
                 self.cached.update(hashes)
             elif kind == "block_removed":
                 hashes = event.block_removed.block_hashes

@@ -190,7 +190,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "sharing": share,
         "latency": {name: metrics.latency_summary(latency.get(name, [])) for name in
                     ("append_decode", "append_prefill", "register", "fork", "free", "block_table", "read_kv",
-                     "write_slots")},
+                     "write_slots", "prefix_blocks")},
         "end": {"blocks_used": after.num_blocks_used, "blocks_free": after.num_blocks_free,
                 "blocks_total": after.num_blocks_total, "sequences": after.num_sequences,
                 "blocks_evictable": after.num_blocks_evictable,

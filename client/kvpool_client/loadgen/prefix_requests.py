@@ -71,7 +71,8 @@ def start_shared_prefix_request(w: Worker, index: int) -> Request:
     w.write_kv(slots, kv_pattern(keys, w.layout))
     table = w.timed("prefix_blocks", w.client.block_table, root)
     request = Request(index, prompt_id=spec.prompt_id, held_since=held_since,
-                      prefix_block_ids=table.block_ids[: shared // w.layout.block_size].tolist())
+                      prefix_block_ids=table.block_ids[: shared // w.layout.block_size].tolist(),
+                      prefix_blocks_cached=min(cached, shared) // w.layout.block_size)
     seq_ids = [root]
     if w.width > 1:
         seq_ids += w.timed("fork", w.client.fork, root, w.width - 1)

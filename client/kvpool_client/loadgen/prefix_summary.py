@@ -117,8 +117,10 @@ def render_prefix(summary: dict[str, Any]) -> list[str]:
         lines.append(f"   turns {prefix['turns']:,}   cached tokens expected from the earlier turns "
                      f"{prefix['expected_cached_tokens']:,}")
     for prompt_id, row in sorted((prefix.get("resident_copies") or {}).items(), key=lambda kv: int(kv[0])):
-        lines.append(f"   prompt {prompt_id}: resident copies peak {row['peak_copies']}  mean {row['mean_copies']:.2f}"
-                     f"   ({row['requests']} requests, up to {row['peak_requests']} at once, {row['blocks']} blocks)")
+        hits = "-" if row["peak_copies_among_hits"] is None else row["peak_copies_among_hits"]
+        lines.append(f"   prompt {prompt_id}: resident copies peak {row['peak_copies']} (among hits {hits}), mean "
+                     f"{row['mean_copies']:.2f}   ({row['requests']} requests, {row['cold_requests']} cold, up to "
+                     f"{row['peak_requests']} at once; {row['blocks']} blocks)")
     beam = summary.get("beam")
     if beam:
         lines.append(f"   beam over the cached prompt: peak blocks {beam['peak_blocks_used']:,} vs "

@@ -41,5 +41,6 @@ class Request:
     prompt_id: int = -1
     held_since: float = 0.0  # monotonic time before it registered: it may hold prefix blocks from then on
     prefix_block_ids: list[int] | None = None  # the shared prompt's full blocks, in order (shared-prefix)
+    prefix_blocks_cached: int = 0  # how many of them RegisterSequence found cached
     conversation: ChatConversation | None = None
     turn: int = 0

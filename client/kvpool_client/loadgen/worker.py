@@ -60,8 +60,9 @@ class Worker:
         self.series: dict[str, list[float]] = {k: [] for k in ("t", "used", "logical", "seqs", "tokens")}
         self.verifier = Verifier(self.client, self.pool, cfg.verify, self.timed, self.counts)
         self.next_turns: list[tuple[ChatConversation, int]] = []  # chat: turns whose previous turn just ended
-        # shared-prefix: (held from, held until, prompt id, physical block ids of the shared prompt) per request
-        self.prefix_holds: list[tuple[float, float, int, list[int]]] = []
+        # shared-prefix, per request: (held from, held until, prompt id, physical block ids of the shared prompt,
+        # how many of them were cached): resident.py
+        self.prefix_holds: list[tuple[float, float, int, list[int], int]] = []
 
     # ---------------------------------------------------------------- plumbing
     def timed(self, name: str, fn: Any, *args: Any) -> Any:
@@ -229,7 +230,8 @@ class Worker:
         """All its sequences are freed: record its prefix hold; a chat turn's conversation goes on to its next turn
         (in this process: the next turn needs this one sealed), and only its last turn completes the request."""
         if r.prefix_block_ids is not None:
-            self.prefix_holds.append((r.held_since, time.monotonic(), r.prompt_id, r.prefix_block_ids))
+            self.prefix_holds.append((r.held_since, time.monotonic(), r.prompt_id, r.prefix_block_ids,
+                                      r.prefix_blocks_cached))
         if r.conversation is not None:
             self.counts["turns"] += 1
             if r.turn + 1 < r.conversation.num_turns:
