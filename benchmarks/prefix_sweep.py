@@ -63,9 +63,13 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: str) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    done = [r for r in rows if "token_hit_rate" in r]
+    done = [r for r in rows if r["rc"] == 0]
+    failed = [r for r in rows if r["rc"] != 0]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot([r["pool_blocks"] for r in done], [100 * r["token_hit_rate"] for r in done], "o-", label="token hit rate")
+    if failed:  # too small: the run did not complete (its requests waited for blocks), or one request did not fit
+        ax.plot([r["pool_blocks"] for r in failed], [100 * r.get("token_hit_rate", 0.0) for r in failed], "x",
+                color="tab:red", markersize=9, label="run did not complete (pool too small)")
     ceiling = 100 * args.shared_tokens / (args.shared_tokens + args.unique_tokens)
     ax.axhline(ceiling, color="gray", linestyle="--", label=f"ceiling {ceiling:.1f}% (shared / prompt)")
     prompts_blocks = args.num_prompts * (args.shared_tokens // args.block_size)
