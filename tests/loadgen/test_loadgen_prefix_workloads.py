@@ -119,3 +119,14 @@ def test_the_event_subscriber_agrees_with_the_server(server_factory, tmp_path):
     assert snapshot.seq == events["last_seq"]
     assert sum(len(e.block_stored.block_hashes) for e in snapshot.events) == events["cached_blocks"]
     assert "blocks sealed (BlockStored)" in output
+
+
+def test_a_second_run_finds_the_first_runs_own_prompt_blocks(server_factory, tmp_path):
+    """The same seed on the same server: requests find even their own prompt parts cached (2 of the 40 unique
+    tokens' blocks are matchable), and those blocks hold the bytes they would have written."""
+    server = server_factory(*TINY)
+    args = (*SHARED, "--unique-tokens", "40", "--processes", "2", "--concurrency", "2", "--completions", "6")
+    assert_ok(*loadgen(server.address, tmp_path, *args))
+    rc, summary, output = loadgen(server.address, tmp_path, *args)
+    assert_ok(rc, summary, output)
+    assert summary["prefix"]["cached_tokens"] == 6 * 192  # (200 - 1) // 16 = 12 blocks each

@@ -27,6 +27,7 @@ from kvpool_client.loadgen.chat import (
 from kvpool_client.loadgen.pattern import kv_pattern, token_keys
 from kvpool_client.loadgen.sequences import Request, Seq
 from kvpool_client.loadgen.workload import (
+    REQUEST_WRITER_BASE,
     SHARED_WRITER_BASE,
     beam_token_stream,
     make_shared_prefix_request,
@@ -57,7 +58,8 @@ def _register_and_prefill(w: Worker, ids: np.ndarray) -> tuple[int, int, np.ndar
 
 def start_shared_prefix_request(w: Worker, index: int) -> Request:
     """One of the shared prompts + the request's own tokens; in beam mode forked into the beams after the prefill.
-    The shared part's KV is a function of (prompt id, position), so a cached block holds what this would write."""
+    The prompt's KV is a function of (prompt id or request index, position), not of the server's seq_id, so a
+    cached block holds what this request would write."""
     cfg = w.cfg
     spec = make_shared_prefix_request(cfg.seed, index, w.dist, cfg.num_prompts, cfg.shared_tokens, cfg.unique_tokens)
     shared, prompt_len = spec.shared_len, spec.prompt_len
@@ -65,9 +67,9 @@ def start_shared_prefix_request(w: Worker, index: int) -> Request:
                           request_token_ids(cfg.seed, index, shared, prompt_len)])
     held_since = time.monotonic()
     root, cached, slots = _register_and_prefill(w, ids)
-    writer = SHARED_WRITER_BASE + spec.prompt_id
+    writer, own_writer = SHARED_WRITER_BASE + spec.prompt_id, REQUEST_WRITER_BASE + index
     keys = np.concatenate([token_keys(writer, min(cached, shared), shared),
-                           token_keys(root, max(cached, shared), prompt_len)])
+                           token_keys(own_writer, max(cached, shared), prompt_len)])
     w.write_kv(slots, kv_pattern(keys, w.layout))
     table = w.timed("prefix_blocks", w.client.block_table, root)
     request = Request(index, prompt_id=spec.prompt_id, held_since=held_since,
@@ -78,7 +80,7 @@ def start_shared_prefix_request(w: Worker, index: int) -> Request:
         seq_ids += w.timed("fork", w.client.fork, root, w.width - 1)
         w.counts["forks"] += w.width - 1
     for name, seq_id in enumerate(seq_ids):
-        history = [[writer, 0, shared], [root, shared, prompt_len]]
+        history = [[writer, 0, shared], [own_writer, shared, prompt_len]]
         request.seqs[seq_id] = Seq(seq_id, name, prompt_len, spec.max_total_len, history, request_index=index,
                                    token_stream=beam_token_stream(index, name))
     request.next_name = len(seq_ids)

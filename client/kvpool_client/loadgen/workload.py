@@ -120,6 +120,9 @@ def prune_and_refork(
 
 # ---------------------------------------------------------------- the shared-prefix workload
 SHARED_WRITER_BASE = 1 << 60  # pseudo writer ids of the shared prompts' KV: SHARED_WRITER_BASE + prompt id
+# and of request i's own prompt tokens: REQUEST_WRITER_BASE + i (its blocks are cached too: a later run with the
+# same seed on the same server finds them, and must find the bytes it would have written)
+REQUEST_WRITER_BASE = 1 << 58
 _TOKEN_ID_MASK = (1 << 31) - 1
 
 
