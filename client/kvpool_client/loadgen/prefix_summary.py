@@ -123,7 +123,8 @@ def render_prefix(summary: dict[str, Any]) -> list[str]:
                      f"{row['peak_requests']} at once; {row['blocks']} blocks)")
     beam = summary.get("beam")
     if beam:
-        lines.append(f"   beam over the cached prompt: peak blocks {beam['peak_blocks_used']:,} vs "
+        over = "the cached prompt" if prefix["caching"] else "the prompt, no caching"
+        lines.append(f"   beam over {over}: peak blocks {beam['peak_blocks_used']:,} vs "
                      f"{beam['peak_blocks_no_caching_no_sharing']:,} with neither caching nor sharing "
                      f"(saved {_pct(beam['blocks_saved_at_peak'])})")
     return lines
