@@ -68,7 +68,7 @@ def prefix_section(a: argparse.Namespace, counts: dict[str, int], workers: list[
         section["expected_cached_tokens"] = counts.get("expected_cached_tokens", 0)
     if a.workload == "shared-prefix":
         holds = [tuple(h) for w in workers for h in w.get("prefix_holds", [])]
-        section["resident_copies"] = resident_copies_summary(holds, t0, t1)  # type: ignore[arg-type]
+        section["resident_copies"] = resident_copies_summary(holds, t0, t1)
     return section
 
 
