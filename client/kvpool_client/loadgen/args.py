@@ -7,8 +7,10 @@ import os
 
 from kvpool_client.loadgen import preflight
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER
-from kvpool_client.loadgen.worker import EXHAUSTED_WAIT_S
+from kvpool_client.loadgen.worker_config import EXHAUSTED_WAIT_S
 from kvpool_client.loadgen.workload import MODES
+
+WORKLOADS = ("standard", "shared-prefix", "chat")
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -25,14 +27,21 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="uniform: prompt 4-32, target 32-256 (prompt + output); sharegpt / alpaca: lognormal")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest sequence (prompt + output): 256 for uniform, 2048 for the lognormals")
-    p.add_argument("--workload", choices=("standard", "shared-prefix"), default="standard",
+    p.add_argument("--workload", choices=WORKLOADS, default="standard",
                    help="standard: --lengths prompts; shared-prefix: one of --num-prompts shared prompts + a unique "
-                   "part, registered with its token ids (prefix caching), output lengths from --lengths")
+                   "part, registered with its token ids (prefix caching), output lengths from --lengths;\n"
+                   "chat: -n conversations of --turns turns, each turn's prompt the conversation so far")
     p.add_argument("--num-prompts", type=int, default=4, help="shared-prefix: shared prompts (default 4)")
     p.add_argument("--shared-tokens", type=int, default=8000,
                    help="shared-prefix: tokens of each shared prompt (default 8000)")
     p.add_argument("--unique-tokens", type=int, default=1000,
                    help="shared-prefix: tokens of each request's own prompt part (default 1000)")
+    p.add_argument("--turns", type=int, default=4, help="chat: turns per conversation (default 4)")
+    p.add_argument("--turn-tokens", type=int, default=64,
+                   help="chat: tokens of each new user message (default 64); outputs from --lengths")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="shared-prefix / chat baseline: register without the prompt's ids and append without "
+                   "token ids, so every request computes and holds its whole prompt")
     p.add_argument("--mode", choices=MODES, default="plain", help="plain, beam (search) or parallel (sampling)")
     p.add_argument("--beam-width", type=int, default=4, help="beams per request in --mode beam (default 4)")
     p.add_argument("--num-samples", type=int, default=4, help="samples per prompt in --mode parallel (default 4)")
@@ -90,9 +99,18 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--max-len must be in [2, {KEY_MULTIPLIER}) (token keys are seq_id * {KEY_MULTIPLIER} + position)")
     if a.sample_interval_ms <= 0 or a.timeout <= 0 or a.connect_timeout <= 0 or a.exhausted_wait < 0:
         p.error("--sample-interval-ms, --timeout and --connect-timeout must be > 0, --exhausted-wait >= 0")
-    if a.workload == "shared-prefix":
+    if a.no_prefix_cache and a.workload == "standard":
+        p.error("--no-prefix-cache is the baseline of --workload shared-prefix or chat")
+    if a.workload == "chat":
         if a.mode != "plain":
-            p.error("--workload shared-prefix runs --mode plain")
+            p.error("--workload chat runs --mode plain")
+        if min(a.turns, a.turn_tokens) < 1:
+            p.error("--turns and --turn-tokens must be >= 1")
+        if a.turns * (a.turn_tokens + (a.max_len or 2048)) >= KEY_MULTIPLIER:
+            p.error(f"--turns x (--turn-tokens + --max-len) must be < {KEY_MULTIPLIER}")
+    if a.workload == "shared-prefix":
+        if a.mode == "parallel":
+            p.error("--workload shared-prefix runs --mode plain or beam")
         if min(a.num_prompts, a.shared_tokens, a.unique_tokens) < 1:
             p.error("--num-prompts, --shared-tokens and --unique-tokens must be >= 1")
         if a.shared_tokens + a.unique_tokens + (a.max_len or 2048) >= KEY_MULTIPLIER:

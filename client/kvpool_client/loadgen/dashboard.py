@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from kvpool_client.loadgen.prefix_summary import render_events, render_prefix
 from kvpool_client.loadgen.tenants import render_tenants
 
 
@@ -106,17 +107,9 @@ def render(summary: dict[str, Any]) -> str:
             f"{share['peak_blocks_without_sharing']:,} blocks)",
             f"          forks {share['forks']:,}   copy-on-write copies {share['copies']:,}",
         ]
-    prefix = summary.get("prefix")
-    if prefix:
-        lines += [
-            "-" * 78,
-            f" prefix cache: {cfg['num_prompts']} shared prompts x {cfg['shared_tokens']} tokens + "
-            f"{cfg['unique_tokens']} unique tokens per request",
-            f"   prompt tokens {prefix['prompt_tokens']:,}   cached {prefix['cached_tokens']:,}   token hit rate "
-            f"{_pct(prefix['token_hit_rate'])}   ({prefix['requests_with_hit']:,} requests hit)",
-            f"   prefill tokens saved {prefix['prefill_tokens_saved']:,}   evictable blocks at the end "
-            f"{prefix['evictable_blocks_end']:,}",
-        ]
+    lines += render_prefix(summary)
+    if cfg.get("workload", "standard") != "standard":
+        lines += render_events(summary)
     tenant_lines = render_tenants(summary.get("tenants") or {})
     if tenant_lines:
         lines += ["-" * 78, *tenant_lines]

@@ -27,15 +27,13 @@ from kvpool_client.errors import InternalError, KVPoolClientError
 from kvpool_client.loadgen import metrics, preflight
 from kvpool_client.loadgen import tenants as tenancy
 from kvpool_client.loadgen.args import build_parser, check_args
+from kvpool_client.loadgen import prefix_summary as prefix
 from kvpool_client.loadgen.dashboard import ProgressBar, render
+from kvpool_client.loadgen.event_counter import EventCounter
 from kvpool_client.loadgen.sampler import StatsSampler
-from kvpool_client.loadgen.worker import WorkerConfig, worker_main
-from kvpool_client.loadgen.workload import (
-    distribution,
-    make_request,
-    make_shared_prefix_request,
-    sequences_per_request,
-)
+from kvpool_client.loadgen.worker import worker_main
+from kvpool_client.loadgen.worker_config import WorkerConfig
+from kvpool_client.loadgen.workload import distribution, sequences_per_request
 
 READY_TIMEOUT_S = 120.0
 
@@ -51,9 +49,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     layout = desc.layout
     dist = distribution(a.lengths, a.max_len)
     width = sequences_per_request(a.mode, a.beam_width, a.num_samples)
-    shared_prefix = a.workload == "shared-prefix"
-    # the longest sequence: with shared-prefix, the whole prompt plus the longest output
-    seq_max_len = dist.max_len + (a.shared_tokens + a.unique_tokens if shared_prefix else 0)
+    seq_max_len = prefix.longest_sequence(a, dist)  # shared-prefix: the whole prompt + output; chat: the last turn
     fit = preflight.pool_fit(desc.num_blocks, layout.block_size, seq_max_len, width, a.concurrency)
     if not fit.one_fits:
         raise preflight.NoRoomError(preflight.too_small_message(fit, seq_max_len))
@@ -72,7 +68,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            a.num_samples, a.prune_every, a.verify, a.timeout, a.inject_errors,
                            exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant,
                            workload=a.workload, num_prompts=a.num_prompts, shared_tokens=a.shared_tokens,
-                           unique_tokens=a.unique_tokens)
+                           unique_tokens=a.unique_tokens, num_turns=a.turns, turn_tokens=a.turn_tokens,
+                           no_prefix_cache=a.no_prefix_cache)
         proc = ctx.Process(target=worker_main, args=(cfg, claim, start, events), name=f"kvpool-loadgen-{i}")
         proc.start()
         procs.append(proc)
@@ -81,11 +78,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     failed: dict[int, dict[str, Any]] = {}  # what a worker that failed had done (for the per-tenant counts)
     worker_errors: list[str] = []
     sampler = None
+    event_counter = None
     try:
         ready = _wait_ready(events, procs, worker_errors)
         stats_tokens = [a.admin_token] if a.admin_token else [t for _, t in tenants] or [a.token]
         sampler = StatsSampler(a.target, a.sample_interval_ms / 1e3, tokens=stats_tokens,
                                tenants=[name for name, _ in tenants]).start()
+        event_counter = EventCounter(a.target, main_token).start()
         t0 = time.monotonic()
         if ready:
             start.set()
@@ -119,6 +118,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 proc.join()
         if sampler is not None:
             sampler.stop()
+        events_seen = event_counter.stop() if event_counter is not None else None
 
     with KVPoolClient(a.target, timeout=a.timeout, token=main_token) as client:
         after = client.stats()
@@ -141,8 +141,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for name, samples in w["latency"].items():
             latency.setdefault(name, []).extend(samples)
 
-    specs = [make_shared_prefix_request(a.seed, i, dist, a.num_prompts, a.shared_tokens, a.unique_tokens)
-             if shared_prefix else make_request(a.seed, i, dist, a.mode, a.num_samples) for i in range(a.completions)]
     naive_seqs = a.concurrency * width
     bs = layout.block_size
     worker_series = [w["series"] for w in workers]
@@ -165,11 +163,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "block_size": bs, "token_bytes": layout.token_bytes, "naive_seqs": naive_seqs,
             "sequences_per_request": width,
         },
-        "workload": {
-            "mean_prompt_len": float(np.mean([s.prompt_len for s in specs])),
-            "mean_output_len": float(np.mean([o for s in specs for o in s.output_lens])),
-            "max_total_len": max(s.max_total_len for s in specs),
-        },
+        "workload": prefix.workload_means(a, dist),
         "run": {
             "wall_s": t1 - t0,
             "completions": counts.get("completions", 0),
@@ -196,7 +190,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "sharing": share,
         "latency": {name: metrics.latency_summary(latency.get(name, [])) for name in
                     ("append_decode", "append_prefill", "register", "fork", "free", "block_table", "read_kv",
-                     "write_slots")},
+                     "write_slots", "prefix_blocks")},
         "end": {"blocks_used": after.num_blocks_used, "blocks_free": after.num_blocks_free,
                 "blocks_total": after.num_blocks_total, "sequences": after.num_sequences,
                 "blocks_evictable": after.num_blocks_evictable,
@@ -212,16 +206,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "tenants": {name: metrics.downsample(series, t0) for name, series in sampler.tenant_series.items()},
         },
     }
-    if shared_prefix:
-        prompt_tokens, cached_tokens = counts.get("prompt_tokens", 0), counts.get("cached_tokens", 0)
-        summary["prefix"] = {
-            "prompt_tokens": prompt_tokens,
-            "cached_tokens": cached_tokens,
-            "token_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-            "prefill_tokens_saved": cached_tokens,
-            "requests_with_hit": counts.get("requests_with_hit", 0),
-            "evictable_blocks_end": after.num_blocks_evictable,
-        }
+    if a.workload != "standard":
+        summary["prefix"] = prefix.prefix_section(a, counts, workers, t0, t1, after.num_blocks_evictable)
+    if a.workload == "shared-prefix" and a.mode == "beam":
+        summary["beam"] = prefix.beam_section(mem, share)
+    summary["events"] = prefix.events_section(events_seen, sampler.series)
     summary["ok"] = bool(
         verification_errors == 0 and not worker_errors and invariants_ok
         and summary["run"]["completions"] == a.completions

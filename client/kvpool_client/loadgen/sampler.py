@@ -15,7 +15,7 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import KVPoolClientError
 from kvpool_client.types import PoolStats
 
-FIELDS = ("t", "used", "free", "tokens", "unused", "shared", "copies", "seqs")
+FIELDS = ("t", "used", "free", "tokens", "unused", "shared", "copies", "seqs", "evictable")
 TENANT_FIELDS = ("t", "blocks", "seqs")
 
 
@@ -72,6 +72,7 @@ class StatsSampler:
         s["shared"].append(stats.num_blocks_shared)
         s["copies"].append(stats.num_copies)
         s["seqs"].append(stats.num_sequences)
+        s["evictable"].append(stats.num_blocks_evictable)
 
     def _run(self) -> None:
         next_at = time.monotonic()

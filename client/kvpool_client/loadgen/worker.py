@@ -8,6 +8,9 @@ place is taken by the next unclaimed request index (a counter shared by all proc
 
 This process also keeps an exact record of its own memory: blocks held (AppendToken's new blocks minus Free's freed
 blocks; no block is shared across processes) and blocks it would hold without sharing (sum of ceil(len / block_size)).
+
+The prefix-caching workloads' requests (shared-prefix, chat turns) start in prefix_requests.py; verification is
+verifier.py; the per-request state is sequences.py.
 """
 
 from __future__ import annotations
@@ -15,77 +18,25 @@ from __future__ import annotations
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import QuotaExceededError, ResourceExhaustedError
-from kvpool_client.loadgen.pattern import KEY_MULTIPLIER, history_keys, kv_pattern, token_keys
+from kvpool_client.loadgen import prefix_requests
+from kvpool_client.loadgen.chat import ChatConversation, make_chat_conversation
+from kvpool_client.loadgen.pattern import KEY_MULTIPLIER, kv_pattern, token_keys
+from kvpool_client.loadgen.sequences import Request, Seq
+from kvpool_client.loadgen.verifier import Verifier
+from kvpool_client.loadgen.worker_config import WorkerConfig
 from kvpool_client.loadgen.workload import (
-    SHARED_WRITER_BASE,
+    beam_token_stream,
     distribution,
     make_request,
-    make_shared_prefix_request,
     prune_and_refork,
-    request_token_ids,
     sequences_per_request,
-    shared_token_ids,
 )
-
-EXHAUSTED_WAIT_S = 30.0  # how long a step waits for other processes to free blocks before it gives up
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    worker_id: int
-    target: str
-    concurrency: int  # this process's share of the in-flight requests
-    completions: int  # requests in the whole run
-    seed: int = 0
-    lengths: str = "uniform"
-    max_len: int | None = None
-    mode: str = "plain"
-    beam_width: int = 4
-    num_samples: int = 4
-    prune_every: int = 4
-    verify: str = "both"  # "table" (GetBlockTable + attached pool), "readkv" (ReadKV), "both"
-    timeout: float = 30.0
-    inject_errors: int = 0  # self-test: corrupt one token of the first sequence verified of requests 0..k-1
-    exhausted_wait_s: float = EXHAUSTED_WAIT_S  # --exhausted-wait: how long a step waits for blocks to be freed
-    # "host": KV written from NumPy arrays (the pool's host path: pinned staging on a GPU pool); "device": from CuPy
-    # device arrays (pattern and slots uploaded first), one scatter kernel per write -- needs a GPU pool;
-    # "auto": device on a GPU pool, host otherwise
-    kv_source: str = "auto"
-    token: str | None = None  # the bearer token this process calls with (--token, or its tenant's)
-    tenant: str = ""  # --tenants: the tenant that token belongs to
-    # --workload shared-prefix: each request = one of num_prompts shared prompts (shared_tokens) + unique_tokens of
-    # its own, registered with its token ids (prefix caching); every appended token carries its id
-    workload: str = "standard"
-    num_prompts: int = 4
-    shared_tokens: int = 8000
-    unique_tokens: int = 1000
-
-
-@dataclass
-class Seq:
-    seq_id: int
-    name: int  # stable within its request (the beam rule ranks by it; server ids vary between runs)
-    length: int
-    target_len: int
-    history: list[list[int]]  # [writer seq_id, start, stop): who wrote which positions
-    last_slot: int = -1
-    request_index: int = -1
-
-
-@dataclass
-class Request:
-    index: int
-    seqs: dict[int, Seq] = field(default_factory=dict)
-    steps: int = 0
-    next_name: int = 0
-    corrupted: bool = False
 
 
 class Worker:
@@ -107,21 +58,25 @@ class Worker:
         self.counts: dict[str, int] = defaultdict(int)
         self.used_blocks = 0
         self.series: dict[str, list[float]] = {k: [] for k in ("t", "used", "logical", "seqs", "tokens")}
-        self.errors: list[str] = []
+        self.verifier = Verifier(self.client, self.pool, cfg.verify, self.timed, self.counts)
+        self.next_turns: list[tuple[ChatConversation, int]] = []  # chat: turns whose previous turn just ended
+        # shared-prefix, per request: (held from, held until, prompt id, physical block ids of the shared prompt,
+        # how many of them were cached): resident.py
+        self.prefix_holds: list[tuple[float, float, int, list[int], int]] = []
 
     # ---------------------------------------------------------------- plumbing
-    def _timed(self, name: str, fn: Any, *args: Any) -> Any:
+    def timed(self, name: str, fn: Any, *args: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args)
         finally:
             self.latency[name].append(time.perf_counter() - start)
 
-    def _append(self, name: str, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None = None) -> Any:
+    def append(self, name: str, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None = None) -> Any:
         deadline = time.monotonic() + self.cfg.exhausted_wait_s
         while True:
             try:
-                result = self._timed(name, self._append_call, seq_ids, num_tokens, token_ids)
+                result = self.timed(name, self._append_call, seq_ids, num_tokens, token_ids)
                 break
             except ResourceExhaustedError as error:
                 if time.monotonic() > deadline:
@@ -164,8 +119,14 @@ class Worker:
         self.t_start = time.monotonic()
         self._record()
         while True:
-            while len(self.active) < self.cfg.concurrency and (index := self._claim_next()) is not None:
-                self.start_request(index)
+            while len(self.active) < self.cfg.concurrency:
+                if self.next_turns:
+                    self.active.append(prefix_requests.start_chat_turn(self, *self.next_turns.pop(0)))
+                elif (index := self._claim_next()) is not None:
+                    self.start_request(index)
+                else:
+                    break
+                self._record()
             if not self.active:
                 break
             self.decode_step()
@@ -174,54 +135,32 @@ class Worker:
         self.t_end = time.monotonic()
 
     def start_request(self, index: int) -> None:
-        if self.cfg.workload == "shared-prefix":
-            self.start_shared_prefix_request(index)
+        cfg = self.cfg
+        if cfg.workload == "shared-prefix":
+            self.active.append(prefix_requests.start_shared_prefix_request(self, index))
             return
-        spec = make_request(self.cfg.seed, index, self.dist, self.cfg.mode, self.cfg.num_samples)
-        root = self._timed("register", self.client.register)
-        result = self._append("append_prefill", [root], spec.prompt_len)
-        self._write_kv(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout))
+        if cfg.workload == "chat":
+            conversation = make_chat_conversation(cfg.seed, index, self.dist, cfg.num_turns, cfg.turn_tokens)
+            self.active.append(prefix_requests.start_chat_turn(self, conversation, 0))
+            return
+        spec = make_request(cfg.seed, index, self.dist, cfg.mode, cfg.num_samples)
+        root = self.timed("register", self.client.register)
+        result = self.append("append_prefill", [root], spec.prompt_len)
+        self.write_kv(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout))
         request = Request(index)
         seq_ids = [root]
         if self.width > 1:
-            seq_ids += self._timed("fork", self.client.fork, root, self.width - 1)
+            seq_ids += self.timed("fork", self.client.fork, root, self.width - 1)
             self.counts["forks"] += self.width - 1
         for name, seq_id in enumerate(seq_ids):
-            output_len = spec.output_lens[name if self.cfg.mode == "parallel" else 0]
+            output_len = spec.output_lens[name if cfg.mode == "parallel" else 0]
             history = [[root, 0, spec.prompt_len]]
             request.seqs[seq_id] = Seq(seq_id, name, spec.prompt_len, spec.prompt_len + output_len, history)
         request.next_name = len(seq_ids)
         self.counts["sequences"] += len(seq_ids)
         self.active.append(request)
-        self._record()
 
-    def start_shared_prefix_request(self, index: int) -> None:
-        """Register with the prompt's token ids; append and write only the part that is not cached. The shared
-        part's KV is a function of (prompt id, position), so a cached block holds what this request would write."""
-        cfg = self.cfg
-        spec = make_shared_prefix_request(cfg.seed, index, self.dist, cfg.num_prompts, cfg.shared_tokens,
-                                          cfg.unique_tokens)
-        shared, prompt_len = spec.shared_len, spec.prompt_len
-        ids = np.concatenate([shared_token_ids(cfg.seed, spec.prompt_id, 0, shared),
-                              request_token_ids(cfg.seed, index, shared, prompt_len)])
-        root, cached = self._timed("register", self.client.register_prompt, ids)
-        self.counts["prompt_tokens"] += prompt_len
-        self.counts["cached_tokens"] += cached
-        self.counts["requests_with_hit"] += cached > 0
-        self.used_blocks += cached // self.layout.block_size  # held again (approximate: may be shared)
-        result = self._append("append_prefill", [root], prompt_len - cached, ids[cached:])
-        writer = SHARED_WRITER_BASE + spec.prompt_id
-        keys = np.concatenate([token_keys(writer, min(cached, shared), shared),
-                               token_keys(root, max(cached, shared), prompt_len)])
-        self._write_kv(result.slot_mapping, kv_pattern(keys, self.layout))
-        history = [[writer, 0, shared], [root, shared, prompt_len]]
-        request = Request(index, next_name=1)
-        request.seqs[root] = Seq(root, 0, prompt_len, spec.max_total_len, history, request_index=index)
-        self.counts["sequences"] += 1
-        self.active.append(request)
-        self._record()
-
-    def _write_kv(self, slots: np.ndarray, data: np.ndarray) -> None:
+    def write_kv(self, slots: np.ndarray, data: np.ndarray) -> None:
         """Write token KV into ``slots``: from host arrays, or (``--kv-source device``) from device arrays through
         the client's scatter kernel, then wait for it (other processes and the server read these slots next)."""
         if not self.device_kv:
@@ -237,20 +176,20 @@ class Worker:
         """One batched AppendToken over every live sequence of this process, then one write of the new KV."""
         seqs = [s for r in self.active for s in r.seqs.values()]
         token_ids = None
-        if self.cfg.workload == "shared-prefix":
-            token_ids = np.concatenate([request_token_ids(self.cfg.seed, s.request_index, s.length, s.length + 1)
-                                        for s in seqs])
-        result = self._append("append_decode", [s.seq_id for s in seqs], 1, token_ids)
-        keys = np.array([s.seq_id for s in seqs], dtype=np.uint64) * np.uint64(KEY_MULTIPLIER)
-        keys += np.array([s.length for s in seqs], dtype=np.uint64)
-        self._timed("write_slots", self._write_kv, result.slot_mapping, kv_pattern(keys, self.layout))
+        if self.cfg.workload != "standard" and not self.cfg.no_prefix_cache:
+            token_ids = prefix_requests.decode_token_ids(self.cfg.seed, seqs)
+        result = self.append("append_decode", [s.seq_id for s in seqs], 1, token_ids)
+        with np.errstate(over="ignore"):
+            keys = np.array([s.writer for s in seqs], dtype=np.uint64) * np.uint64(KEY_MULTIPLIER)
+            keys += np.array([s.length for s in seqs], dtype=np.uint64)
+        self.timed("write_slots", self.write_kv, result.slot_mapping, kv_pattern(keys, self.layout))
         for s, slot in zip(seqs, result.slot_mapping.tolist(), strict=True):
             s.last_slot = slot
             last = s.history[-1]
-            if last[0] == s.seq_id and last[2] == s.length:
+            if last[0] == s.writer and last[2] == s.length:
                 last[2] += 1
             else:
-                s.history.append([s.seq_id, s.length, s.length + 1])
+                s.history.append([s.writer, s.length, s.length + 1])
             s.length += 1
         self.counts["decode_steps"] += 1
         for r in self.active:
@@ -271,10 +210,10 @@ class Worker:
                 victim = next((s for s in to_free if s.seq_id in r.seqs and s.last_slot >= 0), None)
                 if victim is not None:
                     r.corrupted = True
-                    self._corrupt(victim)
+                    self.verifier.corrupt(victim)
         for s in to_free:
-            self.verify(s)
-        freed = self._timed("free", self.client.free, [s.seq_id for s in to_free])
+            self.verifier.verify(s)
+        freed = self.timed("free", self.client.free, [s.seq_id for s in to_free])
         self.used_blocks -= freed
         self.counts["blocks_freed"] += freed
         still_active = []
@@ -284,57 +223,37 @@ class Worker:
             if r.seqs:
                 still_active.append(r)
             else:
-                self.counts["completions"] += 1
-                self.events.put(("done", self.cfg.worker_id, r.index, self.counts["tokens_appended"]))
+                self._request_done(r)
         self.active = still_active
+
+    def _request_done(self, r: Request) -> None:
+        """All its sequences are freed: record its prefix hold; a chat turn's conversation goes on to its next turn
+        (in this process: the next turn needs this one sealed), and only its last turn completes the request."""
+        if r.prefix_block_ids is not None:
+            self.prefix_holds.append((r.held_since, time.monotonic(), r.prompt_id, r.prefix_block_ids,
+                                      r.prefix_blocks_cached))
+        if r.conversation is not None:
+            self.counts["turns"] += 1
+            if r.turn + 1 < r.conversation.num_turns:
+                self.next_turns.append((r.conversation, r.turn + 1))
+                return
+        self.counts["completions"] += 1
+        self.events.put(("done", self.cfg.worker_id, r.index, self.counts["tokens_appended"]))
 
     def _prune(self, r: Request) -> list[Seq]:
         by_name = {s.name: s for s in r.seqs.values()}
         drop, best = prune_and_refork(sorted(by_name), self.cfg.seed, r.index, r.steps)
         for name in best:
             parent = by_name[name]
-            (child_id,) = self._timed("fork", self.client.fork, parent.seq_id, 1)
+            (child_id,) = self.timed("fork", self.client.fork, parent.seq_id, 1)
             self.counts["forks"] += 1
             self.counts["sequences"] += 1
             history = [list(seg) for seg in parent.history]
-            r.seqs[child_id] = Seq(child_id, r.next_name, parent.length, parent.target_len, history)
+            r.seqs[child_id] = Seq(child_id, r.next_name, parent.length, parent.target_len, history,
+                                   request_index=r.index, token_stream=beam_token_stream(r.index, r.next_name))
             r.next_name += 1
         self.counts["beams_pruned"] += len(drop)
         return [by_name[name] for name in drop]
-
-    # ---------------------------------------------------------------- verification
-    def _corrupt(self, s: Seq) -> None:
-        """Self-test (--inject-errors): overwrite the sequence's last token with another token's KV."""
-        wrong = kv_pattern(token_keys(s.seq_id, s.length, s.length + 1), self.layout)
-        self.pool.write_slots([s.last_slot], wrong)
-        self.counts["errors_injected"] += 1
-
-    def verify(self, s: Seq) -> None:
-        """Compare the sequence's KV, found through its page table, with what its writers wrote."""
-        expected = kv_pattern(history_keys(s.history), self.layout)
-        self.counts["tokens_verified"] += s.length
-        if self.cfg.verify in ("table", "both"):
-            table = self._timed("block_table", self.client.block_table, s.seq_id)
-            if table.num_tokens != s.length:
-                self._error(s, f"page table has {table.num_tokens} tokens, expected {s.length}", s.length)
-            else:
-                self._compare(s, "attached pool", self.pool.read_slots(table.slots()), expected)
-        if self.cfg.verify in ("readkv", "both"):
-            self._compare(s, "ReadKV", self._timed("read_kv", self.client.read_kv, s.seq_id), expected)
-
-    def _compare(self, s: Seq, via: str, got: np.ndarray, expected: np.ndarray) -> None:
-        if got.shape != expected.shape:
-            self._error(s, f"{via}: shape {got.shape}, expected {expected.shape}", s.length)
-            return
-        bad = np.flatnonzero((got.reshape(len(got), -1) != expected.reshape(len(expected), -1)).any(axis=1))
-        if bad.size:
-            self._error(s, f"{via}: {bad.size} tokens differ, first at position {int(bad[0])}", int(bad.size))
-
-    def _error(self, s: Seq, message: str, num_tokens: int) -> None:
-        self.counts["verify_errors"] += num_tokens
-        self.counts["checks_failed"] += 1
-        if len(self.errors) < 10:
-            self.errors.append(f"seq {s.seq_id} (len {s.length}): {message}")
 
     # ---------------------------------------------------------------- report
     def summary(self) -> dict[str, Any]:
@@ -346,7 +265,8 @@ class Worker:
             "series": self.series,
             "t_start": self.t_start,
             "t_end": self.t_end,
-            "errors": self.errors,
+            "errors": self.verifier.errors,
+            "prefix_holds": self.prefix_holds,
             "used_blocks_at_end": self.used_blocks,
         }
 

@@ -120,6 +120,9 @@ def prune_and_refork(
 
 # ---------------------------------------------------------------- the shared-prefix workload
 SHARED_WRITER_BASE = 1 << 60  # pseudo writer ids of the shared prompts' KV: SHARED_WRITER_BASE + prompt id
+# and of request i's own prompt tokens: REQUEST_WRITER_BASE + i (its blocks are cached too: a later run with the
+# same seed on the same server finds them, and must find the bytes it would have written)
+REQUEST_WRITER_BASE = 1 << 58
 _TOKEN_ID_MASK = (1 << 31) - 1
 
 
@@ -157,17 +160,30 @@ def make_shared_prefix_request(
     return SharedPrefixSpec(index, prompt_id, shared_len, unique_len, output_len)
 
 
+# Token id streams: request i's own tokens are stream i (< 2**40); shared prompt p's are SHARED_STREAM_BASE + p;
+# chat conversation c's are chat.CHAT_STREAM_BASE + c; beam ``name`` > 0 of request i decodes stream
+# i + name * BEAM_STREAM_STEP (beam 0 is the request's own stream).
+SHARED_STREAM_BASE = 1 << 40
+BEAM_STREAM_STEP = 1 << 42
+
+
 def shared_token_ids(seed: int, prompt_id: int, start: int, stop: int) -> np.ndarray:
     """Token ids of shared prompt ``prompt_id`` at positions [start, stop): a function of (seed, prompt, position)."""
-    return _token_ids(seed, (1 << 40) + prompt_id, start, stop)
+    return stream_token_ids(seed, SHARED_STREAM_BASE + prompt_id, start, stop)
 
 
 def request_token_ids(seed: int, index: int, start: int, stop: int) -> np.ndarray:
     """Token ids of request ``index``'s own tokens (its unique prompt part and its output) at [start, stop)."""
-    return _token_ids(seed, index, start, stop)
+    return stream_token_ids(seed, index, start, stop)
 
 
-def _token_ids(seed: int, stream: int, start: int, stop: int) -> np.ndarray:
+def beam_token_stream(request_index: int, beam_name: int) -> int:
+    """The stream a beam decodes from: beams of one request append different tokens (their own hashes)."""
+    return request_index + beam_name * BEAM_STREAM_STEP
+
+
+def stream_token_ids(seed: int, stream: int, start: int, stop: int) -> np.ndarray:
+    """Token ids at positions [start, stop) of token stream ``stream``: a function of (seed, stream, position)."""
     h = _splitmix64(_splitmix64(seed & _MASK) ^ (stream & _MASK))
     pos = np.arange(start, stop, dtype=np.uint64)
     with np.errstate(over="ignore"):
