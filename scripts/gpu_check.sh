@@ -12,7 +12,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/server:$PWD/common:$PWD/client PYTHONUNBUFFERED=1
 status=0
 only=${1:-all}  # "device": only the first step (copy kernel); "validate": everything but the benchmarks;
-                # "bench": only the benchmarks; "client": demo, beam, attach; "datapath": issue 14
+                # "bench": only the benchmarks; "client": demo, beam, attach; "datapath": issue 14;
+                # "prefix": issue 13
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -34,6 +35,30 @@ core_bench() {
 if [ "$only" = bench ]; then
     [ -n "$SKIP_CORE" ] || core_bench
     service_benches
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = prefix ]; then  # issue 13: prefix caching on GPU memory, KV events, AppendToken before/after
+    # carry=[".whl", ".gpuwork/before"]: .gpuwork/before = `git archive 8579de5 server common` (the tree before
+    # prefix caching), for the service benchmark's kvpool-before kinds.
+    gpu_loadgen() {  # name, loadgen args: a GPU server (512 MiB pool), loadgen processes attached by CUDA IPC
+        name=$1; shift; sock=/tmp/kvp-gpu-$name.sock; rm -f $sock
+        python3 -m kvpool_server --backend gpu --pool-bytes 512MiB --unix-socket $sock --address "" --log-level WARNING & spid=$!
+        for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.2; done
+        timeout ${T_LOADGEN:-150} python3 -m kvpool_client.loadgen.main --target unix:$sock --no-progress --json $OUT/$name.json "$@" 2>&1 | tee $OUT/$name.log
+        rc=$?; kill $spid; wait $spid; return $rc
+    }
+    SP="--workload shared-prefix --num-prompts 4 --shared-tokens 8000 --unique-tokens 1000 -p 4 -c 8"
+    step "shared-prefix, 4 processes, GPU pool, KV verified through CUDA IPC" gpu_loadgen shared_prefix_gpu $SP -n ${N_SP:-600}
+    step "beam width 4 over the cached prompt, GPU pool" gpu_loadgen beam_prefix_gpu $SP -n 32 --mode beam --beam-width 4
+    step "chat, 6 turns, GPU pool" gpu_loadgen chat_gpu --workload chat --turns 6 --turn-tokens 200 -p 4 -c 8 -n 32
+    step "KV events to a subscriber (bench_events, 10 s)" \
+        bash -c "set -o pipefail; timeout 90 python3 benchmarks/bench_events.py --seconds 10 2>&1 | tee $OUT/bench_events.log"
+    if [ -d .gpuwork/before ]; then
+        step "AppendToken without token ids: this tree against the tree before prefix caching (unix, pinned)" \
+            bash -c "set -o pipefail; timeout 300 python3 benchmarks/bench_service.py --no-naive --rounds ${BENCH_ROUNDS:-3} --duration 3 \
+                --kinds echo-aio,kvpool,kvpool-stream --before .gpuwork/before --transport unix --pin=6,7 2>&1 | tee $OUT/bench_service_before_after.log"
+    fi
+    grep -h "token hit rate\|resident copies\|KV verification\|result:\|blocks used\|neither" $OUT/*_gpu.log
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device
