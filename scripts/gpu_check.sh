@@ -58,7 +58,7 @@ if [ "$only" = prefix ]; then  # issue 13: prefix caching on GPU memory, KV even
             bash -c "set -o pipefail; timeout 300 python3 benchmarks/bench_service.py --no-naive --rounds ${BENCH_ROUNDS:-3} --duration 3 \
                 --kinds echo-aio,kvpool,kvpool-stream --before .gpuwork/before --transport unix --pin=6,7 2>&1 | tee $OUT/bench_service_before_after.log"
     fi
-    grep -h "token hit rate\|resident copies\|KV verification\|result:\|blocks used\|neither" $OUT/*_gpu.log
+    grep -h "token hit rate\|resident copies\|KV verification\|result:\|beam over" $OUT/*_gpu.log
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device
