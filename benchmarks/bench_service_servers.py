@@ -146,7 +146,8 @@ class Server:
             cmd += [*SERVER_ARGS, *extra_args, *listen, "--log-level", "WARNING"]
             if kind == "kvpool-before":  # an older tree's server and stubs (bench_service.py --before DIR)
                 before = os.environ["KVPOOL_BENCH_BEFORE"]
-                env = {**os.environ, "PYTHONPATH": f"{before}/server:{before}/common"}
+                path = ":".join(p for p in (f"{before}/server", f"{before}/common", os.environ.get("PYTHONPATH")) if p)
+                env = {**os.environ, "PYTHONPATH": path}
         else:
             cmd = [sys.executable, __file__, "--kind", kind, *listen[2:], "--", *extra_args]
         # KVPOOL_BENCH_SERVER_CPUS="0": pin every server to those CPUs (bench_service.py --pin sets it), so that
