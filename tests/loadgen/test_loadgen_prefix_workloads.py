@@ -95,6 +95,10 @@ def test_beam_search_over_a_cached_prompt(server_factory, tmp_path):
     b = cached["beam"]
     assert b["peak_blocks_used"] < b["peak_blocks_no_caching_no_sharing"]
     assert "beam over the cached prompt" in output
+    # the sharing line counts what the server holds (each process would count the cached blocks it holds)
+    share = cached["sharing"]
+    assert share["peak_blocks_with_sharing"] == cached["memory"]["peak_used_blocks"] == b["peak_blocks_used"]
+    assert share["blocks_saved_at_peak"] > 0 and share["blocks_with_sharing_from"] == "server stats"
 
     rc, uncached, output = loadgen(server.address, tmp_path, *SHARED, *beam, "--no-prefix-cache")
     assert_ok(rc, uncached, output)

@@ -151,6 +151,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                  block_bytes=desc.block_bytes, naive_blocks_per_seq=-(-seq_max_len // bs),
                                  naive_peak_seqs=naive_seqs, sequences=sequences)
     share = metrics.sharing_summary(worker_series, t0, t1)
+    if a.workload != "standard" and not a.no_prefix_cache:  # cached blocks are held across processes
+        share = metrics.with_server_usage(share, mem)
     share.update(forks=counts.get("forks", 0), copies=counts.get("copies", 0),
                  copies_server=after.num_copies - before.num_copies,
                  peak_blocks_shared=int(max(sampler.series["shared"], default=0)))

@@ -146,6 +146,16 @@ def sharing_summary(worker_series: Sequence[dict[str, Sequence[float]]], t0: flo
     }
 
 
+def with_server_usage(share: dict[str, Any], mem: dict[str, Any]) -> dict[str, Any]:
+    """``share`` with the blocks held taken from the server's Stats samples instead of the workers' records: with
+    prefix caching a cached block is held by requests of several processes, and each worker would count it."""
+    avg_used, peak_used = mem["avg_used_blocks"], mem["peak_used_blocks"]
+    return {**share, "avg_blocks_with_sharing": avg_used, "peak_blocks_with_sharing": int(peak_used),
+            "blocks_saved_avg": saved_fraction(avg_used, share["avg_blocks_without_sharing"]),
+            "blocks_saved_at_peak": saved_fraction(peak_used, share["peak_blocks_without_sharing"]),
+            "blocks_with_sharing_from": "server stats"}
+
+
 def downsample(series: dict[str, Sequence[float]], t0: float, max_points: int = 2000) -> dict[str, list[float]]:
     """A JSON-friendly copy: time relative to t0, at most ``max_points`` evenly picked samples."""
     n = len(series["t"])
