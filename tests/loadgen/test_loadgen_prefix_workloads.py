@@ -134,3 +134,17 @@ def test_a_second_run_finds_the_first_runs_own_prompt_blocks(server_factory, tmp
     rc, summary, output = loadgen(server.address, tmp_path, *args)
     assert_ok(rc, summary, output)
     assert summary["prefix"]["cached_tokens"] == 6 * 192  # (200 - 1) // 16 = 12 blocks each
+
+
+def test_a_pool_smaller_than_the_load_defers_and_preempts_and_completes(server_factory, tmp_path):
+    """8 requests in flight of 4 prompts in a 30-block pool (one cold request needs 12): without admission control
+    and preemption the processes' half-prefilled requests held every block and the run failed."""
+    server = server_factory("--backend", "host", "--head-dim", "1", "--block-size", "16", "--num-blocks", "30")
+    small = ("--workload", "shared-prefix", "--num-prompts", "4", "--shared-tokens", "160", "--unique-tokens", "16",
+             "--max-len", "40", "--processes", "2", "--concurrency", "8", "--completions", "24")
+    rc, summary, output = loadgen(server.address, tmp_path, *small)
+    assert_ok(rc, summary, output)  # every KV byte read back, including requests that started again
+    run = summary["run"]
+    assert run["completions"] == 24 and run["prefill_deferrals"] > 0
+    assert run["sequences"] == 24 + run["preemptions"]  # a preempted request registers again
+    assert summary["prefix"]["token_hit_rate"] > 0

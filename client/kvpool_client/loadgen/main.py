@@ -176,6 +176,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "decode_steps": counts.get("decode_steps", 0),
             "beams_pruned": counts.get("beams_pruned", 0),
             "resource_exhausted_retries": counts.get("exhausted_retries", 0),
+            "prefill_deferrals": counts.get("prefill_deferrals", 0),
+            "preemptions": counts.get("preemptions", 0),
             "quota_refusals": counts.get("quota_refusals", 0),
             "stats_samples": len(sampler.series["t"]),
         },

@@ -47,12 +47,12 @@ def _register_and_prefill(w: Worker, ids: np.ndarray) -> tuple[int, int, np.ndar
         seq_id, cached = w.timed("register", w.client.register), 0
     else:
         seq_id, cached = w.timed("register", w.client.register_prompt, ids)
+    token_ids = None if w.cfg.no_prefix_cache else ids[cached:]
+    result = w.prefill(seq_id, len(ids) - cached, token_ids)  # may raise admission.PrefillDeferred: nothing counted
     w.counts["prompt_tokens"] += len(ids)
     w.counts["cached_tokens"] += cached
     w.counts["requests_with_hit"] += cached > 0
     w.used_blocks += cached // w.layout.block_size  # held again (approximate: the block may be shared)
-    token_ids = None if w.cfg.no_prefix_cache else ids[cached:]
-    result = w.append("append_prefill", [seq_id], len(ids) - cached, token_ids)
     return seq_id, cached, result.slot_mapping
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import QuotaExceededError, ResourceExhaustedError
-from kvpool_client.loadgen import prefix_requests
+from kvpool_client.loadgen import admission, prefix_requests
 from kvpool_client.loadgen.chat import ChatConversation, make_chat_conversation
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER, kv_pattern, token_keys
 from kvpool_client.loadgen.sequences import Request, Seq
@@ -54,6 +54,9 @@ class Worker:
                                f"on the {self.pool.backend} backend: use --kv-source host (or auto)")
         self.device_kv = cfg.kv_source == "device" or (cfg.kv_source == "auto" and self.pool.backend == "gpu")
         self.active: list[Request] = []
+        self.deferred: list[int] = []  # request indices to start (again) first: admission.py
+        self.hold_admission = False  # after a preemption, until a request completes
+        self.stalled_since: float | None = None  # this process's last request preempted, none finished since
         self.latency: dict[str, list[float]] = defaultdict(list)
         self.counts: dict[str, int] = defaultdict(int)
         self.used_blocks = 0
@@ -72,17 +75,19 @@ class Worker:
         finally:
             self.latency[name].append(time.perf_counter() - start)
 
-    def append(self, name: str, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None = None) -> Any:
-        deadline = time.monotonic() + self.cfg.exhausted_wait_s
+    def append(self, name: str, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None = None,
+               wait: bool = True) -> Any:
+        """AppendToken; on RESOURCE_EXHAUSTED retried for up to --exhausted-wait (``wait``) or raised at once."""
+        deadline = time.monotonic() + (self.cfg.exhausted_wait_s if wait else -1.0)
         while True:
             try:
                 result = self.timed(name, self._append_call, seq_ids, num_tokens, token_ids)
                 break
             except ResourceExhaustedError as error:
-                if time.monotonic() > deadline:
-                    raise
                 self.counts["exhausted_retries"] += 1
                 self.counts["quota_refusals"] += isinstance(error, QuotaExceededError)
+                if time.monotonic() > deadline:
+                    raise
                 time.sleep(0.005)
         self.counts["append_calls"] += 1
         self.counts["tokens_appended"] += len(result.slot_mapping)
@@ -91,12 +96,15 @@ class Worker:
         self.used_blocks += len(result.new_block_ids)
         return result
 
+    def prefill(self, seq_id: int, num_tokens: int, token_ids: np.ndarray | None = None) -> Any:
+        return admission.prefill(self, seq_id, num_tokens, token_ids)
+
     def _append_call(self, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None) -> Any:
         if token_ids is None:
             return self.client.append(seq_ids, num_tokens)
         return self.client.append(seq_ids, num_tokens, token_ids=token_ids)
 
-    def _claim_next(self) -> int | None:
+    def claim_next(self) -> int | None:
         with self.claim.get_lock():
             index = self.claim.value
             if index >= self.cfg.completions:
@@ -119,13 +127,7 @@ class Worker:
         self.t_start = time.monotonic()
         self._record()
         while True:
-            while len(self.active) < self.cfg.concurrency:
-                if self.next_turns:
-                    self.active.append(prefix_requests.start_chat_turn(self, *self.next_turns.pop(0)))
-                elif (index := self._claim_next()) is not None:
-                    self.start_request(index)
-                else:
-                    break
+            while len(self.active) < self.cfg.concurrency and admission.admit(self):
                 self._record()
             if not self.active:
                 break
@@ -145,7 +147,7 @@ class Worker:
             return
         spec = make_request(cfg.seed, index, self.dist, cfg.mode, cfg.num_samples)
         root = self.timed("register", self.client.register)
-        result = self.append("append_prefill", [root], spec.prompt_len)
+        result = self.prefill(root, spec.prompt_len)
         self.write_kv(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout))
         request = Request(index)
         seq_ids = [root]
@@ -174,11 +176,16 @@ class Worker:
 
     def decode_step(self) -> None:
         """One batched AppendToken over every live sequence of this process, then one write of the new KV."""
-        seqs = [s for r in self.active for s in r.seqs.values()]
-        token_ids = None
-        if self.cfg.workload != "standard" and not self.cfg.no_prefix_cache:
-            token_ids = prefix_requests.decode_token_ids(self.cfg.seed, seqs)
-        result = self.append("append_decode", [s.seq_id for s in seqs], 1, token_ids)
+        def live() -> list[Seq]:
+            return [s for r in self.active for s in r.seqs.values()]
+
+        with_ids = self.cfg.workload != "standard" and not self.cfg.no_prefix_cache
+        result = admission.decode_append(
+            self, lambda: [s.seq_id for s in live()],
+            lambda: prefix_requests.decode_token_ids(self.cfg.seed, live()) if with_ids else None)
+        if result is None:  # every request of this process was preempted
+            return
+        seqs = live()
         with np.errstate(over="ignore"):
             keys = np.array([s.writer for s in seqs], dtype=np.uint64) * np.uint64(KEY_MULTIPLIER)
             keys += np.array([s.length for s in seqs], dtype=np.uint64)
@@ -226,12 +233,17 @@ class Worker:
                 self._request_done(r)
         self.active = still_active
 
-    def _request_done(self, r: Request) -> None:
-        """All its sequences are freed: record its prefix hold; a chat turn's conversation goes on to its next turn
-        (in this process: the next turn needs this one sealed), and only its last turn completes the request."""
+    def record_prefix_hold(self, r: Request) -> None:
+        """Which blocks held ``r``'s shared prompt, from when to now (resident.py)."""
         if r.prefix_block_ids is not None:
             self.prefix_holds.append((r.held_since, time.monotonic(), r.prompt_id, r.prefix_block_ids,
                                       r.prefix_blocks_cached))
+
+    def _request_done(self, r: Request) -> None:
+        """All its sequences are freed: record its prefix hold; a chat turn's conversation goes on to its next turn
+        (in this process: the next turn needs this one sealed), and only its last turn completes the request."""
+        self.hold_admission, self.stalled_since = False, None
+        self.record_prefix_hold(r)
         if r.conversation is not None:
             self.counts["turns"] += 1
             if r.turn + 1 < r.conversation.num_turns:
