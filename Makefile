@@ -13,7 +13,7 @@ SETUP := $(STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
-.PHONY: help setup test run bench bench-service bench-events soak experiments experiments-quick proto lint lint-proto buf-breaking \
+.PHONY: help setup test run bench bench-service bench-events soak experiments experiments-prefix experiments-quick proto lint lint-proto buf-breaking \
 	docker-up docker-down monitoring-up clean
 
 help:
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-events       KV events: block events/s to a SubscribeEvents subscriber process, none dropped"
 	@echo "make soak               20 min of load generators SIGKILLed at random: no block left to a dead session"
 	@echo "make experiments        capacity and sharing experiments (about 35 min on 2 cores; docs/experiments.md)"
+	@echo "make experiments-prefix prefix caching: token hit rate against the pool size, JSON + PNG (about 10 min)"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
 	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
 	@echo "make docker-up          server and load generator under docker compose (GPU host)"
@@ -89,6 +90,12 @@ soak: $(SETUP)
 experiments: $(SETUP)
 	$(PY) benchmarks/experiments.py capacity --requests 2000 --pool-blocks 4096 --json out/exp/capacity.json
 	$(PY) benchmarks/experiments.py sharing --completions 400 --json out/exp/sharing.json
+
+# Issue 13: token hit rate against the pool size (about 10 min on 2 cores; docs/experiments.md section 3).
+experiments-prefix: $(SETUP)
+	$(PY) benchmarks/prefix_sweep.py --pool-blocks 700,1000,1500,2000,2500,3000,4000,6000,10000 --num-prompts 4 \
+		--shared-tokens 8000 --unique-tokens 1000 -p 4 -c 8 -n 200 --json out/exp/prefix_sweep.json \
+		--plot out/exp/prefix_sweep.png
 
 experiments-quick: $(SETUP)
 	$(PY) benchmarks/experiments.py capacity --requests 200 --pool-blocks 512 --json out/exp-quick/capacity.json
