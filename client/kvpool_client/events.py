@@ -3,7 +3,7 @@
     index = EventIndex()
     for batch in stub.SubscribeEvents(pb.SubscribeEventsRequest()):   # or EventFollower (event_follower.py)
         index.apply(batch)
-    index.blocks[h]            # IndexedBlock(parent_hash, token_ids, block_size) of every cached block hash h
+    index.blocks[h]            # IndexedBlock(parent_hash, token_ids, block_size, cache_extra_key, medium) of each h
     index.from_seq             # where to resume after a disconnect: SubscribeEventsRequest(from_seq=index.from_seq)
 
 Every batch carries the server's ``epoch`` (new at every start) and a ``seq`` (1, 2, ... within the epoch). The
@@ -32,6 +32,8 @@ class IndexedBlock(NamedTuple):
     parent_hash: bytes  # b"" for a sequence's first block
     token_ids: tuple[int, ...]
     block_size: int
+    cache_extra_key: bytes = b""  # the sequence's extra key (LoRA, multimodal), part of the hash
+    medium: str = ""  # "GPU" or "CPU": where the block lives
 
 
 @dataclass
@@ -103,8 +105,10 @@ class EventIndex:
             if kind == "block_stored":
                 stored = event.block_stored
                 size, parent, tokens = stored.block_size, stored.parent_block_hash, stored.token_ids
+                extra, medium = stored.cache_extra_key, stored.medium
                 for i, block_hash in enumerate(stored.block_hashes):
-                    blocks[block_hash] = IndexedBlock(parent, tuple(tokens[i * size : (i + 1) * size]), size)
+                    blocks[block_hash] = IndexedBlock(parent, tuple(tokens[i * size : (i + 1) * size]), size,
+                                                      extra, medium)
                     parent = block_hash
                 counts.num_blocks_stored += len(stored.block_hashes)
             elif kind == "block_removed":

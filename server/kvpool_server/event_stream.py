@@ -29,10 +29,11 @@ POLL_S = 0.5
 class EventFeed:
     """The servicer's event log and the wake-up of its subscribers."""
 
-    def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000) -> None:
+    def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000, medium: str = "") -> None:
         self.log = KVEventLog(epoch, capacity)
         self.log.attach(cache)
         self.cache = cache
+        self.medium = medium  # "GPU" or "CPU": where the pool is (vLLM's kv_events field)
         self._published: asyncio.Event | None = None  # made on the loop, on first use
 
     def publish(self) -> None:
@@ -47,15 +48,16 @@ class EventFeed:
         return self._published
 
 
-def batch_message(batch: EventBatch, num_dropped: int) -> pb.SubscribeEventsResponse:
+def batch_message(batch: EventBatch, num_dropped: int, medium: str = "") -> pb.SubscribeEventsResponse:
     events = []
     for event in batch.events:
         if isinstance(event, BlockStored):
             events.append(pb.KVEvent(block_stored=pb.BlockStored(
                 block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash or b"",
-                token_ids=event.token_ids, block_size=event.block_size)))
+                token_ids=event.token_ids, block_size=event.block_size, cache_extra_key=event.cache_extra_key,
+                medium=medium)))
         elif isinstance(event, BlockRemoved):
-            events.append(pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes)))
+            events.append(pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes, medium=medium)))
         elif isinstance(event, AllBlocksCleared):
             events.append(pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()))
     return pb.SubscribeEventsResponse(epoch=batch.epoch, seq=batch.seq, events=events, snapshot=batch.snapshot,
@@ -84,7 +86,7 @@ def events_handler(call: CallContext, servicer: Any) -> grpc.RpcMethodHandler:
                         batches = [feed.log.snapshot(feed.cache)]
                     num_dropped = feed.log.num_dropped
                 for batch in batches:
-                    await context.write(batch_message(batch, num_dropped).SerializeToString())
+                    await context.write(batch_message(batch, num_dropped, feed.medium).SerializeToString())
                     next_seq = batch.seq + 1
                 if next_seq < 0:
                     next_seq = feed.log.next_seq

@@ -90,7 +90,8 @@ class KVPoolServicer(SessionRpcs):
         self.on_drain: Callable[[], None] = lambda: None
         self.auth: Authenticator | None = None  # set with --auth-tokens (grpc_server.build_servicer)
         # SubscribeEvents: the prefix cache's KV events, the last event_buffer_batches batches kept
-        self.events = EventFeed(self.sessions.server_epoch, manager.allocator.cache, event_buffer_batches)
+        self.events = EventFeed(self.sessions.server_epoch, manager.allocator.cache, event_buffer_batches,
+                                medium="GPU" if pool.backend == "gpu" else "CPU")
         self.SubscribeEvents = self.events  # registered by grpc_server (event_stream.events_handler)
 
     def reload_tokens(self) -> bool:

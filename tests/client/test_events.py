@@ -164,3 +164,20 @@ def test_the_async_follower_follows_too(server) -> None:
 
     index = asyncio.run(asyncio.wait_for(follow(), 20))
     assert index == expected and index.counts.num_snapshots == 1
+
+
+def test_events_carry_the_extra_key_and_the_medium(server) -> None:
+    """A sequence's cache_extra_key (vLLM's lora_id counterpart) and where the pool is ("CPU": the host pool) reach
+    the router, and two sequences of the same tokens with different keys are two blocks."""
+    prompt = list(range(1, 2 * BLOCK_SIZE + 2))
+    with KVPoolClient(server.address, session=False) as client, EventFollower(client) as follower:
+        for key in (b"lora-a", b""):
+            seq, cached = client.register_prompt(prompt, cache_extra_key=key)
+            assert cached == 0
+            client.append([seq], len(prompt), token_ids=prompt)
+            client.append([seq], 1, token_ids=[7])  # seals the full blocks
+        caught_up(follower, client)
+        blocks = follower.blocks()
+    assert len(blocks) == 4  # 2 full blocks x 2 keys
+    assert sorted(b.cache_extra_key for b in blocks.values()) == [b"", b"", b"lora-a", b"lora-a"]
+    assert {b.medium for b in blocks.values()} == {"CPU"}

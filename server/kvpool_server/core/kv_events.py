@@ -33,6 +33,7 @@ class BlockStored:
     parent_block_hash: bytes | None  # the first one's parent; None: the first block of a sequence
     token_ids: tuple[int, ...]  # every block's, concatenated: block_size per hash
     block_size: int
+    cache_extra_key: bytes = b""  # the sequence's extra key, in every block's hash
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
     run: list[CachedBlock] = []
     for item in items:
         if isinstance(item, CachedBlock):
-            if run and item.parent_hash != run[-1].block_hash:
+            if run and (item.parent_hash != run[-1].block_hash or item.extra != run[-1].extra):
                 events.append(_stored(run))
                 run = []
             run.append(item)
@@ -129,4 +130,5 @@ def _stored(run: list[CachedBlock]) -> BlockStored:
     first = run[0]
     parent = None if first.parent_hash == NONE_HASH else first.parent_hash
     tokens = np.concatenate([e.token_ids for e in run]) if len(run) > 1 else first.token_ids
-    return BlockStored(tuple(e.block_hash for e in run), parent, tuple(tokens.tolist()), int(first.token_ids.size))
+    return BlockStored(tuple(e.block_hash for e in run), parent, tuple(tokens.tolist()), int(first.token_ids.size),
+                       first.extra)
