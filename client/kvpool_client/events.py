@@ -77,7 +77,9 @@ class EventIndex:
     def request(self) -> pb.SubscribeEventsRequest:
         """The SubscribeEvents request that continues this index."""
         from_seq = self.from_seq
-        return pb.SubscribeEventsRequest() if from_seq is None else pb.SubscribeEventsRequest(from_seq=from_seq)
+        if from_seq is None:
+            return pb.SubscribeEventsRequest()
+        return pb.SubscribeEventsRequest(from_seq=from_seq, epoch=self.epoch)  # another epoch: a snapshot first
 
     def resync(self) -> None:
         """Forget the resume point (keep the blocks until the snapshot replaces them): the next subscription

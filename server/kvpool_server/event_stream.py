@@ -78,6 +78,8 @@ def events_handler(call: CallContext, servicer: Any) -> grpc.RpcMethodHandler:
             if drain.draining:
                 drain.refuse()
             next_seq = request.from_seq if request.HasField("from_seq") else -1
+            if request.HasField("epoch") and request.epoch != feed.log.epoch:
+                next_seq = -1  # from_seq numbers another start's batches
             while not drain.draining:
                 waiter = feed.waiter()
                 with servicer.lock:

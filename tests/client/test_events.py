@@ -181,3 +181,20 @@ def test_events_carry_the_extra_key_and_the_medium(server) -> None:
     assert len(blocks) == 4  # 2 full blocks x 2 keys
     assert sorted(b.cache_extra_key for b in blocks.values()) == [b"", b"", b"lora-a", b"lora-a"]
     assert {b.medium for b in blocks.values()} == {"CPU"}
+
+
+def test_a_from_seq_of_another_epoch_gets_a_snapshot(server) -> None:
+    """A router that resumes after the server restarted names the old epoch: the server sends a snapshot, not the
+    new start's batches that happen to carry the same numbers."""
+    prompt = list(range(1, BLOCK_SIZE + 2))
+    with KVPoolClient(server.address, session=False) as client:
+        seq, _ = client.register_prompt(prompt)
+        client.append([seq], len(prompt), token_ids=prompt)
+        client.append([seq], 1, token_ids=[7])  # batch 1 of this epoch: one block sealed
+        epoch = fetch_snapshot(client).epoch
+        for request_epoch, snapshot in ((epoch, False), (epoch ^ 1, True)):
+            stream = client._stub.SubscribeEvents(pb.SubscribeEventsRequest(from_seq=1, epoch=request_epoch),
+                                                  timeout=10, metadata=client._metadata)
+            first = next(iter(stream))
+            stream.cancel()
+            assert first.epoch == epoch and first.snapshot is snapshot and (first.seq == 1 or snapshot)

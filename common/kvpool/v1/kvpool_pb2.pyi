@@ -433,10 +433,12 @@ class DrainResponse(_message.Message):
     def __init__(self, num_sessions: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
 
 class SubscribeEventsRequest(_message.Message):
-    __slots__ = ("from_seq",)
+    __slots__ = ("from_seq", "epoch")
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     from_seq: int
-    def __init__(self, from_seq: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, from_seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SubscribeEventsResponse(_message.Message):
     __slots__ = ("epoch", "seq", "events", "snapshot", "num_dropped")
