@@ -121,6 +121,7 @@ class ServerConfig:
     max_workers: int = 8  # copy threads: big WriteKV/ReadKV copies, CheckInvariants (calls run on the event loop)
     max_streams: int = 1024  # open streams (AppendTokenStream, ...); more are refused with RESOURCE_EXHAUSTED
     event_buffer_batches: int = 10_000  # SubscribeEvents batches kept to resume from (further behind: a snapshot)
+    max_event_subscribers: int = 64  # open SubscribeEvents streams; more are refused with RESOURCE_EXHAUSTED
     stream_idle_timeout_s: float = 300.0  # a stream with no message read or reply taken this long is ended (0: never)
     keepalive_time_s: float = 30.0  # ping every connection this often
     keepalive_timeout_s: float = 10.0  # a connection whose ping is unanswered this long is dead: its calls cancelled
@@ -202,7 +203,8 @@ class ServerConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_num_seqs", "max_batch",
-                     "max_workers", "max_streams", "max_tokens_per_call", "event_buffer_batches"):
+                     "max_workers", "max_streams", "max_tokens_per_call", "event_buffer_batches",
+                     "max_event_subscribers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 100 <= self.session_ttl_ms <= self.max_session_ttl_ms:
@@ -283,6 +285,8 @@ _HELP = {
     "max_streams": "most open streams (AppendTokenStream); more are refused with RESOURCE_EXHAUSTED",
     "event_buffer_batches": "KV event batches kept for SubscribeEvents subscribers resuming with from_seq; one "
     "further behind gets a snapshot instead (docs/prefix-caching.md)",
+    "max_event_subscribers": "most open SubscribeEvents streams (they are not counted by --max-streams); more are "
+    "refused with RESOURCE_EXHAUSTED",
     "stream_idle_timeout_s": "end a stream that read no message and had no reply taken for this long "
     "(UNAVAILABLE; 0: never)",
     "keepalive_time_s": "ping every client connection this often (finds vanished peers)",

@@ -19,7 +19,7 @@ import grpc
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventLog
 from kvpool_server.core.prefix_cache import PrefixCache
-from kvpool_server.errors import trailing_metadata_of
+from kvpool_server.errors import TooManyStreamsError, trailing_metadata_of
 from kvpool_server.handlers import CallContext, error_status, parse_request
 
 RPC = "SubscribeEvents"
@@ -29,11 +29,14 @@ POLL_S = 0.5
 class EventFeed:
     """The servicer's event log and the wake-up of its subscribers."""
 
-    def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000, medium: str = "") -> None:
+    def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000, medium: str = "",
+                 max_subscribers: int = 64) -> None:
         self.log = KVEventLog(epoch, capacity)
         self.log.attach(cache)
         self.cache = cache
         self.medium = medium  # "GPU" or "CPU": where the pool is (vLLM's kv_events field)
+        self.max_subscribers = max_subscribers  # --max-event-subscribers
+        self.num_subscribers = 0  # open SubscribeEvents streams (on the loop thread only)
         self._published: asyncio.Event | None = None  # made on the loop, on first use
 
     def publish(self) -> None:
@@ -71,12 +74,20 @@ def events_handler(call: CallContext, servicer: Any) -> grpc.RpcMethodHandler:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> None:
         started, code_name = time.perf_counter(), "OK"
         feed: EventFeed = servicer.events
+        subscribed = False
         try:
             if call.auth is not None:
                 call.authenticate(context, RPC)
             request = parse_request(pb.SubscribeEventsRequest, raw, RPC)
             if drain.draining:
                 drain.refuse()
+            if feed.num_subscribers >= feed.max_subscribers:
+                raise TooManyStreamsError(
+                    f"kvpool-server already has {feed.num_subscribers} SubscribeEvents streams open, its limit "
+                    f"(--max-event-subscribers={feed.max_subscribers}, KVPOOL_MAX_EVENT_SUBSCRIBERS): close one, "
+                    "or raise the limit")
+            feed.num_subscribers += 1
+            subscribed = True
             next_seq = request.from_seq if request.HasField("from_seq") else -1
             if request.HasField("epoch") and request.epoch != feed.log.epoch:
                 next_seq = -1  # from_seq numbers another start's batches
@@ -104,6 +115,8 @@ def events_handler(call: CallContext, servicer: Any) -> grpc.RpcMethodHandler:
             code_name = code.name
             await context.abort(code, message, trailing_metadata_of(exc))
         finally:
+            if subscribed:
+                feed.num_subscribers -= 1
             if call.metrics is not None:
                 call.metrics.observe_rpc(RPC, code_name, time.perf_counter() - started)
 

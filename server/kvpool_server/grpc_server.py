@@ -171,7 +171,8 @@ def build_servicer(config: ServerConfig) -> KVPoolServicer:
         servicer = KVPoolServicer(manager, pool, Drain(), sessions, max_batch=config.max_batch,
                                   max_message_bytes=config.max_message_bytes,
                                   max_tokens_per_call=config.max_tokens_per_call,
-                                  event_buffer_batches=config.event_buffer_batches)
+                                  event_buffer_batches=config.event_buffer_batches,
+                                  max_event_subscribers=config.max_event_subscribers)
         if config.auth_tokens:
             servicer.auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks)
         return servicer

@@ -67,7 +67,7 @@ class KVPoolServicer(SessionRpcs):
     def __init__(
         self, manager: KVCacheManager, pool: Pool, drain: Drain | None = None, sessions: SessionTable | None = None,
         *, max_batch: int, max_message_bytes: int, max_tokens_per_call: int = DEFAULT_MAX_TOKENS_PER_CALL,
-        event_buffer_batches: int = 10_000,
+        event_buffer_batches: int = 10_000, max_event_subscribers: int = 64,
     ) -> None:
         self.manager = manager
         self.pool = pool
@@ -91,7 +91,8 @@ class KVPoolServicer(SessionRpcs):
         self.auth: Authenticator | None = None  # set with --auth-tokens (grpc_server.build_servicer)
         # SubscribeEvents: the prefix cache's KV events, the last event_buffer_batches batches kept
         self.events = EventFeed(self.sessions.server_epoch, manager.allocator.cache, event_buffer_batches,
-                                medium="GPU" if pool.backend == "gpu" else "CPU")
+                                medium="GPU" if pool.backend == "gpu" else "CPU",
+                                max_subscribers=max_event_subscribers)
         self.SubscribeEvents = self.events  # registered by grpc_server (event_stream.events_handler)
 
     def reload_tokens(self) -> bool:

@@ -11,7 +11,10 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
+
+import grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client import (
@@ -198,3 +201,33 @@ def test_a_from_seq_of_another_epoch_gets_a_snapshot(server) -> None:
             first = next(iter(stream))
             stream.cancel()
             assert first.epoch == epoch and first.snapshot is snapshot and (first.seq == 1 or snapshot)
+
+
+def test_subscribers_beyond_the_limit_are_refused_until_one_leaves(server_factory) -> None:
+    """Subscribers are idle by design, so they have their own cap: the third of --max-event-subscribers=2 is
+    RESOURCE_EXHAUSTED naming the flag; once one is cancelled a new one is served."""
+    server = server_factory("--max-event-subscribers", "2")
+    with KVPoolClient(server.address, session=False) as client:
+        def subscribe():  # noqa: ANN202
+            stream = client._stub.SubscribeEvents(pb.SubscribeEventsRequest(), timeout=10, metadata=client._metadata)
+            return stream, next(iter(stream))  # the snapshot: the server counts it from here
+
+        (first, _), (second, _) = subscribe(), subscribe()
+        try:
+            subscribe()
+            raise AssertionError("a third subscriber was served")
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-event-subscribers=2" in error.details()
+        first.cancel()
+        for _ in range(100):  # the server sees the cancellation
+            try:
+                third, snapshot = subscribe()
+                break
+            except grpc.RpcError:
+                time.sleep(0.05)
+        else:
+            raise AssertionError("no subscriber served after one left")
+        assert snapshot.snapshot
+        third.cancel()
+        second.cancel()
+        assert client.stats().num_sequences == 0  # the server still serves
