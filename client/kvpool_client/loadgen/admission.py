@@ -59,9 +59,11 @@ def admit(w: Worker) -> bool:
             w.start_request(w.deferred[0])
             w.deferred.pop(0)
         elif (index := w.claim_next()) is not None:
-            w.deferred.append(index)  # until its prefill is in
-            w.start_request(index)
-            w.deferred.pop()
+            try:
+                w.start_request(index)
+            except PrefillDeferred:
+                w.deferred.append(index)
+                raise
         else:
             return False
     except PrefillDeferred:
