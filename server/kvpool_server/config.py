@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpool.layout import KV_LAYOUTS, KVLayout
-from kvpool_server.transport import TransportError, check_transport
+from kvpool_server.grpc_api.listen import TransportError, check_transport
 
 ENV_PREFIX = "KVPOOL_"
 BACKENDS = ("auto", "gpu", "host")

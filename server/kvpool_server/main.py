@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool_server.config import ConfigError, ServerConfig, configure_logging, load_config
-from kvpool_server.grpc_server import ServerHandle, StartupError, build_server
+from kvpool_server.grpc_api.server import ServerHandle, build_server
+from kvpool_server.service.build import StartupError
 from kvpool_server.process import freeze_startup_heap, pin_threads
 
 logger = logging.getLogger("kvpool_server")
@@ -40,7 +41,7 @@ def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     # SIGHUP: re-read --auth-tokens (revoked tokens are refused from the next call on); without it, ignored.
-    signal.signal(signal.SIGHUP, lambda signum, frame: handle.servicer.reload_tokens())
+    signal.signal(signal.SIGHUP, lambda signum, frame: handle.service.reload_tokens())
     if config.insecure and config.address:
         logger.warning("--insecure: %s takes calls from other hosts%s", config.address,
                        "" if config.auth_tokens or config.tls_cert else " with no authentication and no TLS")
@@ -80,7 +81,7 @@ def serve(config: ServerConfig) -> int:
 def shutdown(handle: ServerHandle, grace_s: float, drain_s: float = 0.0) -> None:
     """Stop serving without cutting off a call:
 
-    1. the servicer refuses new calls with UNAVAILABLE and health goes NOT_SERVING (calls already inside go on;
+    1. the call scope refuses new calls with UNAVAILABLE and health goes NOT_SERVING (calls already inside go on;
        an AppendTokenStream finishes its message in progress, then ends with UNAVAILABLE; one waiting for its
        client's next message ends with UNAVAILABLE at once);
     2. that lasts until no call has been refused for DRAIN_QUIET_S, or ``drain_s`` at most: it empties gRPC's
@@ -94,12 +95,12 @@ def shutdown(handle: ServerHandle, grace_s: float, drain_s: float = 0.0) -> None
     5. the pool is released (under the lock; a copy cut off at the grace deadline finishes its chunk first).
     """
     handle.begin_drain()
-    handle.drain.wait_quiet(DRAIN_QUIET_S, drain_s)
-    num_left = handle.drain.wait_idle(grace_s)
+    handle.admission.wait_quiet(DRAIN_QUIET_S, drain_s)
+    num_left = handle.admission.wait_idle(grace_s)
     if num_left:
         logger.warning("%d calls still running after the %.1fs grace; cancelling them", num_left, grace_s)
     handle.stop()
-    with handle.servicer.lock:
+    with handle.service.guard.lock:
         handle.pool.close()
 
 

@@ -1,5 +1,5 @@
 """The monitoring profile of docker/compose.yaml: valid to a real compose, its files exist, and every metric the
-Grafana dashboard queries is one that kvpool_server.metrics registers (no Docker engine needed)."""
+Grafana dashboard queries is one that kvpool_server.service.metrics registers (no Docker engine needed)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def dashboard_exprs() -> list[str]:
 
 def exported_sample_names() -> set[str]:
     from kvpool_server.core import KVCacheManager
-    from kvpool_server.metrics import KVPoolMetrics
+    from kvpool_server.service.metrics import KVPoolMetrics
 
     metrics = KVPoolMetrics()
     metrics.watch_pool(KVCacheManager(num_blocks=4, block_size=4).stats, block_bytes=64)
@@ -105,7 +105,7 @@ def test_dashboard_covers_the_issue_and_queries_only_exported_metrics():
 
 def test_docs_list_every_exported_family():
     from kvpool_server.core import KVCacheManager
-    from kvpool_server.metrics import KVPoolMetrics
+    from kvpool_server.service.metrics import KVPoolMetrics
 
     metrics = KVPoolMetrics()
     metrics.watch_pool(KVCacheManager(num_blocks=4, block_size=4).stats, block_bytes=64)

@@ -1,4 +1,4 @@
-"""kvpool_server.metrics: the Prometheus exposition against the manager's own Stats, in process and over HTTP."""
+"""kvpool_server.service.metrics: the Prometheus exposition against the manager's own Stats, in process and over HTTP."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kvpool_client import KVPoolClient, NotFoundError  # noqa: E402
 from kvpool_server.core import KVCacheManager  # noqa: E402
 from kvpool_server.config import ServerConfig  # noqa: E402
-from kvpool_server.metrics import (  # noqa: E402
+from kvpool_server.service.metrics import (  # noqa: E402
     RECLAIM_REASONS,
     KVPoolMetrics,
     SessionGauges,
@@ -21,7 +21,7 @@ from kvpool_server.metrics import (  # noqa: E402
     reason_label,
     start_metrics_server,
 )
-from kvpool_server.grpc_server import build_server  # noqa: E402
+from kvpool_server.grpc_api.server import build_server  # noqa: E402
 
 
 def scrape_text(text: str) -> dict[tuple[str, tuple], float]:
@@ -130,7 +130,7 @@ def grpc_server_with_metrics(tmp_path):
     config = ServerConfig(backend="host", pool_bytes=64 * 8192, address="127.0.0.1:0", metrics_address="127.0.0.1:0")
     handle = build_server(config.validate())
     handle.start()
-    yield f"127.0.0.1:{handle.port}", handle.metrics_http, handle.servicer.manager
+    yield f"127.0.0.1:{handle.port}", handle.metrics_http, handle.service.guard.manager
     handle.stop()
     handle.pool.close()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_server.auth import hash_token
+from kvpool_server.service.auth import hash_token
 
 TOKENS = {"a": ("tok-a", "frontend"), "b": ("tok-b", "frontend"), "ops": ("tok-admin", "admin")}
 

@@ -95,10 +95,15 @@ def test_per_tenant_usage_and_quota_refusals_are_exported_as_metrics(server_fact
         a.AppendToken(pb.AppendTokenRequest(seq_ids=[seq], num_tokens=[16 * 8]))  # a: all 8 of its blocks
         with pytest.raises(grpc.RpcError):
             a.AppendToken(pb.AppendTokenRequest(seq_ids=[seq]))  # over max_blocks
+        stream = a.AppendTokenStream(iter([pb.AppendTokenStreamRequest(seq_ids=[seq])]))  # the same, on a stream
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stream)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         other = b.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
         b.AppendToken(pb.AppendTokenRequest(seq_ids=[other], num_tokens=[40]))  # b: 3 blocks
     got = scrape_text(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
     assert got[("kvpool_tenant_blocks_used", (("tenant", "a"),))] == 8
     assert got[("kvpool_tenant_blocks_used", (("tenant", "b"),))] == 3
     assert got[("kvpool_tenant_sequences", (("tenant", "b"),))] == 1
-    assert got[("kvpool_quota_refusals_total", (("quota", "max_blocks"), ("tenant", "a")))] == 1
+    # one call scope for every kind (issue 19): the unary refusal and the stream message's are both counted
+    assert got[("kvpool_quota_refusals_total", (("quota", "max_blocks"), ("tenant", "a")))] == 2

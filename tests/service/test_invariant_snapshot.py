@@ -6,7 +6,7 @@ import copy
 import pytest
 
 from kvpool_server.core import InvariantViolationError, KVCacheManager
-from kvpool_server.invariant_checks import copy_state
+from kvpool_server.service.invariant_checks import copy_state
 
 
 def test_the_snapshot_carries_the_prefix_cache_and_is_checked_like_the_original():

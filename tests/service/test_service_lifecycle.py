@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
-from kvpool_server.grpc_server import build_server
+from kvpool_server.grpc_api.server import build_server
 from kvpool_server.main import shutdown
 from kvpool_server.process import freeze_startup_heap
 from tests.conftest import server_command, start_server, wait_serving
@@ -83,7 +83,7 @@ def test_in_flight_calls_finish_new_calls_refused_health_not_serving() -> None:
     handle = build_server(config)
     handle.start()
     address = f"127.0.0.1:{handle.port}"
-    pins, loop = handle.servicer.pins, handle.loop.loop
+    pins, loop = handle.service.pins, handle.loop.loop
     try:
         with connect(address) as stub, grpc.insecure_channel(address) as health_channel:
             seq_ids = [stub.RegisterSequence(pb.RegisterSequenceRequest()).seq_id for _ in range(3)]
@@ -95,7 +95,7 @@ def test_in_flight_calls_finish_new_calls_refused_health_not_serving() -> None:
                 loop.call_soon_threadsafe(pins.pin, s)
             in_flight = [stub.Free.future(pb.FreeRequest(seq_ids=[s]), timeout=30) for s in seq_ids]
             time.sleep(0.5)  # they reach the servicer and wait for the pins
-            assert not any(f.done() for f in in_flight) and handle.drain.num_in_flight == 3
+            assert not any(f.done() for f in in_flight) and handle.admission.num_in_flight == 3
             stopper = threading.Thread(target=shutdown, args=(handle, config.shutdown_grace_s))
             stopper.start()
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING

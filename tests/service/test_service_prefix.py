@@ -160,7 +160,7 @@ def test_prefix_cache_queries_and_hits_are_counted_in_stats_and_metrics():
     """Two registrations of the same 40-token prompt after the first was cached: queries 80, hits 32 (two full
     blocks; the partial third is never shared)."""
     from kvpool_server.core import KVCacheManager
-    from kvpool_server.metrics import KVPoolMetrics
+    from kvpool_server.service.metrics import KVPoolMetrics
 
     manager = KVCacheManager(num_blocks=32, block_size=16)
     prompt = list(range(1000, 1040))

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
-from kvpool_server.grpc_server import build_server
+from kvpool_server.grpc_api.server import build_server
 from tests.service.service_helpers import connect
 from tests.service.test_service_stream import Stream
 
@@ -110,19 +110,19 @@ def test_end_of_stream_hook_runs_promptly_when_the_client_is_sigkilled() -> None
     config = ServerConfig(address="127.0.0.1:0", backend="host", num_blocks=64).validate()
     handle = build_server(config)
     handle.start()
-    method = handle.servicer.AppendTokenStream
+    streams = handle.streams
     closed_at: list[tuple[float, str]] = []
-    close = method.close
+    close = streams.close
 
-    def recording_close(state, reason):  # type: ignore[no-untyped-def]
+    def recording_close(entry, reason):  # type: ignore[no-untyped-def]
         closed_at.append((time.monotonic(), reason))
-        close(state, reason)
+        close(entry, reason)
 
-    method.close = recording_close
+    streams.close = recording_close  # type: ignore[method-assign]
     try:
         worker = load("hold-stream", f"127.0.0.1:{handle.port}")
         time.sleep(0.2)
-        assert method.num_open == 1 and not closed_at
+        assert len(streams) == 1 and not closed_at
         killed_at = time.monotonic()
         worker.send_signal(signal.SIGKILL)
         worker.wait()
@@ -133,7 +133,7 @@ def test_end_of_stream_hook_runs_promptly_when_the_client_is_sigkilled() -> None
         delay = closed_at[0][0] - killed_at
         print(f"end-of-stream hook {delay * 1e3:.1f} ms after SIGKILL ({closed_at[0][1]})")
         # 100 ms is the bound the sessions need; generous here, as CI's 2 cores also run the worker
-        assert closed_at[0][1] in ("half-closed", "cancelled") and delay < 0.5 and method.num_open == 0
+        assert closed_at[0][1] in ("half-closed", "cancelled") and delay < 0.5 and len(streams) == 0
     finally:
         handle.stop()
         handle.pool.close()

@@ -14,7 +14,7 @@ import pytest
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
-from kvpool_server.grpc_server import build_server
+from kvpool_server.grpc_api.server import build_server
 from kvpool_server.main import shutdown
 from tests.conftest import ServerProcess
 from tests.service.service_helpers import BLOCK_SIZE, connect, token_kv
@@ -207,24 +207,24 @@ def test_message_in_flight_at_shutdown_is_answered_then_the_stream_ends_unavaila
     config = ServerConfig(address="127.0.0.1:0", backend="host", num_blocks=64, shutdown_grace_s=20).validate()
     handle = build_server(config)
     handle.start()
-    method = handle.servicer.AppendTokenStream
-    step = method.message
+    service = handle.service
+    step = service.append
     entered = threading.Event()
 
-    def slow_message(state, request):  # type: ignore[no-untyped-def]
+    def slow_append(*args, **kwargs):  # type: ignore[no-untyped-def]
         entered.set()
         time.sleep(0.5)
-        return step(state, request)
+        return step(*args, **kwargs)
 
     try:
         with connect(f"127.0.0.1:{handle.port}") as stub, futures.ThreadPoolExecutor(1) as pool:
             a = stub.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
             stream = Stream(stub)
             stream.send([a], [5])
-            method.message = slow_message
+            service.append = slow_append  # type: ignore[method-assign]
             pending = pool.submit(stream.send, [a], [2])
             assert entered.wait(10)
-            assert handle.drain.num_in_flight == 1
+            assert handle.admission.num_in_flight == 1
             stopper = threading.Thread(target=shutdown, args=(handle, config.shutdown_grace_s, 1.0))
             stopper.start()
             assert len(pending.result(10).slot_mapping) == 2  # finished and answered
@@ -234,8 +234,8 @@ def test_message_in_flight_at_shutdown_is_answered_then_the_stream_ends_unavaila
             assert "shutting down" in info.value.details()
             stopper.join(30)
             assert not stopper.is_alive() and handle.pool.closed
-            assert handle.servicer.manager.num_tokens(a) == 7
-            assert method.last_close_reason == "shutdown"
+            assert handle.service.guard.manager.num_tokens(a) == 7
+            assert handle.streams.last_close_reason == "shutdown"
     finally:
         handle.stop()
         handle.pool.close()

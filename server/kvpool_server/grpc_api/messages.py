@@ -1,15 +1,16 @@
-"""The core's results (and the pool's description) -> protobuf responses. Builds messages, decides nothing."""
+"""The service's plain answers -> protobuf responses. Builds messages, decides nothing."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core import AppendPlan, PoolStats
-from kvpool_server.core.sessions import SessionTable
-from kvpool_server.core.tenants import TenantLedger
-from kvpool_server.pool_protocol import Pool
+from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvpool_server.core.sessions import Session
+from kvpool_server.service.kvpool import PoolDescription
+from kvpool_server.service.tenant_usage import TenantUsage
 
 DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
 BACKEND_TO_PB = {"gpu": pb.BACKEND_GPU, "host": pb.BACKEND_HOST}
@@ -22,7 +23,7 @@ def append_response(plan: AppendPlan, response_cls: type[R]) -> R:
     response = message_cls(slot_mapping=plan.slot_mapping.tolist(), new_block_ids=plan.new_block_ids.tolist())
     if plan.copies.shape[0]:
         response.copies.extend(pb.BlockCopy(src_block_id=s, dst_block_id=d) for s, d in plan.copies.tolist())
-    return response  # type: ignore[no-any-return]
+    return response
 
 
 def stats_response(stats: PoolStats, block_bytes: int) -> pb.StatsResponse:
@@ -43,25 +44,32 @@ def stats_response(stats: PoolStats, block_bytes: int) -> pb.StatsResponse:
     )
 
 
-def tenant_usage(ledger: TenantLedger, sessions: SessionTable, tenant: int | None) -> list[pb.TenantUsage]:
-    """Every tenant's usage and quotas (``tenant`` None), or one tenant's."""
-    ids = range(1, len(ledger.names)) if tenant is None else [tenant]
-    usage = []
-    for t in ids:
-        lim = ledger.limits[t]
-        usage.append(pb.TenantUsage(
-            tenant=ledger.names[t], num_sequences=ledger.num_sequences[t], num_blocks=ledger.num_blocks[t],
-            num_sessions=sessions.num_sessions(t), max_blocks=lim.max_blocks or 0,
-            max_sequences=lim.max_sequences or 0, max_sessions=lim.max_sessions or 0,
-            reserved_blocks=lim.reserved_blocks,
-        ))
-    return usage
+def stats_with_tenants(answer: tuple[PoolStats, list[TenantUsage]], block_bytes: int) -> pb.StatsResponse:
+    stats, usage = answer
+    response = stats_response(stats, block_bytes)
+    response.tenants.extend(pb.TenantUsage(
+        tenant=u.tenant, num_sequences=u.num_sequences, num_blocks=u.num_blocks, num_sessions=u.num_sessions,
+        max_blocks=u.max_blocks, max_sequences=u.max_sequences, max_sessions=u.max_sessions,
+        reserved_blocks=u.reserved_blocks) for u in usage)
+    return response
 
 
-def describe_pool_response(pool: Pool, may_attach: bool = True) -> pb.DescribePoolResponse:
+def ms(seconds: float) -> int:
+    return max(0, min(2**32 - 1, round(seconds * 1000)))
+
+
+def session_info(session: Session, remaining_s: float, num_sequences: int, num_blocks: int) -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=session.session_id, client_name=session.client_name, opened_unix_ms=session.opened_unix_ms,
+        lease_ttl_ms=ms(session.lease_ttl_s), lease_remaining_ms=ms(remaining_s),
+        keep_alive_open=session.num_keep_alive_streams > 0, num_sequences=num_sequences, num_blocks=num_blocks,
+    )
+
+
+def describe_pool_response(pool: PoolDescription) -> pb.DescribePoolResponse:
     """The pool's layout; with ``may_attach``, also what maps it (shm name, CUDA IPC handle): mapping the pool
     gives every byte of every tenant's KV (docs/security.md)."""
-    layout, info = pool.layout, pool.attach_info()
+    layout, info, may_attach = pool.layout, pool.attach, pool.may_attach
     return pb.DescribePoolResponse(
         layout=pb.PoolLayout(
             num_blocks=pool.num_blocks,
@@ -72,7 +80,7 @@ def describe_pool_response(pool: Pool, may_attach: bool = True) -> pb.DescribePo
             dtype=DTYPE_TO_PB[layout.dtype],
             block_bytes=layout.block_bytes,
             token_bytes=layout.token_bytes,
-            kv_layout=pb.KvLayout.Value("KV_LAYOUT_" + layout.kv_layout.upper().replace("-", "_")),
+            kv_layout=cast(Any, pb.KvLayout.Value("KV_LAYOUT_" + layout.kv_layout.upper().replace("-", "_"))),
         ),
         backend=BACKEND_TO_PB[info.backend],
         pool_bytes=info.pool_bytes,
@@ -81,3 +89,19 @@ def describe_pool_response(pool: Pool, may_attach: bool = True) -> pb.DescribePo
         shm_name=(info.shm_name or "") if may_attach else "",
         server_pid=os.getpid(),
     )
+
+
+def batch_message(batch: EventBatch, num_dropped: int, medium: str = "") -> pb.SubscribeEventsResponse:
+    events = []
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            events.append(pb.KVEvent(block_stored=pb.BlockStored(
+                block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash or b"",
+                token_ids=event.token_ids, block_size=event.block_size, cache_extra_key=event.cache_extra_key,
+                medium=medium)))
+        elif isinstance(event, BlockRemoved):
+            events.append(pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes, medium=medium)))
+        elif isinstance(event, AllBlocksCleared):
+            events.append(pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()))
+    return pb.SubscribeEventsResponse(epoch=batch.epoch, seq=batch.seq, events=events, snapshot=batch.snapshot,
+                                      num_dropped=num_dropped)

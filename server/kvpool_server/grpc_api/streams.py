@@ -1,11 +1,13 @@
-"""Bidirectional streams on the grpc.aio server: a ``StreamMethod`` (per-stream state, one call per message, an
-end-of-stream hook), ``OpenStreams`` (the cap and the idle sweep) and ``stream_handler`` that runs one.
+"""Streams on the grpc.aio server: ``bidi_handler`` runs a ``methods.BidiStream`` (per-stream state, one service
+call per message, an end-of-stream hook), ``OpenStreams`` caps them and sweeps the idle ones, and
+``server_stream_handler`` runs a ``methods.ServerStream`` (SubscribeEvents).
 
 A stream costs a coroutine, not a thread: idle, stalled (never reading) or busy streams never hold up other calls.
 Its life::
 
-    open(context) -> state          once, before the first message is read (raise to refuse the stream)
-    message(state, request) -> reply per message, on the event loop, admitted through the Drain like a unary call
+    open(call) -> state             once, before the first message is read (raise to refuse the stream)
+    message(call, state, request)   per message, on the event loop, in a call scope of its own (admitted,
+                                    authenticated again, its refusals counted) like a unary call
     close(state, reason)            exactly once, however the stream ended, right when it ends:
         "half-closed"  no more messages: the client finished sending (every message answered; the call ends OK)
                        -- or its connection closed: a SIGKILLed client's socket is closed by its kernel at once,
@@ -25,33 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from contextlib import aclosing
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvpool_server.errors import ServerShuttingDownError, StreamIdleError, TooManyStreamsError, trailing_metadata_of
-from kvpool_server.handlers import CallContext, error_status, parse_request
+from kvpool_server.grpc_api.handlers import parse_request
+from kvpool_server.grpc_api.methods import BidiStream, ServerStream
+from kvpool_server.grpc_api.status import MetadataHeaders, abort
+from kvpool_server.service.errors import Code, ServerShuttingDownError, Status, StreamIdleError, TooManyStreamsError
+from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.service.scope import CallScope
 
 logger = logging.getLogger(__name__)
-
-
-class StreamMethod(Protocol):
-    """A bidirectional-stream RPC of the servicer, e.g. ``AppendTokenStream`` (service.py)."""
-
-    request_cls: type
-
-    def open(self, context: Any) -> Any:
-        """New per-stream state; raise a KVPoolError to refuse the stream with its status."""
-
-    def message(self, state: Any, request: Any) -> Any:
-        """One request -> its response (quick, on the event loop); raise to end the stream with a status."""
-
-    def close(self, state: Any, reason: str) -> None:
-        """The stream has ended (see the module docstring for ``reason``); must not raise."""
 
 
 @dataclass(eq=False)
@@ -71,6 +61,7 @@ class OpenStreams:
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
         self._open: set[OpenStream] = set()
+        self.last_close_reason = ""  # for tests and logs
 
     def __len__(self) -> int:
         return len(self._open)
@@ -85,8 +76,10 @@ class OpenStreams:
         self._open.add(entry)
         return entry
 
-    def close(self, entry: OpenStream) -> None:
+    def close(self, entry: OpenStream, reason: str) -> None:
+        """``entry``'s stream ended, for ``reason`` (see the module docstring)."""
         self._open.discard(entry)
+        self.last_close_reason = reason
 
     def sweep(self) -> int:
         """End (cancel) the streams idle for longer than the timeout; returns how many."""
@@ -119,78 +112,88 @@ class OpenStreams:
 _NOT_OPEN = object()
 
 
-def stream_handler(
-    call: CallContext, rpc: str, method: StreamMethod, streams: OpenStreams,
-    count: Callable[[Any, Any], None] | None = None,
-) -> grpc.RpcMethodHandler:
+def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: BidiStream,
+                 streams: OpenStreams) -> grpc.RpcMethodHandler:
     """``method`` as a stream-stream handler of raw bytes: one response per request, in order."""
-    drain = call.drain
-    request_cls = method.request_cls
+    admission = scope.admission
+    request_cls: Any = method.request_cls
+    on_message = method.message
     parse = request_cls.FromString
 
     async def handle(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        started = time.perf_counter()
-        code_name, reason = "OK", "half-closed"
+        reason = "half-closed"
         state: Any = _NOT_OPEN
         entry: OpenStream | None = None
-        admitted = False
         loop = asyncio.get_running_loop()
+        headers = MetadataHeaders(context)
+        stream_call = scope.call(rpc, headers, admit=False)  # the whole stream: latency observed at its end
         try:
-            try:
-                call.authenticate(context, rpc)  # once, for the whole stream
-                entry = streams.open(rpc)
-                state = method.open(context)
-                while True:
-                    if drain.draining:
-                        drain.refuse()
-                    entry.reading = True
-                    raw = await context.read()
-                    entry.reading = False
-                    if raw is grpc.aio.EOF:
-                        if context.cancelled():
-                            reason, code_name = "cancelled", "CANCELLED"
-                        return
-                    entry.last_progress = loop.time()
-                    admitted = True  # before admit, which counts and then may refuse
-                    drain.admit()
-                    try:
-                        request = parse(raw)
-                    except DecodeError:
-                        request = parse_request(request_cls, raw, rpc)
-                    response = method.message(state, request)
-                    data = response.SerializeToString()
-                    if count is not None and call.metrics is not None:
-                        count(call.metrics, response)
-                    await context.write(data)
-                    entry.last_progress = loop.time()
-                    admitted = False
-                    drain.release()
-            except asyncio.CancelledError:
-                if entry is None or entry.end_with is None:
-                    reason, code_name = ("shutdown" if drain.draining else "cancelled"), "CANCELLED"
-                    raise
-                task = asyncio.current_task()
-                if task is not None:
-                    task.uncancel()
-                reason = "idle" if isinstance(entry.end_with, StreamIdleError) else "shutdown"
-                raise entry.end_with from None
+            with stream_call:
+                try:
+                    entry = streams.open(rpc)
+                    state = method.open(service, stream_call)
+                    while True:
+                        if admission.draining:
+                            admission.refuse()
+                        entry.reading = True
+                        raw = await context.read()
+                        entry.reading = False
+                        if raw is grpc.aio.EOF:
+                            if context.cancelled():
+                                reason, stream_call.status = "cancelled", Status(Code.CANCELLED, "cancelled")
+                            return
+                        entry.last_progress = loop.time()
+                        with scope.call(rpc, headers, observe=False) as call:  # this message
+                            try:
+                                request = parse(raw)
+                            except DecodeError:
+                                request = parse_request(request_cls, raw, rpc)
+                            data = on_message(service, call, state, request).SerializeToString()
+                        await context.write(data)
+                        entry.last_progress = loop.time()
+                except asyncio.CancelledError:
+                    if entry is None or entry.end_with is None:
+                        if reason == "half-closed":
+                            reason = "shutdown" if admission.draining else "cancelled"
+                        raise
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.uncancel()
+                    reason = "idle" if isinstance(entry.end_with, StreamIdleError) else "shutdown"
+                    raise entry.end_with from None
         except Exception as exc:
             if reason == "half-closed":
                 reason = "shutdown" if isinstance(exc, ServerShuttingDownError) else "error"
-            code, message = error_status(exc, rpc)
-            code_name = code.name
-            await context.abort(code, message, trailing_metadata_of(exc))
+            await abort(context, stream_call.status)
         finally:
-            if admitted:
-                drain.release()
             if entry is not None:
-                streams.close(entry)
+                streams.close(entry, reason)
             if state is not _NOT_OPEN:
                 try:
-                    method.close(state, reason)
+                    method.close(service, state, reason)
                 except Exception:
                     logger.exception("%s: the end-of-stream hook failed", rpc)
-            if call.metrics is not None:
-                call.metrics.observe_rpc(rpc, code_name, time.perf_counter() - started)
 
     return grpc.stream_stream_rpc_method_handler(handle)
+
+
+def server_stream_handler(service: KVPoolService, scope: CallScope, rpc: str,
+                          method: ServerStream) -> grpc.RpcMethodHandler:
+    """``method`` as a unary-stream handler of raw bytes. Never admitted (idle by design, it must not hold up a
+    shutdown): refused while draining, ended within ``POLL_S`` once draining starts."""
+    admission = scope.admission
+
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        call = scope.call(rpc, MetadataHeaders(context), admit=False)
+        try:
+            with call:
+                request = parse_request(method.request_cls, raw, rpc)
+                if admission.draining:
+                    admission.refuse()
+                async with aclosing(method.follow(service, call, request, lambda: admission.draining)) as answers:
+                    async for answer in answers:
+                        await context.write(method.encode(service, answer).SerializeToString())
+        except Exception:
+            await abort(context, call.status)
+
+    return grpc.unary_stream_rpc_method_handler(handle)

@@ -1,4 +1,6 @@
-"""Drain: which calls are in flight, and the refusal of new ones once shutdown has begun.
+"""Admission: which calls are in flight, and the refusal of new ones once shutdown has begun (SIGTERM).
+
+(Not the Drain RPC, ``kvctl drain``: that one stops new sessions and lets live ones finish; see sessions.py.)
 
 Every RPC (every AppendTokenStream message) is ``admit()``-ed before it runs and ``release()``-d once its response
 is on its way; ``start()`` (shutdown) makes every later ``admit()`` refuse with UNAVAILABLE::
@@ -18,10 +20,10 @@ import threading
 import time
 from typing import NoReturn
 
-from kvpool_server.errors import ServerShuttingDownError
+from kvpool_server.service.errors import ServerShuttingDownError
 
 
-class Drain:
+class Admission:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._num_in_flight = 0

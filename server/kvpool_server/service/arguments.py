@@ -2,7 +2,8 @@
 with the wrong code (id 0, proto3's unset value, would be NOT_FOUND there; it is INVALID_ARGUMENT: the request can
 never succeed). Every id field goes through here, so id 0 is rejected in one place, ``_reject_zero``.
 
-Pure functions of protobuf fields; they raise InvalidArgumentError and change nothing.
+Pure functions of a request's plain fields (ints, int sequences); they raise InvalidArgumentError and change
+nothing.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ def seq_id(value: int, rpc: str, field: str = "seq_id") -> int:
     return value
 
 
-def new_seq_id(value: int, is_set: bool) -> int | None:
+def new_seq_id(value: int | None) -> int | None:
     """RegisterSequence's optional ``seq_id``: None (the server assigns one) when unset; 0 is not an id."""
-    if not is_set:
+    if value is None:
         return None
     return seq_id(value, "RegisterSequence")
 

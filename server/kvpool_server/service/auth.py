@@ -1,9 +1,9 @@
 """Who is calling: bearer tokens -> (tenant, role), from a tokens file the server re-reads on SIGHUP.
 
 Every KVPoolService call carries ``authorization: Bearer <token>`` in its metadata when the server runs with
-``--auth-tokens FILE``; ``handlers.py`` (unary calls) and ``streams.py`` (at a stream's start) ask
-``Authenticator.identify`` and put the answer in ``CALLER`` for the servicer, which reads ``caller()``. Without the
-flag every caller is ``ANONYMOUS``: tenant 0, every role, as before tenants existed.
+``--auth-tokens FILE``; the call scope (scope.py) asks ``Authenticator.identify`` for every call and every stream
+message (a token revoked by SIGHUP stops working on the streams it opened, too) and hands the ``Identity`` to the
+service. Without the flag every caller is ``ANONYMOUS``: tenant 0, every role, as before tenants existed.
 
 The tokens file (TOML) keeps only SHA-256 digests of tokens (``kvpool-token hash TOKEN`` prints one; ``kvpool-token
 new`` makes a random token and its digest)::
@@ -34,12 +34,11 @@ import logging
 import secrets
 import sys
 import tomllib
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_server.core.tenants import TenantLedger, TenantLimits
-from kvpool_server.errors import PermissionDeniedError, UnauthenticatedError
+from kvpool_server.service.errors import PermissionDeniedError, UnauthenticatedError
 
 logger = logging.getLogger(__name__)
 ROLES = ("frontend", "admin")
@@ -60,14 +59,6 @@ class Identity:
 
 
 ANONYMOUS = Identity("", None, "admin", may_attach=True, may_share_prefixes=True)
-CALLER: ContextVar[Identity] = ContextVar("kvpool_caller", default=ANONYMOUS)
-
-
-def caller() -> Identity:
-    """The identity of the call being served (set by the handler before the servicer runs)."""
-    return CALLER.get()
-
-
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -161,9 +152,9 @@ class Authenticator:
                     self.path)
         return True
 
-    def identify(self, metadata: Any, rpc: str) -> Identity:
-        """The caller of ``rpc`` from its metadata; raises UnauthenticatedError or PermissionDeniedError."""
-        header = next((value for key, value in metadata or () if key == "authorization"), None)
+    def identify(self, header: str | None, rpc: str) -> Identity:
+        """The caller of ``rpc`` from its ``authorization`` header ("Bearer <token>", None when absent); raises
+        UnauthenticatedError or PermissionDeniedError."""
         if header is None:
             raise UnauthenticatedError(f"{rpc}: no 'authorization: Bearer <token>' metadata (this server has "
                                        "--auth-tokens)")

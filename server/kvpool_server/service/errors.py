@@ -1,4 +1,8 @@
-"""Core errors -> gRPC status codes, in one place.
+"""Errors -> status codes, in one place, for every transport.
+
+The codes are the canonical status codes (``google.rpc.Code``, the numbers gRPC uses); ``Code`` names them without
+importing grpc, so that the service layer and any transport share one table: the gRPC handlers turn a ``Status``
+into ``grpc.StatusCode[code.name]`` (grpc_api/status.py), a record-based transport writes ``code.value``.
 
 The core raises before it changes anything, so a call that fails here has left the pool exactly as it was.
 
@@ -28,7 +32,8 @@ PERMISSION_DENIED: a tenant cannot learn that it exists.
 
 from __future__ import annotations
 
-import grpc
+import enum
+from typing import NamedTuple
 
 from kvpool_server.core.errors import (
     FailedPreconditionError,
@@ -42,6 +47,30 @@ from kvpool_server.core.errors import (
     ServerRestartedError,
     SessionNotFoundError,
 )
+
+
+class Code(enum.IntEnum):
+    """The canonical status codes kvpool answers with (their gRPC numbers)."""
+
+    OK = 0
+    CANCELLED = 1
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
+
+
+class Status(NamedTuple):
+    """How a call ended: its code, the message for the caller, and the reason (``kvpool-error``), if any."""
+
+    code: Code
+    message: str
+    reason: str = ""
 
 
 class ServerShuttingDownError(KVPoolError):
@@ -68,20 +97,20 @@ class PermissionDeniedError(KVPoolError):
     """The caller is known but its role (or its tenant's policy) may not make this call."""
 
 
-STATUS_OF: dict[type[KVPoolError], grpc.StatusCode] = {
-    SequenceNotFoundError: grpc.StatusCode.NOT_FOUND,
-    SessionNotFoundError: grpc.StatusCode.NOT_FOUND,
-    SequenceExistsError: grpc.StatusCode.ALREADY_EXISTS,
-    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
-    OutOfBlocksError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
-    InvariantViolationError: grpc.StatusCode.INTERNAL,
-    ServerShuttingDownError: grpc.StatusCode.UNAVAILABLE,
-    DrainingError: grpc.StatusCode.UNAVAILABLE,
-    StreamIdleError: grpc.StatusCode.UNAVAILABLE,
-    TooManyStreamsError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
-    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+STATUS_OF: dict[type[KVPoolError], Code] = {
+    SequenceNotFoundError: Code.NOT_FOUND,
+    SessionNotFoundError: Code.NOT_FOUND,
+    SequenceExistsError: Code.ALREADY_EXISTS,
+    InvalidArgumentError: Code.INVALID_ARGUMENT,
+    OutOfBlocksError: Code.RESOURCE_EXHAUSTED,
+    FailedPreconditionError: Code.FAILED_PRECONDITION,
+    InvariantViolationError: Code.INTERNAL,
+    ServerShuttingDownError: Code.UNAVAILABLE,
+    DrainingError: Code.UNAVAILABLE,
+    StreamIdleError: Code.UNAVAILABLE,
+    TooManyStreamsError: Code.RESOURCE_EXHAUSTED,
+    UnauthenticatedError: Code.UNAUTHENTICATED,
+    PermissionDeniedError: Code.PERMISSION_DENIED,
 }
 
 
@@ -94,19 +123,18 @@ REASON_OF: dict[type[KVPoolError], str] = {
 }
 
 
-def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
-    """``((kvpool-error, reason),)`` for the errors that carry a reason, else empty."""
-    reason = next((REASON_OF[cls] for cls in type(exc).__mro__ if cls in REASON_OF), None)
-    return () if reason is None else ((REASON_KEY, reason),)
+def reason_of(exc: BaseException) -> str:
+    """The ``kvpool-error`` reason of the errors that carry one, else ""."""
+    return next((REASON_OF[cls] for cls in type(exc).__mro__ if cls in REASON_OF), "")
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and details string for an exception raised while serving a call."""
+def status_of(exc: BaseException) -> Status:
+    """The status of an exception raised while serving a call (INTERNAL, "kvpool bug: ...", for anything else)."""
     for cls in type(exc).__mro__:
-        code = STATUS_OF.get(cls)  # type: ignore[call-overload]
+        code = STATUS_OF.get(cls)
         if code is not None:
             message = str(exc) or cls.__name__
-            if code is grpc.StatusCode.INTERNAL:
+            if code is Code.INTERNAL:
                 message = f"kvpool bug: {message}"
-            return code, message
-    return grpc.StatusCode.INTERNAL, f"kvpool bug: {type(exc).__name__}: {exc}"
+            return Status(code, message, reason_of(exc))
+    return Status(Code.INTERNAL, f"kvpool bug: {type(exc).__name__}: {exc}")

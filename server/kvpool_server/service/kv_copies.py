@@ -20,8 +20,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvpool_server.handlers import Wait
-from kvpool_server.pool_protocol import Pool
+from kvpool_server.service.offload import Wait
+from kvpool_server.device.protocol import Pool
 
 CHUNK_BYTES = 1 << 20  # one pool operation at most this big: a few hundred microseconds
 INLINE_BYTES = 256 << 10  # copies up to this size run on the loop under the lock (cheaper than a thread hop)

@@ -18,12 +18,14 @@ Also refused: an append of more than ``--max-tokens-per-call`` tokens, so that n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool_server.core import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from kvpool_server.service.scope import Headers
 
 RECEIVE_LIMIT_KEY = "kvpool-max-receive-bytes"
 DEFAULT_CLIENT_RECEIVE_BYTES = 4 << 20
@@ -35,15 +37,13 @@ def varint_len(value: int) -> int:
     return max(1, (int(value).bit_length() + 6) // 7)
 
 
-def declared_receive_limit(metadata: Sequence[tuple[str, Any]] | None) -> int | None:
+def declared_receive_limit(text: str | None) -> int | None:
     """The client's ``kvpool-max-receive-bytes`` (None when absent or not a positive integer; -1 is unlimited)."""
-    for key, value in metadata or ():
-        if key == RECEIVE_LIMIT_KEY:
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            if text.strip() == "-1":
-                return 1 << 62
-            return int(text) if text.strip().isdigit() and int(text) > 0 else None
-    return None
+    if text is None:
+        return None
+    if text.strip() == "-1":
+        return 1 << 62
+    return int(text) if text.strip().isdigit() and int(text) > 0 else None
 
 
 class ReplyLimits:
@@ -61,9 +61,9 @@ class ReplyLimits:
         self.copy_bytes = 2 + 2 * (1 + self.block_bytes)  # BlockCopy{src, dst} with its tag and length
         self.always_fits = min(max_message_bytes, MIN_DECLARED_BYTES)  # fits every client and this server
 
-    def limit(self, context: Any) -> tuple[int, str]:
+    def limit(self, headers: Headers) -> tuple[int, str]:
         """This call's reply limit, and how it was set (for the message)."""
-        declared = declared_receive_limit(context.invocation_metadata())
+        declared = declared_receive_limit(headers.get(RECEIVE_LIMIT_KEY))
         if declared is None:
             client, how = DEFAULT_CLIENT_RECEIVE_BYTES, f"no {RECEIVE_LIMIT_KEY} declared: 4 MiB assumed"
         else:
@@ -85,9 +85,9 @@ class ReplyLimits:
         return (3 * _FIELD_OVERHEAD + total * self.slot_bytes + new_blocks * self.block_bytes
                 + num_seqs * self.copy_bytes)
 
-    def check_append(self, num_seqs: int, counts: int | np.ndarray, rpc: str, limit: tuple[int, str] | Any) -> None:
-        """Refuse (INVALID_ARGUMENT) an append whose reply might not fit. ``limit`` is ``limit(context)``'s result,
-        or the call's context (its metadata is read only when the reply could be larger than 64 KiB)."""
+    def check_append(self, num_seqs: int, counts: int | np.ndarray, rpc: str, headers: Headers) -> None:
+        """Refuse (INVALID_ARGUMENT) an append whose reply might not fit (the call's ``headers`` are read only
+        when the reply could be larger than 64 KiB)."""
         total = self.num_tokens(num_seqs, counts)
         if total > self.max_tokens_per_call:
             raise InvalidArgumentError(
@@ -97,7 +97,7 @@ class ReplyLimits:
         bound = self.append_bound(num_seqs, total)
         if bound <= self.always_fits:
             return
-        max_bytes, how = limit if isinstance(limit, tuple) else self.limit(limit)
+        max_bytes, how = self.limit(headers)
         if bound > max_bytes:
             per_token = self.slot_bytes + self.block_bytes / self.block_size
             room = max_bytes - 3 * _FIELD_OVERHEAD - num_seqs * (self.block_bytes + self.copy_bytes)
@@ -107,13 +107,13 @@ class ReplyLimits:
                 f"tokens a call, or raise the limits"
             )
 
-    def check_reply(self, num_bytes: int, rpc: str, context: Any, item_bytes: int, unit: str) -> None:
+    def check_reply(self, num_bytes: int, rpc: str, headers: Headers, item_bytes: int, unit: str) -> None:
         """Refuse a reply of ``num_bytes`` that would not fit (``item_bytes`` per ``unit``, for the advice). Before a
         mutation that keeps it from being applied and lost; before a read it says why, instead of gRPC's bare
         RESOURCE_EXHAUSTED."""
         if num_bytes <= self.always_fits:
             return
-        max_bytes, how = self.limit(context)
+        max_bytes, how = self.limit(headers)
         if num_bytes > max_bytes:
             raise InvalidArgumentError(
                 f"{rpc}'s reply would take {num_bytes} bytes, more than the {max_bytes} bytes this call may send "

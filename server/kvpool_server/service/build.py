@@ -1,0 +1,63 @@
+"""build_service(config): the pool, the core and the service over them, every part given its dependencies once,
+in its constructor -- the whole server below any transport (grpc_api/server.py adds gRPC around it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvpool_server.config import ServerConfig, pool_error_message
+from kvpool_server.core import KVCacheManager, KVPoolError
+from kvpool_server.core.sessions import SessionTable, new_server_epoch
+from kvpool_server.device import create_pool
+from kvpool_server.service.admission import Admission
+from kvpool_server.service.auth import Authenticator, TokensFileError
+from kvpool_server.service.events import EventFeed
+from kvpool_server.service.guard import CoreGuard
+from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.service.metrics import KVPoolMetrics
+from kvpool_server.service.replay import ReplyCache
+from kvpool_server.service.sessions import SessionService
+
+
+class StartupError(RuntimeError):
+    """The server cannot start (address in use, no GPU, ...); the message says why."""
+
+
+def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
+                  on_drain: Callable[[], None] = lambda: None) -> tuple[KVPoolService, Admission]:
+    """Allocate the pool and build the core and the service over it, and the admission every transport's calls
+    pass. Raises StartupError, with nothing left allocated, if the pool cannot be made or the configuration does
+    not fit it."""
+    config.validate()
+    try:
+        size: Any = config.pool_size_kwargs()
+        pool = create_pool(config.layout, backend=config.backend, **size)
+    except Exception as exc:
+        raise StartupError(pool_error_message(config.backend, exc)) from exc
+    try:
+        manager = KVCacheManager(
+            pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len, max_num_seqs=config.max_num_seqs,
+            tenancy=bool(config.auth_tokens),
+        )
+        auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks) if config.auth_tokens else None
+        sessions = SessionTable(new_server_epoch(), default_ttl_s=config.session_ttl_ms / 1000.0,
+                                max_ttl_s=config.max_session_ttl_ms / 1000.0)
+        events = EventFeed(sessions.server_epoch, manager.allocator.cache, config.event_buffer_batches,
+                           medium="GPU" if pool.backend == "gpu" else "CPU",
+                           max_subscribers=config.max_event_subscribers)
+        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
+        service = KVPoolService(
+            guard, SessionService(guard, metrics, on_drain), auth=auth, metrics=metrics, max_batch=config.max_batch,
+            max_message_bytes=config.max_message_bytes, max_tokens_per_call=config.max_tokens_per_call,
+        )
+        return service, Admission()
+    except TokensFileError as exc:
+        pool.close()
+        raise StartupError(str(exc)) from exc
+    except KVPoolError as exc:
+        pool.close()
+        raise StartupError(f"bad pool configuration: {exc}") from exc
+    except BaseException:
+        pool.close()
+        raise
