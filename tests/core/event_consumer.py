@@ -26,7 +26,7 @@ class EventConsumer:
             elif isinstance(event, BlockStored):
                 parent, size = event.parent_block_hash, event.block_size
                 for i, block_hash in enumerate(event.block_hashes):  # a run of blocks: consecutive, chained
-                    self.blocks[block_hash] = (parent, event.token_ids[i * size : (i + 1) * size])
+                    self.blocks[block_hash] = (parent, tuple(event.token_ids[i * size : (i + 1) * size]))
                     parent = block_hash
             else:
                 for block_hash in event.block_hashes:

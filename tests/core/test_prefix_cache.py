@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from array import array
 
 import numpy as np
 import pytest
@@ -220,7 +221,7 @@ def test_kv_events_record_stores_and_evictions_in_numbered_batches() -> None:
     first = log.publish()
     h0, h1 = chain_hashes(PROMPT, BS)
     assert first is not None and (first.epoch, first.seq) == (7, 1)
-    assert first.events == (BlockStored((h0, h1), None, tuple(PROMPT[:8]), BS),)  # a run: one event
+    assert first.events == (BlockStored((h0, h1), None, array("I", PROMPT[:8]), BS),)  # a run: one event
     manager.free(a)
     manager.append(manager.register(), 5 * BS)  # evicts the leaf
     assert log.publish().events == (BlockRemoved((h1,)),)
@@ -231,3 +232,19 @@ def test_kv_events_record_stores_and_evictions_in_numbered_batches() -> None:
     assert log.num_dropped == 1 and log.since(1) is None and [b.seq for b in log.since(2)] == [2, 3]
     snap = log.snapshot(manager.allocator.cache)
     assert snap.snapshot and snap.seq == 3 and snap.events == (AllBlocksCleared(),)
+
+
+def test_register_refuses_a_prompt_over_max_seq_len_before_hashing(monkeypatch, assert_unchanged) -> None:
+    """Issue 20, item 8: a prompt longer than max_seq_len is INVALID_ARGUMENT, naming the limit, before any block
+    of it is hashed (a huge prompt must not cost the server its hashing), and changes nothing."""
+    from kvpool_server.core import manager as manager_module
+
+    manager = KVCacheManager(num_blocks=64, block_size=BS, max_seq_len=16)
+    hashed = []
+    real = manager_module.chain_hashes
+    monkeypatch.setattr(manager_module, "chain_hashes", lambda *a, **k: hashed.append(a) or real(*a, **k))
+    with assert_unchanged(manager), pytest.raises(InvalidArgumentError, match="max_seq_len=16"):
+        manager.register(prompt_token_ids=list(range(17)))
+    assert hashed == [] and manager.num_sequences == 0
+    seq = manager.register(prompt_token_ids=list(range(16)))  # exactly the limit: accepted
+    assert len(hashed) == 1 and manager.num_tokens(seq) == 0

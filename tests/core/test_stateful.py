@@ -123,6 +123,19 @@ class ManagerMachine(RuleBasedStateMachine):
     def copy_blocks(self, copies: np.ndarray) -> None:
         run_copies(self.memory, copies, BLOCK_SIZE)
 
+    def zero_blocks(self, block_ids: np.ndarray) -> None:
+        for block_id in block_ids.tolist():
+            self.memory[block_id * BLOCK_SIZE : (block_id + 1) * BLOCK_SIZE] = -1
+
+    def hold_nothing(self, slots: np.ndarray) -> bool:
+        """Whether ``slots`` hold no token's KV (cleared, or never written)."""
+        return bool((self.memory[slots] == -1).all())
+
+    def execute(self, plan) -> None:
+        """The device layer's part of a plan, as documented: clear, then copy on write."""
+        self.zero_blocks(plan.zero_block_ids)
+        self.copy_blocks(plan.copies)
+
     def write_tags(self, slots: np.ndarray, tags: list[int]) -> None:
         self.memory[slots] = tags
 
@@ -188,7 +201,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert not enough and snapshot(self.manager) == before
             return
         assert enough, "append with token ids succeeded where the reference says it cannot"
-        self.copy_blocks(plan.copies)
+        self.execute(plan)
         new_tags = [next(self._tag) for _ in token_ids]
         self.write_tags(plan.slot_mapping, new_tags)
         self.token_of_tag.update(zip(new_tags, token_ids))
@@ -204,6 +217,7 @@ class ManagerMachine(RuleBasedStateMachine):
         num_blocks = min(NUM_BLOCKS - self.model.used(), MAX_SEQ_LEN // BLOCK_SIZE)
         if num_blocks:
             plan = self.manager.append(seq_id, num_blocks * BLOCK_SIZE)
+            self.execute(plan)
             new_tags = [next(self._tag) for _ in range(num_blocks * BLOCK_SIZE)]
             self.write_tags(plan.slot_mapping, new_tags)
             self.model.append(seq_id, new_tags)
@@ -242,7 +256,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert fits and not enough and snapshot(self.manager) == before
             return
         assert fits and enough, "append succeeded where the reference says it cannot"
-        self.copy_blocks(plan.copies)
+        self.execute(plan)
         new_tags = [next(self._tag) for _ in range(sum(counts))]
         self.write_tags(plan.slot_mapping, new_tags)
         start = 0
@@ -316,6 +330,17 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.lagging.apply(b)
             assert self.lagging.blocks == cache_index(self.manager.allocator.cache)
         assert self.consumer.blocks == cache_index(self.manager.allocator.cache)
+
+    @invariant()
+    def no_slot_shows_a_former_owners_kv(self):
+        """Past each live sequence's last token its last block holds nothing: the blocks an append takes are
+        cleared (``plan.zero_block_ids``), so freed KV never reaches the next owner (issue 20, item 1)."""
+        for seq_id, tags in self.model.tags.items():
+            used = len(tags) % BLOCK_SIZE
+            if used:
+                last = self.manager.block_table(seq_id).item(-1)
+                assert self.hold_nothing(np.arange(last * BLOCK_SIZE + used, (last + 1) * BLOCK_SIZE)), (
+                    f"sequence {seq_id}'s last block shows another owner's KV past its tokens")
 
     @invariant()
     def matches_reference(self):

@@ -1,15 +1,27 @@
 """The core: pure Python and NumPy. It imports neither grpc nor cupy.
 
-Layering, each module calling only those below it::
+Layering by floor: a module calls only modules on floors below its own (and reads the records of types.py,
+errors.py and kv_event_types.py, the ground floor). No function takes the manager to call its private methods:
+the floors below take plain arguments (rows, counts, a budget, arrays) and return plain results::
 
-    manager.py         KVCacheManager: ids -> rows, validation; register / append / fork / free, lookups
-    checks.py          check_invariants(manager), stats(manager): read-only
-    block_tables.py    BlockTables: one page table row per sequence; plans appends (copy-on-write included)
-    length_lookups.py  LengthLookups: per-length arrays the planners gather through
-    seq_index.py       SequenceIndex: seq_id -> row, scalar and vectorised
-    allocator.py       BlockAllocator: free list and reference counts
-    types.py           AppendPlan, PoolStats (results, immutable)
-    errors.py          the exception tree
+    6  manager.py          KVCacheManager: ids -> rows, validation; register / append / fork / free, lookups. Append
+                           is one pipeline: resolve ids and counts, plan within the tenant's budget (an argument),
+                           then extend the token chains when tracked. Calls every floor below.
+       checks.py           check_invariants(manager), stats(manager): read-only, over the manager's public state
+    5  call_args.py        the calls' plain arguments checked (counts, token ids, register's prompt), pure functions
+       seq_index.py        SequenceIndex: seq_id -> row, scalar and vectorised
+       tenants.py          TenantLedger: tenant of each row, blocks held, quotas -> budgets, public-block references
+       token_chains.py     TokenChains: tracked rows' token ids and hashes; sealing (-> prefix_cache.insert)
+       kv_events.py        KVEventLog: the cache's pending events -> numbered batches, bounded in bytes
+    4  block_tables.py     BlockTables: one page table row per sequence; plans appends (copy-on-write included),
+                           taking blocks within the budget it is passed (-> allocator)
+       length_lookups.py   LengthLookups: per-length arrays the planners gather through (read by block_tables)
+    3  allocator.py        BlockAllocator: free list and reference counts; evicts (-> prefix_cache)
+    2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable LRU; records events into a pending list
+    1  block_hash.py       chain hashes of token blocks (sha256)
+    0  types.py            AppendPlan, PoolStats, UNLIMITED (results, immutable)
+       kv_event_types.py   BlockStored, BlockRemoved, AllBlocksCleared (records)
+       errors.py           the exception tree
 """
 
 from kvpool_server.core.allocator import BlockAllocator

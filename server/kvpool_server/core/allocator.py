@@ -11,6 +11,7 @@ from kvpool_server.core.errors import (
     QuotaExceededError,
 )
 from kvpool_server.core.prefix_cache import PrefixCache
+from kvpool_server.core.types import UNLIMITED
 
 # 0-d arrays of the ref counts' dtype: ``put`` of one of these costs less than of a Python int.
 _ONE, _ZERO = np.array(1, dtype=np.int32), np.array(0, dtype=np.int32)
@@ -56,10 +57,6 @@ class BlockAllocator:
         # Reversed so that block 0 is handed out first on a fresh pool.
         self._free_stack: np.ndarray = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self.num_free_blocks: int = num_blocks
-        # At most this many blocks may be taken by one allocation: the manager lowers it around one tenant's append
-        # (its quota) and puts it back; the check costs one compare when no quota is set.
-        self.budget: int = 1 << 62
-        self.budget_reason: str = ""
         self.num_shared_blocks: int = 0
         self.cache: PrefixCache = PrefixCache(num_blocks)
 
@@ -72,12 +69,13 @@ class BlockAllocator:
     def num_allocatable(self) -> int:
         return self.num_free_blocks + self.cache.num_evictable
 
-    def allocate(self, num: int) -> np.ndarray:
-        """Take ``num`` free blocks, each with ref count 1. Raises OutOfBlocksError (changing nothing) if too few,
-        QuotaExceededError if more than ``budget``."""
-        if num > self.num_free_blocks or num > self.budget:
-            if num > self.budget or num > self.num_allocatable:
-                raise self._refusal(num)
+    def allocate(self, num: int, budget: int = UNLIMITED, why: str = "") -> np.ndarray:
+        """Take ``num`` free blocks, each with ref count 1, evicting cached ones when the free list runs dry. Raises
+        OutOfBlocksError (changing nothing) if too few, QuotaExceededError if more than ``budget`` (a tenant's:
+        ``TenantLedger.budget``, passed down with each append; ``why`` names the quota that bounds it)."""
+        if num > self.num_free_blocks or num > budget:
+            if num > budget or num > self.num_allocatable:
+                raise self._refusal(num, budget, why)
             self._push(self.cache.evict(num - self.num_free_blocks))
         top = self.num_free_blocks
         block_ids = self._free_stack[top - num : top][::-1].copy()
@@ -85,10 +83,11 @@ class BlockAllocator:
         self.ref_count.put(block_ids, _ONE)
         return block_ids
 
-    def allocate_one(self) -> int:
-        if self.num_free_blocks == 0 or self.budget < 1:
-            if self.budget < 1 or not self.cache.num_evictable:
-                raise self._refusal(1)
+    def allocate_one(self, budget: int = UNLIMITED, why: str = "") -> int:
+        """``allocate(1, budget, why)``, as an int."""
+        if self.num_free_blocks == 0 or budget < 1:
+            if budget < 1 or not self.cache.num_evictable:
+                raise self._refusal(1, budget, why)
             self._push(self.cache.evict(1))
         self.num_free_blocks -= 1
         block_id = self._free_stack.item(self.num_free_blocks)
@@ -156,9 +155,9 @@ class BlockAllocator:
         unique, first = np.unique(reverse, return_index=True)
         self.cache.park(reverse[np.sort(first[keep[unique]])])
 
-    def _refusal(self, num: int) -> OutOfBlocksError:
-        if num > self.budget and num <= self.num_allocatable:
-            return QuotaExceededError(f"need {num} blocks, over {self.budget_reason}")
+    def _refusal(self, num: int, budget: int, why: str) -> OutOfBlocksError:
+        if num > budget and num <= self.num_allocatable:
+            return QuotaExceededError(f"need {num} blocks, over {why}")
         return OutOfBlocksError(
             f"need {num} free blocks, {self.num_free_blocks} of {self.num_blocks} are free"
             + (f" and {self.cache.num_evictable} evictable" if self.cache.num_evictable else "")

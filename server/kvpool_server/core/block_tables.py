@@ -9,7 +9,7 @@ import numpy as np
 from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.errors import InvalidArgumentError, OutOfBlocksError
 from kvpool_server.core.length_lookups import LengthLookups
-from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, AppendPlan
+from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, UNLIMITED, AppendPlan
 
 UNSET = -1
 # A 0-d array, not a Python int: NumPy adds it to an array faster (no scalar conversion per call).
@@ -119,6 +119,10 @@ class BlockTables:
         self.next_slot[child_rows] = self.next_slot[parent_row]
         self.allocator.incref(blocks, len(child_rows))  # a row never holds a block twice
 
+    def blocks_of(self, row: int) -> np.ndarray:
+        """The row's block ids, logical order: a view of its table row."""
+        return self.table[row, : self.blocks_for(self.num_tokens.item(row))]
+
     def adopt(self, row: int, block_ids: np.ndarray) -> int:
         """Give the empty ``row`` the full cached ``block_ids`` (a prefix match), one more reference each. Returns
         how many of them were revived from the evictable LRU."""
@@ -163,10 +167,12 @@ class BlockTables:
         self._free_rows[:0] = range(new - 1, old - 1, -1)
 
     # ---------------------------------------------------------------- append
-    def plan_append(self, rows: np.ndarray | int, num_new_tokens: int | np.ndarray) -> AppendPlan:
+    def plan_append(self, rows: np.ndarray | int, num_new_tokens: int | np.ndarray, budget: int = UNLIMITED,
+                    why: str = "") -> AppendPlan:
         """Append ``num_new_tokens`` (>= 1: an int for every row, or an int64 array of one per row) to ``rows``
         (distinct rows in use as an intp array, or one row as an int), all or nothing, copying on write. Slots come
-        grouped by row in the order of ``rows``.
+        grouped by row in the order of ``rows``. At most ``budget`` blocks may be taken (a tenant's, passed down
+        to the allocator with ``why``, the quota that bounds it: QuotaExceededError).
 
         Two shapes have tuned paths beside the general one, which they hand over to when a row must copy on write:
         one token for each of many rows (the decode step) and any tokens for one row (a prefill).
@@ -174,15 +180,15 @@ class BlockTables:
         # ``__class__ is`` rather than isinstance: the cheapest test on the hot path; mypy cannot narrow it (the
         # ignores; no typing.cast, which is a call)
         if rows.__class__ is int:
-            plan = self._plan_one_row(rows, num_new_tokens)  # type: ignore[arg-type]
-            return plan if plan is not None else self._plan_general(np.array([rows]), num_new_tokens)
+            plan = self._plan_one_row(rows, num_new_tokens, budget, why)  # type: ignore[arg-type]
+            return plan if plan is not None else self._plan_general(np.array([rows]), num_new_tokens, budget, why)
         if num_new_tokens.__class__ is int and num_new_tokens == 1:
-            plan = self._plan_decode(rows)  # type: ignore[arg-type]
+            plan = self._plan_decode(rows, budget, why)  # type: ignore[arg-type]
             if plan is not None:
                 return plan
-        return self._plan_general(rows, num_new_tokens)  # type: ignore[arg-type]
+        return self._plan_general(rows, num_new_tokens, budget, why)  # type: ignore[arg-type]
 
-    def _plan_decode(self, rows: np.ndarray) -> AppendPlan | None:
+    def _plan_decode(self, rows: np.ndarray, budget: int, why: str) -> AppendPlan | None:
         """One token for each row, or None when a row must copy on write.
 
         Written for NumPy's per-call cost, which is most of a step's cost at these sizes: gathers (``take``) through
@@ -198,16 +204,16 @@ class BlockTables:
         slots = self.next_slot.take(rows)
         opening = lookup.starts_block.take(lengths).nonzero()[0]
         if opening.size:
-            new_blocks = allocator.allocate(opening.size)  # raises OutOfBlocksError before any change
+            new_blocks = allocator.allocate(opening.size, budget, why)  # raises OutOfBlocksError before any change
             self.table[rows.take(opening), lookup.block_index.take(lengths.take(opening))] = new_blocks
             slots[opening] = new_blocks * lookup.block_size  # offset 0 of each new block
         else:
             new_blocks = EMPTY_BLOCKS
         self.next_slot[rows] = slots + ONE
         self.num_tokens[rows] = lengths + ONE
-        return AppendPlan(slots, new_blocks, NO_COPIES)
+        return AppendPlan(slots, new_blocks, NO_COPIES, new_blocks)  # no copies: every new block is cleared
 
-    def _plan_one_row(self, row: int, count: int) -> AppendPlan | None:
+    def _plan_one_row(self, row: int, count: int, budget: int, why: str) -> AppendPlan | None:
         """``count`` tokens for one row, in scalars, or None when the row must copy on write. Tokens that all land in
         one block take a run of slots from the first, which is the cached next slot or offset 0 of a new block."""
         allocator, block_size = self.allocator, self.block_size
@@ -221,7 +227,7 @@ class BlockTables:
         last_block = (new_length - 1) // block_size
         if first_block == last_block:  # one block
             if first_offset == 0:
-                self.table[row, first_block] = block_id = allocator.allocate_one()  # raises OutOfBlocksError first
+                self.table[row, first_block] = block_id = allocator.allocate_one(budget, why)  # raises before any change
                 first, new_blocks = block_id * block_size, np.array([block_id], dtype=np.int32)
             else:
                 first, new_blocks = self.next_slot.item(row), EMPTY_BLOCKS
@@ -229,15 +235,16 @@ class BlockTables:
             slots = np.arange(first, next_slot, dtype=np.int64)
         else:
             held = first_block + (first_offset > 0)
-            new_blocks = allocator.allocate(last_block + 1 - held)  # raises OutOfBlocksError before any change
+            new_blocks = allocator.allocate(last_block + 1 - held, budget, why)  # raises before any change
             self.table[row, held : last_block + 1] = new_blocks
             slots = self.slots(row, slice(length, new_length))
             next_slot = slots.item(-1) + 1
         self.num_tokens[row] = new_length
         self.next_slot[row] = next_slot
-        return AppendPlan(slots, new_blocks, NO_COPIES)
+        return AppendPlan(slots, new_blocks, NO_COPIES, new_blocks)
 
-    def _plan_general(self, rows: np.ndarray, num_new_tokens: int | np.ndarray) -> AppendPlan:
+    def _plan_general(self, rows: np.ndarray, num_new_tokens: int | np.ndarray, budget: int = UNLIMITED,
+                      why: str = "") -> AppendPlan:
         """Any counts, with copy-on-write (see ``plan_append``)."""
         lookup, allocator, table = self.by_length, self.allocator, self.table
         lengths = self.num_tokens.take(rows)
@@ -256,7 +263,7 @@ class BlockTables:
             copy_rows, copy_index, src = copy_rows[copiers], copy_index[copiers], src[copiers]
             num_copies = src.size
         num_grow = int(grow.sum())
-        new_blocks = allocator.allocate(num_copies + num_grow)  # raises OutOfBlocksError before any change
+        new_blocks = allocator.allocate(num_copies + num_grow, budget, why)  # raises before any change
 
         # --- from here on nothing can fail ---
         copies = NO_COPIES
@@ -274,7 +281,7 @@ class BlockTables:
         positions = np.repeat(lengths - (ends - counts), counts) + np.arange(ends.item(-1))
         slots = self.slots(np.repeat(rows, counts), positions)
         self.next_slot[rows] = slots.take(ends - ONE) + ONE
-        return AppendPlan(slots, new_blocks, copies)
+        return AppendPlan(slots, new_blocks, copies, new_blocks[num_copies:] if num_copies else new_blocks)
 
     def _writes_into_shared(self, rows: np.ndarray | int, lengths: np.ndarray | int) -> np.ndarray | bool:
         """The copy-on-write test: whether the next token of each row (of ``lengths`` tokens) lands in a block other

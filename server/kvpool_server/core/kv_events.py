@@ -13,46 +13,52 @@ parent of the next; a sequence's blocks sealed by one call) are one event, their
 
 One event per run instead of one per block is what lets a subscriber follow a server that seals blocks by the
 thousand a call (benchmarks/bench_events.py).
+
+Bounded in bytes, not only in batches: one frontend sealing long prompts in a loop grew a server holding 10,000
+batches from 72 MB to 3.36 GB. The log keeps an estimate of what each batch holds (``batch_bytes``) and drops the
+oldest batches while the total is over ``max_bytes`` (default ``DEFAULT_EVENT_LOG_BYTES``, 64 MiB); the events
+gathered during one call (``pending``) are bounded by the same ``max_bytes`` (``PendingEvents``). The estimate
+counts each token id at 4 B (held as uint32: ``array('I')``), each hash at 32 B, and fixed overheads measured with
+tracemalloc on CPython 3.11 and rounded up (``HASH_OVERHEAD`` etc. below); ``tests/core/test_kv_event_bytes.py``
+checks that tracemalloc's growth stays under the bound.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from kvpool_server.core.block_hash import NONE_HASH
+from kvpool_server.core.kv_event_types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVEvent", "KVEventLog", "stored_runs"]
 
-@dataclass(frozen=True)
-class BlockStored:
-    block_hashes: tuple[bytes, ...]  # a run: each the parent of the next
-    parent_block_hash: bytes | None  # the first one's parent; None: the first block of a sequence
-    token_ids: tuple[int, ...]  # every block's, concatenated: block_size per hash
-    block_size: int
-    cache_extra_key: bytes = b""  # the sequence's extra key, in every block's hash
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hashes: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    pass
+DEFAULT_EVENT_LOG_BYTES = 64 << 20  # the log's bound (published batches; and, apart, the pending events of a call)
+TOKEN_BYTES = 4  # a token id, as a BlockStored holds it (uint32)
+HASH_BYTES = 32  # a block hash (sha256)
+# Measured with tracemalloc (CPython 3.11, 64-bit), rounded up: what a hash costs beyond its 32 bytes (its bytes
+# object's header and its slot in a tuple: 41 + 8), what an event costs beyond its hashes and token ids (the
+# object, its tuples, its token array's header: ~200), a batch beyond its events (the object, its events tuple,
+# its deque slot: ~150), and a pending stored block beyond its hash and token ids (a CachedBlock, its parent
+# hash, its NumPy token array's header, its list slot: ~310; often shared with the cache's entry while cached).
+HASH_OVERHEAD = 56
+EVENT_OVERHEAD = 224
+BATCH_OVERHEAD = 160
+PENDING_BLOCK_OVERHEAD = 320
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 # What the prefix cache records while a call runs: the entries it stored (made into BlockStored runs on publish)
 # and BlockRemoved events.
 PendingEvent = CachedBlock | BlockRemoved
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EventBatch:
     epoch: int
     seq: int  # 1, 2, ... within an epoch; a snapshot carries the seq of the last batch it includes
@@ -60,37 +66,94 @@ class EventBatch:
     snapshot: bool = False
 
 
-class KVEventLog:
-    """Events gathered while a call runs (``pending``), published as one batch (``publish``) into a bounded buffer
-    of the last ``capacity`` batches; older ones are dropped (``num_dropped``). A subscriber resumes with
-    ``since(from_seq)``; one that is too far behind (or new) starts from ``snapshot``: AllBlocksCleared, then a
-    BlockStored per cached block, as of the last published batch.
+class EventsLost:
+    """Marks, first in ``pending``, that a call's events outgrew the bound and were dropped: the batch they were
+    to make is lost, so every subscriber must take a snapshot."""
 
-    Invariants: batch sequence numbers are consecutive; ``next_seq - 1`` is the last published one.
+
+EVENTS_LOST = EventsLost()
+
+
+class PendingEvents(list[PendingEvent | EventsLost]):
+    """The events of the call under way, as the prefix cache appends them, bounded by ``max_bytes`` (estimated as
+    ``pending_bytes``): past it they are dropped and replaced by ``EVENTS_LOST`` (``lost``), and the rest of the
+    call's events are gathered after it. A list, so that ``if log.pending`` stays the cheap test."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__()
+        self.max_bytes: int = max_bytes
+        self.num_bytes: int = 0
+        self.lost: bool = False
+
+    def append(self, item: PendingEvent | EventsLost) -> None:
+        self.num_bytes += pending_bytes(item)
+        if self.num_bytes > self.max_bytes:
+            super().clear()
+            self.num_bytes, self.lost = pending_bytes(item), True
+            super().append(EVENTS_LOST)
+        super().append(item)
+
+    def reset(self) -> None:
+        super().clear()
+        self.num_bytes, self.lost = 0, False
+
+
+class KVEventLog:
+    """Events gathered while a call runs (``pending``), published as one batch (``publish``) into a buffer of the
+    last ``capacity`` batches that hold at most ``max_bytes`` (estimated: ``batch_bytes``); older ones are dropped
+    (``num_dropped``). A subscriber resumes with ``since(from_seq)``; one that is too far behind (or new) starts
+    from ``snapshot``: AllBlocksCleared, then a BlockStored per cached block, as of the last published batch.
+
+    A call whose events outgrow ``max_bytes`` loses them (``PendingEvents``): its publish drops every buffered
+    batch and uses up a sequence number with no batch, so that ``since`` sends every subscriber to a snapshot
+    (each lost or dropped batch is counted in ``num_dropped``).
+
+    Invariants: the buffered batches' sequence numbers are consecutive and the last is ``next_seq - 1`` (when any
+    is buffered); ``num_bytes`` is the sum of their ``batch_bytes``, at most ``max_bytes``, and there are at most
+    ``capacity`` of them.
     """
 
-    def __init__(self, epoch: int, capacity: int = 10_000) -> None:
+    def __init__(self, epoch: int, capacity: int = 10_000, max_bytes: int = DEFAULT_EVENT_LOG_BYTES) -> None:
         self.epoch: int = epoch
         self.capacity: int = capacity
-        self.batches: deque[EventBatch] = deque(maxlen=capacity)
-        self.pending: list[PendingEvent] = []
+        self.max_bytes: int = max_bytes
+        self.batches: deque[EventBatch] = deque()
+        self.batch_sizes: deque[int] = deque()  # batch_bytes of each of ``batches``
+        self.num_bytes: int = 0
+        self.pending: PendingEvents = PendingEvents(max_bytes)
         self.next_seq: int = 1
         self.num_dropped: int = 0
 
     def attach(self, cache: PrefixCache) -> None:
-        """Record ``cache``'s stores and evictions into ``pending``."""
-        cache.events = self.pending
+        """Record ``cache``'s stores and evictions into ``pending`` (which the cache only appends to)."""
+        cache.events = cast("list[PendingEvent]", self.pending)
 
     def publish(self) -> EventBatch | None:
         """Close the pending events into the next batch (None when there are none)."""
-        if not self.pending:
+        pending = self.pending
+        if not pending:
             return None
-        batch = EventBatch(self.epoch, self.next_seq, stored_runs(self.pending))
-        if len(self.batches) == self.capacity:
-            self.num_dropped += 1
+        if pending.lost:  # the lost batch: every subscriber takes a snapshot
+            self.num_dropped += len(self.batches) + 1
+            self.batches.clear()
+            self.batch_sizes.clear()
+            self.num_bytes = 0
+            self.next_seq += 1
+            del pending[0]  # EVENTS_LOST; what follows it is the rest of the call's events
+            if not pending:
+                pending.reset()
+                return None
+        batch = EventBatch(self.epoch, self.next_seq, stored_runs(pending))  # type: ignore[arg-type]
+        size = batch_bytes(batch)
         self.batches.append(batch)
+        self.batch_sizes.append(size)
+        self.num_bytes += size
+        while self.batches and (self.num_bytes > self.max_bytes or len(self.batches) > self.capacity):
+            self.batches.popleft()
+            self.num_bytes -= self.batch_sizes.popleft()
+            self.num_dropped += 1
         self.next_seq += 1
-        self.pending.clear()  # the same list: the cache appends to it
+        pending.reset()  # the same list: the cache appends to it
         return batch
 
     def since(self, from_seq: int) -> list[EventBatch] | None:
@@ -104,6 +167,30 @@ class KVEventLog:
         """The cache's content as one batch, numbered as the last published batch (resume at its seq + 1)."""
         events = (AllBlocksCleared(), *stored_runs(cache.entries.values()))  # entries: in the order stored
         return EventBatch(self.epoch, self.next_seq - 1, events, snapshot=True)
+
+
+def event_bytes(event: KVEvent) -> int:
+    """The estimated bytes one event holds (module docstring)."""
+    if isinstance(event, BlockStored):
+        return (EVENT_OVERHEAD + len(event.block_hashes) * (HASH_BYTES + HASH_OVERHEAD)
+                + len(event.token_ids) * TOKEN_BYTES + len(event.cache_extra_key))
+    if isinstance(event, BlockRemoved):
+        return EVENT_OVERHEAD + len(event.block_hashes) * (HASH_BYTES + HASH_OVERHEAD)
+    return EVENT_OVERHEAD
+
+
+def batch_bytes(batch: EventBatch) -> int:
+    """The estimated bytes a buffered batch holds."""
+    return BATCH_OVERHEAD + sum(event_bytes(e) for e in batch.events)
+
+
+def pending_bytes(item: PendingEvent | EventsLost) -> int:
+    """The estimated bytes a pending entry holds: a stored block (its hash, parent hash and token ids are counted
+    as its own, though the cache's entry often shares them) or a BlockRemoved."""
+    if isinstance(item, CachedBlock):
+        return (PENDING_BLOCK_OVERHEAD + 2 * (HASH_BYTES + HASH_OVERHEAD) + item.token_ids.size * TOKEN_BYTES
+                + len(item.extra))
+    return event_bytes(item) if isinstance(item, BlockRemoved) else 0
 
 
 def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
@@ -130,5 +217,6 @@ def _stored(run: list[CachedBlock]) -> BlockStored:
     first = run[0]
     parent = None if first.parent_hash == NONE_HASH else first.parent_hash
     tokens = np.concatenate([e.token_ids for e in run]) if len(run) > 1 else first.token_ids
-    return BlockStored(tuple(e.block_hash for e in run), parent, tuple(tokens.tolist()), int(first.token_ids.size),
-                       first.extra)
+    token_ids = array("I")
+    token_ids.frombytes(tokens.astype(np.uint32, copy=False).tobytes())
+    return BlockStored(tuple(e.block_hash for e in run), parent, token_ids, int(first.token_ids.size), first.extra)

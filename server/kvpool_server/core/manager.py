@@ -6,12 +6,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool_server.core import checks, prefix_ops
+from kvpool_server.core import checks
 from kvpool_server.core.allocator import BlockAllocator
+from kvpool_server.core.block_hash import chain_hashes
 from kvpool_server.core.block_tables import BlockTables
+from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
-from kvpool_server.core.tenants import DEFAULT_TENANT, UNLIMITED, TenantLedger
+from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
 from kvpool_server.core.types import AppendPlan, PoolStats
 
@@ -97,7 +99,7 @@ class KVCacheManager:
         The prompt's first ``public_prefix_len`` tokens (their full blocks) are a public prefix, shared across
         tenants; ``cache_extra_key`` goes into every block's hash (docs/prefix-caching.md)."""
         prompt = None if prompt_token_ids is None else np.asarray(prompt_token_ids, dtype=np.uint32)
-        prefix_ops.check_register_args(prompt, public_prefix_len, cache_extra_key)
+        check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
         if prompt is None and cache_extra_key:
             prompt = np.zeros(0, dtype=np.uint32)  # tracked from its first append, with the key
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
@@ -113,10 +115,33 @@ class KVCacheManager:
         self._own([seq_id], session_id)
         self.tenants.add_rows([row], tenant)
         if prompt is not None:
-            prefix_ops.reuse_prefix(self, row, tenant, prompt, public_prefix_len, cache_extra_key)
+            self._reuse_prefix(row, tenant, prompt, public_prefix_len, cache_extra_key)
             self.prefix_query_tokens += int(prompt.size)  # vLLM's prefix_cache_queries / _hits, in tokens
             self.prefix_hit_tokens += self.tables.num_tokens.item(row)
         return seq_id
+
+    def _reuse_prefix(self, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int, extra: bytes) -> None:
+        """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``: one
+        token is always left to compute), within the tenant's budget for blocks new to it
+        (``TenantLedger.adoptable``), and track it. Its first ``public_prefix_len // block_size`` blocks are public
+        (hashed with PUBLIC_SALT)."""
+        salt, bs, cache = self.tenants.names[tenant].encode(), self.block_size, self.allocator.cache
+        num_public = public_prefix_len // bs
+        hashes = chain_hashes(prompt[: max(0, (prompt.size - 1) // bs) * bs], bs, salt, extra=extra,
+                              num_public=num_public)
+        blocks = np.array(cache.match(hashes), dtype=np.int32)
+        if blocks.size and self.tenancy:
+            ledger = self.tenants
+            public = cache.is_public[blocks] if cache.num_public else None
+            revived = self.allocator.ref_count[blocks] == 0
+            if ledger.limited:
+                num = ledger.adoptable(tenant, blocks, revived, public, self.allocator.num_allocatable)
+                blocks, revived = blocks[:num], revived[:num]
+                public = None if public is None else public[:num]
+            ledger.charge_adopted(tenant, blocks, revived, public)
+        if blocks.size:
+            self.tables.adopt(row, blocks)
+        self.chains.start(row, salt, hashes[: blocks.size], extra, num_public)
 
     def append(
         self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1,
@@ -127,23 +152,26 @@ class KVCacheManager:
         ``seq_ids`` is one id, or a non-empty sequence or uint64 array of distinct ids. Slots in
         ``plan.slot_mapping`` are grouped by sequence in the order of ``seq_ids``. ``token_ids``: every appended
         token's id, concatenated in that order, or None (the sequences are then not cached from here on).
+
+        One pipeline: resolve the ids and counts (once), plan on the tables within the tenant's budget (passed
+        down as an argument), then, when token ids are given or some row is tracked, extend the token chains.
         """
-        if token_ids is not None or self.chains.chains:  # a dict's truth: the cheapest test
-            return prefix_ops.append_tracked(self, seq_ids, num_new_tokens, tenant, token_ids)
         # ``__class__ is`` tests: the cheapest on the hot path; mypy cannot narrow them (the ignores below; no
         # typing.cast, which is a call)
-        one = seq_ids.__class__ is int
-        rows = self.index.row(seq_ids) if one else self._rows(seq_ids)  # type: ignore[arg-type]
+        rows = self.index.row(seq_ids) if seq_ids.__class__ is int else self.index.resolve(seq_ids)
         if num_new_tokens.__class__ is not int or num_new_tokens < 1:  # an array of counts, or a count to refuse
-            num_new_tokens = self._counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)  # type: ignore[union-attr]
-        if self.tenancy:
-            return self._append_as(seq_ids, rows, num_new_tokens, tenant)  # type: ignore[arg-type]
-        return self.tables.plan_append(rows, num_new_tokens)  # type: ignore[arg-type]
+            num_new_tokens = append_counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)  # type: ignore[union-attr]
+        if token_ids is None and not self.chains.chains:  # nothing to track (a dict's truth: the cheapest test)
+            if self.tenancy:
+                return self._plan_as(seq_ids, rows, num_new_tokens, tenant)  # type: ignore[arg-type]
+            return self.tables.plan_append(rows, num_new_tokens)  # type: ignore[arg-type]
+        return self._append_tracked(seq_ids, rows, num_new_tokens, tenant, token_ids)  # type: ignore[arg-type]
 
-    def _append_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
-                   tenant: int | None) -> AppendPlan:
-        """``append`` with tenancy on: every row must be ``tenant``'s (one gather, one compare), and the blocks it
-        may take are bounded by the tenant's budget (``TenantLedger.budget``), through the allocator."""
+    def _plan_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
+                 tenant: int | None) -> AppendPlan:
+        """The plan with tenancy on: every row must be ``tenant``'s (one gather, one compare), and the blocks it may
+        take are bounded by the tenant's budget (``TenantLedger.budget``), passed to the tables; the tenant is
+        charged the blocks taken."""
         ledger = self.tenants
         owners = ledger.tenant_of_row.take(rows)
         if tenant is None:
@@ -151,14 +179,33 @@ class KVCacheManager:
         if np.count_nonzero(owners != tenant):
             ids = np.atleast_1d(np.asarray(seq_ids, dtype=np.uint64))
             raise not_live(int(ids[np.atleast_1d(owners) != tenant][0]))
-        allocator = self.allocator
         if ledger.limited:
-            allocator.budget, allocator.budget_reason = ledger.budget(tenant, allocator.num_allocatable)
-        try:
+            budget, why = ledger.budget(tenant, self.allocator.num_allocatable)
+            plan = self.tables.plan_append(rows, num_new_tokens, budget, why)
+        else:
             plan = self.tables.plan_append(rows, num_new_tokens)
-        finally:
-            allocator.budget = UNLIMITED
         ledger.num_blocks[tenant] += plan.new_block_ids.size
+        return plan
+
+    def _append_tracked(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
+                        tenant: int | None, token_ids: Sequence[int] | np.ndarray | None) -> AppendPlan:
+        """``append`` when token ids are given or some rows are tracked: the plan, then the chains
+        (``TokenChains.after_append``: seal the rows' pending blocks, hash their new full ones)."""
+        row_array = np.atleast_1d(np.asarray(rows, dtype=np.intp))
+        counts = np.broadcast_to(np.asarray(num_new_tokens, dtype=np.int64), row_array.shape)
+        ids = None if token_ids is None else append_token_ids(token_ids, int(counts.sum()))
+        lengths = self.tables.num_tokens.take(row_array)
+        if self.tenancy:
+            plan = self._plan_as(seq_ids, rows, num_new_tokens, tenant)
+        else:
+            plan = self.tables.plan_append(rows, num_new_tokens)
+        ledger = self.tenants
+        salts = [] if ids is None else [ledger.names[t].encode() for t in ledger.tenant_of_row.take(row_array).tolist()]
+        sealed_public = self.chains.after_append(row_array, counts, lengths, ids, self.tables.table,
+                                                 self.allocator.cache, salts)
+        if self.tenancy:
+            for row, block_id in sealed_public:
+                ledger.seal_public(ledger.tenant_of_row.item(row), block_id, self.allocator.ref_count.item(block_id))
         return plan
 
     def _row(self, seq_id: int, tenant: int | None) -> int:
@@ -167,30 +214,6 @@ class KVCacheManager:
         if tenant is not None and self.tenancy and self.tenants.tenant_of_row.item(row) != tenant:
             raise not_live(seq_id)
         return row
-
-    def _rows(self, seq_ids: int | Sequence[int] | np.ndarray) -> int | np.ndarray:
-        """The rows of distinct live ids: an intp array, or an int for one sequence (the tables plan it in scalars)."""
-        if isinstance(seq_ids, (int, np.integer)):
-            return self.index.row(int(seq_ids))
-        ids = np.asarray(seq_ids, dtype=np.uint64)
-        if ids.ndim != 1 or ids.size == 0:
-            raise InvalidArgumentError("append needs a non-empty list of seq_ids")
-        rows = self.index.rows(ids)
-        return rows.item(0) if rows.size == 1 else rows
-
-    @staticmethod
-    def _counts(num_new_tokens: int | Sequence[int] | np.ndarray, num_rows: int) -> int | np.ndarray:
-        """An int (>= 1) for every row, or an int64 array of one per row (each >= 1; an int for one row)."""
-        if isinstance(num_new_tokens, (int, np.integer)):
-            if num_new_tokens < 1:
-                raise InvalidArgumentError(f"num_tokens must be >= 1, got {num_new_tokens}")
-            return int(num_new_tokens)
-        counts = np.asarray(num_new_tokens, dtype=np.int64)
-        if counts.shape != (num_rows,):
-            raise InvalidArgumentError(f"{counts.size} num_tokens values for {num_rows} sequences")
-        if (counts < 1).any():
-            raise InvalidArgumentError(f"every num_tokens must be >= 1, got {counts.min()}")
-        return counts.item(0) if num_rows == 1 else counts
 
     def fork(
         self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (), session_id: int = 0,
@@ -221,8 +244,11 @@ class KVCacheManager:
             child_seq_ids = [self.index.new_server_id(row) for row in rows]
         self.tables.fork(parent_row, rows)
         self.chains.fork(parent_row, rows)
-        if self.tenancy and self.allocator.cache.num_public:
-            prefix_ops.fork_public(self, parent_row, num_children, parent_tenant)
+        if self.tenancy and self.allocator.cache.num_public:  # the children hold the parent's public blocks too
+            blocks = self.tables.blocks_of(parent_row)
+            public = blocks[self.allocator.cache.is_public[blocks]]
+            if public.size:
+                self.tenants.adopt_public(parent_tenant, public.tolist(), num_children)
         for seq_id, row in zip(child_seq_ids, rows):
             self.index.add(seq_id, row)
         self._own(child_seq_ids, session_id or self.session_of_seq.get(parent_seq_id, 0))
@@ -244,10 +270,10 @@ class KVCacheManager:
         num_freed = 0
         for owner in sorted(set(owners)):  # each tenant's rows apart: the ledger credits what it no longer holds
             group = rows if len(owners) == 1 else [row for row, o in zip(rows, owners) if o == owner]
-            public = prefix_ops.held_public(self, group) if self.tenancy and self.tenants.public_refs else []
+            public = self._public_held(group) if self.tenancy and self.tenants.public_refs else []
             freed = self.tables.release(group)
             if self.tenancy:
-                self.tenants.num_blocks[owner] -= prefix_ops.released_blocks(self, owner, public, freed)
+                self.tenants.credit_released(owner, freed, public, self.allocator.ref_count)
             num_freed += freed
         self.tenants.remove_rows(rows)
         self.chains.drop(rows)
@@ -255,6 +281,15 @@ class KVCacheManager:
             self.index.remove(seq_id)
         self._disown(ids)
         return num_freed
+
+    def _public_held(self, rows: list[int]) -> list[int]:
+        """The public blocks ``rows`` reference, one entry per reference (read before releasing them)."""
+        is_public = self.allocator.cache.is_public
+        held: list[int] = []
+        for row in rows:
+            blocks = self.tables.blocks_of(row)
+            held += blocks[is_public[blocks]].tolist()
+        return held
 
     # ---------------------------------------------------------------- sessions
     def _own(self, seq_ids: list[int], session_id: int) -> None:
@@ -305,8 +340,7 @@ class KVCacheManager:
 
     def block_table(self, seq_id: int, tenant: int | None = None) -> np.ndarray:
         """A copy of the sequence's block ids, logical order."""
-        row = self._row(seq_id, tenant)
-        return self.tables.table[row, : self.tables.blocks_for(self.tables.num_tokens.item(row))].copy()
+        return self.tables.blocks_of(self._row(seq_id, tenant)).copy()
 
     def slots(
         self, seq_id: int, start: int, count: int, for_write: bool = False, tenant: int | None = None

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
 from kvpool_server.core.errors import InvariantViolationError
-
-if TYPE_CHECKING:
-    from kvpool_server.core.kv_events import PendingEvent
+from kvpool_server.core.kv_event_types import BlockRemoved
 
 
 class CachedBlock(NamedTuple):
@@ -59,8 +57,9 @@ class PrefixCache:
         self.num_public: int = 0
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest (first to evict) first
         self.num_evicted: int = 0
-        # A KVEventLog's ``pending`` list when one is attached (kv_events.py): the entries stored, BlockRemoved.
-        self.events: list[PendingEvent] | None = None
+        # A KVEventLog's ``pending`` list when one is attached (kv_events.py, a bounded list): the entries stored,
+        # BlockRemoved.
+        self.events: list[CachedBlock | BlockRemoved] | None = None
 
     @property
     def num_cached(self) -> int:
@@ -115,7 +114,6 @@ class PrefixCache:
             del self.block_of_hash[hashes[-1]]
             evicted[i] = block_id
         if self.events is not None:
-            from kvpool_server.core.kv_events import BlockRemoved
             self.events.append(BlockRemoved(tuple(hashes)))
         self.is_cached[evicted] = False
         if self.num_public:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -89,6 +90,17 @@ class SequenceIndex:
         if rows.size > 1 and self._repeats.any_repeated(rows):
             raise InvalidArgumentError("the batch names a sequence twice")
         return rows
+
+    def resolve(self, seq_ids: int | Sequence[int] | np.ndarray) -> int | np.ndarray:
+        """The rows of one id or a non-empty batch of distinct live ids: an int for one sequence (the tables plan it
+        in scalars), else an intp array."""
+        if isinstance(seq_ids, (int, np.integer)):
+            return self.row(int(seq_ids))
+        ids = np.asarray(seq_ids, dtype=np.uint64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise InvalidArgumentError("append needs a non-empty list of seq_ids")
+        rows = self.rows(ids)
+        return rows.item(0) if rows.size == 1 else rows
 
     def hold(self, rows: np.ndarray, seq_ids: np.ndarray) -> bool:
         """Whether row ``rows[i]`` holds live sequence ``seq_ids[i]`` for every i (one gather, one compare)."""

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool_server.core.errors import InvalidArgumentError, QuotaExceededError
+from kvpool_server.core.types import UNLIMITED
 
 DEFAULT_TENANT = 0
-UNLIMITED = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,40 @@ class TenantLedger:
             refs[key] = before + times
             newly_held += before == 0
         return newly_held
+
+    def adoptable(self, tenant: int, blocks: np.ndarray, revived: np.ndarray, public: np.ndarray | None,
+                  num_allocatable: int) -> int:
+        """How many of a prefix match's leading ``blocks`` ``tenant`` may adopt: those ``revived`` (ref count 0: they
+        take allocatable blocks) within its ``budget``, and those new to it (revived, or ``public`` ones no row of
+        it holds) within its ``max_blocks``."""
+        budget, _ = self.budget(tenant, num_allocatable)
+        new = revived if public is None else revived | (public & self._unheld(tenant, blocks))
+        return min(int(np.searchsorted(np.cumsum(revived), budget, side="right")),
+                   int(np.searchsorted(np.cumsum(new), self.quota_left(tenant), side="right")))
+
+    def charge_adopted(self, tenant: int, blocks: np.ndarray, revived: np.ndarray, public: np.ndarray | None) -> None:
+        """A row of ``tenant`` adopts ``blocks`` (a prefix match; ``revived``: those of ref count 0, ``public``:
+        those public, or None while no block is public): charge the revived private ones and the public ones it
+        did not hold."""
+        newly_held = int(np.count_nonzero(revived))
+        if public is not None:
+            newly_held -= int(np.count_nonzero(revived & public))  # counted by adopt_public
+            newly_held += self.adopt_public(tenant, blocks[public].tolist())
+        self.num_blocks[tenant] += newly_held
+
+    def _unheld(self, tenant: int, blocks: np.ndarray) -> np.ndarray:
+        """Which of ``blocks`` no row of ``tenant`` references through ``public_refs``."""
+        return np.array([(tenant, b) not in self.public_refs for b in blocks.tolist()], dtype=bool)
+
+    def credit_released(self, tenant: int, num_freed: int, public: list[int], ref_count: np.ndarray) -> None:
+        """Rows of ``tenant`` that referenced the public blocks ``public`` (one entry per reference) were released,
+        freeing ``num_freed`` blocks (``ref_count``: the counts after): credit the freed private blocks and the
+        public ones it has no row left on (a freed public block is among those)."""
+        released = num_freed
+        if public:
+            unique = np.unique(np.array(public, dtype=np.int32))
+            released += self.release_public(tenant, public) - int(np.count_nonzero(ref_count[unique] == 0))
+        self.num_blocks[tenant] -= released
 
     def release_public(self, tenant: int, block_ids: list[int]) -> int:
         """One reference of a row of ``tenant`` per entry of ``block_ids`` (may repeat) is gone (a free). Returns

@@ -20,11 +20,19 @@ class AppendPlan(NamedTuple):
     new_block_ids: int32 [k], blocks allocated by the append, copy-on-write destinations included.
     copies:        int32 [c, 2], (src_block_id, dst_block_id) copy-on-write pairs; the device layer must run
                    them (``pool.copy_blocks(plan.copies)``) before anyone writes into the new slots.
+    zero_block_ids: int32 [z], the blocks of ``new_block_ids`` that are not copy-on-write destinations: taken from
+                   the free list or evicted from the prefix cache, they still hold their last owner's KV, which the
+                   new owner's unwritten slots would expose. The device layer clears them
+                   (``pool.zero_blocks(plan.zero_block_ids)``) before the copies and the writes. A copy-on-write
+                   destination is left out: its copy overwrites all of it. Blocks a ``register`` adopts from the
+                   prefix cache are never cleared (their content is what is shared); they are in no plan. Empty
+                   (a shared read-only constant, no allocation) on the steps that take no block, most decode steps.
     """
 
     slot_mapping: np.ndarray
     new_block_ids: np.ndarray
     copies: np.ndarray
+    zero_block_ids: np.ndarray
 
     @property
     def num_new_tokens(self) -> int:
@@ -62,6 +70,7 @@ class PoolStats:
         return self.num_slots_unused / used_slots if used_slots else 0.0
 
 
+UNLIMITED = 1 << 62  # the block budget of an append no quota bounds (``TenantLedger.budget``)
 EMPTY_BLOCKS = np.zeros(0, dtype=np.int32)
 EMPTY_BLOCKS.flags.writeable = False
 NO_COPIES = np.zeros((0, 2), dtype=np.int32)
