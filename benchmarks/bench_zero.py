@@ -11,14 +11,16 @@ the pool (``n > num_blocks / 2``) are skipped. ``--kv-layout layer-major`` runs 
 
 Columns (medians over rotating id sets, so no call repeats the previous one's ids):
 
+- ``path`` (GPU): how ``zero_blocks`` cleared them: ``memset`` (one run, block-major or 1 layer) or ``kernel``.
 - ``call us``: wall time of one ``pool.zero_blocks(ids)`` -- validation, run coalescing (host) or the id upload,
-  the launch and the stream synchronisation (GPU): what the serving path pays per call.
-- ``dev us`` (GPU): device time of the zero kernel alone, CUDA events around 20 back-to-back launches / 20.
+  the launch (or memsets) and the stream synchronisation (GPU): what the serving path pays per call.
+- ``dev us`` (GPU): device time of the zero kernel alone (whatever the path), 20 launches captured in a CUDA graph,
+  CUDA events around its replay, / 20.
 - ``GB/s``: bytes zeroed / (dev us on GPU, call us on the host).
 - ``memset``: one ``cudaMemsetAsync`` (GPU, events the same way) or one NumPy ``[:] = 0`` (host) of the same number
   of contiguous bytes of the pool, in the same run: the bandwidth ceiling. ``vs memset`` = its time / ours.
 - ``per-run`` (GPU): the alternative, one ``cudaMemsetAsync`` per run of consecutive ids (2L per run layer-major),
-  host wall per call (enqueue + sync) and device time; "-" where it would take more than 20 000 memsets.
+  host wall per call (enqueue + sync) and device time (graph); "-" where it would take more than 5 000 memsets.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kvpool_server.device.host_pool import block_runs  # noqa: E402
 COUNTS = (1, 16, 64, 256, 4096)
 NUM_SETS = 8  # id sets rotated over
 LAUNCHES, REPEATS = 20, 9  # device timing: events around LAUNCHES back-to-back launches, median of REPEATS
-MAX_MEMSETS = 20_000
+MAX_MEMSETS = 5_000
 
 
 def layouts(kv_layout: str) -> dict[str, KVLayout]:
@@ -71,24 +73,29 @@ def wall_us(call: Callable[[int], Any], n: int) -> float:
 
 
 def device_us(enqueue: Callable[[int], Any], stream: Any) -> float:
-    """Median device time of one enqueue (CUDA events around LAUNCHES back-to-back ones)."""
+    """Median device time of one enqueue: LAUNCHES enqueues captured in a CUDA graph, CUDA events around its
+    replay (a graph, so that the host's launch rate -- ~5-10 us a CuPy launch -- does not show as GPU time)."""
     import cupy
 
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
     for i in range(3):
         enqueue(i)
+    stream.synchronize()
+    stream.begin_capture()
+    for i in range(LAUNCHES):
+        enqueue(i)
+    graph = stream.end_capture()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
     samples = []
     for _ in range(REPEATS):
         start.record(stream)
-        for i in range(LAUNCHES):
-            enqueue(i)
+        graph.launch(stream)
         end.record(stream)
         end.synchronize()
         samples.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / LAUNCHES)
     return statistics.median(samples)
 
 
-def bench_host(pool: Any, n: int, sets: list[np.ndarray], calls: int) -> dict[str, float]:
+def bench_host(pool: Any, n: int, sets: list[np.ndarray], calls: int) -> dict[str, Any]:
     nbytes = n * pool.layout.block_bytes
     flat = np.frombuffer(pool._mmap, dtype=np.uint8)
     call = wall_us(lambda i: pool.zero_blocks(sets[i % NUM_SETS]), calls)
@@ -96,19 +103,21 @@ def bench_host(pool: Any, n: int, sets: list[np.ndarray], calls: int) -> dict[st
     return {"call_us": call, "gbps": nbytes / call / 1e3, "memset_us": memset, "memset_gbps": nbytes / memset / 1e3}
 
 
-def bench_gpu(pool: Any, n: int, sets: list[np.ndarray], calls: int) -> dict[str, float]:
+def bench_gpu(pool: Any, n: int, sets: list[np.ndarray], calls: int) -> dict[str, Any]:
     import cupy
 
     layout, stream = pool.layout, pool._stream
     nbytes = n * layout.block_bytes
-    row = {"call_us": wall_us(lambda i: pool.zero_blocks(sets[i % NUM_SETS]), calls)}
+    row: dict[str, Any] = {"path": "memset" if pool.zeroes_by_memset(sets[0]) else "kernel",
+                           "call_us": wall_us(lambda i: pool.zero_blocks(sets[i % NUM_SETS]), calls)}
     with pool.device:
         dev_sets = [cupy.asarray(s) for s in sets]  # uploaded once: the kernel alone is timed
         row["dev_us"] = device_us(lambda i: pool.zeroer.launch(pool._base_ptr, dev_sets[i % NUM_SETS].data.ptr, n,
                                                                stream), stream)
         row["gbps"] = nbytes / row["dev_us"] / 1e3
-        memset = lambda i: cupy.cuda.runtime.memsetAsync(pool._base_ptr, 0, nbytes, stream.ptr)  # noqa: E731
-        row["memset_us"] = device_us(memset, stream)
+        regions = max(1, min(NUM_SETS, pool.pool_bytes // nbytes))  # rotate as the id sets do (L2)
+        row["memset_us"] = device_us(lambda i: cupy.cuda.runtime.memsetAsync(
+            pool._base_ptr + (i % regions) * nbytes, 0, nbytes, stream.ptr), stream)
         row["memset_gbps"] = nbytes / row["memset_us"] / 1e3
         block_stride, seg_stride = layout.strides(pool.num_blocks)
         spans, span_bytes = layout.copy_spans(pool.num_blocks)
@@ -130,7 +139,7 @@ def bench_gpu(pool: Any, n: int, sets: list[np.ndarray], calls: int) -> dict[str
     return row
 
 
-def fmt(row: dict[str, float], key: str, digits: int = 1) -> str:
+def fmt(row: dict[str, Any], key: str, digits: int = 1) -> str:
     return f"{row[key]:.{digits}f}" if key in row else "-"
 
 
@@ -153,7 +162,7 @@ def main() -> None:
                 device = pool.device
                 print(f"\n{name} ({args.kv_layout}), {pool.num_blocks} blocks, GPU {device.id} "
                       f"({__import__('cupy').cuda.runtime.getDeviceProperties(device.id)['name'].decode()})")
-                print(f"{'ids':>10} {'n':>5} {'MiB':>8} {'call us':>9} {'dev us':>9} {'GB/s':>7} {'memset us':>10} "
+                print(f"{'ids':>10} {'n':>5} {'MiB':>8} {'path':>6} {'call us':>9} {'dev us':>9} {'GB/s':>7} {'memset us':>10} "
                       f"{'GB/s':>7} {'vs memset':>9} {'per-run call us':>15} {'per-run dev us':>14}")
             else:
                 print(f"\n{name} ({args.kv_layout}), {pool.num_blocks} blocks, host shared memory")
@@ -170,7 +179,8 @@ def main() -> None:
                     ratio = row["memset_us"] / row.get("dev_us", row["call_us"])
                     mib = n * layout.block_bytes / (1 << 20)
                     if gpu:
-                        print(f"{pattern:>10} {n:>5} {mib:>8.2f} {row['call_us']:>9.1f} {row['dev_us']:>9.2f} "
+                        print(f"{pattern:>10} {n:>5} {mib:>8.2f} {row['path']:>6} {row['call_us']:>9.1f} "
+                              f"{row['dev_us']:>9.2f} "
                               f"{row['gbps']:>7.0f} {row['memset_us']:>10.2f} {row['memset_gbps']:>7.0f} "
                               f"{ratio:>9.2f} {fmt(row, 'per_run_call_us'):>15} {fmt(row, 'per_run_dev_us', 2):>14}")
                     else:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from kvpool.layout import KVLayout
-from kvpool_client.mapping import map_host_pool
 from kvpool_server.device import create_pool
 from kvpool_server.device.host_pool import RUN_SLICES_MAX, block_runs
 from kvpool_server.pool_protocol import Pool
@@ -149,6 +148,8 @@ def test_block_slots_are_every_slot_of_each_block_in_order(backend: str) -> None
 
 @pytest.mark.parametrize("kv_layout", ["block-major", "layer-major"])
 def test_a_process_mapping_the_host_pool_sees_the_zeros(kv_layout: str) -> None:
+    from kvpool_client.mapping import map_host_pool  # here: kvpool_client imports grpc, absent on the GPU image
+
     layout = dataclasses.replace(LAYOUTS[0], kv_layout=kv_layout)
     with create_pool(layout, backend="host", num_blocks=16) as pool:
         fill_random(pool, np.random.default_rng(6))
@@ -160,7 +161,7 @@ def test_a_process_mapping_the_host_pool_sees_the_zeros(kv_layout: str) -> None:
 
 
 @needs_gpu
-def test_gpu_zero_blocks_is_one_launch_and_allocates_nothing() -> None:
+def test_gpu_zero_blocks_is_one_launch_or_one_memset_a_span_and_allocates_nothing() -> None:
     import cupy
 
     from kvpool_server.device.gpu_pool import GpuPool
@@ -171,14 +172,18 @@ def test_gpu_zero_blocks_is_one_launch_and_allocates_nothing() -> None:
         launches = []
         launch = pool.zeroer.launch
         pool.zeroer.launch = lambda *args: (launches.append(args[2]), launch(*args))  # type: ignore[method-assign]
-        batch = rng.permutation(512)[:300]
+        batch, run = rng.permutation(512)[:300], np.arange(100, 140)
+        assert not pool.zeroes_by_memset(batch) and pool.zeroes_by_memset(run)
+        assert pool.zeroes_by_memset(np.array([7])) and not pool.zeroes_by_memset(np.array([7, 7]))
         pool.zero_blocks(batch)  # warm-up
+        pool.zero_blocks(run)
         mempool = cupy.get_default_memory_pool()
         used, total, free = mempool.used_bytes(), mempool.total_bytes(), cupy.cuda.runtime.memGetInfo()[0]
         for _ in range(3):
             pool.zero_blocks(batch)
+            pool.zero_blocks(run)
             pool.zero_blocks(np.zeros(0, dtype=np.int32))
-        assert launches == [300] * 4
+        assert launches == [300] * 4  # the run went by memset, the empty batch nowhere
         assert (mempool.used_bytes(), mempool.total_bytes()) == (used, total)
         assert free - cupy.cuda.runtime.memGetInfo()[0] < (1 << 20)
 
@@ -186,7 +191,8 @@ def test_gpu_zero_blocks_is_one_launch_and_allocates_nothing() -> None:
 @needs_gpu
 @pytest.mark.parametrize("kv_layout", ["block-major", "layer-major"])
 def test_gpu_zero_blocks_beyond_4_gib_with_llama_sized_blocks(kv_layout: str) -> None:
-    """A 6 GiB pool of 2 MiB blocks (Llama-3-8B): blocks past 2**31 and 2**32 bytes are zeroed, others kept."""
+    """A 6 GiB pool of 2 MiB blocks (Llama-3-8B): blocks past 2**31 and 2**32 bytes are zeroed, others kept --
+    by the kernel (scattered ids; layer-major also one run) and by memset (one run, block-major)."""
     import cupy
 
     from kvpool_server.device.gpu_pool import GpuPool
@@ -194,11 +200,12 @@ def test_gpu_zero_blocks_beyond_4_gib_with_llama_sized_blocks(kv_layout: str) ->
     layout = KVLayout(32, 8, 128, 16, "float16", kv_layout)
     with GpuPool(layout, 3072) as pool:
         pool.blocks[...] = 1  # every element non-zero
-        zeroed = np.array([0, 1023, 1024, 2047, 2048, 3071])
-        pool.zero_blocks(zeroed)
+        zeroed = np.array([0, 1023, 1024, 2047, 2048, 3071, 2500, 2501, 2502])
+        pool.zero_blocks(zeroed[:6])
+        pool.zero_blocks(zeroed[6:])
         per_block = pool.blocks[0].size
         assert int(cupy.count_nonzero(pool.blocks)) == (3072 - len(zeroed)) * per_block
         for block in zeroed.tolist():
             assert int(cupy.count_nonzero(pool.blocks[block])) == 0, block
-        for block in (1, 1022, 1025, 2046, 2049, 3070):
+        for block in (1, 1022, 1025, 2046, 2049, 2499, 2503, 3070):
             assert int(cupy.count_nonzero(pool.blocks[block])) == per_block, block

@@ -28,6 +28,11 @@ from kvpool_server.device.zero_kernel import BlockZeroer
 STAGING_BYTES = 64 << 20  # staging holds min(65536 tokens, what fits in 64 MiB), at least one token
 STAGING_MAX_TOKENS = 65536
 _H2D = 1  # cudaMemcpyHostToDevice
+# zero_blocks of one run of consecutive ids: cudaMemsetAsync per span (no id upload, no kernel) when a block has at
+# most this many spans -- block-major always (1), layer-major only for 1 layer. Measured on the H200
+# (docs/device.md): one memset call ~10 us wall against ~21 us for upload + kernel; 64 spans (Llama layer-major)
+# ~250 us. Several runs always take the kernel (one memset a run costs ~4 us of host time each).
+MEMSET_SPANS_MAX = 2
 
 
 def _raw_array(n: int, dtype: type) -> cupy.ndarray:
@@ -90,10 +95,19 @@ class GpuPool(KVPool):
             self._stream.synchronize()  # also makes the pinned pairs buffer reusable by the next call
 
     def _zero(self, ids: np.ndarray) -> None:
-        # One launch per batch (a batch longer than num_blocks repeats ids and goes in pieces). The stream is
-        # synchronised before returning, like every operation: a client writes the new owner's KV through its own
-        # mapping on its own stream as soon as it has the plan, and a zero still in flight would erase it.
+        # One memset per span for one run of consecutive ids, else one launch per batch (a batch longer than
+        # num_blocks repeats ids and goes in pieces). The stream is synchronised before returning, like every
+        # operation: a client writes the new owner's KV through its own mapping on its own stream as soon as it has
+        # the plan, and a zero still in flight would erase it.
         with self.device:
+            if self.zeroes_by_memset(ids):
+                z = self.zeroer
+                first = self._base_ptr + int(ids[0]) * z.block_stride
+                for span in range(z.spans_per_block):
+                    cupy.cuda.runtime.memsetAsync(first + span * z.seg_stride, 0, len(ids) * z.span_bytes,
+                                                  self._stream.ptr)
+                self._stream.synchronize()
+                return
             for start in range(0, len(ids), self.num_blocks):
                 piece = ids[start : start + self.num_blocks]
                 n = len(piece)
@@ -102,6 +116,12 @@ class GpuPool(KVPool):
                                               self._stream.ptr)
                 self.zeroer.launch(self._base_ptr, self._zero_ids.data.ptr, n, self._stream)
                 self._stream.synchronize()  # also makes the pinned ids buffer reusable
+
+    def zeroes_by_memset(self, ids: np.ndarray) -> bool:
+        """Whether ``zero_blocks(ids)`` uses cudaMemsetAsync (ids one ascending run, few spans) or the kernel."""
+        if self.zeroer.spans_per_block > MEMSET_SPANS_MAX:
+            return False
+        return len(ids) == 1 or bool(np.all(np.diff(ids) == 1))
 
     def _write(self, slots: np.ndarray, data: np.ndarray) -> None:
         raw = data.reshape(len(slots), -1).view(np.uint8)  # [n, token_bytes]
