@@ -200,6 +200,7 @@ def test_gpu_zero_blocks_beyond_4_gib_with_llama_sized_blocks(kv_layout: str) ->
     layout = KVLayout(32, 8, 128, 16, "float16", kv_layout)
     with GpuPool(layout, 3072) as pool:
         pool.blocks[...] = 1  # every element non-zero
+        cupy.cuda.Device().synchronize()  # the fill ran on CuPy's stream, which the pool's does not wait for
         zeroed = np.array([0, 1023, 1024, 2047, 2048, 3071, 2500, 2501, 2502])
         pool.zero_blocks(zeroed[:6])
         pool.zero_blocks(zeroed[6:])
