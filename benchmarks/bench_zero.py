@@ -99,7 +99,8 @@ def bench_host(pool: Any, n: int, sets: list[np.ndarray], calls: int) -> dict[st
     nbytes = n * pool.layout.block_bytes
     flat = np.frombuffer(pool._mmap, dtype=np.uint8)
     call = wall_us(lambda i: pool.zero_blocks(sets[i % NUM_SETS]), calls)
-    memset = wall_us(lambda i: flat.__setitem__(slice(0, nbytes), 0), calls)
+    regions = max(1, min(NUM_SETS, pool.pool_bytes // nbytes))  # rotate as the id sets do (caches, TLB)
+    memset = wall_us(lambda i: flat.__setitem__(slice(i % regions * nbytes, (i % regions + 1) * nbytes), 0), calls)
     return {"call_us": call, "gbps": nbytes / call / 1e3, "memset_us": memset, "memset_gbps": nbytes / memset / 1e3}
 
 
