@@ -52,7 +52,12 @@ def fill_random(pool: Any, rng: np.random.Generator) -> np.ndarray:
     data = rng.integers(1, 256, size=pool.pool_bytes, dtype=np.uint8)  # no zero byte: a missed write shows
     view = pool_bytes_view(pool)
     if pool.backend == "gpu":
+        import cupy
+
         view.set(data)
+        # set() runs on CuPy's current stream (the legacy default), which a non-blocking stream -- the pool's -- does
+        # not wait for: without this the pool's next operation can overtake the upload's DMA.
+        cupy.cuda.Device().synchronize()
     else:
         view[...] = data
     return as_bytes(to_host(pool.blocks)) if pool.layout.layer_major else data

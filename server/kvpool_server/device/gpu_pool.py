@@ -6,9 +6,11 @@ Everything the operations need is made here, at start-up, so that no operation a
                 (the scratch buffers below are raw cudaMallocs too, so close() gives everything back)
     pairs       device int32 [2 * num_blocks]          copy pairs (a batch has at most num_blocks destinations)
     pairs_host  pinned int32 [2 * num_blocks]          source of the pairs' async upload
+    zero_ids    device int32 [num_blocks]              block ids of a zero_blocks batch (a longer batch can
+    ..._host    pinned int32 [num_blocks]              only repeat ids; it goes in pieces of num_blocks)
     staging     device bytes, STAGING_BYTES (at most)  token KV on its way to/from the host; requests larger
     slots       device int64 [staging_tokens]          than staging_tokens tokens go in chunks
-    kernels     BlockCopier, SlotMover                 compiled and loaded now, not at the first call
+    kernels     BlockCopier, BlockZeroer, SlotMover    compiled and loaded now, not at the first call
     stream      one non-blocking stream                every operation runs on it and synchronises before it returns
 """
 
@@ -21,10 +23,16 @@ from kvpool.layout import KVLayout, blocks_view
 from kvpool_server.device.copy_kernel import BlockCopier
 from kvpool_server.device.pool import KVPool, PoolAttachInfo
 from kvpool_server.device.slot_kernel import SlotMover
+from kvpool_server.device.zero_kernel import BlockZeroer
 
 STAGING_BYTES = 64 << 20  # staging holds min(65536 tokens, what fits in 64 MiB), at least one token
 STAGING_MAX_TOKENS = 65536
 _H2D = 1  # cudaMemcpyHostToDevice
+# zero_blocks of one run of consecutive ids: cudaMemsetAsync per span (no id upload, no kernel) when a block has at
+# most this many spans -- block-major always (1), layer-major only for 1 layer. Measured on the H200
+# (docs/device.md): one memset call ~10 us wall against ~21 us for upload + kernel; 64 spans (Llama layer-major)
+# ~250 us. Several runs always take the kernel (one memset a run costs ~4 us of host time each).
+MEMSET_SPANS_MAX = 2
 
 
 def _raw_array(n: int, dtype: type) -> cupy.ndarray:
@@ -59,11 +67,15 @@ class GpuPool(KVPool):
         self._pairs = _raw_array(2 * self.num_blocks, np.int32)
         self._pairs_pinned = cupy.cuda.alloc_pinned_memory(self._pairs.nbytes)
         self._pairs_host = np.frombuffer(self._pairs_pinned, dtype=np.int32, count=2 * self.num_blocks)
+        self._zero_ids = _raw_array(self.num_blocks, np.int32)
+        self._zero_ids_pinned = cupy.cuda.alloc_pinned_memory(self._zero_ids.nbytes)
+        self._zero_ids_host = np.frombuffer(self._zero_ids_pinned, dtype=np.int32, count=self.num_blocks)
         self.staging_tokens = max(1, min(STAGING_MAX_TOKENS, staging_bytes // layout.token_bytes))
         self._staging = _raw_array(self.staging_tokens * layout.token_bytes, np.uint8)
         self._slots = _raw_array(self.staging_tokens, np.int64)
         self.copier = BlockCopier.for_layout(layout, self.num_blocks)
         self._mover = SlotMover(layout, self.num_blocks)
+        self.zeroer = BlockZeroer(layout, self.num_blocks)
         self._ipc_handle: bytes | None = None
 
     def attach_info(self) -> PoolAttachInfo:
@@ -81,6 +93,35 @@ class GpuPool(KVPool):
                                           self._stream.ptr)
             self.copier.launch(self._base_ptr, self._pairs.data.ptr, c, self._stream)
             self._stream.synchronize()  # also makes the pinned pairs buffer reusable by the next call
+
+    def _zero(self, ids: np.ndarray) -> None:
+        # One memset per span for one run of consecutive ids, else one launch per batch (a batch longer than
+        # num_blocks repeats ids and goes in pieces). The stream is synchronised before returning, like every
+        # operation: a client writes the new owner's KV through its own mapping on its own stream as soon as it has
+        # the plan, and a zero still in flight would erase it.
+        with self.device:
+            if self.zeroes_by_memset(ids):
+                z = self.zeroer
+                first = self._base_ptr + int(ids[0]) * z.block_stride
+                for span in range(z.spans_per_block):
+                    cupy.cuda.runtime.memsetAsync(first + span * z.seg_stride, 0, len(ids) * z.span_bytes,
+                                                  self._stream.ptr)
+                self._stream.synchronize()
+                return
+            for start in range(0, len(ids), self.num_blocks):
+                piece = ids[start : start + self.num_blocks]
+                n = len(piece)
+                self._zero_ids_host[:n] = piece
+                cupy.cuda.runtime.memcpyAsync(self._zero_ids.data.ptr, self._zero_ids_pinned.ptr, 4 * n, _H2D,
+                                              self._stream.ptr)
+                self.zeroer.launch(self._base_ptr, self._zero_ids.data.ptr, n, self._stream)
+                self._stream.synchronize()  # also makes the pinned ids buffer reusable
+
+    def zeroes_by_memset(self, ids: np.ndarray) -> bool:
+        """Whether ``zero_blocks(ids)`` uses cudaMemsetAsync (ids one ascending run, few spans) or the kernel."""
+        if self.zeroer.spans_per_block > MEMSET_SPANS_MAX:
+            return False
+        return len(ids) == 1 or bool(np.all(np.diff(ids) == 1))
 
     def _write(self, slots: np.ndarray, data: np.ndarray) -> None:
         raw = data.reshape(len(slots), -1).view(np.uint8)  # [n, token_bytes]
@@ -110,4 +151,5 @@ class GpuPool(KVPool):
             self._stream.synchronize()
         self._pairs = self._staging = self._slots = None
         self._pairs_host = self._pairs_pinned = None
+        self._zero_ids = self._zero_ids_host = self._zero_ids_pinned = None
         self._mem = None  # cudaFree, once no view of the pool is alive

@@ -75,6 +75,18 @@ def reap_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     return reaped
 
 
+RUN_SLICES_MAX = 8  # zero_blocks: up to this many runs as slices (one memset each), else one fancy assignment
+
+
+def block_runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of consecutive block ids, as ``[start, end)`` pairs of int64 arrays, sorted; repeats are dropped."""
+    ids = np.unique(ids)
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.concatenate(([0], breaks))]
+    ends = ids[np.concatenate((breaks - 1, [len(ids) - 1]))] + 1
+    return starts.astype(np.int64), ends.astype(np.int64)
+
+
 class HostPool(KVPool):
     """A shared-memory segment named ``kvpool-<pid>-<start time>-<pid namespace>-<random>``, owned by this object.
 
@@ -111,6 +123,16 @@ class HostPool(KVPool):
     def _copy(self, pairs: np.ndarray) -> None:
         # Safe as one gather/scatter because no destination is a source of the batch (KVPool's invariant).
         self._segments[pairs[:, 1]] = self._segments[pairs[:, 0]]
+
+    def _zero(self, ids: np.ndarray) -> None:
+        # A few runs of consecutive ids: one slice each (a memset per run; 2L strided ones layer-major). Many runs:
+        # one fancy-indexed assignment, whose loop is in C (for 16+ one-block runs it was ~1.2-2x faster here).
+        starts, ends = block_runs(ids)
+        if len(starts) > RUN_SLICES_MAX:
+            self._segments[ids] = 0
+            return
+        for start, end in zip(starts.tolist(), ends.tolist()):
+            self._segments[start:end] = 0
 
     def _write(self, slots: np.ndarray, data: np.ndarray) -> None:
         scatter_tokens(self.blocks, slots, self.layout.block_size, data)

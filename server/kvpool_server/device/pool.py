@@ -4,6 +4,7 @@ The core (``kvpool_server.core``) plans in block ids; the pool acts on bytes::
 
     plan = manager.append(seq_ids, num_tokens)
     pool.copy_blocks(plan.copies)                  # copy-on-write, before anyone writes the new slots
+    pool.zero_blocks(plan.zero_block_ids)          # blocks changing hands: the old owner's bytes never show
     pool.write_slots(plan.slot_mapping, token_kv)  # [n, L, 2, H, D] in the layout's storage dtype
 
 Two backends share this interface: ``GpuPool`` (one raw ``cudaMalloc``, exported by CUDA IPC) and ``HostPool``
@@ -50,6 +51,8 @@ class KVPool:
     - A copy batch is valid only if every id is in ``[0, num_blocks)``, destinations are distinct and no
       destination is a source of the same batch (the core's copy-on-write destinations are fresh blocks), so the
       copies of a batch are independent and may run in any order or in parallel. ``copy_blocks`` checks this.
+    - ``zero_blocks(ids)`` sets every byte of each named block (all layers, K and V) to zero; ids must be in
+      ``[0, num_blocks)`` (repeats are harmless). An empty batch returns at once: no launch, no allocation.
     - Slots of one ``write_slots`` call are distinct (the core never hands out a slot twice); if not, which write
       wins is unspecified.
     - Every operation has finished, on the device too, when it returns: other processes that mapped the pool see
@@ -84,6 +87,26 @@ class KVPool:
             if len(pairs):
                 self._copy(pairs)
         return len(pairs)
+
+    def zero_blocks(self, block_ids: Any) -> None:
+        """Set every byte of each block in ``block_ids`` int[n] to zero (all layers, K and V), as one batch; done
+        on the device too when it returns. A block handed to a new owner is cleared this way, so that neither
+        ``read_slots`` nor a client's mapping ever shows the previous owner's KV."""
+        ids = np.asarray(block_ids)
+        if ids.size == 0:  # the common decode step hands out no block: nothing to check, launch or allocate
+            self._check_open()
+            return
+        ids = self._checked_block_ids(ids)
+        with self._lock:
+            self._check_open()
+            self._zero(ids)
+
+    def block_slots(self, block_ids: Any) -> np.ndarray:
+        """Every slot of the blocks ``block_ids`` int[n], block after block: int64 [n * block_size]. With
+        ``read_slots`` it reads whole blocks, e.g. to check that a freshly handed-out block reads as zeros."""
+        ids = self._checked_block_ids(np.asarray(block_ids)) if np.size(block_ids) else np.zeros(0, np.int32)
+        bs = self.layout.block_size
+        return (ids.astype(np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)
 
     def write_slots(self, slots: Any, data: Any) -> None:
         """Write token KV ``data`` [n, L, 2, H, D] (storage dtype) into ``slots`` int[n]."""
@@ -148,6 +171,9 @@ class KVPool:
     def _copy(self, pairs: np.ndarray) -> None:
         raise NotImplementedError
 
+    def _zero(self, ids: np.ndarray) -> None:
+        raise NotImplementedError
+
     def _write(self, slots: np.ndarray, data: np.ndarray) -> None:
         raise NotImplementedError
 
@@ -183,6 +209,14 @@ class KVPool:
             if np.any(dst[np.where(in_batch, pos, 0)][in_batch] == src[in_batch]):
                 raise ValueError("a destination block of a copy batch must not be a source of the same batch")
         return pairs
+
+    def _checked_block_ids(self, ids: np.ndarray) -> np.ndarray:
+        """A non-empty 1-d int array of block ids, each in ``[0, num_blocks)``, as contiguous int32."""
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"block ids must be a 1-d int array, got {ids.dtype} {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.num_blocks:
+            raise ValueError(f"block ids name blocks outside [0, {self.num_blocks})")
+        return np.ascontiguousarray(ids, dtype=np.int32)
 
     def _checked_slots(self, slots: Any) -> np.ndarray:
         arr = np.asarray(slots)

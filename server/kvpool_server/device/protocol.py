@@ -32,6 +32,10 @@ class Pool(Protocol):
     def copy_blocks(self, copies: Any) -> int:
         """Run copy-on-write pairs ``int[c, 2]`` (src, dst) as one batch, finished when it returns."""
 
+    def zero_blocks(self, block_ids: Any) -> None:
+        """Set every byte of blocks ``int[n]`` to zero (all layers, K and V), finished when it returns; an empty
+        array returns at once."""
+
     def write_slots(self, slots: Any, data: Any) -> None:
         """Write token KV ``[n, L, 2, H, D]`` (the layout's storage dtype) into ``slots`` ``int[n]``."""
 
