@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -120,7 +121,8 @@ class Setting:
         return env_of(self.name)
 
 
-def settings_of(cls: type) -> list[Setting]:
+@functools.cache
+def settings_of(cls: type) -> tuple[Setting, ...]:
     """Every field of ``cls`` declared with ``setting()``, in declaration order."""
     hints = typing.get_type_hints(cls)
     found = []
@@ -129,7 +131,7 @@ def settings_of(cls: type) -> list[Setting]:
         if spec is None:
             continue
         found.append(Setting(field.name, _plain_type(hints[field.name]), field.default, spec))
-    return found
+    return tuple(found)
 
 
 def _plain_type(hint: Any) -> type:
