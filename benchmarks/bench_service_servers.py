@@ -83,9 +83,9 @@ def listen_args(port_file: str | None, unix_socket: str | None) -> list[str]:
 
 def serve(kind: str, port_file: str | None, unix_socket: str | None, extra_args: list[str]) -> None:
     """Run one benchmark server (echo, echo-aio, kvpool-inproc) on a free port or a unix socket until SIGTERM. The
-    kvpool kind is made by kvpool_server.grpc_server, as the real server's is."""
+    kvpool kind is made by kvpool_server.grpc_api.server, as the real server's is."""
     from kvpool_server.config import load_config
-    from kvpool_server.grpc_server import build_server, grpc_options
+    from kvpool_server.grpc_api.server import build_server, grpc_options
 
     config = load_config([*SERVER_ARGS, *extra_args, *listen_args(port_file, unix_socket)])
     options = grpc_options(config)

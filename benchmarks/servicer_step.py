@@ -15,7 +15,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.layout import KVLayout
 from kvpool_server.core import KVCacheManager
 from kvpool_server.device import create_pool
-from kvpool_server.service import KVPoolServicer
+from kvpool_server.service.kvpool import KVPoolServicer
 
 layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=16, dtype="float32")
 pool = create_pool(layout, backend="host", num_blocks=65536)

@@ -12,9 +12,9 @@ import time
 from kvpool.layout import KVLayout
 from kvpool_server.core import KVCacheManager
 from kvpool_server.device import create_pool
-from kvpool_server.invariant_checks import InvariantChecks, copy_state
-from kvpool_server.kv_copies import CHUNK_BYTES
-from kvpool_server.service import DEFAULT_MAX_TOKENS_PER_CALL
+from kvpool_server.service.invariant_checks import InvariantChecks, copy_state
+from kvpool_server.service.kv_copies import CHUNK_BYTES
+from kvpool_server.service.kvpool import DEFAULT_MAX_TOKENS_PER_CALL
 
 
 def timed(fn, repeat: int = 3) -> float:  # type: ignore[no-untyped-def]

@@ -44,6 +44,7 @@ import numpy as np
 
 # bfloat16 has no NumPy dtype; it is stored (and read back) as its raw 16-bit pattern.
 _STORAGE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+DTYPES = tuple(_STORAGE_DTYPES)  # the element types a layout may have
 KV_LAYOUTS = ("block-major", "layer-major")
 
 

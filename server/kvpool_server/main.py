@@ -19,7 +19,9 @@ from typing import Any
 from kvpool_server.config import ConfigError, ServerConfig, configure_logging, load_config
 from kvpool_server.grpc_api.server import ServerHandle, build_server
 from kvpool_server.service.build import StartupError
+from kvpool_server.host_checks import check_pool_fits
 from kvpool_server.process import freeze_startup_heap, pin_threads
+from kvpool_server.grpc_api.listen import exposed_metrics
 
 logger = logging.getLogger("kvpool_server")
 DRAIN_QUIET_S = 0.2  # shutdown stops draining once no call has been refused for this long
@@ -30,6 +32,10 @@ def serve(config: ServerConfig) -> int:
     cpus = config.cpu_set()
     if cpus is not None:
         pin_threads(cpus)  # before build_server: the threads it starts inherit the mask
+    try:
+        check_pool_fits(config)  # a host pool larger than the memory or /dev/shm: refused now, not SIGBUS later
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
     handle = build_server(config)
     stop = threading.Event()
     received: list[int] = []
@@ -45,6 +51,9 @@ def serve(config: ServerConfig) -> int:
     if config.insecure and config.address:
         logger.warning("--insecure: %s takes calls from other hosts%s", config.address,
                        "" if config.auth_tokens or config.tls_cert else " with no authentication and no TLS")
+    if exposed_metrics(config):  # only with --insecure (validate)
+        logger.warning("--insecure: metrics on %s (tenant names and usage) are readable by other hosts",
+                       config.metrics_address)
     try:
         handle.start()
     except BaseException:

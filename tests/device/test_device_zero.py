@@ -12,7 +12,7 @@ import pytest
 from kvpool.layout import KVLayout
 from kvpool_server.device import create_pool
 from kvpool_server.device.host_pool import RUN_SLICES_MAX, block_runs
-from kvpool_server.pool_protocol import Pool
+from kvpool_server.device.protocol import Pool
 
 from .devtest_util import BACKENDS, as_bytes, fill_random, needs_gpu, random_tokens, to_host
 

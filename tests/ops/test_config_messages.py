@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,9 @@ from kvpool_server.config import (
     pool_error_message,
     server_version,
 )
+from tests.conftest import server_command
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 @pytest.mark.parametrize("text, value", [("256MB", 256 << 20), ("256MiB", 256 << 20), ("1GiB", 1 << 30),
@@ -95,3 +100,38 @@ def test_every_tool_has_version(module, prog):
     result = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{prog} {server_version()}"
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:9400", ":9400", "[::]:9400", "10.1.2.3:9400", "metrics.example:9400"])
+def test_metrics_on_a_network_address_need_insecure(address):
+    """Metrics carry tenant names and usage and have no authentication: the rule of --address applies."""
+    with pytest.raises(ConfigError, match=f"--metrics-address {re.escape(address)} is reachable from other hosts.*"
+                                          "--insecure"):
+        ServerConfig(metrics_address=address).validate()
+    with pytest.raises(ConfigError, match="--metrics-address"):
+        load_config([], environ={"KVPOOL_METRICS_ADDRESS": address})
+    # --auth-tokens does not cover metrics (they are not authenticated); --insecure does.
+    assert ServerConfig(metrics_address=address, insecure=True).validate().metrics_address == address
+    assert load_config(["--metrics-address", address, "--insecure"], environ={}).insecure
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:9400", "localhost:9400", "[::1]:0"])
+def test_metrics_on_loopback_need_nothing(address):
+    assert load_config(["--metrics-address", address], environ={}).metrics_address == address
+
+
+def test_the_server_refuses_exposed_metrics_at_start():
+    result = subprocess.run(server_command() + ["--backend", "host", "--pool-bytes", "1MiB", "--address",
+                                                "127.0.0.1:0", "--metrics-address", "0.0.0.0:0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "kvpool-server: --metrics-address 0.0.0.0:0 is reachable from other hosts" in result.stderr
+    assert "--insecure" in result.stderr
+
+
+def test_the_docs_say_metrics_need_insecure():
+    for page in ("metrics.md", "security.md"):
+        text = " ".join((DOCS / page).read_text().split())
+        assert "--metrics-address" in text and "--insecure" in text, page
+        rule = r"non-loopback (`--metrics-address`|metrics address)[^;]* refused at start unless `--insecure`"
+        assert re.search(rule, text), page

@@ -1,0 +1,43 @@
+"""The server's logging: ``--log-format text`` (the default) or ``json`` (one object a line), at ``--log-level``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool_server.config import ServerConfig
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line: ts (ISO 8601, UTC), level, logger, msg, and exc when there is a traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "pid": record.process,
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+JsonLogFormatter.converter = time.gmtime
+
+
+def configure_logging(config: ServerConfig) -> None:
+    level = config.log_level.upper()
+    if config.log_format == "json":
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonLogFormatter())
+        logging.basicConfig(level=level, handlers=[handler], force=True)
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
