@@ -102,9 +102,9 @@ class AttachedPool:
                                        f"got {x.dtype}")
         return x
 
-    def _check_server(self) -> None:
+    def _check_server(self, what: str = "write") -> None:
         if self._liveness is not None:
-            self._liveness.check("write")
+            self._liveness.check(what)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:
@@ -132,7 +132,9 @@ class AttachedPool:
         """The KV at ``slots`` as [n, num_layers, 2, num_kv_heads, head_dim].
 
         Without ``out``: a new host (NumPy) array, complete on return. With ``out`` (GPU pool: a device array of
-        that shape, or a host array): filled and returned; a device ``out`` is filled asynchronously on ``stream``."""
+        that shape, or a host array): filled and returned; a device ``out`` is filled asynchronously on ``stream``.
+        Refuses like ``write_slots`` once the server or the session is gone: the slots may hold someone else's KV."""
+        self._check_server("read")
         if self._device is not None:
             if out is None:
                 n = self._device.checked_host_slots(slots).size if not _on_device(slots) else len(slots)
@@ -165,7 +167,9 @@ class AttachedPool:
     def read_layer(self, layer: int, slots: Any, *, out: tuple[Any, Any] | None = None,
                    stream: Any = None) -> tuple[Any, Any]:
         """One layer's K and V at ``slots``, each [n, num_kv_heads, head_dim]: NumPy copies on a host pool; on a
-        GPU pool new CuPy arrays (or ``out``'s device arrays), filled asynchronously on ``stream``."""
+        GPU pool new CuPy arrays (or ``out``'s device arrays), filled asynchronously on ``stream``. Refuses like
+        ``read_slots``."""
+        self._check_server("read")
         self._check_layer(layer)
         if self._device is not None:
             if out is None:
@@ -212,7 +216,8 @@ def _on_device(x: Any) -> bool:
 class ServerLiveness:
     """Whether writes into the mapping still reach a live server's pool for a live session: the server's process
     exists (a signal-0 probe of ``server_pid``: the mapping needs the server's pid namespace anyway, for CUDA IPC
-    too) and the client's keep-alive has not found its session lost (session.py). About a microsecond a check."""
+    too), the client's keep-alive has not found its session lost, and the server acknowledged something of the
+session within its lease (``SessionState.check_lease``, session.py). About a microsecond a check."""
 
     def __init__(self, server_pid: int, session: SessionState) -> None:
         self.server_pid = server_pid
@@ -220,6 +225,7 @@ class ServerLiveness:
 
     def check(self, what: str) -> None:
         self.session.check_live(what)
+        self.session.check_lease(what)
         try:
             os.kill(self.server_pid, 0)
         except ProcessLookupError:
