@@ -33,7 +33,6 @@ from kvpool_client.kernels import reference
 from kvpool_client.kernels.arrays import ACCEPTED_DTYPES, is_torch, to_numpy
 
 if TYPE_CHECKING:
-    from kvpool_client.client import KVPoolClient
     from kvpool_client.session import SessionState
     from kvpool_client.types import PoolDescription
 
@@ -241,15 +240,15 @@ def _cupy() -> Any:
     return cupy
 
 
-def attach(client: KVPoolClient) -> AttachedPool:
-    """DescribePool, then map the pool: shared memory on the host backend, CUDA IPC through CuPy on a GPU."""
+def attach(description: PoolDescription, session: SessionState) -> AttachedPool:
+    """Map the pool ``description`` (DescribePool's) names: shared memory on the host backend, CUDA IPC through CuPy
+    on a GPU; its writes and reads check the server's process and ``session`` first (``ServerLiveness``)."""
     from kvpool_client import mapping  # noqa: PLC0415  (mapping imports CuPy lazily on the GPU path)
 
-    description = client.describe_pool()
     if description.backend == "host":
         mapped = mapping.map_host_pool(description.shm_name, description.pool_bytes)
     elif description.backend == "gpu":
         mapped = mapping.map_gpu_pool(description.cuda_ipc_handle, description.pool_bytes, description.cuda_device)
     else:
         raise InvalidArgumentError(f"the server reports backend {description.backend!r}; cannot attach")
-    return AttachedPool(description, mapped, ServerLiveness(description.server_pid, client._session))
+    return AttachedPool(description, mapped, ServerLiveness(description.server_pid, session))
