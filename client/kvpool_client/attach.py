@@ -33,7 +33,6 @@ from kvpool_client.kernels import reference
 from kvpool_client.kernels.arrays import ACCEPTED_DTYPES, is_torch, to_numpy
 
 if TYPE_CHECKING:
-    from kvpool_client.client import KVPoolClient
     from kvpool_client.session import SessionState
     from kvpool_client.types import PoolDescription
 
@@ -102,9 +101,9 @@ class AttachedPool:
                                        f"got {x.dtype}")
         return x
 
-    def _check_server(self) -> None:
+    def _check_server(self, what: str = "write") -> None:
         if self._liveness is not None:
-            self._liveness.check("write")
+            self._liveness.check(what)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:
@@ -132,7 +131,9 @@ class AttachedPool:
         """The KV at ``slots`` as [n, num_layers, 2, num_kv_heads, head_dim].
 
         Without ``out``: a new host (NumPy) array, complete on return. With ``out`` (GPU pool: a device array of
-        that shape, or a host array): filled and returned; a device ``out`` is filled asynchronously on ``stream``."""
+        that shape, or a host array): filled and returned; a device ``out`` is filled asynchronously on ``stream``.
+        Refuses like ``write_slots`` once the server or the session is gone: the slots may hold someone else's KV."""
+        self._check_server("read")
         if self._device is not None:
             if out is None:
                 n = self._device.checked_host_slots(slots).size if not _on_device(slots) else len(slots)
@@ -165,7 +166,9 @@ class AttachedPool:
     def read_layer(self, layer: int, slots: Any, *, out: tuple[Any, Any] | None = None,
                    stream: Any = None) -> tuple[Any, Any]:
         """One layer's K and V at ``slots``, each [n, num_kv_heads, head_dim]: NumPy copies on a host pool; on a
-        GPU pool new CuPy arrays (or ``out``'s device arrays), filled asynchronously on ``stream``."""
+        GPU pool new CuPy arrays (or ``out``'s device arrays), filled asynchronously on ``stream``. Refuses like
+        ``read_slots``."""
+        self._check_server("read")
         self._check_layer(layer)
         if self._device is not None:
             if out is None:
@@ -212,7 +215,8 @@ def _on_device(x: Any) -> bool:
 class ServerLiveness:
     """Whether writes into the mapping still reach a live server's pool for a live session: the server's process
     exists (a signal-0 probe of ``server_pid``: the mapping needs the server's pid namespace anyway, for CUDA IPC
-    too) and the client's keep-alive has not found its session lost (session.py). About a microsecond a check."""
+    too), the client's keep-alive has not found its session lost, and the server acknowledged something of the
+session within its lease (``SessionState.check_lease``, session.py). About a microsecond a check."""
 
     def __init__(self, server_pid: int, session: SessionState) -> None:
         self.server_pid = server_pid
@@ -220,6 +224,7 @@ class ServerLiveness:
 
     def check(self, what: str) -> None:
         self.session.check_live(what)
+        self.session.check_lease(what)
         try:
             os.kill(self.server_pid, 0)
         except ProcessLookupError:
@@ -235,15 +240,15 @@ def _cupy() -> Any:
     return cupy
 
 
-def attach(client: KVPoolClient) -> AttachedPool:
-    """DescribePool, then map the pool: shared memory on the host backend, CUDA IPC through CuPy on a GPU."""
+def attach(description: PoolDescription, session: SessionState) -> AttachedPool:
+    """Map the pool ``description`` (DescribePool's) names: shared memory on the host backend, CUDA IPC through CuPy
+    on a GPU; its writes and reads check the server's process and ``session`` first (``ServerLiveness``)."""
     from kvpool_client import mapping  # noqa: PLC0415  (mapping imports CuPy lazily on the GPU path)
 
-    description = client.describe_pool()
     if description.backend == "host":
         mapped = mapping.map_host_pool(description.shm_name, description.pool_bytes)
     elif description.backend == "gpu":
         mapped = mapping.map_gpu_pool(description.cuda_ipc_handle, description.pool_bytes, description.cuda_device)
     else:
         raise InvalidArgumentError(f"the server reports backend {description.backend!r}; cannot attach")
-    return AttachedPool(description, mapped, ServerLiveness(description.server_pid, client._session))
+    return AttachedPool(description, mapped, ServerLiveness(description.server_pid, session))

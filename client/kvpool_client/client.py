@@ -84,7 +84,7 @@ class KVPoolClient(KVPoolCommands):
         """Map the pool into this process (shared memory or CUDA IPC); closed with the client."""
         from kvpool_client.attach import attach
 
-        pool = attach(self)
+        pool = attach(self.describe_pool(), self._session)
         self._attached.append(pool)
         return pool
 

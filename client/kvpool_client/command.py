@@ -6,22 +6,27 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from kvpool_client.plan import Plan
 
-if TYPE_CHECKING:
-    from kvpool_client.commands import KVPoolCommands
 
+class RunsPlans(Protocol):
+    """What ``@command`` needs of the client (KVPoolCommands): a way to run a plan."""
+
+    def _run(self, plan: Plan[Any]) -> Any: ...
+
+
+C = TypeVar("C", bound=RunsPlans)
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def command(plan: Callable[Concatenate[KVPoolCommands, P], Plan[R]]) -> Callable[Concatenate[KVPoolCommands, P], R]:
+def command(plan: Callable[Concatenate[C, P], Plan[R]]) -> Callable[Concatenate[C, P], R]:
     """A method written as a plan, returning what the client's ``_run`` makes of it: the result, or an awaitable."""
 
     @functools.wraps(plan)
-    def run_command(self: KVPoolCommands, *args: P.args, **kwargs: P.kwargs) -> R:
+    def run_command(self: C, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._run(plan(self, *args, **kwargs))
 
     # help() shows what the call returns, not the plan: "Plan[int]" -> "int" (annotations are strings, PEP 563).

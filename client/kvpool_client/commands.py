@@ -115,7 +115,11 @@ class KVPoolCommands(SessionCommands, ABC):
         return getattr(self._health if rpc.stub == rpcs.HEALTH_STUB else self._stub, rpc.stub_method)
 
     def _call(self, rpc: rpcs.Rpc, request: Any, timeout: float | None) -> Plan[Any]:
-        return call_with_retries(rpc, request, self.timeout if timeout is None else timeout, self.retry)
+        sent_at = time.monotonic()
+        response = yield from call_with_retries(rpc, request, self.timeout if timeout is None else timeout, self.retry)
+        if rpc.renews_lease and request.session_id and request.session_id == self._session.session_id:
+            self._session.acked(sent_at)  # the server renewed the lease after sent_at (session.py)
+        return response
 
     # ---------------------------------------------------------------- sequences
     @command

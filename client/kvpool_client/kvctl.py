@@ -5,12 +5,13 @@
     kvctl sequences [--session S]     live sequences, of one session or all (ListSequences)
     kvctl block-table SEQ             one sequence's page table
     kvctl health                      gRPC health (exit 0 only when SERVING)
-    kvctl drain [--wait S]            Drain RPC: NOT_SERVING, no new sessions; --wait until none is live
+    kvctl drain [--wait S]            Drain RPC: NOT_SERVING, no new sessions; --wait until none is live (else 5)
     kvctl events [--batches N]        follow SubscribeEvents (the prefix cache's KV events); --json: a batch a line
     kvctl top                         a live view: usage, rates and Stats latency, refreshed in place
 
 Every command takes --json (one JSON document; `top --json` writes one line a refresh). Exit codes: 0 done,
-1 the server answered with an error (or is not SERVING), 2 usage, 3 not available on this server, 4 no server.
+1 the server answered with an error (or is not SERVING), 2 usage, 3 not available on this server, 4 no server,
+5 `drain --wait` ran out with sessions or sequences still live (kvctl_drain.py).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ import grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from kvpool_client import kvctl_drain
 from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import KVPoolClientError, from_rpc_error
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_AVAILABLE, EXIT_NO_SERVER = 0, 1, 2, 3, 4
+EXIT_NOT_DRAINED = kvctl_drain.EXIT_NOT_DRAINED  # 5
 CONNECT_TIMEOUT_S = 3.0
 
 
@@ -144,17 +147,8 @@ def cmd_health(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_drain(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
-    """Drain RPC: NOT_SERVING, no new sessions; ``--wait`` until no session is left."""
-    reply = ctl.call("Drain", pb.DrainRequest())
-    deadline = time.monotonic() + args.wait
-    while args.wait and (reply.num_sessions or reply.num_sequences) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        reply = ctl.call("Drain", pb.DrainRequest())
-    data = {"draining": True, "num_sessions": reply.num_sessions, "num_sequences": reply.num_sequences}
-    done = not (reply.num_sessions or reply.num_sequences)
-    text = (f"draining: health NOT_SERVING, no new sessions; {reply.num_sessions} sessions and "
-            f"{reply.num_sequences} sequences live" + (" -- drained" if done else ""))
-    return data, text
+    """Drain RPC: NOT_SERVING, no new sessions; ``--wait`` until nothing is live, else exit 5 naming what is."""
+    return kvctl_drain.cmd_drain(ctl.call, args)
 
 
 def cmd_events(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
@@ -268,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", parents=[common], help="gRPC health status")
     p.add_argument("--service", default="", help="service name ('' for the server as a whole)")
     drain = sub.add_parser("drain", parents=[common], help="drain the server: NOT_SERVING, no new sessions (admin)")
-    drain.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for it to empty")
+    drain.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for it to empty; exit 5, naming what is still live, if it does not")
     p = sub.add_parser("events", parents=[common], help="follow the server's KV event stream (admin with auth)")
     p.add_argument("--from-seq", type=int, default=None, help="resume at this batch (else: a snapshot first)")
     p.add_argument("--batches", type=int, default=0, help="stop after this many batches (0: follow)")

@@ -22,6 +22,7 @@ class Rpc:
     name: str
     idempotent: bool
     stub: str = KVPOOL_STUB
+    renews_lease: bool = False  # a request naming a session renews its lease on the server (session_gate.py)
 
     @property
     def stub_method(self) -> str:
@@ -29,11 +30,11 @@ class Rpc:
         return self.name.rsplit(".", 1)[-1]
 
 
-REGISTER_SEQUENCE = Rpc("RegisterSequence", idempotent=False)
-APPEND_TOKEN = Rpc("AppendToken", idempotent=False)
-FORK = Rpc("Fork", idempotent=False)
-FREE = Rpc("Free", idempotent=False)
-WRITE_KV = Rpc("WriteKV", idempotent=False)
+REGISTER_SEQUENCE = Rpc("RegisterSequence", idempotent=False, renews_lease=True)
+APPEND_TOKEN = Rpc("AppendToken", idempotent=False, renews_lease=True)
+FORK = Rpc("Fork", idempotent=False, renews_lease=True)
+FREE = Rpc("Free", idempotent=False, renews_lease=True)
+WRITE_KV = Rpc("WriteKV", idempotent=False, renews_lease=True)
 STATS = Rpc("Stats", idempotent=True)
 GET_BLOCK_TABLE = Rpc("GetBlockTable", idempotent=True)
 DESCRIBE_POOL = Rpc("DescribePool", idempotent=True)

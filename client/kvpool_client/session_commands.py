@@ -4,6 +4,7 @@ ListSessions, ListSequences, and the CloseSession of ``close()``. What a session
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from typing import Any
 
@@ -48,11 +49,12 @@ class SessionCommands:
             return {}
         state.check_live(method)
         if state.session_id is None:
+            sent_at = time.monotonic()
             response = yield from self._call(rpcs.OPEN_SESSION, state.open_request(), timeout)
             with state.lock:
                 opened_here = state.session_id is None
                 if opened_here:
-                    state.opened(response)
+                    state.opened(response, sent_at)
             if opened_here:
                 self._start_keep_alive()
             else:  # another call of this client opened one meanwhile: give this one back

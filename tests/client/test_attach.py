@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 
-from kvpool_client import InvalidArgumentError, KVPoolClient
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_client import InvalidArgumentError, KVPoolClient, SessionLostError
+from kvpool_client.session import SessionState
 from kvpool_client.loadgen.pattern import kv_pattern, token_keys
 
 BS = 16
+
+
+def wait_for(predicate, timeout: float, step: float = 0.005) -> None:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s")
+        time.sleep(step)
 
 
 def _write_through_attach(target: str, num_tokens: int, out: mp.Queue) -> None:
@@ -119,3 +131,92 @@ def test_client_imports_and_attaches_without_cupy(server):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "host"
+
+
+_STOPPED_WRITER = textwrap.dedent(
+    """
+    import sys
+    from kvpool_client import KVPoolClient, KVPoolClientError
+    from kvpool_client.loadgen.pattern import kv_pattern, token_keys
+
+    client = KVPoolClient(sys.argv[1], lease_ttl_s=float(sys.argv[2]))
+    seq = client.register()
+    slots = client.append(seq, 20).slot_mapping
+    pool = client.attach()
+    data = kv_pattern(token_keys(seq, 0, 20), pool.layout)
+    pool.write_slots(slots, data)
+    print("READY", flush=True)
+    sys.stdin.readline()  # the line is already there when this process is continued: it writes at once
+    try:
+        pool.write_slots(slots, data)
+        print("APPLIED", flush=True)
+    except KVPoolClientError as error:
+        print("REFUSED", type(error).__name__, flush=True)
+    """
+)
+
+
+def test_a_frontend_continued_after_its_lease_refuses_its_first_attached_write(server):
+    """Issue 20 item 5: SIGSTOP for longer than the lease, SIGCONT: the first attached write is refused locally,
+    before the keep-alive could learn that the session is gone (and the blocks freed and taken by another)."""
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_WRITER, server.address, "1.0"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
+        with KVPoolClient(server.address) as observer:
+            proc.send_signal(signal.SIGSTOP)
+            wait_for(lambda: observer.stats().num_blocks_used == 0, timeout=10.0, step=0.05)  # the lease ran out
+            other = observer.register()
+            observer.append(other, 256 * BS - 16)  # another sequence takes the freed blocks (all but one)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            proc.send_signal(signal.SIGCONT)
+            assert proc.stdout.readline().split() == ["REFUSED", "SessionLostError"]
+            expected = kv_pattern(token_keys(other, 0, 20), observer.layout)
+            observer.write_kv(other, 0, expected)
+            assert np.array_equal(observer.read_kv(other)[:20], expected)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+def test_attached_writes_and_reads_refuse_once_nothing_was_acknowledged_within_the_lease(server):
+    """The heartbeat stops (its thread ended: the server ends the session), the process runs on: once the lease
+    (less the margin) has passed since the last acknowledged request, the attached pool refuses, though
+    the keep-alive never reported the session lost."""
+    with KVPoolClient(server.address, lease_ttl_s=1.0) as client:
+        seq = client.register()
+        slots = client.append(seq, 20).slot_mapping
+        pool = client.attach()
+        data = kv_pattern(token_keys(seq, 0, 20), pool.layout)
+        time.sleep(1.5)  # heartbeats keep a live session: no refusal after more than the lease
+        pool.write_slots(slots, data)
+        assert np.array_equal(pool.read_slots(slots), data)
+        client._keep_alive.stop()
+        wait_for(lambda: client._session.last_ack is not None
+                 and time.monotonic() - client._session.last_ack > 1.0, timeout=5.0, step=0.05)
+        assert client.server_lost is None  # the keep-alive did not notice anything
+        with pytest.raises(SessionLostError, match="acknowledged nothing of session"):
+            pool.write_slots(slots, data)
+        with pytest.raises(SessionLostError):
+            pool.write_layer(0, slots, data[:, 0, 0], data[:, 0, 1])
+        with pytest.raises(SessionLostError):
+            pool.read_slots(slots)
+        with pytest.raises(SessionLostError):
+            pool.read_layer(0, slots)
+
+
+def test_the_lease_check_refuses_a_margin_before_the_lease_and_only_with_a_session():
+    state = SessionState(True, "t", None)
+    state.check_lease("write")  # not opened yet: nothing to check
+    state.opened(pb.OpenSessionResponse(session_id=7, lease_ttl_ms=10_000), sent_at=time.monotonic() - 8.9)
+    state.check_lease("write")
+    state.acked(time.monotonic() - 9.1)  # older than what is known: ignored
+    state.check_lease("write")
+    state.last_ack = time.monotonic() - 9.1  # within the margin (1 s of a 10 s lease)
+    with pytest.raises(SessionLostError, match="refused 1 s early"):
+        state.check_lease("write")
+    off = SessionState(False, "t", None)
+    off.last_ack, off.lease_ttl_s = 0.0, 1.0
+    off.check_lease("write")

@@ -11,7 +11,7 @@ import pytest
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client import KVPoolClient, UnavailableError
-from kvpool_client.kvctl import EXIT_ERROR, EXIT_NO_SERVER, main
+from kvpool_client.kvctl import EXIT_ERROR, EXIT_NO_SERVER, EXIT_NOT_DRAINED, main
 
 
 def kvctl(capsys, *argv: str) -> tuple[int, str, str]:
@@ -90,7 +90,8 @@ def test_drain_refuses_new_sessions_lets_live_ones_finish_and_waits(server, caps
     seq = live.register()
     live.append(seq, 20)
     code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--json")
-    assert code == 0 and json.loads(out) == {"draining": True, "num_sessions": 1, "num_sequences": 1}
+    assert code == 0 and json.loads(out) == {"draining": True, "num_sessions": 1, "num_sequences": 1,
+                                             "drained": False}
     with KVPoolClient(server.address) as newcomer:
         assert newcomer.health() == "NOT_SERVING"
         with pytest.raises(UnavailableError, match="draining"):
@@ -102,6 +103,32 @@ def test_drain_refuses_new_sessions_lets_live_ones_finish_and_waits(server, caps
     live.close()
     code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--wait", "5")
     assert code == 0 and "0 sessions and 0 sequences live -- drained" in out
+
+
+def test_drain_wait_that_runs_out_fails_and_names_what_is_still_live(server, capsys):
+    """Issue 20 item 13: a session-less sequence never ends, so the wait runs out: exit 5, not 0."""
+    with KVPoolClient(server.address, session=False) as kv:  # its sequence outlives it
+        orphan = kv.register()
+        kv.append(orphan, 20)
+    live = KVPoolClient(server.address, client_name="still-here")
+    live.append(live.register(), 5)
+    try:
+        code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--wait", "0.5")
+        assert code == EXIT_NOT_DRAINED == 5
+        assert "not drained after --wait 0.5 s; still live:" in out
+        assert f"session {live.session_id:#x} (still-here): 1 sequences, 1 blocks" in out
+        assert f"1 session-less sequences (seq_id {orphan})" in out
+        live.close()
+        code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--wait", "0.5", "--json")
+        data = json.loads(out)
+        assert code == EXIT_NOT_DRAINED and data["drained"] is False
+        assert data["still_live"] == {"sessions": [], "num_sessionless_sequences": 1, "sessionless_seq_ids": [orphan]}
+        with KVPoolClient(server.address, session=False) as kv:
+            kv.free([orphan])
+        code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--wait", "5")
+        assert code == 0 and "-- drained" in out
+    finally:
+        live.close()
 
 
 def test_no_server_fails_fast(capsys, tmp_path):

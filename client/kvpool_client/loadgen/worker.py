@@ -9,125 +9,40 @@ place is taken by the next unclaimed request index (a counter shared by all proc
 This process also keeps an exact record of its own memory: blocks held (AppendToken's new blocks minus Free's freed
 blocks; no block is shared across processes) and blocks it would hold without sharing (sum of ceil(len / block_size)).
 
-The prefix-caching workloads' requests (shared-prefix, chat turns) start in prefix_requests.py; verification is
-verifier.py; the per-request state is sequences.py.
+The process's state and call plumbing are worker_base.py; admission and preemption admission.py; the prefix-caching
+workloads' requests (shared-prefix, chat turns) prefix_requests.py -- each a class that ``Worker`` inherits, none
+importing another; verification is verifier.py; the per-request state is sequences.py.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
-from kvpool_client.client import KVPoolClient
-from kvpool_client.errors import QuotaExceededError, ResourceExhaustedError
-from kvpool_client.loadgen import admission, prefix_requests
-from kvpool_client.loadgen.chat import ChatConversation, make_chat_conversation
+from kvpool_client.loadgen.admission import Admission
+from kvpool_client.loadgen.chat import make_chat_conversation
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER, kv_pattern, token_keys
+from kvpool_client.loadgen.prefix_requests import PrefixRequests, decode_token_ids
 from kvpool_client.loadgen.sequences import Request, Seq
-from kvpool_client.loadgen.verifier import Verifier
 from kvpool_client.loadgen.worker_config import WorkerConfig
-from kvpool_client.loadgen.workload import (
-    beam_token_stream,
-    distribution,
-    make_request,
-    prune_and_refork,
-    sequences_per_request,
-)
+from kvpool_client.loadgen.workload import beam_token_stream, make_request, prune_and_refork
+
+__all__ = ["Worker", "WorkerConfig", "worker_main"]
 
 
-class Worker:
-    def __init__(self, cfg: WorkerConfig, claim: Any, events: Any) -> None:
-        self.cfg = cfg
-        self.claim = claim
-        self.events = events
-        self.dist = distribution(cfg.lengths, cfg.max_len)
-        self.width = sequences_per_request(cfg.mode, cfg.beam_width, cfg.num_samples)
-        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, token=cfg.token)
-        self.pool = self.client.attach()
-        self.layout = self.pool.layout
-        if cfg.kv_source == "device" and self.pool.backend != "gpu":
-            raise RuntimeError(f"--kv-source device writes from GPU arrays into a GPU pool; this server's pool is "
-                               f"on the {self.pool.backend} backend: use --kv-source host (or auto)")
-        self.device_kv = cfg.kv_source == "device" or (cfg.kv_source == "auto" and self.pool.backend == "gpu")
-        self.active: list[Request] = []
-        self.deferred: list[int] = []  # request indices to start (again) first: admission.py
-        self.hold_admission = False  # after a preemption, until a request completes
-        self.stalled_since: float | None = None  # this process's last request preempted, none finished since
-        self.latency: dict[str, list[float]] = defaultdict(list)
-        self.counts: dict[str, int] = defaultdict(int)
-        self.used_blocks = 0
-        self.series: dict[str, list[float]] = {k: [] for k in ("t", "used", "logical", "seqs", "tokens")}
-        self.verifier = Verifier(self.client, self.pool, cfg.verify, self.timed, self.counts)
-        self.next_turns: list[tuple[ChatConversation, int]] = []  # chat: turns whose previous turn just ended
-        # shared-prefix, per request: (held from, held until, prompt id, physical block ids of the shared prompt,
-        # how many of them were cached): resident.py
-        self.prefix_holds: list[tuple[float, float, int, list[int], int]] = []
-
-    # ---------------------------------------------------------------- plumbing
-    def timed(self, name: str, fn: Any, *args: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.latency[name].append(time.perf_counter() - start)
-
-    def append(self, name: str, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None = None,
-               wait: bool = True) -> Any:
-        """AppendToken; on RESOURCE_EXHAUSTED retried for up to --exhausted-wait (``wait``) or raised at once."""
-        deadline = time.monotonic() + (self.cfg.exhausted_wait_s if wait else -1.0)
-        while True:
-            try:
-                result = self.timed(name, self._append_call, seq_ids, num_tokens, token_ids)
-                break
-            except ResourceExhaustedError as error:
-                self.counts["exhausted_retries"] += 1
-                self.counts["quota_refusals"] += isinstance(error, QuotaExceededError)
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.005)
-        self.counts["append_calls"] += 1
-        self.counts["tokens_appended"] += len(result.slot_mapping)
-        self.counts["copies"] += len(result.copies)
-        self.counts["blocks_allocated"] += len(result.new_block_ids)
-        self.used_blocks += len(result.new_block_ids)
-        return result
-
-    def prefill(self, seq_id: int, num_tokens: int, token_ids: np.ndarray | None = None) -> Any:
-        return admission.prefill(self, seq_id, num_tokens, token_ids)
-
-    def _append_call(self, seq_ids: list[int], num_tokens: int, token_ids: np.ndarray | None) -> Any:
-        if token_ids is None:
-            return self.client.append(seq_ids, num_tokens)
-        return self.client.append(seq_ids, num_tokens, token_ids=token_ids)
-
-    def claim_next(self) -> int | None:
-        with self.claim.get_lock():
-            index = self.claim.value
-            if index >= self.cfg.completions:
-                return None
-            self.claim.value = index + 1
-            return index
-
-    def _record(self) -> None:
-        seqs = [s for r in self.active for s in r.seqs.values()]
-        bs = self.layout.block_size
-        s = self.series
-        s["t"].append(time.monotonic())
-        s["used"].append(self.used_blocks)
-        s["logical"].append(sum(-(-q.length // bs) for q in seqs))
-        s["seqs"].append(len(seqs))
-        s["tokens"].append(sum(q.length for q in seqs))
+class Worker(Admission, PrefixRequests):
+    """One process's loop: its state and plumbing are WorkerBase's (worker_base.py), admission and preemption
+    Admission's (admission.py), the prefix-caching workloads' requests PrefixRequests' (prefix_requests.py)."""
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
         self.t_start = time.monotonic()
         self._record()
         while True:
-            while len(self.active) < self.cfg.concurrency and admission.admit(self):
+            while len(self.active) < self.cfg.concurrency and self.admit():
                 self._record()
             if not self.active:
                 break
@@ -139,11 +54,11 @@ class Worker:
     def start_request(self, index: int) -> None:
         cfg = self.cfg
         if cfg.workload == "shared-prefix":
-            self.active.append(prefix_requests.start_shared_prefix_request(self, index))
+            self.active.append(self.start_shared_prefix_request(index))
             return
         if cfg.workload == "chat":
             conversation = make_chat_conversation(cfg.seed, index, self.dist, cfg.num_turns, cfg.turn_tokens)
-            self.active.append(prefix_requests.start_chat_turn(self, conversation, 0))
+            self.active.append(self.start_chat_turn(conversation, 0))
             return
         spec = make_request(cfg.seed, index, self.dist, cfg.mode, cfg.num_samples)
         root = self.timed("register", self.client.register)
@@ -162,27 +77,15 @@ class Worker:
         self.counts["sequences"] += len(seq_ids)
         self.active.append(request)
 
-    def write_kv(self, slots: np.ndarray, data: np.ndarray) -> None:
-        """Write token KV into ``slots``: from host arrays, or (``--kv-source device``) from device arrays through
-        the client's scatter kernel, then wait for it (other processes and the server read these slots next)."""
-        if not self.device_kv:
-            self.pool.write_slots(slots, data)
-            return
-        import cupy  # noqa: PLC0415  (only on a GPU pool)
-
-        stream = cupy.cuda.get_current_stream()
-        self.pool.write_slots(cupy.asarray(np.asarray(slots, dtype=np.int64)), cupy.asarray(data), stream=stream)
-        stream.synchronize()
-
     def decode_step(self) -> None:
         """One batched AppendToken over every live sequence of this process, then one write of the new KV."""
         def live() -> list[Seq]:
             return [s for r in self.active for s in r.seqs.values()]
 
         with_ids = self.cfg.workload != "standard" and not self.cfg.no_prefix_cache
-        result = admission.decode_append(
-            self, lambda: [s.seq_id for s in live()],
-            lambda: prefix_requests.decode_token_ids(self.cfg.seed, live()) if with_ids else None)
+        result = self.decode_append(
+            lambda: [s.seq_id for s in live()],
+            lambda: decode_token_ids(self.cfg.seed, live()) if with_ids else None)
         if result is None:  # every request of this process was preempted
             return
         seqs = live()
@@ -232,12 +135,6 @@ class Worker:
             else:
                 self._request_done(r)
         self.active = still_active
-
-    def record_prefix_hold(self, r: Request) -> None:
-        """Which blocks held ``r``'s shared prompt, from when to now (resident.py)."""
-        if r.prefix_block_ids is not None:
-            self.prefix_holds.append((r.held_since, time.monotonic(), r.prompt_id, r.prefix_block_ids,
-                                      r.prefix_blocks_cached))
 
     def _request_done(self, r: Request) -> None:
         """All its sequences are freed: record its prefix hold; a chat turn's conversation goes on to its next turn
