@@ -19,7 +19,6 @@ from typing import Any
 from kvpool_server.config import ConfigError, ServerConfig, configure_logging, load_config
 from kvpool_server.grpc_api.server import ServerHandle, build_server
 from kvpool_server.service.build import StartupError
-from kvpool_server.host_checks import check_pool_fits
 from kvpool_server.process import freeze_startup_heap, pin_threads
 from kvpool_server.grpc_api.listen import exposed_metrics
 
@@ -32,11 +31,7 @@ def serve(config: ServerConfig) -> int:
     cpus = config.cpu_set()
     if cpus is not None:
         pin_threads(cpus)  # before build_server: the threads it starts inherit the mask
-    try:
-        check_pool_fits(config)  # a host pool larger than the memory or /dev/shm: refused now, not SIGBUS later
-    except ConfigError as exc:
-        raise StartupError(str(exc)) from None
-    handle = build_server(config)
+    handle = build_server(config)  # refuses a host pool larger than the memory or /dev/shm (not SIGBUS later)
     stop = threading.Event()
     received: list[int] = []
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvpool_server.config import ServerConfig, pool_error_message
+from kvpool_server.config import ConfigError, ServerConfig, pool_error_message
+from kvpool_server.host_checks import check_environment, check_pool_fits
 from kvpool_server.core import KVCacheManager, KVPoolError
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.device import create_pool
@@ -31,6 +32,11 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
     not fit it."""
     config.validate()
     try:
+        check_environment(config)
+        check_pool_fits(config)
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from exc
+    try:
         size: Any = config.pool_size_kwargs()
         pool = create_pool(config.layout, backend=config.backend, **size)
     except Exception as exc:
@@ -45,7 +51,7 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
                                 max_ttl_s=config.max_session_ttl_ms / 1000.0)
         events = EventFeed(sessions.server_epoch, manager.allocator.cache, config.event_buffer_batches,
                            medium="GPU" if pool.backend == "gpu" else "CPU",
-                           max_subscribers=config.max_event_subscribers)
+                           max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes)
         guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
         service = KVPoolService(
             guard, SessionService(guard, metrics, on_drain), auth=auth, metrics=metrics, max_batch=config.max_batch,

@@ -15,7 +15,7 @@ import asyncio
 import threading
 from collections.abc import AsyncGenerator, Callable
 
-from kvpool_server.core.kv_events import EventBatch, KVEventLog
+from kvpool_server.core.kv_events import DEFAULT_EVENT_LOG_BYTES, EventBatch, KVEventLog
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.service.errors import TooManyStreamsError
 
@@ -26,8 +26,8 @@ class EventFeed:
     """The event log, the wake-up of its subscribers, and their cap."""
 
     def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000, medium: str = "",
-                 max_subscribers: int = 64) -> None:
-        self.log = KVEventLog(epoch, capacity)
+                 max_subscribers: int = 64, max_bytes: int = DEFAULT_EVENT_LOG_BYTES) -> None:
+        self.log = KVEventLog(epoch, capacity, max_bytes)  # --event-buffer-batches, --event-buffer-bytes
         self.log.attach(cache)
         self.cache = cache
         self.medium = medium  # "GPU" or "CPU": where the pool is (vLLM's kv_events field)

@@ -120,6 +120,8 @@ class KVPoolService:
             plan = manager.append(ids, cast(Any, counts), tenant, token_id_list)
             if plan.copies.shape[0]:
                 pool.copy_blocks(plan.copies)
+            if plan.zero_block_ids.shape[0]:  # blocks that change hands never show their old owner's bytes
+                pool.zero_blocks(plan.zero_block_ids)
             return plan
 
         plan = self.guard.mutate(call.caller, session_id, request_id, ("append", ids, num_tokens, token_ids), apply)
