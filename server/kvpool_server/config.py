@@ -3,8 +3,8 @@
 Each field is a flag ``--<name-with-dashes>`` and an environment variable ``KVPOOL_<NAME>``; a flag beats its
 variable (``--pool-bytes`` <- ``KVPOOL_POOL_BYTES``), which beats the default. ``ServerConfig.validate()`` is pure:
 it rejects values that cannot work together, with a message naming the setting, and reads nothing of the OS.
-``load_config`` also checks what the settings name on this host (files, CPUs: host_checks.check_environment);
-``host_checks.check_pool_fits`` checks, at start, that the pool fits the host's memory and /dev/shm.
+What the settings name on this host is checked apart, at start (``host_checks``: the files and CPUs they name, and
+that the pool fits the host's memory and /dev/shm; ``service.build.build_service`` calls it).
 
 The layout settings (``--num-layers`` ... ``--kv-layout``) are KVLayout's own fields with KVLayout's defaults
 (``_layout_setting``); ``ServerConfig.layout`` builds the KVLayout from them.
@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.layout import DTYPES, KV_LAYOUTS, KVLayout
-from kvpool_server.host_checks import check_environment, pool_error_message
-from kvpool_server.log_setup import LOG_FORMATS, LOG_LEVELS, JsonLogFormatter, configure_logging
+from kvpool_server.log_setup import LOG_FORMATS, LOG_LEVELS, JsonLogFormatter
 from kvpool_server.settings import (
     BYTES_FORMS,
     ENV_PREFIX,
@@ -33,12 +33,11 @@ from kvpool_server.settings import (
     read_settings,
     setting,
 )
-from kvpool_server.grpc_api.listen import TransportError, check_transport
 
 __all__ = [
     "BACKENDS", "BYTES_FORMS", "DEFAULT_POOL_BYTES", "DTYPES", "ENV_PREFIX", "LOG_FORMATS", "LOG_LEVELS",
-    "ConfigError", "JsonLogFormatter", "ServerConfig", "build_parser", "configure_logging", "load_config",
-    "parse_bytes", "pool_error_message", "server_version",
+    "ConfigError", "JsonLogFormatter", "ServerConfig", "build_parser", "load_config",
+    "parse_bytes", "server_version",
 ]
 
 BACKENDS = ("auto", "gpu", "host")
@@ -224,10 +223,62 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
-    """Flags (``argv``) over ``KVPOOL_*`` variables (``environ``, default os.environ) over defaults; validated, and
-    the files and CPUs it names checked on this host (host_checks.check_environment)."""
+    """Flags (``argv``) over ``KVPOOL_*`` variables (``environ``, default os.environ) over defaults, validated.
+    Pure: what the settings name on this host (files, CPUs, memory) is ``host_checks``' to check, at start."""
     environ = os.environ if environ is None else environ
     values = read_settings(ServerConfig, build_parser().parse_args(argv), environ)
-    config = ServerConfig(**values).validate()
-    check_environment(config)
-    return config
+    return ServerConfig(**values).validate()
+
+
+# ---------------------------------------------------------------- exposure: which addresses reach other hosts
+class TransportError(Exception):
+    """A listening or TLS setting that cannot work (config.py turns it into a ConfigError)."""
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_transport(config: ServerConfig) -> None:
+    """Raise TransportError for TLS files given half-way, or a network address left open without --insecure: the
+    gRPC address (no --auth-tokens and no TLS) or the metrics address (metrics have no authentication). Pure: that
+    the files exist is ``check_transport_files``'."""
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise TransportError("--tls-cert and --tls-key go together")
+    if config.tls_client_ca and not config.tls_cert:
+        raise TransportError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    if config.insecure:
+        return
+    if config.address and not is_loopback(config.address.rsplit(":", 1)[0]):
+        if not (config.auth_tokens or config.tls_cert):
+            raise TransportError(
+                f"--address {config.address} is reachable from other hosts, and there is neither --auth-tokens nor "
+                "--tls-cert: anyone there could free or read every sequence. Add authentication and TLS "
+                "(docs/security.md), listen on 127.0.0.1 or a unix socket, or pass --insecure to accept that"
+            )
+    if exposed_metrics(config):
+        raise TransportError(
+            f"--metrics-address {config.metrics_address} is reachable from other hosts, and metrics have no "
+            "authentication: anyone there could read every tenant's name and usage. Serve them on 127.0.0.1 (a "
+            "scraper elsewhere: through a tunnel or an authenticating proxy), or pass --insecure to accept that "
+            "(docs/security.md)"
+        )
+
+
+def check_transport_files(config: ServerConfig) -> None:
+    """Raise TransportError for a TLS or tokens file that is not there."""
+    for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens"):
+        path = getattr(config, name)
+        if path and not os.path.isfile(path):
+            raise TransportError(f"--{name.replace('_', '-')} {path}: no such file")
+
+
+def exposed_metrics(config: ServerConfig) -> bool:
+    """Whether the metrics are served to other hosts (allowed only with --insecure; main logs a warning)."""
+    return bool(config.metrics_address) and not is_loopback(config.metrics_address.rpartition(":")[0])

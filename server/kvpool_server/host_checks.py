@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvpool_server.settings import ConfigError, format_bytes
-from kvpool_server.grpc_api.listen import TransportError, check_transport_files
+from kvpool_server.config import TransportError, check_transport_files
 
 if TYPE_CHECKING:
     from kvpool_server.config import ServerConfig

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvpool_server.config import ServerConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
@@ -33,9 +30,10 @@ class JsonLogFormatter(logging.Formatter):
 JsonLogFormatter.converter = time.gmtime
 
 
-def configure_logging(config: ServerConfig) -> None:
-    level = config.log_level.upper()
-    if config.log_format == "json":
+def configure_logging(log_level: str, log_format: str) -> None:
+    """The root logger at ``log_level`` (--log-level), as text or JSON lines (--log-format)."""
+    level = log_level.upper()
+    if log_format == "json":
         handler = logging.StreamHandler()
         handler.setFormatter(JsonLogFormatter())
         logging.basicConfig(level=level, handlers=[handler], force=True)

@@ -16,11 +16,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool_server.config import ConfigError, ServerConfig, configure_logging, load_config
+from kvpool_server.config import ConfigError, ServerConfig, load_config
+from kvpool_server.host_checks import check_environment
+from kvpool_server.log_setup import configure_logging
 from kvpool_server.grpc_api.server import ServerHandle, build_server
 from kvpool_server.service.build import StartupError
 from kvpool_server.process import freeze_startup_heap, pin_threads
-from kvpool_server.grpc_api.listen import exposed_metrics
+from kvpool_server.config import exposed_metrics
 
 logger = logging.getLogger("kvpool_server")
 DRAIN_QUIET_S = 0.2  # shutdown stops draining once no call has been refused for this long
@@ -119,10 +121,11 @@ def _write_atomically(path: str, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         config = load_config(argv)
+        check_environment(config)  # the files and CPUs it names (before serve pins threads to them)
     except ConfigError as exc:
         print(f"kvpool-server: {exc}", file=sys.stderr)
         sys.exit(2)
-    configure_logging(config)
+    configure_logging(config.log_level, config.log_format)
     try:
         code = serve(config)
     except StartupError as exc:

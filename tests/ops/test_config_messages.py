@@ -17,9 +17,9 @@ from kvpool_server.config import (
     ServerConfig,
     load_config,
     parse_bytes,
-    pool_error_message,
     server_version,
 )
+from kvpool_server.host_checks import pool_error_message
 from tests.conftest import server_command
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -92,15 +92,16 @@ def test_validation_names_the_setting(changes: dict, message: str) -> None:
 
 
 def test_validate_reads_no_host_state_and_changes_nothing(tmp_path) -> None:
-    """validate() is pure; what the settings name on this host (files, CPUs) is load_config's check."""
+    """validate() and load_config() are pure; what the settings name on this host (files, CPUs) is
+    check_environment's to check (main runs it right after loading)."""
     missing = str(tmp_path / "missing.toml")
     config = ServerConfig(auth_tokens=missing, cpu_affinity="100000", log_level="debug")
     before = dataclasses.replace(config)
     assert config.validate() is config and config == before  # log_level stays as given: no mutation
     with pytest.raises(ConfigError, match=f"--auth-tokens {missing}: no such file"):
-        load_config(["--auth-tokens", missing], environ={})
+        check_environment(load_config(["--auth-tokens", missing], environ={}))
     with pytest.raises(ConfigError, match="--cpu-affinity names CPUs \\[100000\\] this process may not use"):
-        load_config(["--cpu-affinity", "100000"], environ={})
+        check_environment(load_config(["--cpu-affinity", "100000"], environ={}))
     with pytest.raises(ConfigError, match="may not use"):
         check_environment(ServerConfig(cpu_affinity="100000"))
 

@@ -67,7 +67,7 @@ class BlockTables:
         self.next_slot: np.ndarray = np.zeros(rows, dtype=np.int64)
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
         self.num_copies: int = 0
-        self.by_length: LengthLookups = LengthLookups(self)  # derived from the shape above, read-only
+        self.by_length: LengthLookups = LengthLookups(self.max_seq_len, self.block_size)  # derived from the shape above, read-only
 
     @overload
     def blocks_for(self, num_tokens: int) -> int: ...

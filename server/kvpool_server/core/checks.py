@@ -3,16 +3,34 @@ read-only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import UNSET, BlockTables
 from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.seq_index import SequenceIndex
+from kvpool_server.core.tenants import TenantLedger
+from kvpool_server.core.token_chains import TokenChains
 from kvpool_server.core.types import PoolStats
 
-if TYPE_CHECKING:
-    from kvpool_server.core.manager import KVCacheManager
+
+class KVCacheManager(Protocol):
+    """The parts of manager.KVCacheManager these checks read (a Protocol: the manager calls down into this module,
+    never the other way)."""
+
+    block_size: int
+    index: SequenceIndex
+    tables: BlockTables
+    allocator: BlockAllocator
+    tenants: TenantLedger
+    chains: TokenChains
+    tenancy: bool
+    session_of_seq: dict[int, int]
+    seqs_of_session: dict[int, set[int]]
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
 
 
 def check_invariants(manager: KVCacheManager) -> None:

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from kvpool_server.core.block_tables import BlockTables
 
 
 class LengthLookups:
@@ -24,19 +19,19 @@ class LengthLookups:
         n             0  1  2  3  4  5  6  7  8      (block_size 4, max_seq_len 8)
         block_index   0  0  0  0  1  1  1  1  2      logical block of position n
         offset        0  1  2  3  0  1  2  3  0      offset of position n inside it
-        num_blocks    0  1  1  1  1  2  2  2  2      blocks that hold n tokens (BlockTables.blocks_for)
+        num_blocks    0  1  1  1  1  2  2  2  2      blocks that hold n tokens (ceil(n / block_size))
         starts_block  T  .  .  .  T  .  .  .  T      token n opens a new block
         at_limit      .  .  .  .  .  .  .  .  T      a sequence of n tokens takes no more
     """
 
-    def __init__(self, tables: BlockTables) -> None:
-        n = np.arange(tables.max_seq_len + 1, dtype=np.int64)
-        self.block_index: np.ndarray = n // tables.block_size
-        self.offset: np.ndarray = n % tables.block_size
-        self.num_blocks: np.ndarray = tables.blocks_for(n)
+    def __init__(self, max_seq_len: int, block_size: int) -> None:
+        n = np.arange(max_seq_len + 1, dtype=np.int64)
+        self.block_index: np.ndarray = n // block_size
+        self.offset: np.ndarray = n % block_size
+        self.num_blocks: np.ndarray = -(-n // block_size)
         self.starts_block: np.ndarray = self.offset == 0
-        self.at_limit: np.ndarray = n >= tables.max_seq_len
+        self.at_limit: np.ndarray = n >= max_seq_len
         # block_size as a 0-d int64 array: int32 block ids times it give int64 slots without a cast.
-        self.block_size: np.ndarray = np.array(tables.block_size, dtype=np.int64)
+        self.block_size: np.ndarray = np.array(block_size, dtype=np.int64)
         for array in (self.block_index, self.offset, self.num_blocks, self.starts_block, self.at_limit):
             array.flags.writeable = False

@@ -13,7 +13,6 @@ Two backends share this interface: ``GpuPool`` (one raw ``cudaMalloc``, exported
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -267,36 +266,3 @@ def resolve_num_blocks(
     if blocks < 1:
         raise ValueError(f"the pool must hold at least one block of {layout.block_bytes} bytes")
     return blocks
-
-
-def create_pool(
-    layout: KVLayout,
-    *,
-    backend: str = "auto",
-    pool_bytes: int | None = None,
-    num_blocks: int | None = None,
-    gpu_memory_fraction: float | None = None,
-) -> KVPool:
-    """Allocate the pool. ``backend="auto"`` takes the GPU when ``gpu_available()``, else host shared memory.
-
-    Size: exactly one of ``num_blocks``, ``pool_bytes`` or ``gpu_memory_fraction`` -- a fraction of the free GPU
-    memory (``cudaMemGetInfo``), or on the host backend of the free space of ``/dev/shm``.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = "gpu" if gpu_available() else "host"
-    if backend == "gpu":
-        from kvpool_server.device.gpu_pool import GpuPool, free_gpu_bytes
-
-        free = free_gpu_bytes() if gpu_memory_fraction is not None else None
-        return GpuPool(layout, resolve_num_blocks(layout, free, pool_bytes, num_blocks, gpu_memory_fraction))
-    from kvpool_server.device.host_pool import HostPool
-
-    free = _free_shm_bytes() if gpu_memory_fraction is not None else None
-    return HostPool(layout, resolve_num_blocks(layout, free, pool_bytes, num_blocks, gpu_memory_fraction))
-
-
-def _free_shm_bytes() -> int:
-    st = os.statvfs("/dev/shm")
-    return st.f_bavail * st.f_frsize

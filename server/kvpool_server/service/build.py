@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvpool_server.config import ConfigError, ServerConfig, pool_error_message
-from kvpool_server.host_checks import check_environment, check_pool_fits
+from kvpool_server.config import ConfigError, ServerConfig
+from kvpool_server.host_checks import check_environment, check_pool_fits, pool_error_message
 from kvpool_server.core import KVCacheManager, KVPoolError
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.device import create_pool
