@@ -38,3 +38,9 @@ def test_the_helper_finds_circles_through_every_kind_of_import(tmp_path):
 def test_no_client_module_imports_another_in_a_circle():
     found = cycles(ROOT / "client" / "kvpool_client", "kvpool_client")
     assert found == [], "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_no_server_module_imports_another_in_a_circle():
+    """Issue 19: the layers point one way (docs/architecture.md), TYPE_CHECKING imports included."""
+    found = cycles(ROOT / "server" / "kvpool_server", "kvpool_server")
+    assert found == [], "import cycles: " + "; ".join(" -> ".join(c) for c in found)
