@@ -11,6 +11,7 @@ microseconds. It runs on the current tree (the transport-neutral service layer) 
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
@@ -20,12 +21,15 @@ from kvpool_server.config import ServerConfig
 STEPS, ROUNDS, BATCH = 2000, 7, 256
 
 
+BACKEND = "host"
+
+
 def current_tree() -> tuple[Callable[[bytes], bytes], Callable[[], list[int]], Callable[[list[int]], None], object]:
     from kvpool_server.grpc_api.methods import RPCS
     from kvpool_server.service.build import build_service
     from kvpool_server.service.scope import CallScope
 
-    config = ServerConfig(backend="host", num_blocks=65536, block_size=16, num_layers=1, num_kv_heads=1,
+    config = ServerConfig(backend=BACKEND, num_blocks=65536, block_size=16, num_layers=1, num_kv_heads=1,
                           head_dim=1, dtype="float32", max_seq_len=8192, max_num_seqs=4096, max_batch=4096)
     service, admission = build_service(config)
     scope = CallScope(admission, None, None)
@@ -55,7 +59,7 @@ def tree_before() -> tuple[Callable[[bytes], bytes], Callable[[], list[int]], Ca
     from kvpool_server.service import KVPoolServicer  # type: ignore[attr-defined]
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=16, dtype="float32")
-    pool = create_pool(layout, backend="host", num_blocks=65536)
+    pool = create_pool(layout, backend=BACKEND, num_blocks=65536)
     manager = KVCacheManager(num_blocks=65536, block_size=16, max_seq_len=8192, max_num_seqs=4096)
     servicer = KVPoolServicer(manager, pool, max_batch=4096, max_message_bytes=64 << 20)
     drain = Drain()
@@ -73,6 +77,11 @@ def tree_before() -> tuple[Callable[[bytes], bytes], Callable[[], list[int]], Ca
 
 
 def main() -> None:
+    global BACKEND
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("host", "gpu"), default="host",
+                        help="the pool's memory (gpu: the blocks that change hands are cleared on the device)")
+    BACKEND = parser.parse_args().backend
     try:
         step, register, free, pool = current_tree()
         which = "service layer"
@@ -88,7 +97,8 @@ def main() -> None:
             step(raw)
         best = min(best, (time.perf_counter() - started) / STEPS)
         free(ids)
-    print(f"{best * 1e6:.1f} us per {BATCH}-sequence AppendToken through the {which} (best of {ROUNDS} x {STEPS})")
+    print(f"{best * 1e6:.1f} us per {BATCH}-sequence AppendToken through the {which}, {BACKEND} pool "
+          f"(best of {ROUNDS} x {STEPS})")
     pool.close()  # type: ignore[attr-defined]
 
 

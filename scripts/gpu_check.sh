@@ -13,7 +13,7 @@ export PYTHONPATH=/tmp/site:$PWD/server:$PWD/common:$PWD/client PYTHONUNBUFFERED
 status=0
 only=${1:-all}  # "device": only the first step (copy kernel); "validate": everything but the benchmarks;
                 # "bench": only the benchmarks; "client": demo, beam, attach; "datapath": issue 14;
-                # "prefix": issue 13
+                # "prefix": issue 13; "layers": issues 19 and 20 (service layer before/after, clearing blocks)
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -59,6 +59,28 @@ if [ "$only" = prefix ]; then  # issue 13: prefix caching on GPU memory, KV even
                 --kinds echo-aio,kvpool,kvpool-stream --before .gpuwork/before --transport unix --pin=6,7 2>&1 | tee $OUT/bench_service_before_after.log"
     fi
     grep -h "token hit rate\|resident copies\|KV verification\|result:\|beam over" $OUT/*_gpu.log
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = layers ]; then  # issues 19 + 20: the service layer before/after, clearing blocks, the GPU tests
+    # carry=[".whl", ".gpuwork"]: .gpuwork/before = `git archive 007e014 server common` (before the service layer).
+    B=$PWD/.gpuwork/before; BEFORE="PYTHONPATH=/tmp/site:$B/server:$B/common:$PWD/client"
+    step "GPU tests: pool ops, zero_blocks, copy kernel, client kernels (block-major and layer-major)" \
+        bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs \
+            tests/device/test_device_pool_ops.py tests/device/test_device_gpu.py tests/device/test_device_zero.py \
+            tests/client/test_kernels_gpu.py tests/security/test_stale_kv.py 2>&1 | tee $OUT/layers_tests.log"
+    step "decode step of the core, 256 sequences: before / after, alternating, one core" \
+        bash -c "for i in 1 2 3; do env $BEFORE taskset -c 2 python3 benchmarks/decode_step.py | sed 's/^/before /'; \
+            taskset -c 2 python3 benchmarks/decode_step.py | sed 's/^/after  /'; done 2>&1 | tee $OUT/decode_step.log"
+    for backend in host gpu; do
+        step "decode step through the service (parse, scope, lock, core, reply), $backend pool: before / after" \
+            bash -c "for i in 1 2 3; do env $BEFORE taskset -c 2 python3 benchmarks/servicer_step.py --backend $backend; \
+                taskset -c 2 python3 benchmarks/servicer_step.py --backend $backend; done 2>&1 | tee $OUT/servicer_step_$backend.log"
+    done
+    step "zero_blocks on the H200 (default and Llama-3-8B layouts)" \
+        bash -c "set -o pipefail; timeout 120 python3 benchmarks/bench_zero.py --backend gpu 2>&1 | tee $OUT/bench_zero.log"
+    step "AppendToken / AppendTokenStream end to end, GPU pool: this tree against the tree before (unix, pinned)" \
+        bash -c "set -o pipefail; timeout 300 python3 benchmarks/bench_service.py --no-naive --rounds ${BENCH_ROUNDS:-3} --duration 3 \
+            --kinds echo-aio,kvpool,kvpool-stream --before $B --transport unix --pin=6,7 -- --backend gpu 2>&1 | tee $OUT/bench_service_layers.log"
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device
