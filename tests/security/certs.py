@@ -25,7 +25,7 @@ class CA:
         self.pem = self.cert.public_bytes(serialization.Encoding.PEM)
 
     def _builder(self, subject: x509.Name, public_key) -> x509.CertificateBuilder:
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         return (x509.CertificateBuilder().subject_name(subject).issuer_name(self.name).public_key(public_key)
                 .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=1)))

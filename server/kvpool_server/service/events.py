@@ -74,7 +74,7 @@ class EventFeed:
                     next_seq = self.log.next_seq
                 try:
                     await asyncio.wait_for(waiter.wait(), POLL_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             self.num_subscribers -= 1
