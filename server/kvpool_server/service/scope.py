@@ -107,29 +107,27 @@ class Call:
         self.caller: Identity = ANONYMOUS
         self.status: Status = OK
         self._admit = admit
-        self._observe = observe
-        self._started = time.perf_counter()
+        self._observe = observe and scope.metrics is not None
+        self._started = time.perf_counter() if self._observe else 0.0
 
     def __enter__(self) -> Call:
         scope = self.scope
         try:
             if self._admit:
-                scope.admission.admit()  # counts the call, then may refuse it: released in _end either way
+                scope.admission.admit()  # counts the call, then may refuse it: released in __exit__ either way
             if scope.auth is not None:
                 self.caller = scope.auth.identify(self.headers.get("authorization"), self.rpc)
         except BaseException as exc:
-            self._end(exc)
+            self.__exit__(None, exc, None)
             raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self._end(exc)
-
-    def _end(self, exc: BaseException | None) -> None:
         scope = self.scope
         if self._admit:
             scope.admission.release()
         if exc is not None:
             self.status = scope.failed(self, exc)
-        if self._observe and scope.metrics is not None:
-            scope.metrics.observe_rpc(self.rpc, self.status.code.name, time.perf_counter() - self._started)
+        if self._observe:
+            scope.metrics.observe_rpc(  # type: ignore[union-attr]
+                self.rpc, self.status.code.name, time.perf_counter() - self._started)
