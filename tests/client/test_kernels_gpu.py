@@ -5,6 +5,7 @@ host and device slots; writes from one process read by another; Triton paged dec
 from __future__ import annotations
 
 import multiprocessing as mp
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,7 +96,7 @@ def test_torch_tensors_streams_and_errors(server_factory):
             pool.write_layer(0, slots.float(), fused[:, 0], fused[:, 1])
 
 
-def _writer(address: str, seq_queue: mp.Queue) -> None:
+def _writer(address: str, seq_queue: mp.Queue, read: Any) -> None:
     import torch
 
     with KVPoolClient(address) as client, client.attach() as pool:
@@ -106,22 +107,27 @@ def _writer(address: str, seq_queue: mp.Queue) -> None:
         pool.write_slots(slots, data)
         torch.cuda.current_stream().synchronize()  # the caller's choice: now other processes may read
         seq_queue.put(seq)
-
+        read.wait(120)  # the sequence is this process's session's: it lives until the reader is done
 
 def test_writes_of_one_process_are_read_by_another(server_factory):
     torch = pytest.importorskip("torch")
     server = server_factory(*_args("float16", 16))
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_writer, args=(server.address, queue))
+    queue, read = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_writer, args=(server.address, queue, read))
     proc.start()
     seq = queue.get(timeout=120)
-    proc.join(timeout=60)
     g = torch.Generator(device="cuda").manual_seed(5)
+    try:
+        with KVPoolClient(server.address) as client:
+            expected = torch.randn((50, *client.layout.token_shape), device="cuda", generator=g).half().cpu().numpy()
+            assert np.array_equal(client.read_kv(seq), expected)  # the server's own read of the pool
+    finally:
+        read.set()
+        proc.join(timeout=60)
+    # the writer's session ended with it, and so did its sequence
     with KVPoolClient(server.address) as client:
-        expected = torch.randn((50, *client.layout.token_shape), device="cuda", generator=g).half().cpu().numpy()
-        assert np.array_equal(client.read_kv(seq), expected)  # the server's own read of the pool
-        client.free(seq)
+        assert client.stats().num_sequences == 0
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
