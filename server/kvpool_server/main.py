@@ -43,8 +43,10 @@ def serve(config: ServerConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    # SIGHUP: re-read --auth-tokens (revoked tokens are refused from the next call on); without it, ignored.
-    signal.signal(signal.SIGHUP, lambda signum, frame: handle.service.reload_tokens())
+    # SIGHUP: re-read --auth-tokens (revoked tokens are refused from the next call on); without it, ignored. In a
+    # thread: the main thread may hold the core's lock (shutdown), and nothing raised there may end the server.
+    signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(
+        target=handle.service.reload_tokens, name="kvpool-sighup", daemon=True).start())
     if config.insecure and config.address:
         logger.warning("--insecure: %s takes calls from other hosts%s", config.address,
                        "" if config.auth_tokens or config.tls_cert else " with no authentication and no TLS")

@@ -13,8 +13,9 @@ TOKENS = {"a": ("tok-a", "frontend"), "b": ("tok-b", "frontend"), "ops": ("tok-a
 
 
 def write_tokens(path: Path, tokens: dict[str, tuple[str, str]] = TOKENS, tenants: str = "") -> Path:
-    """A tokens file: ``tokens`` tenant -> (token, role), plus raw TOML ``tenants`` sections."""
-    lines = [tenants]
+    """A tokens file: ``tokens`` tenant -> (token, role), plus raw TOML ``tenants`` sections (an empty section for
+    each tenant of ``tokens`` that ``tenants`` leaves out: the server refuses a token of an undefined tenant)."""
+    lines = [f"[tenants.{tenant}]" for tenant in tokens if f"[tenants.{tenant}]" not in tenants] + [tenants]
     for tenant, (token, role) in tokens.items():
         lines += ["[[tokens]]", f'sha256 = "{hash_token(token)}"', f'tenant = "{tenant}"', f'role = "{role}"', ""]
     path.write_text("\n".join(lines))

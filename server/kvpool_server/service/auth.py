@@ -21,6 +21,9 @@ new`` makes a random token and its digest)::
     tenant = "alpha"
     role = "frontend"         # or "admin"
 
+Every token's tenant needs its ``[tenants.<name>]`` section (it may be empty). The whole schema, checked at start
+(StartupError) and on every SIGHUP (a bad file is logged and the old tokens stay), is in ``tokens_file.py``.
+
 Roles: ``frontend`` uses its own tenant's sessions and sequences; ``admin`` also may call ``ADMIN_RPCS`` (and sees
 every tenant in Stats). Errors: no or unknown token -> UNAUTHENTICATED; a frontend calling an admin RPC, or a
 tenant without ``share_prefixes`` registering a public prefix (``check_may_share_prefixes``) -> PERMISSION_DENIED
@@ -29,19 +32,20 @@ tenant without ``share_prefixes`` registering a public prefix (``check_may_share
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import secrets
 import sys
-import tomllib
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from kvpool_server.core.tenants import TenantLedger, TenantLimits
+from kvpool_server.core.tenants import TenantLedger
 from kvpool_server.service.errors import PermissionDeniedError, UnauthenticatedError
+from kvpool_server.service.tokens_file import ROLES, TenantPolicy, TokensFile, TokensFileError, load_tokens_file
 
+__all__ = ["ADMIN_RPCS", "ANONYMOUS", "ROLES", "Authenticator", "Identity", "TenantPolicy", "TokensFile",
+           "TokensFileError", "check_may_share_prefixes", "hash_token", "load_tokens_file"]
 logger = logging.getLogger(__name__)
-ROLES = ("frontend", "admin")
 ADMIN_RPCS = frozenset({"ListSessions", "ListSequences", "CheckInvariants", "Drain", "SubscribeEvents"})
 
 
@@ -63,64 +67,11 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-@dataclass
-class TenantPolicy:
-    limits: TenantLimits = TenantLimits()
-    may_attach: bool = False
-    share_prefixes: bool = False
-
-
-@dataclass
-class TokensFile:
-    tokens: dict[str, tuple[str, str]] = field(default_factory=dict)  # sha256 hex -> (tenant, role)
-    tenants: dict[str, TenantPolicy] = field(default_factory=dict)
-
-
-class TokensFileError(ValueError):
-    pass
-
-
-def _blocks(value: Any, num_blocks: int, where: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, str) and value.endswith("%"):
-        return int(num_blocks * float(value[:-1]) / 100)
-    if isinstance(value, int) and value >= 0:
-        return value
-    raise TokensFileError(f"{where} must be a number of blocks or a share such as \"25%\", got {value!r}")
-
-
-def load_tokens_file(path: str, num_blocks: int) -> TokensFile:
-    """Parse and check the tokens file; raises TokensFileError naming the problem."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise TokensFileError(f"cannot read tokens file {path}: {exc}") from exc
-    out = TokensFile()
-    for name, spec in data.get("tenants", {}).items():
-        where = f"{path}: tenants.{name}"
-        limits = TenantLimits(
-            max_blocks=_blocks(spec.get("max_blocks"), num_blocks, f"{where}.max_blocks"),
-            max_sequences=spec.get("max_sequences"), max_sessions=spec.get("max_sessions"),
-            reserved_blocks=_blocks(spec.get("reserved_blocks", 0), num_blocks, f"{where}.reserved_blocks") or 0,
-        )
-        out.tenants[name] = TenantPolicy(limits, bool(spec.get("may_attach", False)),
-                                         bool(spec.get("share_prefixes", False)))
-    for i, entry in enumerate(data.get("tokens", [])):
-        digest, tenant, role = entry.get("sha256", ""), entry.get("tenant", ""), entry.get("role", "frontend")
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
-            raise TokensFileError(f"{path}: tokens[{i}].sha256 must be 64 hex digits (kvpool-token hash TOKEN)")
-        if not tenant or role not in ROLES:
-            raise TokensFileError(f"{path}: tokens[{i}] needs a tenant and a role in {ROLES}")
-        out.tokens[digest.lower()] = (tenant, role)
-        out.tenants.setdefault(tenant, TenantPolicy())
-    return out
-
-
 class Authenticator:
-    """The tokens of ``path``, applied to the manager's TenantLedger (tenant ids and limits). ``reload()`` swaps
-    them in one assignment; on a bad file it keeps the old ones and logs why."""
+    """The tokens of ``path``, applied to the manager's TenantLedger (tenant ids and limits). The file is checked
+    whole against its schema (``tokens_file.py``) before anything is applied: ``load()`` raises TokensFileError at
+    start; ``reload()`` (SIGHUP) swaps the tokens in one assignment, or on a bad file keeps the old tokens and limits,
+    logs why and returns False -- it never raises."""
 
     def __init__(self, path: str, ledger: TenantLedger, num_blocks: int) -> None:
         self.path = path
@@ -131,8 +82,15 @@ class Authenticator:
         self.load()
 
     def load(self) -> None:
-        """Read the file and apply it (call under the servicer's lock: it changes the ledger)."""
+        """Read and check the file, then apply it (call under the servicer's lock: it changes the ledger). A tenant
+        dropped from the file keeps its quotas (its sequences live on) but no longer reserves blocks."""
         parsed = load_tokens_file(self.path, self.num_blocks)
+        self.apply(parsed)
+
+    def apply(self, parsed: TokensFile) -> None:
+        for name in self.policies.keys() - parsed.tenants.keys():
+            tenant = self.ledger.tenant_id(name)
+            self.ledger.set_limits(tenant, dataclasses.replace(self.ledger.limits[tenant], reserved_blocks=0))
         for name, policy in parsed.tenants.items():
             self.ledger.set_limits(self.ledger.tenant_id(name), policy.limits)
         self.policies = parsed.tenants
@@ -143,14 +101,25 @@ class Authenticator:
         }
 
     def reload(self) -> bool:
+        """SIGHUP: re-read the file. True once applied; False (the old tokens and limits kept, the reason logged)
+        if it cannot be read or breaks the schema. Never raises: an exception here would end the server."""
         try:
-            self.load()
+            parsed = load_tokens_file(self.path, self.num_blocks)
         except TokensFileError as exc:
-            logger.error("SIGHUP: %s; keeping the tokens loaded before", exc)
+            logger.error("SIGHUP: tokens file rejected, keeping the tokens loaded before: %s", exc)
             return False
-        logger.info("SIGHUP: reloaded %d tokens of %d tenants from %s", len(self.identities), len(self.policies),
-                    self.path)
+        except Exception:  # a defect in the checker: still keep serving with the old tokens
+            logger.exception("SIGHUP: cannot check tokens file %s, keeping the tokens loaded before", self.path)
+            return False
+        self.apply(parsed)
+        logger.info("SIGHUP: reloaded %s: %s", self.path, self.summary())
         return True
+
+    def summary(self) -> str:
+        """One line for the start log, e.g. ``auth on: 3 tokens (1 admin), 2 tenants``."""
+        admins = sum(identity.is_admin for identity in self.identities.values())
+        return (f"auth on: {len(self.identities)} token{'s' * (len(self.identities) != 1)} ({admins} admin), "
+                f"{len(self.policies)} tenant{'s' * (len(self.policies) != 1)}")
 
     def identify(self, header: str | None, rpc: str) -> Identity:
         """The caller of ``rpc`` from its ``authorization`` header ("Bearer <token>", None when absent); raises
