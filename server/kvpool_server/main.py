@@ -71,9 +71,11 @@ def serve(config: ServerConfig) -> int:
         where.append(f"metrics {handle.metrics_http.url}")
     logger.info(
         "kvpool-server %d listening on %s: %s pool, %d blocks of %d tokens (%d bytes each); %d start-up objects "
-        "frozen out of garbage collection; CPUs %s",
+        "frozen out of garbage collection; CPUs %s; %s; %s",
         os.getpid(), ", ".join(where), handle.pool.backend, handle.pool.num_blocks, config.block_size,
         config.layout.block_bytes, num_frozen, ",".join(map(str, sorted(cpus))) if cpus else "any",
+        handle.service.auth.summary() if handle.service.auth is not None else "auth off",
+        tls_summary(config),
     )
     # Wake every second: a signal delivered to another thread sets Python's flag but does not interrupt this wait,
     # and the handler only runs once the main thread runs Python code again (a pinned server sometimes ignored
@@ -84,6 +86,13 @@ def serve(config: ServerConfig) -> int:
     shutdown(handle, config.shutdown_grace_s, config.shutdown_drain_s)
     logger.info("kvpool-server %d stopped", os.getpid())
     return 0
+
+
+def tls_summary(config: ServerConfig) -> str:
+    """TLS on the start line: off, on, or mutual (a client CA)."""
+    if not config.tls_cert:
+        return "TLS off"
+    return "TLS on, mutual (client CA " + config.tls_client_ca + ")" if config.tls_client_ca else "TLS on, no client CA"
 
 
 def shutdown(handle: ServerHandle, grace_s: float, drain_s: float = 0.0) -> None:

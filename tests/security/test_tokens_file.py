@@ -162,3 +162,12 @@ def test_sighup_with_a_bad_file_keeps_the_server_and_the_old_tokens(server_facto
             time.sleep(0.05)
     assert "SIGHUP: reloaded" in server.log() and "auth on: 1 token (0 admin), 1 tenant" in server.log()
     assert server.stop() == 0
+
+
+def test_the_start_line_says_whether_auth_and_tls_are_on(server_factory, tmp_path):
+    """Issue 24.3: how many tokens and tenants, and TLS, on the start line (not silently whatever the file said)."""
+    from tests.security.tenant_helpers import write_tokens
+
+    secured = server_factory("--auth-tokens", str(write_tokens(tmp_path / "t.toml")))
+    assert "auth on: 3 tokens (1 admin), 3 tenants; TLS off" in secured.log()
+    assert "auth off; TLS off" in server_factory().log()
