@@ -172,3 +172,45 @@ def test_check_invariants_fires_on_a_namespace_that_disagrees() -> None:
         manager.check_invariants()
     manager.tenant_ids.spaces[b].row_of[9] = row
     manager.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_calls_of_three_tenants_match_a_model_of_separate_namespaces(seed: int) -> None:
+    """Register (chosen ids from a small range, so they collide across tenants), fork, append, free, at random; the
+    model is one dict per tenant, id -> tokens. Every answer and every tenant's view must match it."""
+    rng = np.random.default_rng(seed)
+    manager = KVCacheManager(num_blocks=512, block_size=4, max_num_seqs=128, tenancy=True)
+    tenants = [manager.tenants.tenant_id(name) for name in "abc"]
+    model: dict[int, dict[int, int]] = {t: {} for t in tenants}
+    for _ in range(400):
+        t = int(rng.choice(tenants))
+        mine, op = model[t], rng.integers(5)
+        chosen = int(rng.integers(1, 12))
+        if op == 0 and sum(map(len, model.values())) < 120:
+            if chosen in mine:
+                with pytest.raises(SequenceExistsError):
+                    manager.register(chosen, tenant=t)
+            else:
+                assert manager.register(chosen, tenant=t) == chosen
+                mine[chosen] = 0
+        elif op == 1 and sum(map(len, model.values())) < 120:
+            seq_id = manager.register(tenant=t)
+            assert seq_id not in mine
+            mine[seq_id] = 0
+        elif op == 2 and mine:
+            parent = int(rng.choice(list(mine)))
+            kids = manager.fork(parent, child_seq_ids=[] if chosen in mine else [chosen], num_children=1, tenant=t)
+            assert len(kids) == 1 and kids[0] not in mine
+            mine[kids[0]] = mine[parent]
+        elif op == 3 and mine:
+            batch = [int(s) for s in rng.permutation(list(mine))[: int(rng.integers(1, len(mine) + 1))]]
+            manager.append(batch, 2, tenant=t)
+            for seq_id in batch:
+                mine[seq_id] += 2
+        elif op == 4 and mine:
+            victim = int(rng.choice(list(mine)))
+            manager.free(victim, tenant=t)
+            del mine[victim]
+        for u in tenants:
+            assert {i[0]: i[2] for i in manager.sequence_infos(tenant=u)} == model[u]
+        manager.check_invariants()
