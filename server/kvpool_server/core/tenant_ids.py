@@ -5,7 +5,7 @@ another tenant's ids: a caller-chosen id is refused (ALREADY_EXISTS) only when t
 and a server-assigned id is made from the tenant's own state alone::
 
     server id (tenant t) = serial_t << slot_bits | slot      serial_t: t's counter, from a random start, only up
-                                                             slot:     a slot of t's own (lowest free first)
+                                                             slot:     a slot of t's own (the last it freed first)
 
 Two ids a tenant was given in a row therefore differ by one in the serial, whatever other tenants did in between,
 and the low bits are a slot of the tenant's own table (which of its own sequences are live), never a row of the
