@@ -101,7 +101,7 @@ class KVPoolService:
 
         def apply() -> Registered:
             new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key)
-            return Registered(new_id, manager.num_tokens(new_id) if prompt is not None else 0)
+            return Registered(new_id, manager.num_tokens(new_id, tenant) if prompt is not None else 0)
 
         return self.guard.mutate(call.caller, session_id, request_id,
                                  ("register", seq_id, prompt_token_ids, public_prefix_len, cache_extra_key), apply)
@@ -134,8 +134,8 @@ class KVPoolService:
         parent = arguments.seq_id(parent_seq_id, "Fork", "parent_seq_id")
         children = arguments.fork_children(num_children, child_seq_ids, self.max_batch)
         self.limits.check_reply(16 + 11 * max(num_children, len(children)), "Fork", call.headers, 11, "children")
-        self.pins.wait_unpinned((parent,))
         manager, tenant = self.guard.manager, call.caller.tenant_id
+        self.pins.wait_unpinned((pin_key(tenant, parent),))
 
         def apply() -> list[int]:
             return manager.fork(parent, num_children, children, session_id, tenant)
@@ -149,9 +149,9 @@ class KVPoolService:
     def free(self, call: Call, seq_ids: Sequence[int], session_id: int = 0, request_id: int = 0) -> int:
         """Free a batch of sequences; returns the blocks that went back to the pool."""
         ids = arguments.batch_seq_ids(seq_ids, "Free", self.max_batch).tolist()
-        if len(self.pins):
-            self.pins.wait_unpinned(ids)
         manager, tenant = self.guard.manager, call.caller.tenant_id
+        if len(self.pins):
+            self.pins.wait_unpinned([pin_key(tenant, seq_id) for seq_id in ids])
         return self.guard.mutate(call.caller, session_id, request_id, ("free", ids),
                                  lambda: manager.free(ids, tenant))
 
@@ -199,13 +199,14 @@ class KVPoolService:
             if tokens.nbytes <= INLINE_BYTES:
                 guard.pool.write_slots(slots, tokens)
                 return len(tokens)
-        self.pins.pin(seq_id)
+        pinned = pin_key(tenant, seq_id)
+        self.pins.pin(pinned)
 
         def work() -> int:
             write_chunked(guard.pool, slots, tokens, self.chunk_tokens)
             return len(tokens)
 
-        return Offload(work, lambda: self.pins.unpin(seq_id))
+        return Offload(work, lambda: self.pins.unpin(pinned))
 
     def read_kv(self, call: Call, seq_id: int, start_position: int, num_tokens: int) -> bytes | Offload:
         """Read whole tokens' KV (``num_tokens`` 0: to the end) as the wire's bytes (or an Offload when big)."""
@@ -221,13 +222,20 @@ class KVPoolService:
             slots = guard.manager.slots(seq_id, start, count, tenant=tenant)
             if count * self.wire.token_bytes <= INLINE_BYTES:
                 return self.wire.encode(guard.pool.read_slots(slots))
-        self.pins.pin(seq_id)
+        pinned = pin_key(tenant, seq_id)
+        self.pins.pin(pinned)
 
         def work() -> bytes:
             out = np.empty((count, *self.wire.token_shape), dtype=guard.pool.layout.storage_dtype)
             return self.wire.encode(read_chunked(guard.pool, slots, out, self.chunk_tokens))
 
-        return Offload(work, lambda: self.pins.unpin(seq_id))
+        return Offload(work, lambda: self.pins.unpin(pinned))
+
+
+def pin_key(tenant: int | None, seq_id: int) -> int:
+    """A sequence's key in ``SequencePins``: ids are per tenant (docs/security.md), so a copy on one tenant's id X
+    never delays another tenant's Free of its own X."""
+    return (tenant or 0) << 64 | seq_id
 
 
 def block_hashes(cache: PrefixCache, block_ids: np.ndarray) -> list[bytes]:
