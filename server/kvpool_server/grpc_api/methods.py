@@ -126,13 +126,14 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         pb.CloseSessionRequest, lambda s, call, r: s.sessions.close(call, r.session_id),
         lambda s, a: pb.CloseSessionResponse(num_sequences_freed=a[0], num_blocks_freed=a[1])),
     "ListSessions": Unary(
-        pb.ListSessionsRequest, lambda s, call, r: s.sessions.live_sessions(call),
-        lambda s, rows: pb.ListSessionsResponse(sessions=[messages.session_info(*row) for row in rows],
-                                                server_epoch=s.sessions.table.server_epoch)),
+        pb.ListSessionsRequest, lambda s, call, r: s.sessions.live_sessions(call, r.page_size, r.page_token),
+        lambda s, a: pb.ListSessionsResponse(sessions=[messages.session_info(*row) for row in a[0]],
+                                             server_epoch=s.sessions.table.server_epoch, next_page_token=a[1])),
     "ListSequences": Unary(
-        pb.ListSequencesRequest, lambda s, call, r: s.sessions.sequences(call, r.session_id),
-        lambda s, rows: pb.ListSequencesResponse(sequences=[
-            pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in rows])),
+        pb.ListSequencesRequest, lambda s, call, r: s.sessions.sequences(call, r.session_id, r.page_size, r.page_token),
+        lambda s, a: pb.ListSequencesResponse(sequences=[
+            pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in a[0]],
+            next_page_token=a[1])),
     "Drain": Unary(
         pb.DrainRequest, lambda s, call, r: s.drain(call),
         lambda s, a: pb.DrainResponse(num_sessions=a[0], num_sequences=a[1])),

@@ -19,6 +19,7 @@ The core raises before it changes anything, so a call that fails here has left t
     ServerShuttingDownError  UNAVAILABLE          the server is draining before it stops; retry elsewhere/later
     StreamIdleError          UNAVAILABLE          a stream made no progress for --stream-idle-timeout-s; reopen it
     TooManyStreamsError      RESOURCE_EXHAUSTED   --max-streams streams are open; close one or raise the flag
+    TooManySessionsError     RESOURCE_EXHAUSTED   --max-sessions sessions are open, server-wide
     QuotaExceededError       RESOURCE_EXHAUSTED   the caller's tenant is at a quota (named in the message); kvpool-error:
                                                   quota-exceeded
     UnauthenticatedError     UNAUTHENTICATED      no token, or one the tokens file does not hold (revoked)
@@ -89,6 +90,10 @@ class TooManyStreamsError(KVPoolError):
     """``--max-streams`` streams are open: a new one is refused."""
 
 
+class TooManySessionsError(KVPoolError):
+    """``--max-sessions`` sessions are open, server-wide: a new one is refused."""
+
+
 class UnauthenticatedError(KVPoolError):
     """The call has no bearer token, or one the server does not know (never issued, or revoked by SIGHUP)."""
 
@@ -109,6 +114,7 @@ STATUS_OF: dict[type[KVPoolError], Code] = {
     DrainingError: Code.UNAVAILABLE,
     StreamIdleError: Code.UNAVAILABLE,
     TooManyStreamsError: Code.RESOURCE_EXHAUSTED,
+    TooManySessionsError: Code.RESOURCE_EXHAUSTED,
     UnauthenticatedError: Code.UNAUTHENTICATED,
     PermissionDeniedError: Code.PERMISSION_DENIED,
 }
