@@ -3,7 +3,7 @@
 Three kinds, each served by one handler (``handlers.py``, ``streams.py``) chosen by the method's kind in the proto,
 never by its name:
 
-    Unary(request_cls, invoke, encode)                     invoke(service, call, request) -> answer | Offload
+    Unary(request_cls, invoke, encode, bulk)               invoke(service, call, request) -> answer | Offload
     BidiStream(request_cls, open, message, close)          AppendTokenStream, KeepAlive: per-stream state
     ServerStream(request_cls, follow, encode)              SubscribeEvents: an async iterator of answers
 
@@ -28,6 +28,7 @@ class Unary:
     request_cls: type
     invoke: Callable[[KVPoolService, Call, Any], Any]
     encode: Callable[[KVPoolService, Any], Any]
+    bulk: str = ""  # a bytes field a large request carries: read as a view of the body, not copied (bulk.py)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         lambda s, d: messages.describe_pool_response(d)),
     "WriteKV": Unary(
         pb.WriteKVRequest, lambda s, call, r: s.write_kv(call, r.seq_id, r.start_position, r.data, r.session_id),
-        lambda s, n: pb.WriteKVResponse(num_tokens_written=n)),
+        lambda s, n: pb.WriteKVResponse(num_tokens_written=n), bulk="data"),
     "ReadKV": Unary(
         pb.ReadKVRequest, lambda s, call, r: s.read_kv(call, r.seq_id, r.start_position, r.num_tokens),
         _read_kv_response),

@@ -58,6 +58,7 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         service = KVPoolService(
             guard, sessions_service, auth=auth, metrics=metrics, max_batch=config.max_batch,
             max_message_bytes=config.max_message_bytes, max_tokens_per_call=config.max_tokens_per_call,
+            max_inflight_bytes=config.max_inflight_bytes,
         )
         return service, Admission()
     except TokensFileError as exc:
