@@ -5,13 +5,14 @@ never by its name:
 
     Unary(request_cls, invoke, encode, bulk)               invoke(service, call, request) -> answer | Offload
     BidiStream(request_cls, open, message, close)          AppendTokenStream, KeepAlive: per-stream state
-    ServerStream(request_cls, follow, encode)              SubscribeEvents: an async iterator of answers
+    ServerStream(request_cls, follow, encode, shed)        SubscribeEvents: an async iterator of answers
 
 Nothing here decides anything: decisions are the service's (service/); this module only names fields.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,8 @@ class ServerStream:
     request_cls: type
     follow: Callable[[KVPoolService, Call, Any, Callable[[], bool]], AsyncGenerator[Any, None]]  # stopping() ends it
     encode: Callable[[KVPoolService, Any], Any]
+    # why the service cancelled the stream running in a task (None: it did not, the client did)
+    shed: Callable[[KVPoolService, asyncio.Task | None], Exception | None] = lambda s, task: None
 
 
 def _append(service: KVPoolService, call: Call, r: Any) -> AppendPlan:
@@ -112,7 +115,8 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         pb.CheckInvariantsRequest, lambda s, call, r: s.check_invariants(call),
         lambda s, a: pb.CheckInvariantsResponse(ok=True, num_blocks_checked=a.num_blocks_checked,
                                                 num_sequences_checked=a.num_sequences_checked)),
-    "SubscribeEvents": ServerStream(pb.SubscribeEventsRequest, _follow_events, _events_response),
+    "SubscribeEvents": ServerStream(pb.SubscribeEventsRequest, _follow_events, _events_response,
+                                    lambda s, task: s.guard.events.shed_error(task)),
     "OpenSession": Unary(
         pb.OpenSessionRequest, lambda s, call, r: s.sessions.open(call, r.client_name, r.lease_ttl_ms),
         lambda s, session: pb.OpenSessionResponse(session_id=session.session_id,
