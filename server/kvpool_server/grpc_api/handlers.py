@@ -91,7 +91,7 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
             # The traceback's frames hold the body (a view of it, the decoded tokens): drop them now, not at the
             # next cyclic GC -- 16 failed 64 MiB WriteKVs otherwise stay resident.
             exc.__traceback__ = None
-            raw = request = answer = None  # noqa: F841
+            raw, request, answer = b"", None, None  # noqa: F841
             await abort(context, call.status)
         finally:
             if charged:

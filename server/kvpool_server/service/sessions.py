@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,6 +176,7 @@ class SessionService:
         after = paging.decode_token(page_token, listing)
         limit = paging.page_size(page_size, paging.SEQUENCE_ROW_BYTES, self.max_message_bytes)
         manager = self.guard.manager
+        live: Collection[int]
         with self.guard.lock:
             if session_id:
                 self.table.get(session_id)  # NOT_FOUND for a session that is not live
