@@ -2,6 +2,9 @@
 
     answer = service.append(call, seq_ids, num_tokens, token_ids, session_id, request_id)   # an AppendPlan
 
+Large request bodies are admitted by size (``self.inflight``, a ``byte_budget.ByteBudget`` of
+``--max-inflight-bytes``): the transport charges a body over ``BIG_MESSAGE_BYTES`` before it parses it.
+
 ``call`` is the ``scope.Call`` the transport entered (``call.caller``: who; ``call.headers``: the reply limit the
 client declared). A method checks its arguments (``arguments``), then mutates through ``guard.mutate`` (fencing,
 replay, the core and the pool under one lock, KV events) or reads under ``guard.lock``. The core raises before it
@@ -29,6 +32,7 @@ from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.device import PoolAttachInfo
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
+from kvpool_server.service.byte_budget import ByteBudget
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.invariant_checks import InvariantChecks
 from kvpool_server.service.kv_copies import INLINE_BYTES, SequencePins, chunk_tokens, read_chunked, write_chunked
@@ -41,6 +45,7 @@ from kvpool_server.service.sessions import SessionService
 from kvpool_server.service.tenant_usage import TenantUsage, tenant_usage
 
 DEFAULT_MAX_TOKENS_PER_CALL = 1 << 17
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 
 
 class Registered(NamedTuple):
@@ -67,7 +72,8 @@ class KVPoolService:
 
     def __init__(self, guard: CoreGuard, sessions: SessionService, *, auth: Authenticator | None,
                  metrics: KVPoolMetrics | None, max_batch: int, max_message_bytes: int,
-                 max_tokens_per_call: int = DEFAULT_MAX_TOKENS_PER_CALL) -> None:
+                 max_tokens_per_call: int = DEFAULT_MAX_TOKENS_PER_CALL,
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> None:
         manager, pool = guard.manager, guard.pool
         self.guard = guard
         self.sessions = sessions
@@ -80,6 +86,7 @@ class KVPoolService:
         self.pins = SequencePins()
         self.invariants = InvariantChecks(manager)
         self.chunk_tokens = chunk_tokens(pool.layout.token_bytes)
+        self.inflight = ByteBudget(max(max_inflight_bytes, max_message_bytes))  # large request bodies at once
 
     def reload_tokens(self) -> bool:
         """SIGHUP: re-read the tokens file (under the lock: it changes the tenants' limits)."""
@@ -188,8 +195,10 @@ class KVPoolService:
         return self.sessions.drain()
 
     # ---------------------------------------------------------------- KV data
-    def write_kv(self, call: Call, seq_id: int, start_position: int, data: bytes, session_id: int = 0) -> int | Offload:
-        """Write whole tokens' KV; returns how many tokens (or an Offload of the copy when it is big)."""
+    def write_kv(self, call: Call, seq_id: int, start_position: int, data: bytes | memoryview,
+                 session_id: int = 0) -> int | Offload:
+        """Write whole tokens' KV; returns how many tokens (or an Offload of the copy when it is big). ``data`` may
+        be a view of the received body: it is read in place, never copied."""
         tokens = self.wire.decode(data)
         seq_id = arguments.seq_id(seq_id, "WriteKV")
         guard, tenant = self.guard, call.caller.tenant_id
