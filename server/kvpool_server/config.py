@@ -104,6 +104,32 @@ class ServerConfig:
     max_event_subscribers: int = setting(
         64, "most open SubscribeEvents streams (they are not counted by --max-streams); more are refused with "
         "RESOURCE_EXHAUSTED", min=1)
+    # KV events on vLLM's ZMQ wire, for llm-d's indexer and Dynamo's router (docs/routing.md; zmq_events/).
+    kv_events_publish: str = setting(
+        "", "publish KV events on vLLM's ZMQ wire: a PUB socket bound to this endpoint, e.g. tcp://127.0.0.1:5557 "
+        "or ipc:///run/kvpool/events (empty: off; needs pyzmq and msgpack). A non-loopback endpoint needs --insecure")
+    kv_events_connect: bool = setting(
+        False, "connect the --kv-events-publish socket to the endpoint instead of binding it (a central indexer "
+        "that binds, as llm-d's without pod discovery)", show_default=False)
+    kv_events_replay: str = setting(
+        "", "also serve vLLM's replay protocol on a ROUTER socket bound to this endpoint, e.g. tcp://127.0.0.1:5558")
+    kv_events_pod: str = setting("", "the pod in the topic kv@<pod>@<model> (default: this host's name)")
+    kv_events_model: str = setting(
+        "", "the model name KV events are published under (the topic's <model>; what the router scores requests "
+        "for). With --auth-tokens it names tenant \"\" only: give --kv-events-tenant-models")
+    kv_events_tenant_models: str = setting(
+        "", "tenant=model,...: each tenant's blocks under a model name of its own (distinct names); a tenant not "
+        "listed is not published. Public-prefix blocks go under every listed name")
+    kv_events_layout: str = setting(
+        "array", "msgpack layout of the batches: array (msgspec array_like, what llm-d and Dynamo decode) or map "
+        "(the newest vLLM's)", choices=("array", "map"))
+    kv_events_queue_bytes: int = setting(
+        64 * MiB, "KV event batches waiting for the publisher thread (estimated bytes); past it they are dropped "
+        "and the cache is restated (AllBlocksCleared, then every cached block)", min=1 * MiB, size=True)
+    kv_events_replay_batches: int = setting(10_000, "messages kept for --kv-events-replay", min=1)
+    kv_events_replay_bytes: int = setting(
+        64 * MiB, "payload bytes kept for --kv-events-replay (with --kv-events-replay-batches: whichever is reached "
+        "first drops the oldest)", min=1 * MiB, size=True)
     stream_idle_timeout_s: float = setting(
         300.0, "end a stream that read no message and had no reply taken for this long (UNAVAILABLE; 0: never)", min=0)
     keepalive_time_s: float = setting(30.0, "ping every client connection this often (finds vanished peers)", min=1)
@@ -156,6 +182,41 @@ class ServerConfig:
             cpus.update(range(int(first), int(last if dash else first) + 1))
         return frozenset(cpus)
 
+    def kv_events_tenant_model_map(self) -> dict[str, str]:
+        """``kv_events_tenant_models`` as tenant -> model name; raises ConfigError on a malformed list."""
+        models: dict[str, str] = {}
+        for part in filter(None, (p.strip() for p in self.kv_events_tenant_models.split(","))):
+            tenant, eq, model = part.partition("=")
+            if not eq or not tenant.strip() or not model.strip() or tenant.strip() in models:
+                raise ConfigError("--kv-events-tenant-models must be tenant=model,... (each tenant once), got "
+                                  f"{self.kv_events_tenant_models!r}")
+            models[tenant.strip()] = model.strip()
+        return models
+
+    def check_kv_events(self) -> None:
+        """Raise ConfigError for KV event settings that cannot work (pure)."""
+        models = self.kv_events_tenant_model_map()
+        if not self.kv_events_publish:
+            if self.kv_events_replay:
+                raise ConfigError("--kv-events-replay needs --kv-events-publish")
+            return
+        for flag, endpoint in (("--kv-events-publish", self.kv_events_publish),
+                               ("--kv-events-replay", self.kv_events_replay)):
+            if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"{flag} must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+        names = list(models.values()) + ([self.kv_events_model] if self.kv_events_model else [])
+        if not names:
+            raise ConfigError("--kv-events-publish needs a model name: --kv-events-model (and, with --auth-tokens, "
+                              "--kv-events-tenant-models)")
+        if len(set(names)) != len(names):
+            raise ConfigError("each tenant needs a model name of its own (--kv-events-model, "
+                              f"--kv-events-tenant-models): {names} repeats one; a router would score one tenant's "
+                              "blocks for another")
+        for what in [self.kv_events_pod, *names]:
+            if "@" in what:
+                raise ConfigError(f"{what!r}: no '@' in --kv-events-pod or a model name (the topic is "
+                                  "kv@<pod>@<model>)")
+
     def pool_size_kwargs(self) -> dict[str, int | float]:
         """The one sizing argument for ``create_pool``."""
         if self.num_blocks is not None:
@@ -189,6 +250,7 @@ class ServerConfig:
         if self.layout.token_bytes > self.max_message_bytes // 2:
             raise ConfigError(f"one token's KV ({self.layout.token_bytes} bytes) does not fit --max-message-bytes")
         self.cpu_set()  # raises ConfigError on a bad list
+        self.check_kv_events()
         try:
             check_transport(self)
         except TransportError as exc:
@@ -262,6 +324,12 @@ def check_transport(config: ServerConfig) -> None:
                 "--tls-cert: anyone there could free or read every sequence. Add authentication and TLS "
                 "(docs/security.md), listen on 127.0.0.1 or a unix socket, or pass --insecure to accept that"
             )
+    for endpoint in (config.kv_events_publish, config.kv_events_replay):
+        if exposed_endpoint(endpoint):
+            raise TransportError(
+                f"KV event endpoint {endpoint} is reachable from other hosts, and KV events have no "
+                "authentication: anyone there could read every published block's token ids. Use 127.0.0.1 or an "
+                "ipc:// path, or pass --insecure to accept that (docs/routing.md)")
     if exposed_metrics(config):
         raise TransportError(
             f"--metrics-address {config.metrics_address} is reachable from other hosts, and metrics have no "
@@ -277,6 +345,14 @@ def check_transport_files(config: ServerConfig) -> None:
         path = getattr(config, name)
         if path and not os.path.isfile(path):
             raise TransportError(f"--{name.replace('_', '-')} {path}: no such file")
+
+
+def exposed_endpoint(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint reaches other hosts (tcp:// to a host other than loopback; ``*`` is every address)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rpartition(":")[0]
+    return not is_loopback(host)
 
 
 def exposed_metrics(config: ServerConfig) -> bool:

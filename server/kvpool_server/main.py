@@ -22,7 +22,8 @@ from kvpool_server.log_setup import configure_logging
 from kvpool_server.grpc_api.server import ServerHandle, build_server
 from kvpool_server.service.build import StartupError
 from kvpool_server.process import freeze_startup_heap, pin_threads
-from kvpool_server.config import exposed_metrics
+from kvpool_server.config import exposed_endpoint, exposed_metrics
+from kvpool_server.zmq_events import start_publisher
 
 logger = logging.getLogger("kvpool_server")
 DRAIN_QUIET_S = 0.2  # shutdown stops draining once no call has been refused for this long
@@ -50,13 +51,23 @@ def serve(config: ServerConfig) -> int:
     if config.insecure and config.address:
         logger.warning("--insecure: %s takes calls from other hosts%s", config.address,
                        "" if config.auth_tokens or config.tls_cert else " with no authentication and no TLS")
+    if config.insecure and any(map(exposed_endpoint, (config.kv_events_publish, config.kv_events_replay))):
+        logger.warning("--insecure: KV events on %s (every published block's token ids) reach other hosts",
+                       " and ".join(filter(None, (config.kv_events_publish, config.kv_events_replay))))
     if exposed_metrics(config):  # only with --insecure (validate)
         logger.warning("--insecure: metrics on %s (tenant names and usage) are readable by other hosts",
                        config.metrics_address)
     try:
+        publisher = start_publisher(config, handle.service.guard)  # --kv-events-publish (None without it)
+    except BaseException:
+        handle.pool.close()
+        raise
+    try:
         handle.start()
     except BaseException:
         handle.stop()
+        if publisher is not None:
+            publisher.stop()
         handle.pool.close()
         raise
     if config.port_file and handle.port is not None:
@@ -69,6 +80,9 @@ def serve(config: ServerConfig) -> int:
         where.append(f"unix:{config.unix_socket}")
     if handle.metrics_http is not None:
         where.append(f"metrics {handle.metrics_http.url}")
+    if publisher is not None:
+        where.append(f"KV events {publisher.endpoint}" + (f" (replay {publisher.replay_endpoint})"
+                                                          if publisher.replay_endpoint else ""))
     logger.info(
         "kvpool-server %d listening on %s: %s pool, %d blocks of %d tokens (%d bytes each); %d start-up objects "
         "frozen out of garbage collection; CPUs %s; %s; %s",
@@ -84,6 +98,8 @@ def serve(config: ServerConfig) -> int:
         pass
     logger.info("signal %d: shutting down (grace %.1fs)", received[0], config.shutdown_grace_s)
     shutdown(handle, config.shutdown_grace_s, config.shutdown_drain_s)
+    if publisher is not None:
+        publisher.stop()  # after the last call: its events are sent
     logger.info("kvpool-server %d stopped", os.getpid())
     return 0
 

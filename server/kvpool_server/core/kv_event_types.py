@@ -14,6 +14,7 @@ class BlockStored:
     token_ids: array[int]  # every block's, concatenated: block_size per hash; array('I'), 4 bytes each
     block_size: int
     cache_extra_key: bytes = b""  # the sequence's extra key, in every block's hash
+    salt: bytes = b""  # every block's salt (a run has one): its tenant's name, or PUBLIC_SALT (block_hash.py)
 
 
 @dataclass(frozen=True, slots=True)

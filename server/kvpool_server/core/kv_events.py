@@ -6,7 +6,8 @@ Served by the ``SubscribeEvents`` RPC (``event_stream.py``). The events carry vL
 its sequence number.
 
 A BlockStored carries a run of blocks, as vLLM's does: blocks sealed one after another that chain (each the
-parent of the next; a sequence's blocks sealed by one call) are one event, their token ids concatenated::
+parent of the next; a sequence's blocks sealed by one call) and share one salt (a public prefix's blocks and the
+tenant's blocks after them are two runs) are one event, their token ids concatenated::
 
     BlockStored(block_hashes=(h1, h2, h3), parent_block_hash=h0, token_ids=t1 + t2 + t3, block_size=16)
     = h1 (parent h0, tokens t1), h2 (parent h1, tokens t2), h3 (parent h2, tokens t3)
@@ -173,7 +174,7 @@ def event_bytes(event: KVEvent) -> int:
     """The estimated bytes one event holds (module docstring)."""
     if isinstance(event, BlockStored):
         return (EVENT_OVERHEAD + len(event.block_hashes) * (HASH_BYTES + HASH_OVERHEAD)
-                + len(event.token_ids) * TOKEN_BYTES + len(event.cache_extra_key))
+                + len(event.token_ids) * TOKEN_BYTES + len(event.cache_extra_key) + len(event.salt))
     if isinstance(event, BlockRemoved):
         return EVENT_OVERHEAD + len(event.block_hashes) * (HASH_BYTES + HASH_OVERHEAD)
     return EVENT_OVERHEAD
@@ -194,12 +195,14 @@ def pending_bytes(item: PendingEvent | EventsLost) -> int:
 
 
 def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
-    """``items`` in order, each run of consecutive stored entries that chain made one BlockStored."""
+    """``items`` in order, each run of consecutive stored entries that chain (with one extra key and one salt)
+    made one BlockStored."""
     events: list[KVEvent] = []
     run: list[CachedBlock] = []
     for item in items:
         if isinstance(item, CachedBlock):
-            if run and (item.parent_hash != run[-1].block_hash or item.extra != run[-1].extra):
+            if run and (item.parent_hash != run[-1].block_hash or item.extra != run[-1].extra
+                        or item.salt != run[-1].salt):
                 events.append(_stored(run))
                 run = []
             run.append(item)
@@ -219,4 +222,5 @@ def _stored(run: list[CachedBlock]) -> BlockStored:
     tokens = np.concatenate([e.token_ids for e in run]) if len(run) > 1 else first.token_ids
     token_ids = array("I")
     token_ids.frombytes(tokens.astype(np.uint32, copy=False).tobytes())
-    return BlockStored(tuple(e.block_hash for e in run), parent, token_ids, int(first.token_ids.size), first.extra)
+    return BlockStored(tuple(e.block_hash for e in run), parent, token_ids, int(first.token_ids.size), first.extra,
+                       first.salt)

@@ -26,7 +26,7 @@ import weakref
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from kvpool_server.core.kv_events import DEFAULT_EVENT_LOG_BYTES, EventBatch, KVEventLog
+from kvpool_server.core.kv_events import DEFAULT_EVENT_LOG_BYTES, EventBatch, KVEventLog, batch_bytes
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.service.errors import SlowSubscriberError, TooManyStreamsError
 
@@ -57,6 +57,9 @@ class EventFeed:
         self._subscribers: dict[asyncio.Task | None, Subscriber] = {}  # open streams (on the loop thread only)
         self._shed: weakref.WeakKeyDictionary[asyncio.Task, SlowSubscriberError] = weakref.WeakKeyDictionary()
         self._published: asyncio.Event | None = None  # made on the loop, on first use
+        # Called with each published batch and its estimated bytes, under the lock on the loop thread: must only
+        # hand it on (zmq_events.publisher's bounded queue). Appended to under the lock.
+        self.sinks: list[Callable[[EventBatch, int], None]] = []
 
     @property
     def num_subscribers(self) -> int:
@@ -88,7 +91,15 @@ class EventFeed:
 
     def publish(self) -> None:
         """After a mutation, under the lock, on the loop thread: close its events into a batch, wake subscribers."""
-        if self.log.pending and self.log.publish() is not None and self._published is not None:
+        if not self.log.pending:
+            return
+        batch = self.log.publish()
+        if batch is None:
+            return
+        for sink in self.sinks:
+            sink(batch, self.log.batch_sizes[-1] if self.log.batches and self.log.batches[-1] is batch
+                 else batch_bytes(batch))
+        if self._published is not None:
             self._published.set()
             self._published = None
 
