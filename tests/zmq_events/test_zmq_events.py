@@ -5,9 +5,6 @@ and sequence numbers that go up across a restart."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,11 +12,10 @@ import pytest
 from kvpool_client import KVPoolClient
 from kvpool_server.core.block_hash import chain_hashes
 from kvpool_server.zmq_events.wire import engine_hash, model_mask
+from tests.zmq_events.helpers import BLOCK_SIZE, POD, event_flags, prefill
 from tests.zmq_events.zmq_consumer import Subscriber, decode_like_llmd, decode_like_vllm
 
-BLOCK_SIZE = 16
 MODEL = "llama-3-8b"
-POD = "host-7"
 TOPIC = f"kv@{POD}@{MODEL}".encode()
 MASK = model_mask(MODEL)
 
@@ -27,26 +23,6 @@ MASK = model_mask(MODEL)
 def keys(tokens: list[int], salt: bytes = b"", mask: int = MASK, num_public: int = 0) -> list[int]:
     """The engine keys kvpool publishes for ``tokens``' full blocks."""
     return [engine_hash(h, mask) for h in chain_hashes(tokens, BLOCK_SIZE, salt, num_public=num_public)]
-
-
-@pytest.fixture
-def ipc_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="kvz-", dir="/tmp")  # an ipc:// path is at most 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def event_flags(ipc_dir: str, *extra: str) -> tuple[str, ...]:
-    return ("--kv-events-publish", f"ipc://{ipc_dir}/pub", "--kv-events-replay", f"ipc://{ipc_dir}/replay",
-            "--kv-events-pod", POD, *extra)
-
-
-def prefill(client: KVPoolClient, prompt: list[int], **kw) -> int:
-    """Register ``prompt``, append the rest of it with ids, then one decode token (which seals its full blocks)."""
-    seq, cached = client.register_prompt(prompt, **kw)
-    client.append(seq, len(prompt) - cached, token_ids=prompt[cached:])
-    client.append(seq, 1, token_ids=[7])
-    return seq
 
 
 def events_of(messages, layout: str = "array") -> list[tuple]:
