@@ -116,7 +116,7 @@ class ServerConfig:
     kv_events_pod: str = setting("", "the pod in the topic kv@<pod>@<model> (default: this host's name)")
     kv_events_model: str = setting(
         "", "the model name KV events are published under (the topic's <model>; what the router scores requests "
-        "for). With --auth-tokens it names tenant \"\" only: give --kv-events-tenant-models")
+        "for); with --auth-tokens, each tenant's name is given apart (below)")
     kv_events_tenant_models: str = setting(
         "", "tenant=model,...: each tenant's blocks under a model name of its own (distinct names); a tenant not "
         "listed is not published. Public-prefix blocks go under every listed name")
@@ -126,10 +126,10 @@ class ServerConfig:
     kv_events_queue_bytes: int = setting(
         64 * MiB, "KV event batches waiting for the publisher thread (estimated bytes); past it they are dropped "
         "and the cache is restated (AllBlocksCleared, then every cached block)", min=1 * MiB, size=True)
-    kv_events_replay_batches: int = setting(10_000, "messages kept for --kv-events-replay", min=1)
+    kv_events_replay_batches: int = setting(10_000, "messages kept for replay requests", min=1)
     kv_events_replay_bytes: int = setting(
-        64 * MiB, "payload bytes kept for --kv-events-replay (with --kv-events-replay-batches: whichever is reached "
-        "first drops the oldest)", min=1 * MiB, size=True)
+        64 * MiB, "payload bytes kept for replay (with the bound in messages: whichever is reached first drops the "
+        "oldest)", min=1 * MiB, size=True)
     stream_idle_timeout_s: float = setting(
         300.0, "end a stream that read no message and had no reply taken for this long (UNAVAILABLE; 0: never)", min=0)
     keepalive_time_s: float = setting(30.0, "ping every client connection this often (finds vanished peers)", min=1)

@@ -38,7 +38,7 @@ def start_publisher(config: ServerConfig, guard: CoreGuard) -> ZmqEventPublisher
     if not config.kv_events_publish:
         return None
     try:
-        import msgpack  # noqa: F401
+        import msgpack  # type: ignore[import-untyped]  # noqa: F401
         import zmq
     except ImportError as exc:
         raise StartupError(

@@ -52,7 +52,7 @@ class ZmqEventPublisher:
     def __init__(self, feed: EventFeed, lock: threading.Lock, topics: TopicMap, *, endpoint: str, connect: bool,
                  replay_endpoint: str, layout: str, max_queue_bytes: int, replay_batches: int,
                  replay_bytes: int) -> None:
-        import msgpack  # imported here: optional dependencies (requirements/server.txt)
+        import msgpack  # type: ignore[import-untyped]  # imported here: optional (requirements/server.txt)
         import zmq
 
         self._zmq = zmq
