@@ -157,3 +157,33 @@ def test_a_tcp_endpoint_on_loopback(server_factory, tmp_path: Path) -> None:
     assert message.topic == TOPIC and decode_like_llmd(message.payload)[0][1] == keys(list(range(BLOCK_SIZE)))
     assert f"KV events tcp://127.0.0.1:{port}" in server.log()
     sub.close()
+
+
+def test_a_router_index_from_the_events_equals_the_servers_cache(server_factory, ipc_dir) -> None:
+    """A prefix-caching workload under eviction pressure (tests/client/test_events.py's): the index a consumer builds
+    from the ZMQ events alone ends equal to the server's cache (a gRPC snapshot, in engine keys)."""
+    from kvpool_client import fetch_snapshot
+    from tests.client.test_events import Workload
+    from tests.zmq_events.zmq_consumer import Index
+
+    server = server_factory(*event_flags(ipc_dir, "--kv-events-model", MODEL), "--num-blocks", "48")
+    sub = Subscriber(f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay")
+    index = Index()
+    for _, payload in sub.replay(0):
+        index.apply(decode_like_llmd(payload))
+    with KVPoolClient(server.address, session=False) as client:
+        Workload(client, seed=3).run(150)
+        messages = sub.recv_all(quiet_s=1.0)
+        server_blocks = fetch_snapshot(client).blocks
+    removed = 0
+    for message in messages:
+        events = decode_like_llmd(message.payload)
+        removed += sum(len(e[1]) for e in events if e[0] == "BlockRemoved")
+        index.apply(events)
+    assert all(b.seq > a.seq for a, b in zip(messages, messages[1:], strict=False))
+    expected = {engine_hash(h, MASK): (engine_hash(b.parent_hash, MASK) if b.parent_hash else 0,
+                                       tuple(int(t) for t in b.token_ids)) for h, b in server_blocks.items()}
+    assert index.blocks == expected and len(expected) > 0
+    assert removed > 0, "no eviction: the pool was not under pressure"
+    assert index.num_unknown_removed == 0 and index.num_missing_parent == 0
+    sub.close()

@@ -124,3 +124,29 @@ class Subscriber:
     def close(self) -> None:
         self.sub.close(0)
         self.ctx.term()
+
+
+class Index:
+    """A router's view of one topic, from the decoded events alone: engine key -> (parent key or 0, token ids)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.num_unknown_removed = 0
+        self.num_missing_parent = 0
+
+    def apply(self, events: list[tuple]) -> None:
+        for event in events:
+            if event[0] == "AllBlocksCleared":
+                self.blocks.clear()
+            elif event[0] == "BlockStored":
+                _, hashes, parent, tokens, block_size, _ = event
+                assert len(tokens) == block_size * len(hashes)
+                if parent and parent not in self.blocks:
+                    self.num_missing_parent += 1  # llm-d would skip this event
+                for i, h in enumerate(hashes):
+                    self.blocks[h] = (parent, tuple(tokens[i * block_size: (i + 1) * block_size]))
+                    parent = h
+            elif event[0] == "BlockRemoved":
+                for h in event[1]:
+                    if self.blocks.pop(h, None) is None:
+                        self.num_unknown_removed += 1
