@@ -7,6 +7,7 @@
     kvctl health                      gRPC health (exit 0 only when SERVING)
     kvctl drain [--wait S]            Drain RPC: NOT_SERVING, no new sessions; --wait until none is live (else 5)
     kvctl events [--batches N]        follow SubscribeEvents (the prefix cache's KV events); --json: a batch a line
+    kvctl events --zmq ENDPOINT       the same events on vLLM's ZMQ wire (--kv-events-publish), as a router sees them
     kvctl top                         a live view: usage, rates and Stats latency, refreshed in place
 
 Every command takes --json (one JSON document; `top --json` writes one line a refresh). Exit codes: 0 done,
@@ -268,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-seq", type=int, default=None, help="resume at this batch (else: a snapshot first)")
     p.add_argument("--batches", type=int, default=0, help="stop after this many batches (0: follow)")
     p.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: follow until Ctrl-C)")
+    p.add_argument("--zmq", metavar="ENDPOINT", default="",
+                   help="follow the ZMQ PUB socket of --kv-events-publish instead (no gRPC; needs pyzmq, msgpack)")
+    p.add_argument("--replay", metavar="ENDPOINT", default="",
+                   help="with --zmq and --from-seq: first replay the kept messages from that seq (--kv-events-replay)")
+    p.add_argument("--topic", default="", help="with --zmq: only this topic (kv@<pod>@<model>; a prefix filters)")
     p = sub.add_parser("top", parents=[common], help="live view, refreshed in place")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
@@ -279,6 +285,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.unix_socket:
         args.target = f"unix:{args.unix_socket}"
     args.exit_code = EXIT_OK
+    if args.command == "events" and args.zmq:  # vLLM's wire: no gRPC connection (kvctl_zmq.py)
+        from kvpool_client import kvctl_zmq
+
+        try:
+            data, text = kvctl_zmq.follow(args)
+        except kvctl_zmq.ZmqUnavailable as exc:
+            return _fail(args, EXIT_NOT_AVAILABLE, str(exc))
+        except KeyboardInterrupt:
+            return 130
+        print(json.dumps(data, indent=1) if args.json else text)
+        return EXIT_OK
     ctl = Ctl(args.target, args.timeout)
     try:
         ctl.connect()

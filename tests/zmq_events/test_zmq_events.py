@@ -187,3 +187,22 @@ def test_a_router_index_from_the_events_equals_the_servers_cache(server_factory,
     assert removed > 0, "no eviction: the pool was not under pressure"
     assert index.num_unknown_removed == 0 and index.num_missing_parent == 0
     sub.close()
+
+
+def test_kvctl_follows_the_zmq_stream_and_replays(server_factory, ipc_dir, capsys) -> None:
+    from kvpool_client.kvctl import main as kvctl
+
+    server = server_factory(*event_flags(ipc_dir, "--kv-events-model", MODEL))
+    with KVPoolClient(server.address) as client:
+        prompt = list(range(500, 500 + 2 * BLOCK_SIZE))
+        prefill(client, prompt)
+    endpoints = ["--zmq", f"ipc://{ipc_dir}/pub", "--replay", f"ipc://{ipc_dir}/replay"]
+    assert kvctl(["events", *endpoints, "--from-seq", "0", "--seconds", "0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "AllBlocksCleared" in lines[0]
+    stored = lines[1].split()
+    assert stored[2] == "BlockStored" and stored[3:5] == [f"{h:016x}" for h in keys(prompt)]
+    assert lines[-1].startswith("2 messages, 2 events")
+    assert kvctl(["events", *endpoints, "--from-seq", "0", "--seconds", "0.2", "--json"]) == 0
+    first = capsys.readouterr().out.splitlines()[1]
+    assert '"type": "BlockStored"' in first and '"token_ids": [500, 501' in first
