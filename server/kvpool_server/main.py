@@ -62,6 +62,10 @@ def serve(config: ServerConfig) -> int:
     except BaseException:
         handle.pool.close()
         raise
+    if publisher is not None and handle.metrics is not None:
+        from kvpool_server.zmq_events.metrics import ZmqEventsCollector
+
+        handle.metrics.registry.register(ZmqEventsCollector(publisher))
     try:
         handle.start()
     except BaseException:

@@ -206,3 +206,31 @@ def test_kvctl_follows_the_zmq_stream_and_replays(server_factory, ipc_dir, capsy
     assert kvctl(["events", *endpoints, "--from-seq", "0", "--seconds", "0.2", "--json"]) == 0
     first = capsys.readouterr().out.splitlines()[1]
     assert '"type": "BlockStored"' in first and '"token_ids": [500, 501' in first
+
+
+def test_the_publishers_counters_are_scraped(server_factory, ipc_dir) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = server_factory(*event_flags(ipc_dir, "--kv-events-model", MODEL), "--metrics-address",
+                            f"127.0.0.1:{port}")
+    with KVPoolClient(server.address) as client:
+        prefill(client, list(range(BLOCK_SIZE)))
+        prefill(client, list(range(BLOCK_SIZE)), cache_extra_key=b"lora:x")  # withheld
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:  # the publisher thread sends shortly after the call returns
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kvpool_kv_events_zmq"))
+        if float(samples["kvpool_kv_events_zmq_messages_total"]) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert float(samples["kvpool_kv_events_zmq_messages_total"]) == 2  # the opening, the one published block
+    assert float(samples["kvpool_kv_events_zmq_restates_total"]) == 1
+    assert float(samples["kvpool_kv_events_zmq_withheld_blocks_total"]) == 1
+    assert float(samples["kvpool_kv_events_zmq_dropped_batches_total"]) == 0
+    assert float(samples["kvpool_kv_events_zmq_queued_bytes"]) == 0
