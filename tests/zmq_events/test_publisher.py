@@ -9,15 +9,17 @@ import threading
 
 import pytest
 
-from kvpool_server.config import ConfigError, load_config
-from kvpool_server.core import KVCacheManager
-from kvpool_server.core.block_hash import chain_hashes
-from kvpool_server.service.build import StartupError
-from kvpool_server.service.events import EventFeed
-from kvpool_server.zmq_events import start_publisher, tenant_models
-from kvpool_server.zmq_events.publisher import ZmqEventPublisher, first_seq
-from kvpool_server.zmq_events.wire import TopicMap, engine_hash, model_mask
-from tests.zmq_events.zmq_consumer import Subscriber, decode_like_llmd
+pytest.importorskip("zmq", reason="KV events on ZMQ need pyzmq (requirements/server.txt)")
+pytest.importorskip("msgpack", reason="KV events on ZMQ need msgpack (requirements/server.txt)")
+from kvpool_server.config import ConfigError, load_config  # noqa: E402
+from kvpool_server.core import KVCacheManager  # noqa: E402
+from kvpool_server.core.block_hash import chain_hashes  # noqa: E402
+from kvpool_server.service.build import StartupError  # noqa: E402
+from kvpool_server.service.events import EventFeed  # noqa: E402
+from kvpool_server.zmq_events import start_publisher, tenant_models  # noqa: E402
+from kvpool_server.zmq_events.publisher import ZmqEventPublisher, first_seq  # noqa: E402
+from kvpool_server.zmq_events.wire import TopicMap, engine_hash, model_mask  # noqa: E402
+from tests.zmq_events.zmq_consumer import Subscriber, decode_like_llmd  # noqa: E402
 
 BS = 16
 MODEL = "m"

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_client import KVPoolClient
-from kvpool_server.core.block_hash import chain_hashes
-from kvpool_server.zmq_events.wire import engine_hash, model_mask
-from tests.zmq_events.helpers import BLOCK_SIZE, POD, event_flags, prefill
-from tests.zmq_events.zmq_consumer import Subscriber, decode_like_llmd, decode_like_vllm
+pytest.importorskip("zmq", reason="KV events on ZMQ need pyzmq (requirements/server.txt)")
+pytest.importorskip("msgpack", reason="KV events on ZMQ need msgpack (requirements/server.txt)")
+from kvpool_client import KVPoolClient  # noqa: E402
+from kvpool_server.core.block_hash import chain_hashes  # noqa: E402
+from kvpool_server.zmq_events.wire import engine_hash, model_mask  # noqa: E402
+from tests.zmq_events.helpers import BLOCK_SIZE, POD, event_flags, prefill  # noqa: E402
+from tests.zmq_events.zmq_consumer import Subscriber, decode_like_llmd, decode_like_vllm  # noqa: E402
 
 MODEL = "llama-3-8b"
 TOPIC = f"kv@{POD}@{MODEL}".encode()
@@ -30,6 +32,7 @@ def events_of(messages, layout: str = "array") -> list[tuple]:
 
 
 def test_block_stored_carries_full_blocks_tokens_in_order_and_parents(server_factory, ipc_dir) -> None:
+    pytest.importorskip("msgspec", reason="vLLM's structs are msgspec's (requirements/dev.txt)")
     server = server_factory(*event_flags(ipc_dir, "--kv-events-model", MODEL))
     sub = Subscriber(f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay")
     opening = sub.replay(0)  # published before this subscriber joined: the start's AllBlocksCleared
@@ -60,6 +63,7 @@ def test_block_stored_carries_full_blocks_tokens_in_order_and_parents(server_fac
 
 
 def test_map_layout_decodes_with_vllms_newest_structs(server_factory, ipc_dir) -> None:
+    pytest.importorskip("msgspec", reason="vLLM's structs are msgspec's (requirements/dev.txt)")
     server = server_factory(*event_flags(ipc_dir, "--kv-events-model", MODEL, "--kv-events-layout", "map"))
     sub = Subscriber(f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay")
     with KVPoolClient(server.address) as client:

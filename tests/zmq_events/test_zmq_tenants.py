@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool_client import KVPoolClient
-from kvpool_server.core.block_hash import chain_hashes
-from kvpool_server.zmq_events.wire import engine_hash, model_mask
-from tests.security.tenant_helpers import write_tokens
-from tests.zmq_events.helpers import BLOCK_SIZE, POD, event_flags, prefill
-from tests.zmq_events.zmq_consumer import Subscriber, decode_like_llmd
+import pytest
+
+pytest.importorskip("zmq", reason="KV events on ZMQ need pyzmq (requirements/server.txt)")
+pytest.importorskip("msgpack", reason="KV events on ZMQ need msgpack (requirements/server.txt)")
+from kvpool_client import KVPoolClient  # noqa: E402
+from kvpool_server.core.block_hash import chain_hashes  # noqa: E402
+from kvpool_server.zmq_events.wire import engine_hash, model_mask  # noqa: E402
+from tests.security.tenant_helpers import write_tokens  # noqa: E402
+from tests.zmq_events.helpers import BLOCK_SIZE, POD, event_flags, prefill  # noqa: E402
+from tests.zmq_events.zmq_consumer import Subscriber, decode_like_llmd  # noqa: E402
 
 TOKENS = {"a": ("tok-a", "frontend"), "b": ("tok-b", "frontend"), "c": ("tok-c", "frontend")}
 SHARING = "[tenants.a]\nshare_prefixes = true\n[tenants.b]\nshare_prefixes = true\n"
