@@ -63,6 +63,7 @@ def test_a_queue_past_its_bound_is_dropped_and_the_cache_restated(ipc_dir) -> No
     for prompt in prompts:
         core.prefill(prompt)
     assert pub.num_dropped > 0 and pub._restate and pub.queued_bytes <= 2000  # the feed never waited
+    pub.check_invariants()
     pub._thread.start()
     messages = sub.recv_all()
     pub.stop()
@@ -103,6 +104,7 @@ def test_blocks_with_an_extra_key_are_withheld(ipc_dir) -> None:
     pub.stop()
     assert [e[1] for m in messages for e in decode_like_llmd(m.payload)] == [keys(list(range(BS)))]
     assert pub.wire.num_withheld == 2
+    pub.check_invariants()
     sub.close()
 
 
@@ -141,3 +143,19 @@ def test_insecure_allows_a_network_endpoint_and_tenants_map_to_salts() -> None:
     config = load_config(["--kv-events-publish", "tcp://*:5557", "--insecure", "--kv-events-model", "base",
                           "--kv-events-tenant-models", "acme=m-acme, beta=m-beta"], {})
     assert tenant_models(config) == {b"": "base", b"acme": "m-acme", b"beta": "m-beta"}
+
+
+def test_the_replay_buffer_keeps_the_last_messages_within_its_bounds(ipc_dir) -> None:
+    core = Core(num_blocks=512)
+    pub = publisher(core, ipc_dir)  # replay_batches=100
+    sub = Subscriber(f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay")
+    pub.start()
+    for k in range(120):
+        core.prefill([10_000 + 16 * k + i for i in range(BS)])
+    live = sub.recv_all()
+    pub.check_invariants()
+    replayed = sub.replay(0)
+    pub.stop()
+    assert len(live) == 120 and len(replayed) == 100  # the opening and the 20 oldest left the buffer
+    assert replayed == [(m.seq, m.payload) for m in live[-100:]]
+    sub.close()

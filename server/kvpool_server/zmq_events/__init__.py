@@ -37,13 +37,12 @@ def start_publisher(config: ServerConfig, guard: CoreGuard) -> ZmqEventPublisher
     or msgpack is missing or an endpoint cannot be bound."""
     if not config.kv_events_publish:
         return None
-    try:
-        import msgpack  # type: ignore[import-untyped]  # noqa: F401
-        import zmq
-    except ImportError as exc:
+    missing = [package for module, package in (("zmq", "pyzmq"), ("msgpack", "msgpack")) if not _imports(module)]
+    if missing:
         raise StartupError(
-            f"--kv-events-publish needs pyzmq and msgpack ({exc.name} is not installed): pip install pyzmq msgpack "
-            "(they are in requirements/server.txt, and kvpool-server's extra [kv-events])") from None
+            f"--kv-events-publish needs pyzmq and msgpack ({' and '.join(missing)} not installed): pip install pyzmq "
+            "msgpack (they are in requirements/server.txt, and kvpool-server's extra [kv-events])")
+    import zmq
     from kvpool_server.zmq_events.publisher import ZmqEventPublisher
     from kvpool_server.zmq_events.wire import TopicMap
 
@@ -59,3 +58,11 @@ def start_publisher(config: ServerConfig, guard: CoreGuard) -> ZmqEventPublisher
                            f"{config.kv_events_replay or '(none)'}: {exc}") from None
     publisher.start()
     return publisher
+
+
+def _imports(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True

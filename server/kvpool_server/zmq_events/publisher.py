@@ -22,8 +22,6 @@ END_SEQ, b""]``. A fourth frame naming a topic (kvpool's extension) replays only
 keeps the last ``replay_batches`` messages and at most ``replay_bytes`` of payload: a start older than its first
 message gets what is there (the first seq tells how much is missing; a restate in it begins with AllBlocksCleared).
 
-Invariants: ``queued_bytes`` is the sum of the queued batches' estimates, at most ``max_queue_bytes``; the replay
-buffer holds at most ``replay_batches`` messages and ``replay_bytes`` of payload, in increasing seq order.
 """
 
 from __future__ import annotations
@@ -34,7 +32,8 @@ import time
 from collections import deque
 from typing import Any
 
-from kvpool_server.core.kv_events import EventBatch
+from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.kv_events import EventBatch, batch_bytes
 from kvpool_server.service.events import EventFeed
 from kvpool_server.zmq_events.wire import END_SEQ, TopicMap, WireEvents, batch_object
 
@@ -49,6 +48,15 @@ def first_seq(now_s: float | None = None) -> int:
 
 
 class ZmqEventPublisher:
+    """The PUB (and ROUTER) sockets, the bounded queue the feed fills (``offer``), and the thread that drains it
+    (see the module docstring).
+
+    Invariants (``check_invariants``): ``queued_bytes`` is the sum of the queued batches' estimates, at most
+    ``max_queue_bytes``, and the queue's batches are in increasing log seq order; the replay buffer holds at most
+    ``replay_batches`` messages and ``replay_bytes`` of payload (``_buffer_bytes``), in increasing seq order, all
+    below ``next_seq``.
+    """
+
     def __init__(self, feed: EventFeed, lock: threading.Lock, topics: TopicMap, *, endpoint: str, connect: bool,
                  replay_endpoint: str, layout: str, max_queue_bytes: int, replay_batches: int,
                  replay_bytes: int) -> None:
@@ -111,6 +119,22 @@ class ZmqEventPublisher:
                 self._queue.append(batch)
                 self.queued_bytes += size
             self._cv.notify()
+
+    def check_invariants(self) -> None:
+        with self._cv:
+            queued = list(self._queue)
+            queued_bytes = self.queued_bytes
+        if queued_bytes > self.max_queue_bytes or queued_bytes != sum(batch_bytes(b) for b in queued):
+            raise InvariantViolationError(f"queued_bytes {queued_bytes} is not the queue's estimate within its bound")
+        if any(b.seq <= a.seq for a, b in zip(queued, queued[1:], strict=False)):
+            raise InvariantViolationError("the queued batches are not in increasing seq order")
+        buffer = list(self._buffer)  # the thread appends; a copy is enough for a check in a quiet moment
+        seqs = [seq for _, seq, _ in buffer]
+        if (len(buffer) > self.replay_batches or sum(len(p) for _, _, p in buffer) != self._buffer_bytes
+                or self._buffer_bytes > self.replay_bytes):
+            raise InvariantViolationError("the replay buffer is over its bounds or miscounted")
+        if seqs != sorted(set(seqs)) or (seqs and seqs[-1] >= self.next_seq):
+            raise InvariantViolationError("the replay buffer's sequence numbers are not increasing below next_seq")
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (up to ``timeout_s``), then close the sockets."""
