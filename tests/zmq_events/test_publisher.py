@@ -150,12 +150,13 @@ def test_the_replay_buffer_keeps_the_last_messages_within_its_bounds(ipc_dir) ->
     pub = publisher(core, ipc_dir)  # replay_batches=100
     sub = Subscriber(f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay")
     pub.start()
+    assert decode_like_llmd(sub.recv().payload) == [("AllBlocksCleared",)]  # type: ignore[union-attr]
     for k in range(120):
         core.prefill([10_000 + 16 * k + i for i in range(BS)])
     live = sub.recv_all()
     pub.check_invariants()
     replayed = sub.replay(0)
     pub.stop()
-    assert len(live) == 120 and len(replayed) == 100  # the opening and the 20 oldest left the buffer
+    assert len(live) == 120 and len(replayed) == 100  # the opening and the 20 oldest batches left it
     assert replayed == [(m.seq, m.payload) for m in live[-100:]]
     sub.close()
