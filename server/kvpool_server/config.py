@@ -120,6 +120,10 @@ class ServerConfig:
     kv_events_tenant_models: str = setting(
         "", "tenant=model,...: each tenant's blocks under a model name of its own (distinct names); a tenant not "
         "listed is not published. Public-prefix blocks go under every listed name")
+    kv_events_socket_per_model: bool = setting(
+        False, "a PUB (and replay) socket per model name, each with consecutive sequence numbers: the i-th name "
+        "(the model, then the tenants' in order) on the endpoint's port + i (ipc: PATH-i); default: one socket "
+        "carries every topic", show_default=False)
     kv_events_layout: str = setting(
         "array", "msgpack layout of the batches: array (msgspec array_like, what llm-d and Dynamo decode) or map "
         "(the newest vLLM's)", choices=("array", "map"))

@@ -85,8 +85,7 @@ def serve(config: ServerConfig) -> int:
     if handle.metrics_http is not None:
         where.append(f"metrics {handle.metrics_http.url}")
     if publisher is not None:
-        where.append(f"KV events {publisher.endpoint}" + (f" (replay {publisher.replay_endpoint})"
-                                                          if publisher.replay_endpoint else ""))
+        where.append(f"KV events {publisher.endpoints()}")
     logger.info(
         "kvpool-server %d listening on %s: %s pool, %d blocks of %d tokens (%d bytes each); %d start-up objects "
         "frozen out of garbage collection; CPUs %s; %s; %s",

@@ -17,7 +17,8 @@ from kvpool_server.core.block_hash import chain_hashes  # noqa: E402
 from kvpool_server.service.build import StartupError  # noqa: E402
 from kvpool_server.service.events import EventFeed  # noqa: E402
 from kvpool_server.zmq_events import start_publisher, tenant_models  # noqa: E402
-from kvpool_server.zmq_events.publisher import ZmqEventPublisher, first_seq  # noqa: E402
+from kvpool_server.zmq_events.channel import channel_endpoint, first_seq
+from kvpool_server.zmq_events.publisher import ZmqEventPublisher  # noqa: E402
 from kvpool_server.zmq_events.wire import TopicMap, engine_hash, model_mask  # noqa: E402
 from tests.zmq_events.zmq_consumer import Subscriber, decode_like_llmd  # noqa: E402
 
@@ -112,6 +113,14 @@ def test_sequence_numbers_start_from_the_clock() -> None:
     assert first_seq(1_700_000_000.0) == 1_700_000_000_000 << 20
     assert first_seq(1_700_000_000.001) > first_seq(1_700_000_000.0) + 1000  # room for 2**20 batches a ms
     assert first_seq() < 2**63  # a signed 64-bit number for centuries to come
+
+
+def test_a_socket_per_model_is_the_next_port_or_path() -> None:
+    assert channel_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert channel_endpoint("tcp://127.0.0.1:5557", 2) == "tcp://127.0.0.1:5559"
+    assert channel_endpoint("tcp://127.0.0.1:0", 2) == "tcp://127.0.0.1:0"  # any free port, each its own
+    assert channel_endpoint("ipc:///run/kv/events", 1) == "ipc:///run/kv/events-1"
+    assert channel_endpoint("", 3) == ""  # no replay socket
 
 
 def test_without_pyzmq_the_flag_says_what_to_install(monkeypatch) -> None:

@@ -60,3 +60,27 @@ def test_each_tenant_under_its_own_model_name_public_blocks_under_all(server_fac
     published = {h for events in stored.values() for e in events for h in e[1]}
     assert not published & {engine_hash(h, m) for h in c_hashes for m in (mask_a, mask_b)}
     sub.close()
+
+
+def test_a_socket_per_model_has_its_own_consecutive_sequence_numbers(server_factory, ipc_dir, tmp_path: Path) -> None:
+    """--kv-events-socket-per-model: tenant a's topic on the endpoint, b's on endpoint-1; each socket numbers its
+    own messages without gaps (a consumer that reads a gap as a loss, like vLLM's example subscriber, replays
+    nothing it should not), and each replay socket holds only its topic."""
+    tokens_file = write_tokens(tmp_path / "tokens.toml", TOKENS, SHARING)
+    server = server_factory("--auth-tokens", str(tokens_file), "--kv-events-socket-per-model", *event_flags(
+        ipc_dir, "--kv-events-tenant-models", ",".join(f"{t}={m}" for t, m in MODELS.items())))
+    subs = {"a": Subscriber(f"ipc://{ipc_dir}/pub", f"ipc://{ipc_dir}/replay"),
+            "b": Subscriber(f"ipc://{ipc_dir}/pub-1", f"ipc://{ipc_dir}/replay-1")}
+    for k in range(3):
+        for tenant in ("a", "b"):
+            with KVPoolClient(server.address, token=f"tok-{tenant}", session=False) as client:
+                prefill(client, [1000 * k + 100 * ord(tenant) + i for i in range(BLOCK_SIZE + 1)])
+    for tenant, sub in subs.items():
+        replayed = sub.replay(0)
+        assert [decode_like_llmd(p)[0][0] for _, p in replayed] == ["AllBlocksCleared"] + ["BlockStored"] * 3
+        seqs = [seq for seq, _ in replayed]
+        assert seqs == list(range(seqs[0], seqs[0] + 4))  # consecutive
+        live = sub.recv_all()
+        assert [m.topic for m in live] == [topic(tenant)] * 3 and [m.seq for m in live] == seqs[1:]
+        sub.close()
+    assert "KV events ipc://" in server.log() and "pub-1" in server.log()
