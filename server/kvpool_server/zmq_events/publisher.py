@@ -6,9 +6,9 @@
 The feed hands each published batch to ``offer`` (``EventFeed.sinks``), which only appends it to a queue bounded in
 bytes (``max_queue_bytes``, --kv-events-queue-bytes, by the log's estimate of each batch). When the thread falls
 that far behind, ``offer`` drops the queue (``num_dropped`` batches) and asks the thread to restate: it takes the
-log's snapshot under the core's lock -- AllBlocksCleared, then a BlockStored per cached block -- and publishes it
-as one batch per topic, then goes on with the batches numbered after the snapshot, as vLLM's consumers expect of a
-publisher that lost events. A gap in the log's numbering (a call whose events outgrew the log: ``KVEventLog``) is
+log's snapshot under the core's lock -- AllBlocksCleared, then a BlockStored run per chain of cached blocks -- and
+publishes it as one batch per topic, then goes on with the batches numbered after the snapshot, as vLLM's
+consumers expect of a publisher that lost events. A gap in the log's numbering (a call whose events outgrew the log: ``KVEventLog``) is
 restated the same way. Neither the append path nor the event loop ever waits for the thread or a subscriber.
 
 The sockets, their sequence numbers (never lower than an earlier start's) and replay buffers are ``Channel``s
