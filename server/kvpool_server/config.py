@@ -113,7 +113,9 @@ class ServerConfig:
         "that binds, as llm-d's without pod discovery)", show_default=False)
     kv_events_replay: str = setting(
         "", "also serve vLLM's replay protocol on a ROUTER socket bound to this endpoint, e.g. tcp://127.0.0.1:5558")
-    kv_events_pod: str = setting("", "the pod in the topic kv@<pod>@<model> (default: this host's name)")
+    kv_events_pod: str = setting(
+        "", "the pod in the topic kv@<pod>@<model> (default: this host's name); several, comma-separated: each "
+        "message goes under each (every frontend sharing this pool, as the router knows it, e.g. IP:PORT)")
     kv_events_model: str = setting(
         "", "the model name KV events are published under (the topic's <model>; what the router scores requests "
         "for); with --auth-tokens, each tenant's name is given apart (below)")
@@ -216,7 +218,7 @@ class ServerConfig:
             raise ConfigError("each tenant needs a model name of its own (--kv-events-model, "
                               f"--kv-events-tenant-models): {names} repeats one; a router would score one tenant's "
                               "blocks for another")
-        for what in [self.kv_events_pod, *names]:
+        for what in [*self.kv_events_pod.split(","), *names]:
             if "@" in what:
                 raise ConfigError(f"{what!r}: no '@' in --kv-events-pod or a model name (the topic is "
                                   "kv@<pod>@<model>)")

@@ -238,3 +238,20 @@ def test_the_publishers_counters_are_scraped(server_factory, ipc_dir) -> None:
     assert float(samples["kvpool_kv_events_zmq_withheld_blocks_total"]) == 1
     assert float(samples["kvpool_kv_events_zmq_dropped_batches_total"]) == 0
     assert float(samples["kvpool_kv_events_zmq_queued_bytes"]) == 0
+
+
+def test_several_pod_names_each_get_every_message(server_factory, ipc_dir) -> None:
+    """Frontends sharing this host's pool, as the router knows them (llm-d: kv@<pod IP:port>@<model>): the same
+    payload under each pod's topic, so a router credits every one of them with the pool's blocks."""
+    pods = ["10.0.0.5:8000", "10.0.0.5:8001"]
+    server = server_factory("--kv-events-publish", f"ipc://{ipc_dir}/pub", "--kv-events-model", MODEL,
+                            "--kv-events-pod", ",".join(pods))
+    sub = Subscriber(f"ipc://{ipc_dir}/pub")
+    with KVPoolClient(server.address) as client:
+        prompt = list(range(700, 700 + 2 * BLOCK_SIZE))
+        prefill(client, prompt)
+        first, second = sub.recv_all()
+    assert [first.pod_and_model, second.pod_and_model] == [(pod, MODEL) for pod in pods]
+    assert first.payload == second.payload and second.seq == first.seq + 1
+    assert decode_like_llmd(first.payload)[0][1] == keys(prompt)
+    sub.close()

@@ -16,12 +16,12 @@ from kvpool_server.service.guard import CoreGuard
 if TYPE_CHECKING:
     from kvpool_server.zmq_events.publisher import ZmqEventPublisher
 
-__all__ = ["pod_name", "start_publisher", "tenant_models"]
+__all__ = ["pod_names", "start_publisher", "tenant_models"]
 
 
-def pod_name(config: ServerConfig) -> str:
-    """The topic's pod: --kv-events-pod, else this host's name."""
-    return config.kv_events_pod or socket.gethostname()
+def pod_names(config: ServerConfig) -> list[str]:
+    """The topics' pods: --kv-events-pod (comma-separated), else this host's name."""
+    return [p.strip() for p in config.kv_events_pod.split(",") if p.strip()] or [socket.gethostname()]
 
 
 def tenant_models(config: ServerConfig) -> dict[bytes, str]:
@@ -48,7 +48,7 @@ def start_publisher(config: ServerConfig, guard: CoreGuard) -> ZmqEventPublisher
 
     try:
         publisher = ZmqEventPublisher(
-            guard.events, guard.lock, TopicMap(pod_name(config), tenant_models(config)),
+            guard.events, guard.lock, TopicMap(pod_names(config), tenant_models(config)),
             endpoint=config.kv_events_publish, connect=config.kv_events_connect,
             replay_endpoint=config.kv_events_replay, layout=config.kv_events_layout,
             max_queue_bytes=config.kv_events_queue_bytes, replay_batches=config.kv_events_replay_batches,

@@ -39,7 +39,7 @@ class ZmqEventPublisher:
 
     Invariants (``check_invariants``): ``queued_bytes`` is the sum of the queued batches' estimates, at most
     ``max_queue_bytes``, and the queue's batches are in increasing log seq order; each channel's own (Channel);
-    every topic has exactly one channel (``channel_of``).
+    every model name has exactly one channel (``channel_of``).
     """
 
     def __init__(self, feed: EventFeed, lock: threading.Lock, topics: TopicMap, *, endpoint: str, connect: bool,
@@ -54,7 +54,7 @@ class ZmqEventPublisher:
         self.max_queue_bytes = max_queue_bytes
         self._ctx = zmq.Context()
         self.channels: list[Channel] = []
-        self.channel_of: dict[bytes, Channel] = {}  # topic -> the channel that carries it
+        self.channel_of: dict[str, Channel] = {}  # model name -> the channel that carries its topics
         try:
             for i in range(len(topics.topics) if socket_per_model else 1):
                 self.channels.append(Channel(self._ctx, zmq, channel_endpoint(endpoint, i), connect,
@@ -63,7 +63,7 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise
         for i, topic in enumerate(topics.topics):
-            self.channel_of[topic.name] = self.channels[i if socket_per_model else 0]
+            self.channel_of[topic.model] = self.channels[i if socket_per_model else 0]
         self._cv = threading.Condition()
         self._queue: deque[EventBatch] = deque()
         self.queued_bytes = 0
@@ -114,8 +114,8 @@ class ZmqEventPublisher:
             raise InvariantViolationError("the queued batches are not in increasing seq order")
         for channel in self.channels:
             channel.check_invariants()
-        if set(self.channel_of) != {t.name for t in self.wire.topics.topics}:
-            raise InvariantViolationError("a topic without a channel, or a channel for no topic")
+        if set(self.channel_of) != {t.model for t in self.wire.topics.topics}:
+            raise InvariantViolationError("a model name without a channel, or a channel for no model name")
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (up to ``timeout_s``), then close the sockets."""
@@ -174,4 +174,6 @@ class ZmqEventPublisher:
     def _send(self, events: Any) -> None:
         ts = time.time()
         for topic, wire_events in self.wire.translate(events).items():
-            self.channel_of[topic.name].send(topic.name, self._packb(batch_object(ts, wire_events, self.layout)))
+            payload = self._packb(batch_object(ts, wire_events, self.layout))
+            for name in topic.names:  # one name a pod; the same bytes under each
+                self.channel_of[topic.model].send(name, payload)

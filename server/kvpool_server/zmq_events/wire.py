@@ -2,7 +2,8 @@
 
 Each message is three frames, as vllm/distributed/kv_events.py's ZmqEventPublisher sends them::
 
-    topic            b"kv@<pod>@<model>"      (llm-d's indexer reads the pod and the model name from it)
+    topic            b"kv@<pod>@<model>"      (llm-d's indexer reads the pod and the model name from it; with
+                                             several pod names, each message is sent under each)
     sequence number  8 bytes, big-endian      (one counter for the socket; never lower than an earlier start's)
     payload          msgpack of an event batch
 
@@ -67,18 +68,23 @@ def engine_hash(block_hash: bytes, mask: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class Topic:
+    """A model name's topics: ``kv@<pod>@<model>`` for each pod name (the same messages under each)."""
+
     model: str
-    name: bytes  # b"kv@<pod>@<model>"
+    names: tuple[bytes, ...]
     mask: int  # model_mask(model)
 
 
 class TopicMap:
     """Which topics a block of a given salt is published under: its tenant's (``models``: salt -> model name; the
-    salt is the tenant's name, b"" without authentication), or every topic for a public block."""
+    salt is the tenant's name, b"" without authentication), or every topic for a public block. Each model name is
+    published under every pod name of ``pods`` (the frontends a router knows this host's pool by)."""
 
-    def __init__(self, pod: str, models: Mapping[bytes, str]) -> None:
+    def __init__(self, pods: str | list[str], models: Mapping[bytes, str]) -> None:
+        pods = [pods] if isinstance(pods, str) else pods
         self.of_tenant: dict[bytes, Topic] = {
-            salt: Topic(model, f"kv@{pod}@{model}".encode(), model_mask(model)) for salt, model in models.items()}
+            salt: Topic(model, tuple(f"kv@{pod}@{model}".encode() for pod in pods), model_mask(model))
+            for salt, model in models.items()}
         self.topics: list[Topic] = list(self.of_tenant.values())
 
     def of_salt(self, salt: bytes) -> list[Topic]:
