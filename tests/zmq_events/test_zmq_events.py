@@ -59,6 +59,14 @@ def test_block_stored_carries_full_blocks_tokens_in_order_and_parents(server_fac
         assert type(stored).__name__ == "ArrayBlockStored" and batch.data_parallel_rank == 0
         assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids) == (keys(prompt), None,
                                                                                       prompt[: 3 * BLOCK_SIZE])
+        # And with the older vLLM's structs (its example subscriber's: fewer fields).
+        import msgspec
+
+        from tests.zmq_events.vllm_schema import OldKVEventBatch
+
+        (old,) = msgspec.msgpack.Decoder(OldKVEventBatch).decode(first[0].payload).events
+        assert (old.block_hashes, old.token_ids, old.block_size, old.medium) == (
+            keys(prompt), prompt[: 3 * BLOCK_SIZE], BLOCK_SIZE, "CPU")
     sub.close()
 
 

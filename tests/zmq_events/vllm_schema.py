@@ -78,3 +78,37 @@ class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
 
 class MapKVEventBatch(MapEventBatch):
     events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]  # type: ignore[assignment]
+
+
+# The older vLLM's (and its examples/online_serving/kv_events_subscriber.py's): no data_parallel_rank, no lora_name;
+# msgspec ignores the trailing fields it does not declare.
+class OldEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+
+
+class OldKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,  # type: ignore[call-arg]
+                      tag=True):
+    pass
+
+
+class OldBlockStored(OldKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class OldBlockRemoved(OldKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class OldAllBlocksCleared(OldKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class OldKVEventBatch(OldEventBatch):
+    events: list[OldBlockStored | OldBlockRemoved | OldAllBlocksCleared]  # type: ignore[assignment]
