@@ -210,6 +210,9 @@ class ServerConfig:
                                ("--kv-events-replay", self.kv_events_replay)):
             if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
                 raise ConfigError(f"{flag} must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+        if self.kv_events_connect and self.kv_events_socket_per_model:
+            raise ConfigError("--kv-events-socket-per-model binds a socket per model name (port + i); with "
+                              "--kv-events-connect every model name goes to the one endpoint connected to")
         names = list(models.values()) + ([self.kv_events_model] if self.kv_events_model else [])
         if not names:
             raise ConfigError("--kv-events-publish needs a model name: --kv-events-model (and, with --auth-tokens, "

@@ -142,6 +142,9 @@ def test_without_pyzmq_the_flag_says_what_to_install(monkeypatch) -> None:
     (["--kv-events-publish", "ipc:///tmp/x", "--kv-events-model", "m@x"], "no '@'"),
     (["--kv-events-publish", "ipc:///tmp/x", "--kv-events-tenant-models", "a"], "tenant=model"),
     (["--kv-events-replay", "ipc:///tmp/x"], "needs --kv-events-publish"),
+    (["--kv-events-publish", "ipc:///tmp/x", "--kv-events-model", "m", "--kv-events-connect",
+      "--kv-events-socket-per-model"], "one endpoint connected to"),
+    (["--kv-events-publish", "ipc:///tmp/x", "--kv-events-model", "m", "--kv-events-pod", "a,b@c"], "no '@'"),
 ])
 def test_settings_that_cannot_work_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
