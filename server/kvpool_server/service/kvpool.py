@@ -18,6 +18,7 @@ tenant's sequence or session (None without authentication: no check).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
@@ -29,6 +30,7 @@ from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.device import PoolAttachInfo
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
+from kvpool_server.service.freeing import Freeing, plan_chunks
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.invariant_checks import InvariantChecks
 from kvpool_server.service.kv_copies import INLINE_BYTES, SequencePins, chunk_tokens, read_chunked, write_chunked
@@ -146,14 +148,25 @@ class KVPoolService:
             self.metrics.count_fork(len(forked))
         return forked
 
-    def free(self, call: Call, seq_ids: Sequence[int], session_id: int = 0, request_id: int = 0) -> int:
-        """Free a batch of sequences; returns the blocks that went back to the pool."""
+    def free(self, call: Call, seq_ids: Sequence[int], session_id: int = 0, request_id: int = 0) -> int | Offload:
+        """Free a batch of sequences, all or none; returns the blocks that went back to the pool. A batch whose
+        blocks are too many for one lock hold is detached in one hold and released in chunks (``freeing``): an
+        Offload of that."""
         ids = arguments.batch_seq_ids(seq_ids, "Free", self.max_batch).tolist()
         if len(self.pins):
             self.pins.wait_unpinned(ids)
         manager, tenant = self.guard.manager, call.caller.tenant_id
-        return self.guard.mutate(call.caller, session_id, request_id, ("free", ids),
-                                 lambda: manager.free(ids, tenant))
+
+        def apply() -> int | Freeing:
+            rows = manager.detach(ids, tenant)  # checks every id: raises with nothing changed
+            tables = manager.tables
+            chunks = plan_chunks(rows, tables.by_length.num_blocks.take(tables.num_tokens.take(rows)))
+            return manager.release_detached(rows) if len(chunks) == 1 else Freeing(chunks)
+
+        answer = self.guard.mutate(call.caller, session_id, request_id, ("free", ids), apply)
+        if isinstance(answer, Freeing):
+            return answer.offload(self.guard, asyncio.get_running_loop())
+        return answer
 
     # ---------------------------------------------------------------- inspection
     def stats(self, call: Call) -> tuple[PoolStats, list[TenantUsage]]:
