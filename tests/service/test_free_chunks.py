@@ -170,3 +170,50 @@ def test_the_server_answers_a_chunked_free_whole(server_factory: Callable[..., A
         with pytest.raises(grpc.RpcError) as err:
             stub.Free(pb.FreeRequest(seq_ids=[children[0]]))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def session_family(svc: KVPoolService, scope: CallScope) -> tuple[int, list[int]]:
+    with scope.call("OpenSession") as call:
+        session_id = svc.sessions.open(call, "beams", 60_000).session_id
+    with scope.call("RegisterSequence") as call:
+        parent = svc.register(call, session_id=session_id).seq_id
+    with scope.call("AppendToken") as call:
+        svc.append(call, [parent], [LENGTH], session_id=session_id)
+    with scope.call("Fork") as call:
+        return session_id, [parent, *svc.fork(call, parent, FAMILY - 1, session_id=session_id)]
+
+
+def test_a_session_end_frees_its_sequences_at_once_and_their_blocks_a_chunk_at_a_time(service) -> None:
+    svc, scope, _ = service
+    manager = svc.guard.manager
+    release, released = manager.release_detached, []
+
+    def recording_release(rows: list[int]) -> int:
+        released.append(len(rows))
+        return release(rows)
+
+    manager.release_detached = recording_release  # type: ignore[method-assign]
+
+    async def close_one() -> tuple[int, int]:
+        session_id, ids = session_family(svc, scope)
+        used = manager.stats().num_blocks_used
+        with scope.call("CloseSession") as call:
+            answer = svc.sessions.close(call, session_id)
+        assert isinstance(answer, Offload) and manager.num_sequences == 0 and not released  # gone, not yet released
+        assert manager.stats().num_blocks_used == used
+        reply = await asyncio.get_running_loop().run_in_executor(None, answer.work)
+        assert reply == (FAMILY, used) and len(released) > 1
+        return reply
+
+    async def reap_one() -> None:
+        released.clear()
+        session_id, _ = session_family(svc, scope)
+        svc.guard.sessions.get(session_id).deadline = 0.0  # the lease ran out
+        assert svc.sessions.reap_expired() == 1 and manager.num_sequences == 0 and not released
+        while manager.stats().num_blocks_used:
+            await asyncio.sleep(0)  # the chunks run on the loop, one turn each
+        assert len(released) > 1
+
+    asyncio.run(close_one())
+    asyncio.run(reap_one())
+    manager.check_invariants()

@@ -9,13 +9,14 @@ during which the event loop serves nothing (Health, Stats, every decode step wai
    free-block count. Their rows keep their blocks (``manager.detached_rows``), so nothing else can see or take
    them half-released.
 2. **Chunks** (``plan_chunks``): at most ``MAX_REFS_PER_HOLD`` block references and ``MAX_ROWS_PER_HOLD`` rows
-   each, released one lock hold apiece (``KVCacheManager.release_detached``) on the event loop, which serves other
-   calls between chunks. A copy thread (``Offload``) drives them and waits for each; the reply (blocks freed) is
-   sent after the last one.
+   each, released one lock hold apiece (``KVCacheManager.release_detached``), each in its own callback on the
+   event loop (``loop.call_soon``), which polls and serves other calls between them. The Free's reply (blocks
+   freed) waits for the last one: an ``Offload`` whose work waits on a copy thread (``Freeing.wait``).
 
 A Free small enough (one chunk) is released in the first hold, as before. A retry with the same ``request_id``
-gets the same ``Freeing`` from the reply cache and waits for it to finish (``offload``). Once detached, the rows
-are always released, even if the caller goes away (the copy thread's work is shielded from cancellation).
+gets the same ``Freeing`` from the reply cache and waits for it too. Once detached, the rows are released whatever
+the caller does (the chunks do not belong to the call). The end of a session (CloseSession, an expired lease, a
+broken keep-alive) frees its sequences the same way (``service.sessions``).
 
 Invariant: every row of ``chunks`` is in ``manager.detached_rows`` until its chunk is released; ``num_freed`` is
 the blocks freed by the chunks released so far; ``done`` is set once they all are.
@@ -24,13 +25,12 @@ the blocks freed by the chunks released so far; ``done`` is set once they all ar
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
 from kvpool_server.service.guard import CoreGuard
-from kvpool_server.service.offload import Offload
 
 MAX_REFS_PER_HOLD = 1 << 18  # block references released in one lock hold: ~2-3 ms on this 2-core machine
 MAX_ROWS_PER_HOLD = 1024  # sequences released in one lock hold (their per-row work: ledger, token chains)
@@ -51,46 +51,47 @@ def plan_chunks(rows: list[int], refs: np.ndarray, max_refs: int = MAX_REFS_PER_
 
 
 class Freeing:
-    """A detached Free's chunks of rows, released one lock hold each (see the module docstring)."""
+    """A detached Free's chunks of rows, released one lock hold each, one loop callback each (see the module
+    docstring). ``then`` callbacks run on the loop once the last chunk is released, with the blocks freed."""
 
     def __init__(self, chunks: list[list[int]]) -> None:
         self.chunks = chunks
         self.num_freed = 0
         self.done = threading.Event()
-        self._started = False
+        self._then: list[Callable[[int], None]] = []
+        self._next = 0
 
-    def offload(self, guard: CoreGuard, loop: asyncio.AbstractEventLoop) -> Offload:
-        """The Free's answer: an Offload whose work releases the chunks (the first time) or waits for them (a
-        retry of the same request) and returns the blocks freed."""
-        if self._started:
-            return Offload(self._wait)
-        self._started = True
-        return Offload(lambda: self._release_all(guard, loop))
+    def start(self, guard: CoreGuard, loop: asyncio.AbstractEventLoop) -> Freeing:
+        """Release the chunks from the loop's next turn on, each in a later turn than the one before."""
+        loop.call_soon(self._release_next, guard, loop)
+        return self
 
-    def _wait(self) -> int:
+    def then(self, callback: Callable[[int], None]) -> None:
+        self._then.append(callback)
+
+    def wait(self) -> int:
+        """Block (a copy thread: an ``Offload``'s work) until every chunk is released; the blocks freed."""
         self.done.wait()
         return self.num_freed
 
-    def _release_all(self, guard: CoreGuard, loop: asyncio.AbstractEventLoop) -> int:
-        """On a copy thread: each chunk on the loop, one lock hold each, waiting for it before the next."""
-        try:
-            for chunk in self.chunks:
-                released: concurrent.futures.Future[int] = concurrent.futures.Future()
-                loop.call_soon_threadsafe(release_chunk, guard, chunk, released)
-                self.num_freed += released.result()
-        finally:
-            self.done.set()
-        return self.num_freed
-
-
-def release_chunk(guard: CoreGuard, rows: list[int], answer: concurrent.futures.Future[int]) -> None:
-    """On the loop: release detached ``rows`` under one lock hold, publish what it evicted or stored."""
-    try:
+    def _release_next(self, guard: CoreGuard, loop: asyncio.AbstractEventLoop) -> None:
+        chunk = self.chunks[self._next]
+        self._next += 1
         with guard.lock:
-            num_freed = guard.manager.release_detached(rows)
+            self.num_freed += guard.manager.release_detached(chunk)
             if guard.events.log.pending:
                 guard.events.publish()
-    except BaseException as exc:  # pragma: no cover - the core does not raise here; never leave the waiter hanging
-        answer.set_exception(exc)
-        raise
-    answer.set_result(num_freed)
+        if self._next < len(self.chunks):
+            loop.call_soon(self._release_next, guard, loop)  # the loop polls and serves others first
+            return
+        self.done.set()
+        for callback in self._then:
+            callback(self.num_freed)
+
+
+def free_rows(guard: CoreGuard, rows: list[int]) -> int | Freeing:
+    """Under the lock, after ``manager.detach``: release ``rows`` now if they fit one hold (the blocks freed), else
+    return a ``Freeing`` of them, to be started once the lock is let go (``Freeing.start``)."""
+    tables = guard.manager.tables
+    chunks = plan_chunks(rows, tables.by_length.num_blocks.take(tables.num_tokens.take(rows)))
+    return guard.manager.release_detached(rows) if len(chunks) == 1 else Freeing(chunks)

@@ -30,7 +30,7 @@ from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.device import PoolAttachInfo
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
-from kvpool_server.service.freeing import Freeing, plan_chunks
+from kvpool_server.service.freeing import Freeing, free_rows
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.invariant_checks import InvariantChecks
 from kvpool_server.service.kv_copies import INLINE_BYTES, SequencePins, chunk_tokens, read_chunked, write_chunked
@@ -158,15 +158,11 @@ class KVPoolService:
         manager, tenant = self.guard.manager, call.caller.tenant_id
 
         def apply() -> int | Freeing:
-            rows = manager.detach(ids, tenant)  # checks every id: raises with nothing changed
-            tables = manager.tables
-            chunks = plan_chunks(rows, tables.by_length.num_blocks.take(tables.num_tokens.take(rows)))
-            return manager.release_detached(rows) if len(chunks) == 1 else Freeing(chunks)
+            freeing = free_rows(self.guard, manager.detach(ids, tenant))  # detach checks every id, changes nothing
+            return freeing if isinstance(freeing, int) else freeing.start(self.guard, asyncio.get_running_loop())
 
         answer = self.guard.mutate(call.caller, session_id, request_id, ("free", ids), apply)
-        if isinstance(answer, Freeing):
-            return answer.offload(self.guard, asyncio.get_running_loop())
-        return answer
+        return answer if isinstance(answer, int) else Offload(answer.wait)  # a retry waits for the same Freeing
 
     # ---------------------------------------------------------------- inspection
     def stats(self, call: Call) -> tuple[PoolStats, list[TenantUsage]]:

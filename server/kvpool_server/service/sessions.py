@@ -8,7 +8,9 @@ A session ends in one of three ways, each through ``end`` under the core's lock:
     keep-alive broken  its last KeepAlive stream ended without a CloseSession (the client process died: its
                        connection closed, and the transport ends the stream at once)
 
-Freeing is the manager's ``free``: a block shared with another session's sequence (a fork across sessions) only
+Freeing is the manager's ``detach`` then the release of the rows (``freeing.free_rows``): at once when they fit
+one lock hold, else in chunks on the loop after the session's end (its sequences are gone at once; CloseSession's
+reply waits for the last chunk). A block shared with another session's sequence (a fork across sessions) only
 loses this session's references, so copy-on-write sharing stays correct. The session's cached replies go too.
 
 Draining for maintenance (the Drain RPC, ``kvctl drain``): no new sessions or session-less sequences; live
@@ -17,6 +19,7 @@ sessions go on until they end. Not the shutdown's refusal of every call (``admis
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -26,8 +29,10 @@ from kvpool_server.core import InvalidArgumentError
 from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.core.sessions import Session
 from kvpool_server.service.errors import DrainingError
+from kvpool_server.service.freeing import Freeing, free_rows
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.metrics import KVPoolMetrics, SessionGauges
+from kvpool_server.service.offload import Offload
 from kvpool_server.service.scope import Call
 
 logger = logging.getLogger(__name__)
@@ -61,28 +66,42 @@ class SessionService:
                                          "(all open): close one first")
             return self.table.open(client_name, lease_ttl_ms / 1000.0, tenant)
 
-    def close(self, call: Call, session_id: int) -> tuple[int, int]:
-        """CloseSession: returns (sequences, blocks) freed."""
+    def close(self, call: Call, session_id: int) -> tuple[int, int] | Offload:
+        """CloseSession: returns (sequences, blocks) freed (an Offload of that when the blocks are released in
+        chunks: it waits for the last)."""
         with self.guard.lock:
             self.table.get(session_id, call.caller.tenant_id)  # another tenant's: NOT_FOUND
-            return self.end(session_id, "closed")
+            num_seqs, freed = self.end(session_id, "closed")
+        if isinstance(freed, int):
+            return num_seqs, freed
+        return Offload(lambda: (num_seqs, freed.wait()))
 
-    def end(self, session_id: int, reason: str, since: float | None = None) -> tuple[int, int]:
-        """Forget the session and free its sequences (under the lock); returns (sequences, blocks) freed.
-        ``since``: when the end was noticed (time.monotonic()), for the reclamation latency."""
+    def end(self, session_id: int, reason: str, since: float | None = None) -> tuple[int, int | Freeing]:
+        """Forget the session and free its sequences (under the lock); returns (sequences, blocks) freed -- or,
+        when the blocks are too many for one lock hold, the ``Freeing`` that releases them in chunks from the
+        loop's next turn on (the sequences are gone already). ``since``: when the end was noticed
+        (time.monotonic()), for the reclamation latency."""
         session = self.table.close(session_id)
         manager = self.guard.manager
         seq_ids = manager.seq_ids_of_session(session_id)
-        num_blocks = manager.free(seq_ids) if seq_ids else 0
+        freed = free_rows(self.guard, manager.detach(seq_ids)) if seq_ids else 0
         self.guard.replies.drop_session(session.tenant, session_id)
         if self.guard.events.log.pending:
             self.guard.events.publish()
-        if self.metrics is not None:
-            latency = time.monotonic() - since if since is not None else 0.0
-            self.metrics.session_reclaimed(reason, latency, len(seq_ids), num_blocks)
-        logger.info("session %d (%s) ended, %s: %d sequences, %d blocks freed", session_id, session.client_name,
-                    reason, len(seq_ids), num_blocks)
-        return len(seq_ids), num_blocks
+
+        def reclaimed(num_blocks: int) -> None:
+            if self.metrics is not None:
+                latency = time.monotonic() - since if since is not None else 0.0
+                self.metrics.session_reclaimed(reason, latency, len(seq_ids), num_blocks)
+            logger.info("session %d (%s) ended, %s: %d sequences, %d blocks freed", session_id,
+                        session.client_name, reason, len(seq_ids), num_blocks)
+
+        if isinstance(freed, int):
+            reclaimed(freed)
+        else:
+            freed.then(reclaimed)
+            freed.start(self.guard, asyncio.get_running_loop())
+        return len(seq_ids), freed
 
     def reap_expired(self) -> int:
         """End every session whose lease has passed; returns how many."""
