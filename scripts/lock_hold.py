@@ -84,6 +84,8 @@ def fork_and_free_rpcs() -> None:
         if isinstance(answer, Offload):
             answer = await asyncio.get_running_loop().run_in_executor(None, answer.work)
         took = time.perf_counter() - started
+        if "-v" in sys.argv:
+            print("   holds (ms):", [round(h * 1e3, 2) for h in lock.holds])
         return (f"{length:>6} tokens{' tracked' if tracked else '        '}: Fork of 4,095 children holds "
                 f"{fork_hold * 1e3:6.2f} ms; Free of the 4,096 ({answer} blocks, {4096 * -(-length // 16):,} "
                 f"references): longest hold {max(lock.holds) * 1e3:6.2f} ms of {len(lock.holds)}, "
