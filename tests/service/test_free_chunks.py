@@ -20,7 +20,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
 from kvpool_server.core import SequenceNotFoundError
 from kvpool_server.service.build import build_service
-from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, plan_chunks
+from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, Freeing, free_rows, plan_chunks
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.offload import Offload
 from kvpool_server.service.scope import CallScope
@@ -216,4 +216,20 @@ def test_a_session_end_frees_its_sequences_at_once_and_their_blocks_a_chunk_at_a
 
     asyncio.run(close_one())
     asyncio.run(reap_one())
+    manager.check_invariants()
+
+
+def test_a_free_whose_loop_closed_is_finished_by_its_waiter(service) -> None:
+    """Shutdown closes the loop; a copy thread waiting for a Free's chunks releases the rest itself."""
+    svc, scope, _ = service
+    manager = svc.guard.manager
+    ids = family(svc, scope)
+    used = manager.stats().num_blocks_used
+    loop = asyncio.new_event_loop()
+    with svc.guard.lock:
+        freeing = free_rows(svc.guard, manager.detach(ids))
+    assert isinstance(freeing, Freeing)
+    freeing.start(svc.guard, loop)
+    loop.close()  # the chunks' callbacks never run
+    assert freeing.wait() == used and manager.stats().num_blocks_used == 0 and not manager.detached_rows
     manager.check_invariants()

@@ -34,6 +34,7 @@ from kvpool_server.service.guard import CoreGuard
 
 MAX_REFS_PER_HOLD = 1 << 18  # block references released in one lock hold: ~2-3 ms on this 2-core machine
 MAX_ROWS_PER_HOLD = 1024  # sequences released in one lock hold (their per-row work: ledger, token chains)
+WAIT_POLL_S = 0.1  # how often a waiting Free checks that the loop still runs its chunks
 
 
 def plan_chunks(rows: list[int], refs: np.ndarray, max_refs: int = MAX_REFS_PER_HOLD,
@@ -59,30 +60,38 @@ class Freeing:
         self.num_freed = 0
         self.done = threading.Event()
         self._then: list[Callable[[int], None]] = []
-        self._next = 0
+        self._next = 0  # the next chunk to release
+        self._guard: CoreGuard
+        self._loop: asyncio.AbstractEventLoop
 
     def start(self, guard: CoreGuard, loop: asyncio.AbstractEventLoop) -> Freeing:
         """Release the chunks from the loop's next turn on, each in a later turn than the one before."""
-        loop.call_soon(self._release_next, guard, loop)
+        self._guard, self._loop = guard, loop
+        loop.call_soon(self._release_next)
         return self
 
     def then(self, callback: Callable[[int], None]) -> None:
         self._then.append(callback)
 
     def wait(self) -> int:
-        """Block (a copy thread: an ``Offload``'s work) until every chunk is released; the blocks freed."""
-        self.done.wait()
+        """Block (a copy thread: an ``Offload``'s work) until every chunk is released; the blocks freed. Should the
+        loop be closed first (shutdown), the rest is released here, so no copy thread waits forever."""
+        while not self.done.wait(WAIT_POLL_S):
+            if self._loop.is_closed():  # no callback runs any more: nothing races with this
+                while not self.done.is_set():
+                    self._release_next(publish=False)
         return self.num_freed
 
-    def _release_next(self, guard: CoreGuard, loop: asyncio.AbstractEventLoop) -> None:
-        chunk = self.chunks[self._next]
+    def _release_next(self, publish: bool = True) -> None:
+        guard, chunk = self._guard, self.chunks[self._next]
         self._next += 1
         with guard.lock:
             self.num_freed += guard.manager.release_detached(chunk)
-            if guard.events.log.pending:
-                guard.events.publish()
+            if publish and guard.events.log.pending:
+                guard.events.publish()  # on the loop thread only
         if self._next < len(self.chunks):
-            loop.call_soon(self._release_next, guard, loop)  # the loop polls and serves others first
+            if publish:
+                self._loop.call_soon(self._release_next)  # the loop polls and serves others first
             return
         self.done.set()
         for callback in self._then:
