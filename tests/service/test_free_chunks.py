@@ -226,10 +226,25 @@ def test_a_free_whose_loop_closed_is_finished_by_its_waiter(service) -> None:
     ids = family(svc, scope)
     used = manager.stats().num_blocks_used
     loop = asyncio.new_event_loop()
-    with svc.guard.lock:
-        freeing = free_rows(svc.guard, manager.detach(ids))
-    assert isinstance(freeing, Freeing)
-    freeing.start(svc.guard, loop)
+
+    async def start() -> Freeing:
+        with svc.guard.lock:
+            freeing = free_rows(svc.guard, manager.detach(ids))
+            assert isinstance(freeing, Freeing)
+            return freeing.start(svc.guard)
+
+    freeing = loop.run_until_complete(start())
     loop.close()  # the chunks' callbacks never run
     assert freeing.wait() == used and manager.stats().num_blocks_used == 0 and not manager.detached_rows
     manager.check_invariants()
+
+
+def test_a_big_free_off_the_loop_is_released_whole_in_its_hold(service) -> None:
+    svc, scope, _ = service
+    manager = svc.guard.manager
+    ids = family(svc, scope)
+    used = manager.stats().num_blocks_used
+    with svc.guard.lock:
+        freeing = free_rows(svc.guard, manager.detach(ids))
+        assert isinstance(freeing, Freeing) and freeing.start(svc.guard).done.is_set()
+    assert freeing.wait() == used and not freeing.chunks and manager.stats().num_blocks_used == 0

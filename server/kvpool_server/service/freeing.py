@@ -18,8 +18,9 @@ gets the same ``Freeing`` from the reply cache and waits for it too. Once detach
 the caller does (the chunks do not belong to the call). The end of a session (CloseSession, an expired lease, a
 broken keep-alive) frees its sequences the same way (``service.sessions``).
 
-Invariant: every row of ``chunks`` is in ``manager.detached_rows`` until its chunk is released; ``num_freed`` is
-the blocks freed by the chunks released so far; ``done`` is set once they all are.
+Invariant: every row of ``chunks[_next:]`` is in ``manager.detached_rows``; ``num_freed`` is the blocks freed by
+``chunks[:_next]``; ``done`` is set once they all are released (``chunks`` is then emptied: a Freeing kept in the
+reply cache for retries holds its answer only).
 """
 
 from __future__ import annotations
@@ -64,14 +65,28 @@ class Freeing:
         self._guard: CoreGuard
         self._loop: asyncio.AbstractEventLoop
 
-    def start(self, guard: CoreGuard, loop: asyncio.AbstractEventLoop) -> Freeing:
-        """Release the chunks from the loop's next turn on, each in a later turn than the one before."""
-        self._guard, self._loop = guard, loop
-        loop.call_soon(self._release_next)
+    def start(self, guard: CoreGuard) -> Freeing:
+        """Under the lock, on the event loop: release the chunks from the loop's next turn on, each in a later turn
+        than the one before. Off any loop (a caller on another thread), all of them now, in this hold: never
+        left detached."""
+        self._guard = guard
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            while self._next < len(self.chunks):
+                self.num_freed += guard.manager.release_detached(self.chunks[self._next])
+                self._next += 1
+            self._finish()
+            return self
+        self._loop.call_soon(self._release_next)
         return self
 
     def then(self, callback: Callable[[int], None]) -> None:
-        self._then.append(callback)
+        """Call ``callback(blocks freed)`` once every chunk is released (or now, if they are)."""
+        if self.done.is_set():
+            callback(self.num_freed)
+        else:
+            self._then.append(callback)
 
     def wait(self) -> int:
         """Block (a copy thread: an ``Offload``'s work) until every chunk is released; the blocks freed. Should the
@@ -93,6 +108,10 @@ class Freeing:
             if publish:
                 self._loop.call_soon(self._release_next)  # the loop polls and serves others first
             return
+        self._finish()
+
+    def _finish(self) -> None:
+        self.chunks = []  # a retry's reply cache entry keeps only the answer
         self.done.set()
         for callback in self._then:
             callback(self.num_freed)

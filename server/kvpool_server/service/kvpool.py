@@ -18,7 +18,6 @@ tenant's sequence or session (None without authentication: no check).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
@@ -159,7 +158,7 @@ class KVPoolService:
 
         def apply() -> int | Freeing:
             freeing = free_rows(self.guard, manager.detach(ids, tenant))  # detach checks every id, changes nothing
-            return freeing if isinstance(freeing, int) else freeing.start(self.guard, asyncio.get_running_loop())
+            return freeing if isinstance(freeing, int) else freeing.start(self.guard)
 
         answer = self.guard.mutate(call.caller, session_id, request_id, ("free", ids), apply)
         return answer if isinstance(answer, int) else Offload(answer.wait)  # a retry waits for the same Freeing

@@ -19,7 +19,6 @@ sessions go on until they end. Not the shutdown's refusal of every call (``admis
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -100,7 +99,7 @@ class SessionService:
             reclaimed(freed)
         else:
             freed.then(reclaimed)
-            freed.start(self.guard, asyncio.get_running_loop())
+            freed.start(self.guard)
         return len(seq_ids), freed
 
     def reap_expired(self) -> int:
