@@ -261,8 +261,8 @@ class KVCacheManager:
         """Release sequences, all or none; blocks whose ref count reaches 0 are reusable at once.
 
         Returns the number of blocks freed (credited back to the tenants that held them). ``detach`` then
-        ``release_detached`` of every row: a caller that must bound how long it holds the manager releases the
-        rows in chunks instead (``service.freeing``).
+        ``release_detached`` of every row: a caller that must bound how long it holds the manager calls the two
+        itself and releases the rows in parts, between which the manager is consistent.
         """
         return self.release_detached(self.detach(seq_ids, tenant))
 
