@@ -33,6 +33,7 @@ from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from kvpool_client import kvctl_drain
 from kvpool_client.client import KVPoolClient
 from kvpool_client.errors import KVPoolClientError, from_rpc_error
+from kvpool_client.pages import all_pages
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_AVAILABLE, EXIT_NO_SERVER = 0, 1, 2, 3, 4
 EXIT_NOT_DRAINED = kvctl_drain.EXIT_NOT_DRAINED  # 5
@@ -101,12 +102,12 @@ def cmd_stats(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_sessions(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
-    reply = ctl.call("ListSessions", pb.ListSessionsRequest())
+    rows, reply = all_pages(ctl.call, "ListSessions", pb.ListSessionsRequest(), "sessions")
     sessions = [
         {"session_id": s.session_id, "client_name": s.client_name, "opened_unix_ms": s.opened_unix_ms,
          "lease_ttl_ms": s.lease_ttl_ms, "lease_remaining_ms": s.lease_remaining_ms,
          "keep_alive_open": s.keep_alive_open, "num_sequences": s.num_sequences, "num_blocks": s.num_blocks}
-        for s in reply.sessions
+        for s in rows
     ]
     header = ("session", "client", "opened", "lease left", "keep-alive", "sequences", "blocks")
     lines = [(hex(s["session_id"]), s["client_name"] or "-",
@@ -118,9 +119,9 @@ def cmd_sessions(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def cmd_sequences(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
-    reply = ctl.call("ListSequences", pb.ListSequencesRequest(session_id=args.session))
+    rows, _ = all_pages(ctl.call, "ListSequences", pb.ListSequencesRequest(session_id=args.session), "sequences")
     seqs = [{"seq_id": s.seq_id, "session_id": s.session_id, "num_tokens": s.num_tokens, "num_blocks": s.num_blocks}
-            for s in reply.sequences]
+            for s in rows]
     lines = [(s["seq_id"], hex(s["session_id"]) if s["session_id"] else "-", s["num_tokens"], s["num_blocks"])
              for s in seqs]
     text = _columns(("seq_id", "session", "tokens", "blocks"), lines) + f"\n{len(seqs)} sequences"

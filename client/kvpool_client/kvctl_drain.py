@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_client.pages import all_pages
 
 EXIT_NOT_DRAINED = 5  # --wait ran out with sessions or sequences still live
 POLL_S = 0.2
@@ -42,8 +43,8 @@ def cmd_drain(call: Callable[[str, Any], Any], args: argparse.Namespace) -> tupl
 
 def still_live(call: Callable[[str, Any], Any]) -> dict[str, Any]:
     """The live sessions, and the sequences that belong to none (they never end by themselves)."""
-    sessions = call("ListSessions", pb.ListSessionsRequest()).sessions
-    sequences = call("ListSequences", pb.ListSequencesRequest()).sequences
+    sessions, _ = all_pages(call, "ListSessions", pb.ListSessionsRequest(), "sessions")
+    sequences, _ = all_pages(call, "ListSequences", pb.ListSequencesRequest(), "sequences")
     sessionless = [s.seq_id for s in sequences if not s.session_id]
     return {
         "sessions": [{"session_id": s.session_id, "client_name": s.client_name, "num_sequences": s.num_sequences,

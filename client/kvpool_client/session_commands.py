@@ -69,16 +69,29 @@ class SessionCommands:
 
     @command
     def list_sessions(self, *, timeout: float | None = None) -> Plan[list[SessionInfo]]:
-        """The server's live sessions: id, name, since when, lease left, sequences and blocks held."""
-        response = yield from self._call(rpcs.LIST_SESSIONS, pb.ListSessionsRequest(), timeout)
-        return [convert.session_info(s) for s in response.sessions]
+        """The server's live sessions, by id: id, name, since when, lease left, sequences and blocks held (every page
+        of ListSessions)."""
+        request = pb.ListSessionsRequest()
+        sessions: list[SessionInfo] = []
+        while True:
+            response = yield from self._call(rpcs.LIST_SESSIONS, request, timeout)
+            sessions.extend(convert.session_info(s) for s in response.sessions)
+            if not response.next_page_token or response.next_page_token == request.page_token:
+                return sessions
+            request.page_token = response.next_page_token
 
     @command
     def list_sequences(self, session_id: int | None = None, *, timeout: float | None = None) -> Plan[list[SequenceInfo]]:
-        """The live sequences, of one session (``session_id``) or of all (None)."""
+        """The live sequences, by id, of one session (``session_id``) or of all (None) (every page of
+        ListSequences)."""
         request = pb.ListSequencesRequest(session_id=session_id or 0)
-        response = yield from self._call(rpcs.LIST_SEQUENCES, request, timeout)
-        return [convert.sequence_info(s) for s in response.sequences]
+        sequences: list[SequenceInfo] = []
+        while True:
+            response = yield from self._call(rpcs.LIST_SEQUENCES, request, timeout)
+            sequences.extend(convert.sequence_info(s) for s in response.sequences)
+            if not response.next_page_token or response.next_page_token == request.page_token:
+                return sequences
+            request.page_token = response.next_page_token
 
     def _close_session(self) -> Plan[None]:
         """End this client's session (the server frees its sequences); nothing when none is open or it is lost."""

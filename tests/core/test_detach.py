@@ -17,7 +17,7 @@ PROMPT = SYSTEM + [1, 2, 3, 4, 5]
 def family(manager: KVCacheManager, tenant: int, children: int) -> list[int]:
     """A tracked sequence with a public prefix and its children (sharing its public and private blocks)."""
     seq = manager.register(tenant=tenant, prompt_token_ids=PROMPT, public_prefix_len=len(SYSTEM))
-    done = manager.num_tokens(seq)
+    done = manager.num_tokens(seq, tenant)
     manager.append(seq, len(PROMPT) - done, tenant=tenant, token_ids=PROMPT[done:])
     manager.append(seq, 1, tenant=tenant, token_ids=[9])  # seals the full blocks: the first two public
     return [seq, *manager.fork(seq, children, tenant=tenant)]
@@ -29,21 +29,22 @@ def test_a_free_detached_then_released_in_parts_ends_where_a_free_ends() -> None
         manager = KVCacheManager(num_blocks=64, block_size=BS, tenancy=True)
         a, b = manager.tenants.tenant_id("a"), manager.tenants.tenant_id("b")
         ids_a, ids_b = family(manager, a, 5), family(manager, b, 2)
-        doomed = [*ids_a[1:], ids_b[0]]  # two tenants in one batch; a's parent and b's children stay
+        doomed = {a: ids_a[1:], b: ids_b[:1]}  # a's parent and b's children stay
         if in_parts:
-            rows = manager.detach(doomed)
+            rows = [row for tenant, ids in doomed.items() for row in manager.detach(ids, tenant)]
             manager.check_invariants()
-            for seq_id in doomed:
-                with pytest.raises(SequenceNotFoundError):
-                    manager.num_tokens(seq_id)
+            for tenant, ids in doomed.items():
+                for seq_id in ids:
+                    with pytest.raises(SequenceNotFoundError):
+                        manager.num_tokens(seq_id, tenant)
             assert manager.num_sequences == 3 and manager.detached_rows == set(rows)
             freed = 0
-            for part in (rows[:2], rows[2:3], rows[3:]):
+            for part in (rows[:2], rows[2:3], rows[3:]):  # the last part mixes the two tenants' rows
                 freed += manager.release_detached(part)
                 manager.check_invariants()
             assert not manager.detached_rows
         else:
-            freed = manager.free(doomed)
+            freed = sum(manager.free(ids, tenant) for tenant, ids in doomed.items())
         manager.check_invariants()
         states.append((freed, manager.stats(), list(manager.tenants.num_blocks), dict(manager.tenants.public_refs)))
     assert states[0] == states[1]

@@ -49,7 +49,7 @@ def test_hash_depends_on_parent_tokens_and_salt() -> None:
 
 def prefill(manager: KVCacheManager, prompt=PROMPT, tenant=None) -> int:
     seq = manager.register(prompt_token_ids=prompt, tenant=tenant)
-    done = manager.num_tokens(seq)
+    done = manager.num_tokens(seq, tenant)
     manager.append(seq, len(prompt) - done, tenant=tenant, token_ids=prompt[done:])
     return seq
 
@@ -147,8 +147,8 @@ def test_different_salts_never_share() -> None:
     acme, other = manager.tenants.tenant_id("acme"), manager.tenants.tenant_id("other")
     a = prefill(manager, tenant=acme)
     manager.append(a, 1, tenant=acme, token_ids=[7])
-    assert manager.num_tokens(manager.register(tenant=other, prompt_token_ids=PROMPT)) == 0
-    assert manager.num_tokens(manager.register(tenant=acme, prompt_token_ids=PROMPT)) == 8
+    assert manager.num_tokens(manager.register(tenant=other, prompt_token_ids=PROMPT), other) == 0
+    assert manager.num_tokens(manager.register(tenant=acme, prompt_token_ids=PROMPT), acme) == 8
     assert manager.tenants.num_blocks[acme] == 3
     manager.check_invariants()
 
@@ -159,9 +159,9 @@ def test_reused_blocks_count_against_the_tenants_quota() -> None:
     acme = manager.tenants.tenant_id("acme")
     a = prefill(manager, tenant=acme)
     manager.append(a, 1, tenant=acme, token_ids=[7])
-    manager.free(a)
+    manager.free(a, acme)
     manager.tenants.set_limits(acme, TenantLimits(max_blocks=1))
-    assert manager.num_tokens(manager.register(tenant=acme, prompt_token_ids=PROMPT)) == 4  # one revived, not two
+    assert manager.num_tokens(manager.register(tenant=acme, prompt_token_ids=PROMPT), acme) == 4  # one revived, not two
     assert manager.tenants.num_blocks[acme] == 1
     manager.check_invariants()
 

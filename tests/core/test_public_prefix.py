@@ -33,7 +33,7 @@ def prefill(manager: KVCacheManager, tenant: int, prompt=PROMPT, public: int = l
     """Register with the prompt (its first ``public`` tokens public), append the rest with ids (writing tags into
     ``memory``), then one decode step, which seals the full blocks."""
     seq = manager.register(tenant=tenant, prompt_token_ids=prompt, public_prefix_len=public, cache_extra_key=extra)
-    done = manager.num_tokens(seq)
+    done = manager.num_tokens(seq, tenant)
     plan = manager.append(seq, len(prompt) - done, tenant=tenant, token_ids=prompt[done:])
     if memory is not None:
         memory[plan.slot_mapping] = np.arange(done, len(prompt)) + 1000 * (tenant + 1)
@@ -52,14 +52,14 @@ def test_tenants_share_a_public_prefix_and_each_is_charged_for_it() -> None:
     manager, a, b = tenancy()
     memory = tag_memory(manager)
     seq_a = prefill(manager, a, memory=memory)
-    public_blocks = manager.block_table(seq_a)[:2]
+    public_blocks = manager.block_table(seq_a, a)[:2]
     assert manager.allocator.cache.is_public[public_blocks].all()
-    assert not manager.allocator.cache.is_public[manager.block_table(seq_a)[2]]  # a's own block: a's salt
+    assert not manager.allocator.cache.is_public[manager.block_table(seq_a, a)[2]]  # a's own block: a's salt
 
     seq_b = manager.register(tenant=b, prompt_token_ids=PROMPT, public_prefix_len=len(SYSTEM))
-    assert manager.num_tokens(seq_b) == len(SYSTEM)  # the public blocks, not a's own third block
-    assert np.array_equal(manager.block_table(seq_b), public_blocks)  # the same physical blocks
-    assert memory[manager.slots(seq_b, 0, len(SYSTEM))].tolist() == list(range(1000 * (a + 1), 1000 * (a + 1) + 8))
+    assert manager.num_tokens(seq_b, b) == len(SYSTEM)  # the public blocks, not a's own third block
+    assert np.array_equal(manager.block_table(seq_b, b), public_blocks)  # the same physical blocks
+    assert memory[manager.slots(seq_b, 0, len(SYSTEM), tenant=b)].tolist() == list(range(1000 * (a + 1), 1000 * (a + 1) + 8))
     assert manager.allocator.ref_count[public_blocks].tolist() == [2, 2]
     assert (manager.tenants.num_blocks[a], manager.tenants.num_blocks[b]) == (4, 2)
     manager.check_invariants()
@@ -75,17 +75,17 @@ def test_tenants_share_a_public_prefix_and_each_is_charged_for_it() -> None:
     assert manager.stats().num_blocks_evictable == 3  # two public blocks and a's own, still matchable
     manager.check_invariants()
     seq_a2 = manager.register(tenant=a, prompt_token_ids=PROMPT, public_prefix_len=len(SYSTEM))
-    assert manager.num_tokens(seq_a2) == 12 and manager.tenants.num_blocks[a] == 3  # revived, charged again
+    assert manager.num_tokens(seq_a2, a) == 12 and manager.tenants.num_blocks[a] == 3  # revived, charged again
     manager.check_invariants()
 
 
 def test_without_a_public_prefix_tenants_never_share() -> None:
     manager, a, b = tenancy()
     prefill(manager, a)  # a published SYSTEM as public
-    assert manager.num_tokens(manager.register(tenant=b, prompt_token_ids=PROMPT)) == 0  # b's salt: no match
+    assert manager.num_tokens(manager.register(tenant=b, prompt_token_ids=PROMPT), b) == 0  # b's salt: no match
     prefill(manager, a, public=0)  # the same tokens under a's salt are other blocks
-    assert manager.num_tokens(manager.register(tenant=b, prompt_token_ids=PROMPT)) == 0
-    assert manager.num_tokens(manager.register(tenant=b, prompt_token_ids=PROMPT, public_prefix_len=4)) == 4
+    assert manager.num_tokens(manager.register(tenant=b, prompt_token_ids=PROMPT), b) == 0
+    assert manager.num_tokens(manager.register(tenant=b, prompt_token_ids=PROMPT, public_prefix_len=4), b) == 4
     manager.check_invariants()
 
 
@@ -102,21 +102,21 @@ def test_a_public_prefix_is_its_own_namespace_without_tenancy() -> None:
 def test_extra_keys_separate_and_forks_inherit_them() -> None:
     manager, a, b = tenancy()
     seq = prefill(manager, a, extra=b"lora-1")
-    assert manager.num_tokens(manager.register(tenant=a, prompt_token_ids=PROMPT)) == 0
+    assert manager.num_tokens(manager.register(tenant=a, prompt_token_ids=PROMPT), a) == 0
     assert manager.num_tokens(manager.register(tenant=b, prompt_token_ids=PROMPT, public_prefix_len=8,
-                                               cache_extra_key=b"lora-2")) == 0
+                                               cache_extra_key=b"lora-2"), b) == 0
     assert manager.num_tokens(manager.register(tenant=b, prompt_token_ids=PROMPT, public_prefix_len=8,
-                                               cache_extra_key=b"lora-1")) == 8
+                                               cache_extra_key=b"lora-1"), b) == 8
     assert manager.num_tokens(manager.register(tenant=a, prompt_token_ids=PROMPT, public_prefix_len=8,
-                                               cache_extra_key=b"lora-1")) == 12
+                                               cache_extra_key=b"lora-1"), a) == 12
     child = manager.fork(seq, 1, tenant=a)[0]
     manager.append(child, 2, tenant=a, token_ids=[7, 7])  # fills the child's fourth block
     manager.append(child, 1, tenant=a, token_ids=[7])  # seals it, hashed with the inherited key
     tokens = PROMPT + [9, 7, 7, 7]
     expected = chain_hashes(tokens, BS, b"a", extra=b"lora-1", num_public=2)
-    assert manager.allocator.cache.entries[int(manager.block_table(child)[3])].block_hash == expected[3]
+    assert manager.allocator.cache.entries[int(manager.block_table(child, a)[3])].block_hash == expected[3]
     assert manager.num_tokens(manager.register(tenant=a, prompt_token_ids=tokens + [0], public_prefix_len=8,
-                                               cache_extra_key=b"lora-1")) == 16
+                                               cache_extra_key=b"lora-1"), a) == 16
     manager.check_invariants()
 
 
@@ -134,12 +134,12 @@ def test_a_tenant_at_its_quota_gets_its_public_match_cut_short() -> None:
     prefill(manager, a)
     manager.tenants.set_limits(b, TenantLimits(max_blocks=1))
     seq = manager.register(tenant=b, prompt_token_ids=PROMPT, public_prefix_len=8)
-    assert manager.num_tokens(seq) == 4  # two public blocks held by a, but b may hold only one
+    assert manager.num_tokens(seq, b) == 4  # two public blocks held by a, but b may hold only one
     assert manager.tenants.num_blocks[b] == 1
     manager.check_invariants()
     manager.tenants.set_limits(b, TenantLimits(max_blocks=2))
     second = manager.register(tenant=b, prompt_token_ids=PROMPT, public_prefix_len=8)
-    assert manager.num_tokens(second) == 8  # the first block b holds already costs nothing more
+    assert manager.num_tokens(second, b) == 8  # the first block b holds already costs nothing more
     assert manager.tenants.num_blocks[b] == 2
     manager.check_invariants()
 

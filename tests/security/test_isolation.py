@@ -87,3 +87,27 @@ def test_stats_show_a_frontend_its_own_tenant_and_an_admin_every_tenant(two_tena
     assert stats_a.num_blocks_used == 3 and stats_a.num_blocks_total == 256  # the pool's totals
     assert [t.tenant for t in b.Stats(pb.StatsRequest()).tenants] == ["b"]
     assert {t.tenant for t in admin.Stats(pb.StatsRequest()).tenants} == {"a", "b", "ops"}
+
+
+def test_ids_are_per_tenant_and_reveal_nothing_across_tenants(two_tenants):
+    """No existence oracle (issue 20): b choosing an id a holds gets OK, not ALREADY_EXISTS, and its own sequence;
+    and a's server ids count up by one from call to call, whatever b registered in between."""
+    a, b, admin = two_tenants
+    exists = grpc.StatusCode.ALREADY_EXISTS
+    assert a.RegisterSequence(pb.RegisterSequenceRequest(seq_id=4242)).seq_id == 4242
+    assert b.RegisterSequence(pb.RegisterSequenceRequest(seq_id=4242)).seq_id == 4242
+    assert code_of(lambda: b.RegisterSequence(pb.RegisterSequenceRequest(seq_id=4242))) == exists  # b's own
+    a.AppendToken(pb.AppendTokenRequest(seq_ids=[4242], num_tokens=[5]))
+    assert b.GetBlockTable(pb.GetBlockTableRequest(seq_id=4242)).num_tokens == 0  # two sequences
+    assert list(a.Fork(pb.ForkRequest(parent_seq_id=4242, child_seq_ids=[5000])).child_seq_ids) == [5000]
+    assert list(b.Fork(pb.ForkRequest(parent_seq_id=4242, child_seq_ids=[5000])).child_seq_ids) == [5000]
+    assert code_of(lambda: b.Fork(pb.ForkRequest(parent_seq_id=4242, child_seq_ids=[5000]))) == exists
+    b.Free(pb.FreeRequest(seq_ids=[4242, 5000]))
+    assert a.GetBlockTable(pb.GetBlockTableRequest(seq_id=5000)).num_tokens == 5  # a's child, untouched
+
+    first, second = (a.RegisterSequence(pb.RegisterSequenceRequest()).seq_id for _ in range(2))
+    for _ in range(40):
+        b.RegisterSequence(pb.RegisterSequenceRequest())
+    third = a.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
+    assert third - second == second - first  # b's 40 registrations do not show
+    assert admin.CheckInvariants(pb.CheckInvariantsRequest()).ok

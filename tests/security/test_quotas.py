@@ -73,7 +73,7 @@ def test_check_invariants_fires_on_a_corrupted_tenant_row():
     seq = m.register(tenant=a)
     m.append(seq, 5, tenant=a)
     m.check_invariants()
-    m.tenants.tenant_of_row[m.index.row(seq)] = b
+    m.tenants.tenant_of_row[m.tenant_ids.row(a, seq)] = b
     with pytest.raises(InvariantViolationError, match="sequence counts"):
         m.check_invariants()
 

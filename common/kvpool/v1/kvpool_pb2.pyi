@@ -365,8 +365,12 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, num_sequences_freed: _Optional[int] = ..., num_blocks_freed: _Optional[int] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "client_name", "opened_unix_ms", "lease_ttl_ms", "lease_remaining_ms", "keep_alive_open", "num_sequences", "num_blocks")
@@ -389,18 +393,24 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., client_name: _Optional[str] = ..., opened_unix_ms: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., lease_remaining_ms: _Optional[int] = ..., keep_alive_open: _Optional[bool] = ..., num_sequences: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
-    __slots__ = ("sessions", "server_epoch")
+    __slots__ = ("sessions", "server_epoch", "next_page_token")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     server_epoch: int
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., server_epoch: _Optional[int] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., server_epoch: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ListSequencesRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "page_size", "page_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: int
-    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, session_id: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class SequenceInfo(_message.Message):
     __slots__ = ("seq_id", "session_id", "num_tokens", "num_blocks")
@@ -415,10 +425,12 @@ class SequenceInfo(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., session_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class ListSequencesResponse(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "next_page_token")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInfo]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -9,11 +9,12 @@ the floors below take plain arguments (rows, counts, a budget, arrays) and retur
                            then extend the token chains when tracked. Calls every floor below.
        checks.py           check_invariants(manager), stats(manager): read-only, over the manager's public state
     5  call_args.py        the calls' plain arguments checked (counts, token ids, register's prompt), pure functions
-       seq_index.py        SequenceIndex: seq_id -> row, scalar and vectorised
+       tenant_ids.py       TenantIds: with tenancy on, each tenant's own id namespace -> row (-> seq_index)
        tenants.py          TenantLedger: tenant of each row, blocks held, quotas -> budgets, public-block references
        token_chains.py     TokenChains: tracked rows' token ids and hashes; sealing (-> prefix_cache.insert)
        kv_events.py        KVEventLog: the cache's pending events -> numbered batches, bounded in bytes
-    4  block_tables.py     BlockTables: one page table row per sequence; plans appends (copy-on-write included),
+    4  seq_index.py        SequenceIndex: seq_id -> row, scalar and vectorised
+       block_tables.py     BlockTables: one page table row per sequence; plans appends (copy-on-write included),
                            taking blocks within the budget it is passed (-> allocator)
        length_lookups.py   LengthLookups: per-length arrays the planners gather through (read by block_tables)
     3  allocator.py        BlockAllocator: free list and reference counts; evicts (-> prefix_cache)

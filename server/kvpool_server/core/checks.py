@@ -11,6 +11,7 @@ from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import UNSET, BlockTables
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.seq_index import SequenceIndex
+from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import TenantLedger
 from kvpool_server.core.token_chains import TokenChains
 from kvpool_server.core.types import PoolStats
@@ -25,6 +26,7 @@ class KVCacheManager(Protocol):
     tables: BlockTables
     allocator: BlockAllocator
     tenants: TenantLedger
+    tenant_ids: TenantIds
     chains: TokenChains
     tenancy: bool
     session_of_seq: dict[int, int]
@@ -50,6 +52,8 @@ def check_invariants(manager: KVCacheManager) -> None:
         )
     check_ownership(manager)
     check_tenants(manager)
+    if manager.tenancy:
+        manager.tenant_ids.check_invariants(live, manager.tenants.tenant_of_row)  # detached rows are unnamed
     check_chains(manager)
 
 

@@ -13,6 +13,7 @@ from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
+from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
 from kvpool_server.core.types import AppendPlan, PoolStats
@@ -42,6 +43,13 @@ class KVCacheManager:
     on, the calls take the caller's ``tenant``: a sequence of another tenant is NOT_FOUND, exactly as one that does
     not exist, and appends are budgeted by the tenant's quotas. ``tenant=None`` is a trusted caller (a session's
     end, tests) that may name any tenant's sequences. With ``tenancy`` off every sequence is tenant 0's, unchecked.
+
+    Ids (docs/security.md): with ``tenancy`` on, each tenant names its sequences in a namespace of its own
+    (``tenant_ids``, a ``TenantIds``): a call with ``tenant=t`` takes and returns t's ids, and no answer depends on
+    another tenant's ids. The index then holds a server-assigned internal id for every row, the id a trusted call
+    (``tenant=None``) takes and returns (``seq_ids_of_session``, ``session_of_seq`` and ``seqs_of_session`` hold
+    internal ids); a caller-chosen id of a trusted register is tenant 0's. With ``tenancy`` off the index holds
+    the callers' ids themselves, as one namespace.
 
     Prefix caching (docs/prefix-caching.md): appends may carry their token ids (``token_ids``); full blocks of such
     sequences are hashed (``TokenChains``), sealed with the sequence's next append and then matchable
@@ -79,6 +87,7 @@ class KVCacheManager:
         self.prefix_hit_tokens: int = 0
         self.tenancy: bool = tenancy
         self.tenants: TenantLedger = TenantLedger(max_num_seqs)
+        self.tenant_ids: TenantIds = TenantIds(max_num_seqs, self.index.row_bits)  # used with tenancy on
         self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
         self.detached_rows: set[int] = set()  # rows of freed sequences whose blocks are not released yet (detach)
 
@@ -104,23 +113,28 @@ class KVCacheManager:
         check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
         if prompt is None and cache_extra_key:
             prompt = np.zeros(0, dtype=np.uint32)  # tracked from its first append, with the key
+        scoped = self.tenancy and tenant is not None  # the caller names sequences in its tenant's namespace
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         self.tenants.check_new_sequences(tenant, 1)
         if seq_id is not None:
-            if seq_id in self.index:
-                raise SequenceExistsError(f"sequence {seq_id} already exists")
-            check_caller_seq_id(seq_id)
+            self._check_new_id(seq_id, tenant)
         row = self.tables.acquire_row()
-        if seq_id is None:
-            seq_id = self.index.new_server_id(row)
-        self.index.add(seq_id, row)
-        self._own([seq_id], session_id)
+        internal = seq_id if seq_id is not None and not self.tenancy else self.index.new_server_id(row)
+        named = self.tenant_ids.add(tenant, row, seq_id) if self.tenancy else internal  # the tenant's id
+        self.index.add(internal, row)
+        self._own([internal], session_id)
         self.tenants.add_rows([row], tenant)
         if prompt is not None:
             self._reuse_prefix(row, tenant, prompt, public_prefix_len, cache_extra_key)
             self.prefix_query_tokens += int(prompt.size)  # vLLM's prefix_cache_queries / _hits, in tokens
             self.prefix_hit_tokens += self.tables.num_tokens.item(row)
-        return seq_id
+        return named if scoped else internal
+
+    def _check_new_id(self, seq_id: int, tenant: int) -> None:
+        """A caller-chosen id must be free -- in the tenant's own namespace, with tenancy on."""
+        if self.tenant_ids.holds(tenant, seq_id) if self.tenancy else seq_id in self.index:
+            raise SequenceExistsError(f"sequence {seq_id} already exists")
+        check_caller_seq_id(seq_id)
 
     def _reuse_prefix(self, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int, extra: bytes) -> None:
         """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``: one
@@ -160,7 +174,10 @@ class KVCacheManager:
         """
         # ``__class__ is`` tests: the cheapest on the hot path; mypy cannot narrow them (the ignores below; no
         # typing.cast, which is a call)
-        rows = self.index.row(seq_ids) if seq_ids.__class__ is int else self.index.resolve(seq_ids)
+        if self.tenancy and tenant is not None:  # the tenant's own ids: its rows by construction
+            rows = self.tenant_ids.resolve(tenant, seq_ids)
+        else:
+            rows = self.index.row(seq_ids) if seq_ids.__class__ is int else self.index.resolve(seq_ids)
         if num_new_tokens.__class__ is not int or num_new_tokens < 1:  # an array of counts, or a count to refuse
             num_new_tokens = append_counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)  # type: ignore[union-attr]
         if token_ids is None and not self.chains.chains:  # nothing to track (a dict's truth: the cheapest test)
@@ -171,16 +188,17 @@ class KVCacheManager:
 
     def _plan_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
                  tenant: int | None) -> AppendPlan:
-        """The plan with tenancy on: every row must be ``tenant``'s (one gather, one compare), and the blocks it may
-        take are bounded by the tenant's budget (``TenantLedger.budget``), passed to the tables; the tenant is
-        charged the blocks taken."""
+        """The plan with tenancy on: the blocks it may take are bounded by the tenant's budget
+        (``TenantLedger.budget``), passed to the tables; the tenant is charged the blocks taken. The rows of a
+        tenant's call were resolved in its namespace; those of a trusted call (``tenant=None``) must be one tenant's
+        (one gather, one compare)."""
         ledger = self.tenants
-        owners = ledger.tenant_of_row.take(rows)
         if tenant is None:
+            owners = ledger.tenant_of_row.take(rows)
             tenant = int(owners if rows.__class__ is int else owners.item(0))
-        if np.count_nonzero(owners != tenant):
-            ids = np.atleast_1d(np.asarray(seq_ids, dtype=np.uint64))
-            raise not_live(int(ids[np.atleast_1d(owners) != tenant][0]))
+            if np.count_nonzero(owners != tenant):
+                ids = np.atleast_1d(np.asarray(seq_ids, dtype=np.uint64))
+                raise not_live(int(ids[np.atleast_1d(owners) != tenant][0]))
         if ledger.limited:
             budget, why = ledger.budget(tenant, self.allocator.num_allocatable)
             plan = self.tables.plan_append(rows, num_new_tokens, budget, why)
@@ -211,11 +229,11 @@ class KVCacheManager:
         return plan
 
     def _row(self, seq_id: int, tenant: int | None) -> int:
-        """The row of a live sequence the caller (``tenant``) may see; another tenant's is NOT_FOUND."""
-        row = self.index.row(seq_id)
-        if tenant is not None and self.tenancy and self.tenants.tenant_of_row.item(row) != tenant:
-            raise not_live(seq_id)
-        return row
+        """The row of the caller's (``tenant``'s) sequence ``seq_id``, named in its namespace with tenancy on;
+        of the sequence of internal id ``seq_id`` for a trusted caller (None)."""
+        if tenant is not None and self.tenancy:
+            return self.tenant_ids.row(tenant, seq_id)
+        return self.index.row(seq_id)
 
     def fork(
         self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (), session_id: int = 0,
@@ -232,9 +250,7 @@ class KVCacheManager:
                     f"num_children={num_children} but {len(child_seq_ids)} child_seq_ids were given"
                 )
             for seq_id in child_seq_ids:
-                if seq_id in self.index:
-                    raise SequenceExistsError(f"sequence {seq_id} already exists")
-                check_caller_seq_id(seq_id)
+                self._check_new_id(seq_id, parent_tenant)
             if len(set(child_seq_ids)) != len(child_seq_ids):
                 raise InvalidArgumentError("child_seq_ids repeat an id")
             num_children = len(child_seq_ids)
@@ -242,8 +258,12 @@ class KVCacheManager:
             raise InvalidArgumentError(f"num_children must be >= 1, got {num_children}")
         self.tenants.check_new_sequences(parent_tenant, num_children)
         rows = self.tables.acquire_rows(num_children)
-        if not child_seq_ids:
-            child_seq_ids = [self.index.new_server_id(row) for row in rows]
+        chosen: list[int | None] = list(child_seq_ids) or [None] * num_children
+        if self.tenancy:
+            internal = [self.index.new_server_id(row) for row in rows]
+            named = [self.tenant_ids.add(parent_tenant, row, seq_id) for row, seq_id in zip(rows, chosen)]
+        else:
+            internal = named = child_seq_ids or [self.index.new_server_id(row) for row in rows]
         self.tables.fork(parent_row, rows)
         self.chains.fork(parent_row, rows)
         if self.tenancy and self.allocator.cache.num_public:  # the children hold the parent's public blocks too
@@ -251,11 +271,12 @@ class KVCacheManager:
             public = blocks[self.allocator.cache.is_public[blocks]]
             if public.size:
                 self.tenants.adopt_public(parent_tenant, public.tolist(), num_children)
-        for seq_id, row in zip(child_seq_ids, rows):
+        for seq_id, row in zip(internal, rows):
             self.index.add(seq_id, row)
-        self._own(child_seq_ids, session_id or self.session_of_seq.get(parent_seq_id, 0))
+        parent_internal = self.index.row_to_id.item(parent_row)
+        self._own(internal, session_id or self.session_of_seq.get(parent_internal, 0))
         self.tenants.add_rows(rows, parent_tenant)
-        return child_seq_ids
+        return named if self.tenancy and tenant is not None else internal
 
     def free(self, seq_ids: int | Sequence[int], tenant: int | None = None) -> int:
         """Release sequences, all or none; blocks whose ref count reaches 0 are reusable at once.
@@ -276,9 +297,13 @@ class KVCacheManager:
         rows = [self._row(seq_id, tenant) for seq_id in ids]
         if len(rows) > 1 and len(set(rows)) != len(rows):
             raise InvalidArgumentError("free names a sequence twice")
-        for seq_id in ids:
+        internal = self.index.row_to_id[rows].tolist()
+        if self.tenancy:  # the tenant's names go at once (a caller-chosen one may be reused)
+            for row, owner in zip(rows, self.tenants.tenant_of_row[rows].tolist()):
+                self.tenant_ids.remove(owner, row)
+        for seq_id in internal:
             self.index.remove(seq_id)
-        self._disown(ids)
+        self._disown(internal)
         self.detached_rows.update(rows)
         return rows
 
@@ -326,7 +351,7 @@ class KVCacheManager:
                     del self.seqs_of_session[session_id]
 
     def seq_ids_of_session(self, session_id: int) -> list[int]:
-        """The live sequences of a session (what its end frees)."""
+        """The live sequences of a session (what its end frees), by internal id (a trusted caller's)."""
         return sorted(self.seqs_of_session.get(session_id, ()))
 
     def session_usage(self) -> dict[int, tuple[int, int]]:
@@ -339,15 +364,16 @@ class KVCacheManager:
 
     def sequence_infos(self, session_id: int | None = None, tenant: int | None = None) -> list[tuple[int, int, int, int]]:
         """(seq_id, session_id, num_tokens, num_blocks) of every live sequence, or of one session's; only
-        ``tenant``'s when given."""
-        seq_ids = self.index.seq_ids() if session_id is None else self.seq_ids_of_session(session_id)
-        if tenant is not None:
-            seq_ids = [s for s in seq_ids if self.tenants.tenant_of_row.item(self.index.row(s)) == tenant]
+        ``tenant``'s when given. The ids are the ones the sequences' tenants name them by."""
+        internal = self.index.seq_ids() if session_id is None else self.seq_ids_of_session(session_id)
         infos = []
-        for seq_id in sorted(seq_ids):
-            num_tokens = self.num_tokens(seq_id)
-            infos.append((seq_id, self.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(int(num_tokens))))
-        return infos
+        for seq_id in internal:
+            row = self.index.row(seq_id)
+            if tenant is None or self.tenants.tenant_of_row.item(row) == tenant:
+                named = self.tenant_ids.id_of_row.item(row) if self.tenancy else seq_id
+                num_tokens = self.tables.num_tokens.item(row)
+                infos.append((named, self.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(num_tokens)))
+        return sorted(infos)
 
     # ---------------------------------------------------------------- lookups
     def num_tokens(self, seq_id: int, tenant: int | None = None) -> int:

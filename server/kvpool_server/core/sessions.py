@@ -20,6 +20,7 @@ Invariants (``check_invariants``): every live session's id carries this start's 
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from collections.abc import Callable
@@ -84,6 +85,14 @@ class SessionTable:
 
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
+
+    def page(self, after: int, limit: int) -> tuple[list[Session], bool]:
+        """Up to ``limit`` live sessions with ids above ``after``, by id, and whether more follow. The table
+        keeps sessions in the order they opened, which is id order (the counter only grows)."""
+        ids = list(self._sessions)
+        start = bisect.bisect_right(ids, after)
+        chosen = ids[start:start + limit]
+        return [self._sessions[i] for i in chosen], start + limit < len(ids)
 
     def open(self, client_name: str = "", lease_ttl_s: float = 0.0, tenant: int = 0) -> Session:
         """A new session; ``lease_ttl_s`` 0 takes the default, anything above the maximum is capped."""

@@ -12,6 +12,7 @@ encodes and runs the service's ``Offload`` / ``Wait`` answers (service/offload.p
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -19,13 +20,14 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvpool_server.core import InvalidArgumentError
+from kvpool_server.grpc_api.bulk import BulkRequest, split_bulk
 from kvpool_server.grpc_api.methods import Unary
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
+from kvpool_server.service.byte_budget import BIG_MESSAGE_BYTES, MAX_WAIT_S
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.offload import Offload, Wait
 from kvpool_server.service.scope import CallScope
 
-BIG_MESSAGE_BYTES = 1 << 20  # requests longer than this are parsed on a copy thread, not on the event loop
 
 
 def parse_request(request_cls: Any, raw: bytes, rpc: str) -> Any:
@@ -37,19 +39,38 @@ def parse_request(request_cls: Any, raw: bytes, rpc: str) -> Any:
         ) from None
 
 
+async def parse_big(request_cls: Any, raw: bytes, rpc: str, bulk: str, executor: Executor) -> Any:
+    """A body over BIG_MESSAGE_BYTES: its bulk field as a view of ``raw`` (no copy) where it has one and the body
+    is plain, else parsed whole on a copy thread (not on the event loop)."""
+    if bulk:
+        split = split_bulk(raw, request_cls.DESCRIPTOR.fields_by_name[bulk].number)
+        if split is not None:
+            rest, view = split
+            return BulkRequest(parse_request(request_cls, rest, rpc), bulk, view)
+    return await asyncio.get_running_loop().run_in_executor(executor, parse_request, request_cls, raw, rpc)
+
+
+def _max_wait_s(context: grpc.aio.ServicerContext) -> float:
+    remaining = context.time_remaining()
+    return MAX_WAIT_S if remaining is None else min(MAX_WAIT_S, remaining)
+
+
 def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, rpc: str,
                   method: Unary) -> grpc.RpcMethodHandler:
     request_cls: Any = method.request_cls
-    invoke, encode = method.invoke, method.encode
+    invoke, encode, bulk = method.invoke, method.encode, method.bulk
     parse = request_cls.FromString
+    budget = service.inflight
 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         call = scope.call(rpc, MetadataHeaders(context))
+        charged = 0
         try:
             with call:
                 if len(raw) > BIG_MESSAGE_BYTES:
-                    loop = asyncio.get_running_loop()
-                    request = await loop.run_in_executor(executor, parse_request, request_cls, raw, rpc)
+                    await budget.acquire(len(raw), rpc, _max_wait_s(context))
+                    charged = len(raw)
+                    request = await parse_big(request_cls, raw, rpc, bulk, executor)
                 else:
                     try:
                         request = parse(raw)
@@ -62,23 +83,42 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
                     except Wait as wait:
                         await wait.until
                 if isinstance(answer, Offload):
-                    return await _offloaded(service, executor, answer, encode)
+                    release, charged = charged, 0  # the copy holds the body: released when it ends
+                    return await _offloaded(service, executor, answer, encode,
+                                            (lambda: budget.release(release)) if release else None)
                 return encode(service, answer).SerializeToString()
-        except Exception:
+        except Exception as exc:
+            # The traceback's frames hold the body (a view of it, the decoded tokens): drop them now, not at the
+            # next cyclic GC -- 16 failed 64 MiB WriteKVs otherwise stay resident.
+            exc.__traceback__ = None
+            raw, request, answer = b"", None, None  # noqa: F841
             await abort(context, call.status)
+        finally:
+            if charged:
+                budget.release(charged)
 
     return grpc.unary_unary_rpc_method_handler(handle)
 
 
-async def _offloaded(service: KVPoolService, executor: Executor, offload: Offload, encode: Any) -> bytes:
-    """Run ``offload.work`` (and the encoding) on a copy thread; ``finish`` on the loop once it has ended."""
+async def _offloaded(service: KVPoolService, executor: Executor, offload: Offload, encode: Any,
+                     release: Callable[[], None] | None = None) -> bytes:
+    """Run ``offload.work`` (and the encoding) on a copy thread; ``finish`` (and ``release``) on the loop once it
+    has ended."""
 
     def work_and_encode() -> bytes:
         return encode(service, offload.work()).SerializeToString()
 
     done = asyncio.get_running_loop().run_in_executor(executor, work_and_encode)
-    if offload.finish is not None:
-        finish = offload.finish
-        done.add_done_callback(lambda _: finish())
+    finish = offload.finish
+
+    def ended(_: Any) -> None:
+        try:
+            if finish is not None:
+                finish()
+        finally:
+            if release is not None:
+                release()
+
+    done.add_done_callback(ended)
     # shield: a cancelled call must not run ``finish`` (unpin, ...) while ``work`` still runs
     return await asyncio.shield(done)

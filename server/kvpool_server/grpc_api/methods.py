@@ -3,15 +3,16 @@
 Three kinds, each served by one handler (``handlers.py``, ``streams.py``) chosen by the method's kind in the proto,
 never by its name:
 
-    Unary(request_cls, invoke, encode)                     invoke(service, call, request) -> answer | Offload
+    Unary(request_cls, invoke, encode, bulk)               invoke(service, call, request) -> answer | Offload
     BidiStream(request_cls, open, message, close)          AppendTokenStream, KeepAlive: per-stream state
-    ServerStream(request_cls, follow, encode)              SubscribeEvents: an async iterator of answers
+    ServerStream(request_cls, follow, encode, shed)        SubscribeEvents: an async iterator of answers
 
 Nothing here decides anything: decisions are the service's (service/); this module only names fields.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ class Unary:
     request_cls: type
     invoke: Callable[[KVPoolService, Call, Any], Any]
     encode: Callable[[KVPoolService, Any], Any]
+    bulk: str = ""  # a bytes field a large request carries: read as a view of the body, not copied (bulk.py)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class ServerStream:
     request_cls: type
     follow: Callable[[KVPoolService, Call, Any, Callable[[], bool]], AsyncGenerator[Any, None]]  # stopping() ends it
     encode: Callable[[KVPoolService, Any], Any]
+    # why the service cancelled the stream running in a task (None: it did not, the client did)
+    shed: Callable[[KVPoolService, asyncio.Task | None], Exception | None] = lambda s, task: None
 
 
 def _append(service: KVPoolService, call: Call, r: Any) -> AppendPlan:
@@ -103,7 +107,7 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         lambda s, d: messages.describe_pool_response(d)),
     "WriteKV": Unary(
         pb.WriteKVRequest, lambda s, call, r: s.write_kv(call, r.seq_id, r.start_position, r.data, r.session_id),
-        lambda s, n: pb.WriteKVResponse(num_tokens_written=n)),
+        lambda s, n: pb.WriteKVResponse(num_tokens_written=n), bulk="data"),
     "ReadKV": Unary(
         pb.ReadKVRequest, lambda s, call, r: s.read_kv(call, r.seq_id, r.start_position, r.num_tokens),
         _read_kv_response),
@@ -111,7 +115,8 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         pb.CheckInvariantsRequest, lambda s, call, r: s.check_invariants(call),
         lambda s, a: pb.CheckInvariantsResponse(ok=True, num_blocks_checked=a.num_blocks_checked,
                                                 num_sequences_checked=a.num_sequences_checked)),
-    "SubscribeEvents": ServerStream(pb.SubscribeEventsRequest, _follow_events, _events_response),
+    "SubscribeEvents": ServerStream(pb.SubscribeEventsRequest, _follow_events, _events_response,
+                                    lambda s, task: s.guard.events.shed_error(task)),
     "OpenSession": Unary(
         pb.OpenSessionRequest, lambda s, call, r: s.sessions.open(call, r.client_name, r.lease_ttl_ms),
         lambda s, session: pb.OpenSessionResponse(session_id=session.session_id,
@@ -126,13 +131,14 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         pb.CloseSessionRequest, lambda s, call, r: s.sessions.close(call, r.session_id),
         lambda s, a: pb.CloseSessionResponse(num_sequences_freed=a[0], num_blocks_freed=a[1])),
     "ListSessions": Unary(
-        pb.ListSessionsRequest, lambda s, call, r: s.sessions.live_sessions(call),
-        lambda s, rows: pb.ListSessionsResponse(sessions=[messages.session_info(*row) for row in rows],
-                                                server_epoch=s.sessions.table.server_epoch)),
+        pb.ListSessionsRequest, lambda s, call, r: s.sessions.live_sessions(call, r.page_size, r.page_token),
+        lambda s, a: pb.ListSessionsResponse(sessions=[messages.session_info(*row) for row in a[0]],
+                                             server_epoch=s.sessions.table.server_epoch, next_page_token=a[1])),
     "ListSequences": Unary(
-        pb.ListSequencesRequest, lambda s, call, r: s.sessions.sequences(call, r.session_id),
-        lambda s, rows: pb.ListSequencesResponse(sequences=[
-            pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in rows])),
+        pb.ListSequencesRequest, lambda s, call, r: s.sessions.sequences(call, r.session_id, r.page_size, r.page_token),
+        lambda s, a: pb.ListSequencesResponse(sequences=[
+            pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in a[0]],
+            next_page_token=a[1])),
     "Drain": Unary(
         pb.DrainRequest, lambda s, call, r: s.drain(call),
         lambda s, a: pb.DrainResponse(num_sessions=a[0], num_sequences=a[1])),

@@ -180,19 +180,28 @@ def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: Bid
 def server_stream_handler(service: KVPoolService, scope: CallScope, rpc: str,
                           method: ServerStream) -> grpc.RpcMethodHandler:
     """``method`` as a unary-stream handler of raw bytes. Never admitted (idle by design, it must not hold up a
-    shutdown): refused while draining, ended within ``POLL_S`` once draining starts."""
+    shutdown): refused while draining, ended within ``POLL_S`` once draining starts. A stream the service ends
+    (``method.shed``: a slow consumer shed for a new one) ends with that error's status."""
     admission = scope.admission
 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> None:
         call = scope.call(rpc, MetadataHeaders(context), admit=False)
+        task = asyncio.current_task()
         try:
             with call:
                 request = parse_request(method.request_cls, raw, rpc)
                 if admission.draining:
                     admission.refuse()
-                async with aclosing(method.follow(service, call, request, lambda: admission.draining)) as answers:
-                    async for answer in answers:
-                        await context.write(method.encode(service, answer).SerializeToString())
+                try:
+                    async with aclosing(method.follow(service, call, request, lambda: admission.draining)) as answers:
+                        async for answer in answers:
+                            await context.write(method.encode(service, answer).SerializeToString())
+                except asyncio.CancelledError:
+                    shed = method.shed(service, task)  # the service ended it (a slow consumer), not the client
+                    if shed is None or task is None:
+                        raise
+                    task.uncancel()
+                    raise shed from None
         except Exception:
             await abort(context, call.status)
 

@@ -53,9 +53,12 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
                            medium="GPU" if pool.backend == "gpu" else "CPU",
                            max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes)
         guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
+        sessions_service = SessionService(guard, metrics, on_drain, max_sessions=config.max_sessions,
+                                          max_message_bytes=config.max_message_bytes)
         service = KVPoolService(
-            guard, SessionService(guard, metrics, on_drain), auth=auth, metrics=metrics, max_batch=config.max_batch,
+            guard, sessions_service, auth=auth, metrics=metrics, max_batch=config.max_batch,
             max_message_bytes=config.max_message_bytes, max_tokens_per_call=config.max_tokens_per_call,
+            max_inflight_bytes=config.max_inflight_bytes,
         )
         return service, Admission()
     except TokensFileError as exc:

@@ -19,6 +19,9 @@ The core raises before it changes anything, so a call that fails here has left t
     ServerShuttingDownError  UNAVAILABLE          the server is draining before it stops; retry elsewhere/later
     StreamIdleError          UNAVAILABLE          a stream made no progress for --stream-idle-timeout-s; reopen it
     TooManyStreamsError      RESOURCE_EXHAUSTED   --max-streams streams are open; close one or raise the flag
+    TooManySessionsError     RESOURCE_EXHAUSTED   --max-sessions sessions are open, server-wide
+    SlowSubscriberError      RESOURCE_EXHAUSTED   a SubscribeEvents subscriber that did not read was shed for a new one
+    TooManyBytesError        RESOURCE_EXHAUSTED   --max-inflight-bytes of large requests are in flight; retry later
     QuotaExceededError       RESOURCE_EXHAUSTED   the caller's tenant is at a quota (named in the message); kvpool-error:
                                                   quota-exceeded
     UnauthenticatedError     UNAUTHENTICATED      no token, or one the tokens file does not hold (revoked)
@@ -89,6 +92,18 @@ class TooManyStreamsError(KVPoolError):
     """``--max-streams`` streams are open: a new one is refused."""
 
 
+class SlowSubscriberError(KVPoolError):
+    """A SubscribeEvents subscriber that did not read its stream was ended to make room for a new one."""
+
+
+class TooManySessionsError(KVPoolError):
+    """``--max-sessions`` sessions are open, server-wide: a new one is refused."""
+
+
+class TooManyBytesError(KVPoolError):
+    """``--max-inflight-bytes`` of large request bodies are being served, and this one cannot wait for room."""
+
+
 class UnauthenticatedError(KVPoolError):
     """The call has no bearer token, or one the server does not know (never issued, or revoked by SIGHUP)."""
 
@@ -109,6 +124,9 @@ STATUS_OF: dict[type[KVPoolError], Code] = {
     DrainingError: Code.UNAVAILABLE,
     StreamIdleError: Code.UNAVAILABLE,
     TooManyStreamsError: Code.RESOURCE_EXHAUSTED,
+    TooManySessionsError: Code.RESOURCE_EXHAUSTED,
+    SlowSubscriberError: Code.RESOURCE_EXHAUSTED,
+    TooManyBytesError: Code.RESOURCE_EXHAUSTED,
     UnauthenticatedError: Code.UNAUTHENTICATED,
     PermissionDeniedError: Code.PERMISSION_DENIED,
 }

@@ -7,19 +7,41 @@ bounded buffer gets a fresh snapshot (its ``num_dropped`` says so). ``follow`` i
 subscription, transport-neutral (an async iterator of batches); the gRPC handler writes them. Subscribers are not
 ``OpenStreams`` entries: they are idle by design (no events, no progress), so the idle sweep must not end them;
 they end when the client cancels or the server drains (checked every ``POLL_S``).
+
+Slow consumers are shed. At most ``--max-event-subscribers`` follow at once; a subscriber that does not read its
+stream ends up with its transport blocked on a write (gRPC's flow-control window is full), which ``follow`` sees as
+a batch it yielded and was not asked for the next one. When a new subscriber finds the cap reached, it takes the
+place of the one blocked the longest -- if that one has been blocked for ``SHED_AFTER_S`` at least -- which ends
+with RESOURCE_EXHAUSTED (``SlowSubscriberError``: "too slow, resubscribe with from_seq"). Only when every
+subscriber is keeping up is the new one refused (``TooManyStreamsError``). So subscribers that never read cannot
+lock a router out for longer than ``SHED_AFTER_S`` once events flow.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import weakref
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 
 from kvpool_server.core.kv_events import DEFAULT_EVENT_LOG_BYTES, EventBatch, KVEventLog
 from kvpool_server.core.prefix_cache import PrefixCache
-from kvpool_server.service.errors import TooManyStreamsError
+from kvpool_server.service.errors import SlowSubscriberError, TooManyStreamsError
 
 POLL_S = 0.5
+SHED_AFTER_S = 1.0  # a subscriber blocked on one write this long may be shed for a new one (at the cap)
+
+
+@dataclass(eq=False)
+class Subscriber:
+    """One SubscribeEvents stream: its task, and since when its consumer has held a batch (None: waiting for the
+    next one, i.e. keeping up)."""
+
+    task: asyncio.Task | None
+    blocked_since: float | None = None
+    shed: SlowSubscriberError | None = None  # set when a new subscriber took its place
 
 
 class EventFeed:
@@ -32,8 +54,37 @@ class EventFeed:
         self.cache = cache
         self.medium = medium  # "GPU" or "CPU": where the pool is (vLLM's kv_events field)
         self.max_subscribers = max_subscribers  # --max-event-subscribers
-        self.num_subscribers = 0  # open SubscribeEvents streams (on the loop thread only)
+        self._subscribers: dict[asyncio.Task | None, Subscriber] = {}  # open streams (on the loop thread only)
+        self._shed: weakref.WeakKeyDictionary[asyncio.Task, SlowSubscriberError] = weakref.WeakKeyDictionary()
         self._published: asyncio.Event | None = None  # made on the loop, on first use
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    def shed_error(self, task: asyncio.Task | None) -> SlowSubscriberError | None:
+        """Why the subscriber that ran in ``task`` was ended (its transport, seeing the cancellation, ends the
+        stream with this status), or None when it was not shed."""
+        return self._shed.pop(task, None) if task is not None else None
+
+    def _make_room(self) -> None:
+        """At the cap: shed the subscriber blocked the longest (at least ``SHED_AFTER_S``), else refuse."""
+        now = time.monotonic()
+        blocked = [s for s in self._subscribers.values()
+                   if s.blocked_since is not None and s.shed is None and now - s.blocked_since >= SHED_AFTER_S]
+        if not blocked:
+            raise TooManyStreamsError(
+                f"kvpool-server already has {self.num_subscribers} SubscribeEvents streams open, its limit "
+                f"(--max-event-subscribers={self.max_subscribers}, KVPOOL_MAX_EVENT_SUBSCRIBERS), and all of them "
+                "keep up: close one, or raise the limit")
+        slowest = min(blocked, key=lambda s: s.blocked_since or now)
+        slowest.shed = SlowSubscriberError(
+            f"SubscribeEvents ended: this subscriber did not read its stream for {now - (slowest.blocked_since or now):.1f}"
+            f" s while --max-event-subscribers={self.max_subscribers} were open and another subscribed (too slow a "
+            "consumer); resubscribe with from_seq to resume")
+        if slowest.task is not None:
+            self._shed[slowest.task] = slowest.shed
+            slowest.task.cancel()
 
     def publish(self) -> None:
         """After a mutation, under the lock, on the loop thread: close its events into a batch, wake subscribers."""
@@ -49,13 +100,12 @@ class EventFeed:
     async def follow(self, lock: threading.Lock, from_seq: int | None, epoch: int | None,
                      stopping: Callable[[], bool]) -> AsyncGenerator[tuple[EventBatch, int], None]:
         """One subscriber: (batch, num_dropped) pairs -- a snapshot first, unless ``from_seq`` of this ``epoch``
-        resumes within the buffer -- until ``stopping()``. Refuses (TooManyStreamsError) past the cap."""
+        resumes within the buffer -- until ``stopping()``. Past the cap it sheds a blocked subscriber or refuses
+        (TooManyStreamsError); see the module docstring."""
         if self.num_subscribers >= self.max_subscribers:
-            raise TooManyStreamsError(
-                f"kvpool-server already has {self.num_subscribers} SubscribeEvents streams open, its limit "
-                f"(--max-event-subscribers={self.max_subscribers}, KVPOOL_MAX_EVENT_SUBSCRIBERS): close one, "
-                "or raise the limit")
-        self.num_subscribers += 1
+            self._make_room()
+        task = asyncio.current_task()
+        me = self._subscribers[task] = Subscriber(task)
         try:
             next_seq = from_seq if from_seq is not None else -1
             if epoch is not None and epoch != self.log.epoch:
@@ -68,7 +118,9 @@ class EventFeed:
                         batches = [self.log.snapshot(self.cache)]
                     num_dropped = self.log.num_dropped
                 for batch in batches:
+                    me.blocked_since = time.monotonic()  # the consumer holds it until it asks for the next
                     yield batch, num_dropped
+                    me.blocked_since = None
                     next_seq = batch.seq + 1
                 if next_seq < 0:
                     next_seq = self.log.next_seq
@@ -77,4 +129,4 @@ class EventFeed:
                 except TimeoutError:
                     pass
         finally:
-            self.num_subscribers -= 1
+            del self._subscribers[task]

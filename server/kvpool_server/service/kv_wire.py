@@ -18,8 +18,9 @@ class KVWire:
         self.dtype: np.dtype = layout.storage_dtype.newbyteorder("<")
         self.max_read_tokens: int = max(1, (max_message_bytes - ENVELOPE_BYTES) // self.token_bytes)
 
-    def decode(self, data: bytes) -> np.ndarray:
-        """WriteKV's ``data`` -> ``[n, L, 2, H, D]`` (a view of ``data``); n >= 1."""
+    def decode(self, data: bytes | memoryview) -> np.ndarray:
+        """WriteKV's ``data`` -> ``[n, L, 2, H, D]``, a view of ``data`` (no copy: a 64 MiB body stays 64 MiB);
+        n >= 1."""
         num_tokens, remainder = divmod(len(data), self.token_bytes)
         if remainder or num_tokens == 0:
             raise InvalidArgumentError(

@@ -2,6 +2,9 @@
 
     answer = service.append(call, seq_ids, num_tokens, token_ids, session_id, request_id)   # an AppendPlan
 
+Large request bodies are admitted by size (``self.inflight``, a ``byte_budget.ByteBudget`` of
+``--max-inflight-bytes``): the transport charges a body over ``BIG_MESSAGE_BYTES`` before it parses it.
+
 ``call`` is the ``scope.Call`` the transport entered (``call.caller``: who; ``call.headers``: the reply limit the
 client declared). A method checks its arguments (``arguments``), then mutates through ``guard.mutate`` (fencing,
 replay, the core and the pool under one lock, KV events) or reads under ``guard.lock``. The core raises before it
@@ -29,6 +32,7 @@ from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.device import PoolAttachInfo
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
+from kvpool_server.service.byte_budget import ByteBudget
 from kvpool_server.service.freeing import Freeing, free_rows
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.invariant_checks import InvariantChecks
@@ -42,6 +46,7 @@ from kvpool_server.service.sessions import SessionService
 from kvpool_server.service.tenant_usage import TenantUsage, tenant_usage
 
 DEFAULT_MAX_TOKENS_PER_CALL = 1 << 17
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 
 
 class Registered(NamedTuple):
@@ -68,7 +73,8 @@ class KVPoolService:
 
     def __init__(self, guard: CoreGuard, sessions: SessionService, *, auth: Authenticator | None,
                  metrics: KVPoolMetrics | None, max_batch: int, max_message_bytes: int,
-                 max_tokens_per_call: int = DEFAULT_MAX_TOKENS_PER_CALL) -> None:
+                 max_tokens_per_call: int = DEFAULT_MAX_TOKENS_PER_CALL,
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> None:
         manager, pool = guard.manager, guard.pool
         self.guard = guard
         self.sessions = sessions
@@ -81,6 +87,7 @@ class KVPoolService:
         self.pins = SequencePins()
         self.invariants = InvariantChecks(manager)
         self.chunk_tokens = chunk_tokens(pool.layout.token_bytes)
+        self.inflight = ByteBudget(max(max_inflight_bytes, max_message_bytes))  # large request bodies at once
 
     def reload_tokens(self) -> bool:
         """SIGHUP: re-read the tokens file (under the lock: it changes the tenants' limits)."""
@@ -102,7 +109,7 @@ class KVPoolService:
 
         def apply() -> Registered:
             new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key)
-            return Registered(new_id, manager.num_tokens(new_id) if prompt is not None else 0)
+            return Registered(new_id, manager.num_tokens(new_id, tenant) if prompt is not None else 0)
 
         return self.guard.mutate(call.caller, session_id, request_id,
                                  ("register", seq_id, prompt_token_ids, public_prefix_len, cache_extra_key), apply)
@@ -135,8 +142,8 @@ class KVPoolService:
         parent = arguments.seq_id(parent_seq_id, "Fork", "parent_seq_id")
         children = arguments.fork_children(num_children, child_seq_ids, self.max_batch)
         self.limits.check_reply(16 + 11 * max(num_children, len(children)), "Fork", call.headers, 11, "children")
-        self.pins.wait_unpinned((parent,))
         manager, tenant = self.guard.manager, call.caller.tenant_id
+        self.pins.wait_unpinned((pin_key(tenant, parent),))
 
         def apply() -> list[int]:
             return manager.fork(parent, num_children, children, session_id, tenant)
@@ -152,9 +159,9 @@ class KVPoolService:
         blocks are too many for one lock hold is detached in one hold and released in chunks (``freeing``): an
         Offload of that."""
         ids = arguments.batch_seq_ids(seq_ids, "Free", self.max_batch).tolist()
-        if len(self.pins):
-            self.pins.wait_unpinned(ids)
         manager, tenant = self.guard.manager, call.caller.tenant_id
+        if len(self.pins):
+            self.pins.wait_unpinned([pin_key(tenant, seq_id) for seq_id in ids])
 
         def apply() -> int | Freeing:
             freeing = free_rows(self.guard, manager.detach(ids, tenant))  # detach checks every id, changes nothing
@@ -196,8 +203,10 @@ class KVPoolService:
         return self.sessions.drain()
 
     # ---------------------------------------------------------------- KV data
-    def write_kv(self, call: Call, seq_id: int, start_position: int, data: bytes, session_id: int = 0) -> int | Offload:
-        """Write whole tokens' KV; returns how many tokens (or an Offload of the copy when it is big)."""
+    def write_kv(self, call: Call, seq_id: int, start_position: int, data: bytes | memoryview,
+                 session_id: int = 0) -> int | Offload:
+        """Write whole tokens' KV; returns how many tokens (or an Offload of the copy when it is big). ``data`` may
+        be a view of the received body: it is read in place, never copied."""
         tokens = self.wire.decode(data)
         seq_id = arguments.seq_id(seq_id, "WriteKV")
         guard, tenant = self.guard, call.caller.tenant_id
@@ -207,13 +216,14 @@ class KVPoolService:
             if tokens.nbytes <= INLINE_BYTES:
                 guard.pool.write_slots(slots, tokens)
                 return len(tokens)
-        self.pins.pin(seq_id)
+        pinned = pin_key(tenant, seq_id)
+        self.pins.pin(pinned)
 
         def work() -> int:
             write_chunked(guard.pool, slots, tokens, self.chunk_tokens)
             return len(tokens)
 
-        return Offload(work, lambda: self.pins.unpin(seq_id))
+        return Offload(work, lambda: self.pins.unpin(pinned))
 
     def read_kv(self, call: Call, seq_id: int, start_position: int, num_tokens: int) -> bytes | Offload:
         """Read whole tokens' KV (``num_tokens`` 0: to the end) as the wire's bytes (or an Offload when big)."""
@@ -229,13 +239,20 @@ class KVPoolService:
             slots = guard.manager.slots(seq_id, start, count, tenant=tenant)
             if count * self.wire.token_bytes <= INLINE_BYTES:
                 return self.wire.encode(guard.pool.read_slots(slots))
-        self.pins.pin(seq_id)
+        pinned = pin_key(tenant, seq_id)
+        self.pins.pin(pinned)
 
         def work() -> bytes:
             out = np.empty((count, *self.wire.token_shape), dtype=guard.pool.layout.storage_dtype)
             return self.wire.encode(read_chunked(guard.pool, slots, out, self.chunk_tokens))
 
-        return Offload(work, lambda: self.pins.unpin(seq_id))
+        return Offload(work, lambda: self.pins.unpin(pinned))
+
+
+def pin_key(tenant: int | None, seq_id: int) -> int:
+    """A sequence's key in ``SequencePins``: ids are per tenant (docs/security.md), so a copy on one tenant's id X
+    never delays another tenant's Free of its own X."""
+    return (tenant or 0) << 64 | seq_id
 
 
 def block_hashes(cache: PrefixCache, block_ids: np.ndarray) -> list[bytes]:

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from kvpool_server.core import InvalidArgumentError
+import numpy as np
+
+from kvpool_server.core import InvalidArgumentError, KVCacheManager
 from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.core.sessions import Session
-from kvpool_server.service.errors import DrainingError
+from kvpool_server.service import paging
+from kvpool_server.service.errors import DrainingError, TooManySessionsError
 from kvpool_server.service.freeing import Freeing, free_rows
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.metrics import KVPoolMetrics, SessionGauges
@@ -47,15 +50,23 @@ class KeepAliveState:
 
 
 class SessionService:
-    def __init__(self, guard: CoreGuard, metrics: KVPoolMetrics | None, on_drain: Callable[[], None]) -> None:
+    """The session RPCs. Bounds: at most ``max_sessions`` live sessions server-wide (``--max-sessions``; a
+    tenant's ``max_sessions`` quota comes on top), a ``client_name`` of at most ``paging.MAX_CLIENT_NAME_BYTES``,
+    and listings in pages that fit ``max_message_bytes`` (``paging``)."""
+
+    def __init__(self, guard: CoreGuard, metrics: KVPoolMetrics | None, on_drain: Callable[[], None], *,
+                 max_sessions: int = 4096, max_message_bytes: int = 64 << 20) -> None:
         self.guard = guard
         self.table = guard.sessions
         self.metrics = metrics
         self.on_drain = on_drain  # the Drain RPC's first call: health NOT_SERVING
         self.draining = False  # set by the Drain RPC, never unset (restart the server to serve again)
+        self.max_sessions = max_sessions  # --max-sessions
+        self.max_message_bytes = max_message_bytes
 
     def open(self, call: Call, client_name: str = "", lease_ttl_ms: int = 0) -> Session:
         self.refuse_if_drained("OpenSession")
+        paging.check_client_name(client_name)
         tenant = call.caller.tenant_id or 0
         manager = self.guard.manager
         with self.guard.lock:
@@ -63,6 +74,10 @@ class SessionService:
             if limit is not None and self.table.num_sessions(tenant) >= limit:
                 raise QuotaExceededError(f"tenant {manager.tenants.names[tenant]!r} quota max_sessions={limit} "
                                          "(all open): close one first")
+            if len(self.table) >= self.max_sessions:
+                raise TooManySessionsError(
+                    f"kvpool-server already has {len(self.table)} sessions open, its limit (--max-sessions="
+                    f"{self.max_sessions}, KVPOOL_MAX_SESSIONS): close one (or let its lease end), or raise the limit")
             return self.table.open(client_name, lease_ttl_ms / 1000.0, tenant)
 
     def close(self, call: Call, session_id: int) -> tuple[int, int] | Offload:
@@ -159,18 +174,46 @@ class SessionService:
             logger.exception("ending the session of a closed KeepAlive stream failed")
 
     # ---------------------------------------------------------------- listing
-    def live_sessions(self, call: Call) -> list[tuple[Session, float, int, int]]:
-        """Every live session: (session, lease seconds left, its sequences, its blocks)."""
+    def live_sessions(self, call: Call, page_size: int = 0,
+                      page_token: str = "") -> tuple[list[tuple[Session, float, int, int]], str]:
+        """One page of live sessions, by id: (session, lease seconds left, its sequences, its blocks) each, and
+        the token of the next page ("" after the last)."""
+        after = paging.decode_token(page_token, "sessions")
+        limit = paging.page_size(page_size, paging.SESSION_ROW_BYTES, self.max_message_bytes)
+        manager = self.guard.manager
         with self.guard.lock:
-            usage = self.guard.manager.session_usage()
-            return [(s, self.table.remaining_s(s), *usage.get(s.session_id, (0, 0))) for s in self.table.sessions()]
+            page, more = self.table.page(after, limit)
+            rows = [(s, self.table.remaining_s(s), *_session_usage(manager, s.session_id)) for s in page]
+        return rows, paging.encode_token("sessions", page[-1].session_id) if more else ""
 
-    def sequences(self, call: Call, session_id: int = 0) -> list[tuple[int, int, int, int]]:
-        """Live sequences (of ``session_id``, 0: all): (seq_id, session_id, num_tokens, num_blocks)."""
+    def sequences(self, call: Call, session_id: int = 0, page_size: int = 0,
+                  page_token: str = "") -> tuple[list[tuple[int, int, int, int]], str]:
+        """One page of live sequences (of ``session_id``, 0: all), by id: (seq_id, session_id, num_tokens,
+        num_blocks) each, and the token of the next page ("" after the last)."""
+        listing = f"sequences/{session_id}"
+        after = paging.decode_token(page_token, listing)
+        limit = paging.page_size(page_size, paging.SEQUENCE_ROW_BYTES, self.max_message_bytes)
+        manager = self.guard.manager
+        live: Collection[int]
         with self.guard.lock:
             if session_id:
                 self.table.get(session_id)  # NOT_FOUND for a session that is not live
-            return self.guard.manager.sequence_infos(session_id or None)
+                live = manager.seqs_of_session.get(session_id, ())
+            else:
+                live = manager.index.seq_ids()
+            ids = np.fromiter(live, dtype=np.uint64, count=len(live))
+            if after >= 0:
+                ids = ids[ids > np.uint64(after)]
+            more = ids.size > limit
+            if more:
+                ids = np.partition(ids, limit - 1)[:limit]
+            ids.sort()
+            rows = []
+            for seq_id in ids.tolist():
+                num_tokens = manager.num_tokens(seq_id)
+                rows.append((seq_id, manager.session_of_seq.get(seq_id, 0), num_tokens,
+                             manager.tables.blocks_for(num_tokens)))
+        return rows, paging.encode_token(listing, rows[-1][0]) if more else ""
 
     def gauges(self) -> SessionGauges:
         """For the metrics scrape: live sessions, and blocks still held by sequences of sessions that ended (the
@@ -183,3 +226,12 @@ class SessionService:
             tenants = tuple((name, ledger.num_blocks[t], ledger.num_sequences[t])
                             for t, name in enumerate(ledger.names) if name) if manager.tenancy else ()
             return SessionGauges(len(self.table), sum(usage[sid][1] for sid in ended), tenants)
+
+
+def _session_usage(manager: KVCacheManager, session_id: int) -> tuple[int, int]:
+    """(sequences, distinct blocks) of one session (``KVCacheManager.session_usage`` for one session only)."""
+    seq_ids = manager.seqs_of_session.get(session_id, ())
+    if not seq_ids:
+        return 0, 0
+    blocks = np.concatenate([manager.block_table(seq_id) for seq_id in seq_ids])
+    return len(seq_ids), int(np.unique(blocks).size)
