@@ -362,6 +362,10 @@ class KVCacheManager:
             usage[session_id] = (len(seq_ids), int(np.unique(np.concatenate(blocks)).size) if blocks else 0)
         return usage
 
+    def named_id(self, seq_id: int) -> int:
+        """The id a live sequence's tenant names it by, from its internal id (the same without tenancy)."""
+        return self.tenant_ids.id_of_row.item(self.index.row(seq_id)) if self.tenancy else seq_id
+
     def sequence_infos(self, session_id: int | None = None, tenant: int | None = None) -> list[tuple[int, int, int, int]]:
         """(seq_id, session_id, num_tokens, num_blocks) of every live sequence, or of one session's; only
         ``tenant``'s when given. The ids are the ones the sequences' tenants name them by."""

@@ -188,8 +188,9 @@ class SessionService:
 
     def sequences(self, call: Call, session_id: int = 0, page_size: int = 0,
                   page_token: str = "") -> tuple[list[tuple[int, int, int, int]], str]:
-        """One page of live sequences (of ``session_id``, 0: all), by id: (seq_id, session_id, num_tokens,
-        num_blocks) each, and the token of the next page ("" after the last)."""
+        """One page of live sequences (of ``session_id``, 0: all): (seq_id, session_id, num_tokens, num_blocks)
+        each, and the token of the next page ("" after the last). Pages follow the internal ids (unique across
+        tenants); each row shows the id its tenant names the sequence by (two tenants' rows may show the same)."""
         listing = f"sequences/{session_id}"
         after = paging.decode_token(page_token, listing)
         limit = paging.page_size(page_size, paging.SEQUENCE_ROW_BYTES, self.max_message_bytes)
@@ -211,9 +212,9 @@ class SessionService:
             rows = []
             for seq_id in ids.tolist():
                 num_tokens = manager.num_tokens(seq_id)
-                rows.append((seq_id, manager.session_of_seq.get(seq_id, 0), num_tokens,
+                rows.append((manager.named_id(seq_id), manager.session_of_seq.get(seq_id, 0), num_tokens,
                              manager.tables.blocks_for(num_tokens)))
-        return rows, paging.encode_token(listing, rows[-1][0]) if more else ""
+        return rows, paging.encode_token(listing, int(ids[-1])) if more else ""
 
     def gauges(self) -> SessionGauges:
         """For the metrics scrape: live sessions, and blocks still held by sequences of sessions that ended (the
