@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 import time
-from typing import Any
+from pathlib import Path
 
 from kvpool.layout import KVLayout
 from kvpool_server.core import KVCacheManager
@@ -26,6 +25,9 @@ from kvpool_server.device import create_pool
 from kvpool_server.service.invariant_checks import InvariantChecks, copy_state
 from kvpool_server.service.kv_copies import CHUNK_BYTES
 from kvpool_server.service.kvpool import DEFAULT_MAX_TOKENS_PER_CALL
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.service.recording_lock import RecordingLock  # noqa: E402
 
 
 def timed(fn, repeat: int = 3) -> float:  # type: ignore[no-untyped-def]
@@ -35,24 +37,6 @@ def timed(fn, repeat: int = 3) -> float:  # type: ignore[no-untyped-def]
         fn()
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
-
-
-class RecordingLock:
-    """The guard's lock, recording each hold."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.holds: list[float] = []
-        self._since = 0.0
-
-    def __enter__(self) -> RecordingLock:
-        self._lock.acquire()
-        self._since = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.holds.append(time.perf_counter() - self._since)
-        self._lock.release()
 
 
 def fork_and_free_rpcs() -> None:

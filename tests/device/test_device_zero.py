@@ -14,21 +14,7 @@ from kvpool_server.device import create_pool
 from kvpool_server.device.host_pool import RUN_SLICES_MAX, block_runs
 from kvpool_server.device.protocol import Pool
 
-from .devtest_util import BACKENDS, as_bytes, fill_random, needs_gpu, random_tokens, to_host
-
-LAYOUTS = [
-    KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16"),  # 2 KiB blocks
-    KVLayout(num_layers=5, num_kv_heads=2, head_dim=40, block_size=16, dtype="float32"),  # 51200 B: partial chunk
-    KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="float16"),  # 4 B: 4-byte vectors
-    KVLayout(num_layers=3, num_kv_heads=3, head_dim=3, block_size=5, dtype="float16"),  # odd rows (18 B)
-]
-LAYOUTS += [dataclasses.replace(layout, kv_layout="layer-major") for layout in LAYOUTS]
-
-
-def ids(layout: KVLayout) -> str:
-    return (f"L{layout.num_layers}H{layout.num_kv_heads}D{layout.head_dim}B{layout.block_size}{layout.dtype}"
-            + ("-layer-major" if layout.layer_major else ""))
-
+from .devtest_util import BACKENDS, LAYOUTS, as_bytes, fill_random, ids, needs_gpu, random_tokens, to_host
 
 def block_rows(pool) -> np.ndarray:
     """The pool's bytes, one row per block in the order of the logical view (whatever the storage order)."""
@@ -139,7 +125,7 @@ def test_zero_blocks_after_close_raises(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_block_slots_are_every_slot_of_each_block_in_order(backend: str) -> None:
-    layout = LAYOUTS[3]  # block_size 5
+    layout = LAYOUTS[4]  # block_size 5
     with create_pool(layout, backend=backend, num_blocks=8) as pool:
         assert pool.block_slots([2, 0]).tolist() == [10, 11, 12, 13, 14, 0, 1, 2, 3, 4]
         assert pool.block_slots([]).dtype == np.int64 and len(pool.block_slots([])) == 0

@@ -7,8 +7,6 @@ printed (pytest -s)."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,28 +22,11 @@ from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, Freeing, free_rows,
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.offload import Offload
 from kvpool_server.service.scope import CallScope
+from tests.service.recording_lock import RecordingLock
 from tests.service.service_helpers import connect
 
 LENGTH = 8192  # tokens of the parent: 512 blocks of 16, so its 4,096-sequence family holds 2 M references
 FAMILY = 4096
-
-
-class RecordingLock:
-    """The guard's lock, recording how long each hold lasted."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.holds: list[float] = []
-        self._since = 0.0
-
-    def __enter__(self) -> RecordingLock:
-        self._lock.acquire()
-        self._since = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.holds.append(time.perf_counter() - self._since)
-        self._lock.release()
 
 
 @pytest.fixture
