@@ -20,7 +20,7 @@ help:
 	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
 	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
 	@echo "make test               make lint, the whole test suite (no GPU needed), buf lint and buf breaking"
-	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/core/"
+	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/{core,service,grpc_api}"
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
 	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
 	@echo "make bench              in-process core benchmark"

@@ -10,6 +10,12 @@ sequences and blocks (polled every 2 ms). A worker killed in the few millisecond
 its first heartbeat leaves a session behind until its lease ends (5 s here); such sessions are counted (they hold
 nothing unless the worker also registered in that window). At the end: blocks held by dead sessions (must be 0),
 no session but the survivor's, CheckInvariants, the survivor's KV read back byte for byte, kills, latency.
+
+First, and again at the end, a hostile phase (``benchmarks/hostile.py``, ``--hostile-seconds``, 30 s each) hits
+every bound at once -- sessions past --max-sessions, 1 MiB client names, concurrent near-limit WriteKVs (a third
+malformed) past --max-inflight-bytes, over-long prompts, long prompts sealed in a loop (the event log's bytes),
+subscribers that never read, random bytes to every method. The server must answer Stats after each, and its
+resident memory after the last must stay within the pool plus HOSTILE_RSS_SLACK of its size before the first.
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ sys.path.insert(0, str(ROOT))
 
 from kvpool_client import KVPoolClient  # noqa: E402
 from kvpool_client.loadgen.pattern import kv_pattern, token_keys  # noqa: E402
+from benchmarks.hostile import hostile_phase  # noqa: E402
 from tests.conftest import start_server  # noqa: E402
+
+POOL_BYTES = 256 << 20
+HOSTILE_RSS_SLACK = 256 << 20  # interpreter, caches and allocator slack beyond the pool's own touched pages
+BOUNDS = ["--max-sessions", "256", "--max-message-bytes", "8MiB", "--max-inflight-bytes", "16MiB",
+          "--event-buffer-bytes", "4MiB", "--max-event-subscribers", "8", "--max-seq-len", "8192"]
 
 
 def loadgen(target: str, seed: int) -> subprocess.Popen:
@@ -46,13 +58,18 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hostile-seconds", type=float, default=30.0, help="each hostile phase (0: none)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kvpool-soak-"))
-    server = start_server(work, "--pool-bytes", "256MiB", "--session-ttl-ms", "5000", unix=True)
+    server = start_server(work, "--pool-bytes", str(POOL_BYTES), "--session-ttl-ms", "5000", *BOUNDS, unix=True)
     latencies: list[float] = []
     kills = finished = lingering = 0
+    hostile = []
     try:
+        if args.hostile_seconds:
+            hostile.append(hostile_phase(server.address, server.pid, args.hostile_seconds, args.seed))
+            print("hostile phase:", json.dumps(hostile[-1]), flush=True)
         with KVPoolClient(server.address, client_name="soak-survivor") as survivor:
             seq_ids = [survivor.register() for _ in range(4)]
             survivor.append(seq_ids, 50)
@@ -87,6 +104,9 @@ def main() -> None:
                 if run % 20 == 0:
                     print(f"{run} runs, {kills} killed, p99 reclamation "
                           f"{np.percentile(latencies, 99) * 1000:.1f} ms", flush=True)
+            if args.hostile_seconds:
+                hostile.append(hostile_phase(server.address, server.pid, args.hostile_seconds, args.seed + 1))
+                print("hostile phase:", json.dumps(hostile[-1]), flush=True)
             time.sleep(6)  # past the lease: every session of a dead worker is gone
             stats = survivor.stats()
             held_by_dead = stats.num_blocks_used - own_blocks
@@ -101,13 +121,16 @@ def main() -> None:
         "reclamation_ms_p99": float(np.percentile(latencies, 99) * 1000),
         "reclamation_ms_max": float(max(latencies) * 1000), "blocks_held_by_dead_sessions": held_by_dead,
         "invariants_ok": invariants, "survivor_kv_intact": intact, "sessions_left_at_end": sessions_left,
-        "runs_with_an_empty_session_lingering": lingering,
+        "runs_with_an_empty_session_lingering": lingering, "hostile_phases": hostile,
     }
+    grew = hostile[-1]["rss_mib"]["after"] - hostile[0]["rss_mib"]["before"] if hostile else 0.0
+    hostile_ok = all(h["stats_after"] == "OK" and h["pid_alive"] for h in hostile) and \
+        grew * 2**20 <= POOL_BYTES + HOSTILE_RSS_SLACK
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
-    if held_by_dead or sessions_left or not invariants or not intact:
+    if held_by_dead or sessions_left or not invariants or not intact or not hostile_ok:
         raise SystemExit("soak FAILED")
 
 

@@ -6,13 +6,14 @@ cannot pass by skipping everything; =host runs the host cases only; unset: host,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvpool.layout import storage_of
+from kvpool.layout import KVLayout, storage_of
 from kvpool_server.device import gpu_available
 
 REQUESTED = os.environ.get("KVPOOL_TEST_BACKEND", "")
@@ -71,3 +72,23 @@ def random_tokens(layout: Any, n: int, rng: np.random.Generator) -> np.ndarray:
 
 def as_bytes(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+# Layouts every pool operation is tested on: small, partial copy chunks, each vector width, odd rows.
+LAYOUTS = [
+    KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float32"),  # the seed: 8 KiB blocks
+    KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16"),  # 2 KiB
+    KVLayout(num_layers=5, num_kv_heads=2, head_dim=40, block_size=16, dtype="float32"),  # 51200 B: a partial chunk
+    KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=1, dtype="float16"),  # 8 B: 8-byte vectors
+    KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="float16"),  # 4 B: 4-byte vectors
+    KVLayout(num_layers=3, num_kv_heads=3, head_dim=3, block_size=5, dtype="float16"),  # odd rows (18 B)
+]
+
+
+# every layout again in layer-major order: [L, 2, num_blocks, block_size, H, D] (a block is 2L spans)
+LAYOUTS += [dataclasses.replace(layout, kv_layout="layer-major") for layout in LAYOUTS]
+
+
+def ids(layout: KVLayout) -> str:
+    return (f"L{layout.num_layers}H{layout.num_kv_heads}D{layout.head_dim}B{layout.block_size}{layout.dtype}"
+            + ("-layer-major" if layout.layer_major else ""))

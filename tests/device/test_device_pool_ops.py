@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from .devtest_util import BACKENDS, as_bytes, fill_random, like, random_tokens, to_host
+from .devtest_util import BACKENDS, LAYOUTS, as_bytes, fill_random, ids, like, random_tokens, to_host
 
 from kvpool.layout import KVLayout, gather_tokens, scatter_tokens
 from kvpool_server.device import create_pool
-
-LAYOUTS = [
-    KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float32"),  # the seed: 8 KiB blocks
-    KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16"),  # 2 KiB
-    KVLayout(num_layers=5, num_kv_heads=2, head_dim=40, block_size=16, dtype="float32"),  # 51200 B: a partial chunk
-    KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=1, dtype="float16"),  # 8 B: 8-byte vectors
-    KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="float16"),  # 4 B: 4-byte vectors
-    KVLayout(num_layers=3, num_kv_heads=3, head_dim=3, block_size=5, dtype="float16"),  # odd rows (18 B)
-]
-
-
-# every layout again in layer-major order: [L, 2, num_blocks, block_size, H, D] (a block is 2L spans)
-LAYOUTS += [dataclasses.replace(layout, kv_layout="layer-major") for layout in LAYOUTS]
-
-
-def ids(layout: KVLayout) -> str:
-    return (f"L{layout.num_layers}H{layout.num_kv_heads}D{layout.head_dim}B{layout.block_size}{layout.dtype}"
-            + ("-layer-major" if layout.layer_major else ""))
-
 
 def blocks_as_rows(flat: np.ndarray, layout: KVLayout) -> np.ndarray:
     return flat.reshape(-1, layout.block_bytes)

@@ -14,21 +14,7 @@ from kvpool_server.device import create_pool
 from kvpool_server.device.host_pool import RUN_SLICES_MAX, block_runs
 from kvpool_server.device.protocol import Pool
 
-from .devtest_util import BACKENDS, as_bytes, fill_random, needs_gpu, random_tokens, to_host
-
-LAYOUTS = [
-    KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="bfloat16"),  # 2 KiB blocks
-    KVLayout(num_layers=5, num_kv_heads=2, head_dim=40, block_size=16, dtype="float32"),  # 51200 B: partial chunk
-    KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="float16"),  # 4 B: 4-byte vectors
-    KVLayout(num_layers=3, num_kv_heads=3, head_dim=3, block_size=5, dtype="float16"),  # odd rows (18 B)
-]
-LAYOUTS += [dataclasses.replace(layout, kv_layout="layer-major") for layout in LAYOUTS]
-
-
-def ids(layout: KVLayout) -> str:
-    return (f"L{layout.num_layers}H{layout.num_kv_heads}D{layout.head_dim}B{layout.block_size}{layout.dtype}"
-            + ("-layer-major" if layout.layer_major else ""))
-
+from .devtest_util import BACKENDS, LAYOUTS, as_bytes, fill_random, ids, needs_gpu, random_tokens, to_host
 
 def block_rows(pool) -> np.ndarray:
     """The pool's bytes, one row per block in the order of the logical view (whatever the storage order)."""
@@ -63,7 +49,7 @@ def test_zero_blocks_clears_exactly_the_named_blocks(backend: str, layout: KVLay
 @pytest.mark.parametrize("kv_layout", ["block-major", "layer-major"])
 def test_zero_blocks_with_more_runs_than_slices_and_repeated_ids(backend: str, kv_layout: str) -> None:
     """Past RUN_SLICES_MAX runs the host zeroes by fancy indexing; repeats (even more ids than blocks) are harmless."""
-    layout = dataclasses.replace(LAYOUTS[0], kv_layout=kv_layout)
+    layout = dataclasses.replace(LAYOUTS[1], kv_layout=kv_layout)
     num_blocks = 4 * RUN_SLICES_MAX
     rng = np.random.default_rng(2)
     with create_pool(layout, backend=backend, num_blocks=num_blocks) as pool:
@@ -83,7 +69,7 @@ def test_block_runs() -> None:
 def test_a_written_block_handed_to_a_new_owner_reads_as_zeros(backend: str) -> None:
     """The issue's case: owner A writes its KV into block 3; the block is freed and handed to B, which reads before
     writing. Without zero_blocks B reads A's bytes; with it, zeros -- and B's own writes then read back."""
-    layout = LAYOUTS[1]
+    layout = LAYOUTS[2]
     rng = np.random.default_rng(3)
     with create_pool(layout, backend=backend, num_blocks=8) as pool:
         slots = pool.block_slots([3])
@@ -101,7 +87,7 @@ def test_a_written_block_handed_to_a_new_owner_reads_as_zeros(backend: str) -> N
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("empty", [np.zeros(0, dtype=np.int32), [], np.zeros((0, 2), dtype=np.int64)])
 def test_zero_blocks_of_an_empty_batch_does_nothing(backend: str, empty, monkeypatch: pytest.MonkeyPatch) -> None:
-    with create_pool(LAYOUTS[0], backend=backend, num_blocks=8) as pool:
+    with create_pool(LAYOUTS[1], backend=backend, num_blocks=8) as pool:
         before = fill_random(pool, np.random.default_rng(4))
 
         def no_work(ids: np.ndarray) -> None:
@@ -118,7 +104,7 @@ def test_zero_blocks_of_an_empty_batch_does_nothing(backend: str, empty, monkeyp
     [([8], "outside"), ([-1], "outside"), ([0, 3, 9], "outside"), ([[0, 1]], "1-d"), ([0.0, 1.0], "int")],
 )
 def test_zero_blocks_rejects_invalid_ids_and_changes_nothing(backend: str, block_ids: list, message: str) -> None:
-    with create_pool(LAYOUTS[0], backend=backend, num_blocks=8) as pool:
+    with create_pool(LAYOUTS[1], backend=backend, num_blocks=8) as pool:
         before = fill_random(pool, np.random.default_rng(5))
         with pytest.raises(ValueError, match=message):
             pool.zero_blocks(block_ids)
@@ -129,7 +115,7 @@ def test_zero_blocks_rejects_invalid_ids_and_changes_nothing(backend: str, block
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_blocks_after_close_raises(backend: str) -> None:
-    pool = create_pool(LAYOUTS[0], backend=backend, num_blocks=4)
+    pool = create_pool(LAYOUTS[1], backend=backend, num_blocks=4)
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.zero_blocks([0])
@@ -139,7 +125,7 @@ def test_zero_blocks_after_close_raises(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_block_slots_are_every_slot_of_each_block_in_order(backend: str) -> None:
-    layout = LAYOUTS[3]  # block_size 5
+    layout = LAYOUTS[5]  # block_size 5
     with create_pool(layout, backend=backend, num_blocks=8) as pool:
         assert pool.block_slots([2, 0]).tolist() == [10, 11, 12, 13, 14, 0, 1, 2, 3, 4]
         assert pool.block_slots([]).dtype == np.int64 and len(pool.block_slots([])) == 0
@@ -150,7 +136,7 @@ def test_block_slots_are_every_slot_of_each_block_in_order(backend: str) -> None
 def test_a_process_mapping_the_host_pool_sees_the_zeros(kv_layout: str) -> None:
     from kvpool_client.mapping import map_host_pool  # here: kvpool_client imports grpc, absent on the GPU image
 
-    layout = dataclasses.replace(LAYOUTS[0], kv_layout=kv_layout)
+    layout = dataclasses.replace(LAYOUTS[1], kv_layout=kv_layout)
     with create_pool(layout, backend="host", num_blocks=16) as pool:
         fill_random(pool, np.random.default_rng(6))
         info = pool.attach_info()
@@ -167,7 +153,7 @@ def test_gpu_zero_blocks_is_one_launch_or_one_memset_a_span_and_allocates_nothin
     from kvpool_server.device.gpu_pool import GpuPool
 
     rng = np.random.default_rng(7)
-    with GpuPool(LAYOUTS[0], 512) as pool:
+    with GpuPool(LAYOUTS[1], 512) as pool:
         fill_random(pool, rng)
         launches = []
         launch = pool.zeroer.launch

@@ -12,6 +12,7 @@ from kvpool_server.core.length_lookups import LengthLookups
 from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, UNLIMITED, AppendPlan
 
 UNSET = -1
+PREALLOCATED_BYTES = 64 << 20  # a table up to this size is made whole at start (growing it stalls a call ~20 ms)
 # A 0-d array, not a Python int: NumPy adds it to an array faster (no scalar conversion per call).
 ONE = np.array(1, dtype=np.int64)
 ONE.flags.writeable = False
@@ -40,7 +41,9 @@ class BlockTables:
     sequential: if every sharer of a block appends, the last of them (in batch order) owns it alone by then and
     writes in place, so k sharers appending together make k - 1 copies.
 
-    Rows are reused after a sequence is freed; the arrays double when they run out, up to ``max_num_seqs`` rows.
+    Rows are reused after a sequence is freed. The arrays hold ``max_num_seqs`` rows from the start when the table
+    fits ``PREALLOCATED_BYTES`` (32 MiB at the defaults: 4,096 rows of 2,048 blocks); else they start at 64 rows and
+    at least double when they run out (the call that makes them grow pays for the copy, once per size).
 
     Invariants (checked by ``checks.check_block_tables``):
       - a row holds at most ``max_seq_len`` tokens;
@@ -54,13 +57,17 @@ class BlockTables:
     """
 
     def __init__(
-        self, block_size: int, max_seq_len: int, max_num_seqs: int, allocator: BlockAllocator, initial_rows: int = 64
+        self, block_size: int, max_seq_len: int, max_num_seqs: int, allocator: BlockAllocator,
+        initial_rows: int | None = None,
     ) -> None:
-        rows = min(initial_rows, max_num_seqs)
         self.block_size: int = block_size
         self.max_seq_len: int = max_seq_len
         self.max_num_seqs: int = max_num_seqs
         self.max_blocks_per_seq: int = self.blocks_for(max_seq_len)
+        if initial_rows is None:  # every row at once when they fit PREALLOCATED_BYTES: no call pays for a growth
+            whole = max_num_seqs * self.max_blocks_per_seq * 4 <= PREALLOCATED_BYTES
+            initial_rows = max_num_seqs if whole else 64
+        rows = min(initial_rows, max_num_seqs)
         self.allocator: BlockAllocator = allocator
         self.table: np.ndarray = np.full((rows, self.max_blocks_per_seq), UNSET, dtype=np.int32)
         self.num_tokens: np.ndarray = np.zeros(rows, dtype=np.int64)
@@ -101,8 +108,8 @@ class BlockTables:
             raise OutOfBlocksError(
                 f"{num} more sequences would exceed max_num_seqs={self.max_num_seqs} ({self.num_live_rows()} are live)"
             )
-        while len(self._free_rows) < num:
-            self._grow()
+        if len(self._free_rows) < num:
+            self._grow(self.num_live_rows() + num)
         return [self._free_rows.pop() for _ in range(num)]
 
     def acquire_row(self) -> int:
@@ -156,9 +163,12 @@ class BlockTables:
     def rows_in_use(self) -> np.ndarray:
         return np.setdiff1d(np.arange(self.num_rows), self._free_rows)
 
-    def _grow(self) -> None:
-        old = self.num_rows
-        new = min(old * 2, self.max_num_seqs)
+    def _grow(self, needed: int) -> None:
+        """Double the rows until ``needed`` fit (``max_num_seqs`` at most), in one copy."""
+        old = new = self.num_rows
+        while new < needed:
+            new *= 2
+        new = min(new, self.max_num_seqs)
         table = np.full((new, self.max_blocks_per_seq), UNSET, dtype=np.int32)
         table[:old] = self.table
         num_tokens, next_slot = np.zeros(new, dtype=np.int64), np.zeros(new, dtype=np.int64)

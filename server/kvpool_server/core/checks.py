@@ -30,6 +30,7 @@ class KVCacheManager(Protocol):
     chains: TokenChains
     tenancy: bool
     session_of_seq: dict[int, int]
+    detached_rows: set[int]
     seqs_of_session: dict[int, set[int]]
     prefix_query_tokens: int
     prefix_hit_tokens: int
@@ -40,17 +41,19 @@ def check_invariants(manager: KVCacheManager) -> None:
     their allocator (each written in the docstring of the class that keeps it)."""
     manager.index.check_invariants()
     check_block_tables(manager.tables)
-    indexed = np.sort(manager.index.live_rows())
+    live = manager.index.live_rows()
+    detached = np.array(sorted(manager.detached_rows), dtype=live.dtype)
+    indexed = np.sort(np.concatenate([live, detached]))
     in_use = manager.tables.rows_in_use()
-    if not np.array_equal(indexed, in_use):
+    if not np.array_equal(indexed, in_use) or np.intersect1d(live, detached).size:
         raise InvariantViolationError(
             f"the index names rows {np.setxor1d(indexed, in_use)[:8].tolist()} differently from the tables "
-            "(a row is in use iff a live sequence holds it)"
+            "(a row is in use iff a live sequence holds it or it is detached, not both)"
         )
     check_ownership(manager)
     check_tenants(manager)
     if manager.tenancy:
-        manager.tenant_ids.check_invariants(in_use, manager.tenants.tenant_of_row)
+        manager.tenant_ids.check_invariants(live, manager.tenants.tenant_of_row)  # detached rows are unnamed
     check_chains(manager)
 
 
@@ -63,9 +66,9 @@ def check_chains(manager: KVCacheManager) -> None:
     live = set(tables.rows_in_use().tolist())
     for row, chain in chains.chains.items():
         n = tables.num_tokens.item(row)
-        if row not in live or len(chain.hashes) != n // tables.block_size or chain.partial.size != n % tables.block_size:
+        if row not in live or chain.num_hashes != n // tables.block_size or chain.partial.size != n % tables.block_size:
             raise InvariantViolationError(f"row {row}'s token chain disagrees with its {n} tokens")
-        if len(chain.pending_tokens) != len(chain.hashes) - chain.num_sealed:
+        if len(chain.pending.tokens) != len(chain.pending.hashes):
             raise InvariantViolationError(f"row {row}'s pending blocks and hashes disagree")
 
 

@@ -58,7 +58,8 @@ class KVCacheManager:
     blocks of a public prefix (``public_prefix_len``), hashed with PUBLIC_SALT, which any tenant may adopt.
 
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
-    tables is in use iff the index names a live sequence that holds it; ``session_of_seq`` and
+    tables is in use iff the index names a live sequence that holds it or it is one of ``detached_rows`` (a freed
+    sequence's, its blocks not yet released: ``detach``); ``session_of_seq`` and
     ``seqs_of_session`` are the same relation read both ways, over live sequences only, with no empty set.
     """
 
@@ -88,6 +89,7 @@ class KVCacheManager:
         self.tenants: TenantLedger = TenantLedger(max_num_seqs)
         self.tenant_ids: TenantIds = TenantIds(max_num_seqs, self.index.row_bits)  # used with tenancy on
         self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
+        self.detached_rows: set[int] = set()  # rows of freed sequences whose blocks are not released yet (detach)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -279,32 +281,46 @@ class KVCacheManager:
     def free(self, seq_ids: int | Sequence[int], tenant: int | None = None) -> int:
         """Release sequences, all or none; blocks whose ref count reaches 0 are reusable at once.
 
-        Returns the number of blocks freed (credited back to the tenants that held them).
+        Returns the number of blocks freed (credited back to the tenants that held them). ``detach`` then
+        ``release_detached`` of every row: a caller that must bound how long it holds the manager calls the two
+        itself and releases the rows in parts, between which the manager is consistent.
         """
+        return self.release_detached(self.detach(seq_ids, tenant))
+
+    def detach(self, seq_ids: int | Sequence[int], tenant: int | None = None) -> list[int]:
+        """The first half of ``free``, all or none: the sequences are no longer live (every call naming them gets
+        NOT_FOUND, no session holds them) but their rows keep their blocks, their tenant and their token chains
+        until ``release_detached``. Returns the rows (``detached_rows`` until released)."""
         ids = [seq_ids] if isinstance(seq_ids, int) else [int(s) for s in seq_ids]
         if not ids:
             raise InvalidArgumentError("free needs at least one seq_id")
         rows = [self._row(seq_id, tenant) for seq_id in ids]
         if len(rows) > 1 and len(set(rows)) != len(rows):
             raise InvalidArgumentError("free names a sequence twice")
+        internal = self.index.row_to_id[rows].tolist()
+        if self.tenancy:  # the tenant's names go at once (a caller-chosen one may be reused)
+            for row, owner in zip(rows, self.tenants.tenant_of_row[rows].tolist()):
+                self.tenant_ids.remove(owner, row)
+        for seq_id in internal:
+            self.index.remove(seq_id)
+        self._disown(internal)
+        self.detached_rows.update(rows)
+        return rows
+
+    def release_detached(self, rows: list[int]) -> int:
+        """Drop the blocks of ``rows`` (distinct, detached) and make the rows free. Returns the blocks freed."""
         owners = self.tenants.tenant_of_row[rows].tolist()
-        num_freed = 0
-        for owner in sorted(set(owners)):  # each tenant's rows apart: the ledger credits what it no longer holds
-            group = rows if len(owners) == 1 else [row for row, o in zip(rows, owners) if o == owner]
+        num_freed, distinct = 0, sorted(set(owners))
+        for owner in distinct:  # each tenant's rows apart: the ledger credits what it no longer holds
+            group = rows if len(distinct) == 1 else [row for row, o in zip(rows, owners) if o == owner]
             public = self._public_held(group) if self.tenancy and self.tenants.public_refs else []
             freed = self.tables.release(group)
             if self.tenancy:
                 self.tenants.credit_released(owner, freed, public, self.allocator.ref_count)
             num_freed += freed
-        internal = self.index.row_to_id[rows].tolist()
-        if self.tenancy:
-            for row, owner in zip(rows, owners):
-                self.tenant_ids.remove(owner, row)
         self.tenants.remove_rows(rows)
         self.chains.drop(rows)
-        for seq_id in internal:
-            self.index.remove(seq_id)
-        self._disown(internal)
+        self.detached_rows.difference_update(rows)
         return num_freed
 
     def _public_held(self, rows: list[int]) -> list[int]:
@@ -345,6 +361,10 @@ class KVCacheManager:
             blocks = [self.block_table(seq_id) for seq_id in seq_ids]
             usage[session_id] = (len(seq_ids), int(np.unique(np.concatenate(blocks)).size) if blocks else 0)
         return usage
+
+    def named_id(self, seq_id: int) -> int:
+        """The id a live sequence's tenant names it by, from its internal id (the same without tenancy)."""
+        return self.tenant_ids.id_of_row.item(self.index.row(seq_id)) if self.tenancy else seq_id
 
     def sequence_infos(self, session_id: int | None = None, tenant: int | None = None) -> list[tuple[int, int, int, int]]:
         """(seq_id, session_id, num_tokens, num_blocks) of every live sequence, or of one session's; only

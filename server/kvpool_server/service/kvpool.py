@@ -33,6 +33,7 @@ from kvpool_server.device import PoolAttachInfo
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
 from kvpool_server.service.byte_budget import ByteBudget
+from kvpool_server.service.freeing import Freeing, free_rows
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.invariant_checks import InvariantChecks
 from kvpool_server.service.kv_copies import INLINE_BYTES, SequencePins, chunk_tokens, read_chunked, write_chunked
@@ -153,14 +154,21 @@ class KVPoolService:
             self.metrics.count_fork(len(forked))
         return forked
 
-    def free(self, call: Call, seq_ids: Sequence[int], session_id: int = 0, request_id: int = 0) -> int:
-        """Free a batch of sequences; returns the blocks that went back to the pool."""
+    def free(self, call: Call, seq_ids: Sequence[int], session_id: int = 0, request_id: int = 0) -> int | Offload:
+        """Free a batch of sequences, all or none; returns the blocks that went back to the pool. A batch whose
+        blocks are too many for one lock hold is detached in one hold and released in chunks (``freeing``): an
+        Offload of that."""
         ids = arguments.batch_seq_ids(seq_ids, "Free", self.max_batch).tolist()
         manager, tenant = self.guard.manager, call.caller.tenant_id
         if len(self.pins):
             self.pins.wait_unpinned([pin_key(tenant, seq_id) for seq_id in ids])
-        return self.guard.mutate(call.caller, session_id, request_id, ("free", ids),
-                                 lambda: manager.free(ids, tenant))
+
+        def apply() -> int | Freeing:
+            freeing = free_rows(self.guard, manager.detach(ids, tenant))  # detach checks every id, changes nothing
+            return freeing if isinstance(freeing, int) else freeing.start(self.guard)
+
+        answer = self.guard.mutate(call.caller, session_id, request_id, ("free", ids), apply)
+        return answer if isinstance(answer, int) else Offload(answer.wait)  # a retry waits for the same Freeing
 
     # ---------------------------------------------------------------- inspection
     def stats(self, call: Call) -> tuple[PoolStats, list[TenantUsage]]:

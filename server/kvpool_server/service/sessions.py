@@ -8,7 +8,9 @@ A session ends in one of three ways, each through ``end`` under the core's lock:
     keep-alive broken  its last KeepAlive stream ended without a CloseSession (the client process died: its
                        connection closed, and the transport ends the stream at once)
 
-Freeing is the manager's ``free``: a block shared with another session's sequence (a fork across sessions) only
+Freeing is the manager's ``detach`` then the release of the rows (``freeing.free_rows``): at once when they fit
+one lock hold, else in chunks on the loop after the session's end (its sequences are gone at once; CloseSession's
+reply waits for the last chunk). A block shared with another session's sequence (a fork across sessions) only
 loses this session's references, so copy-on-write sharing stays correct. The session's cached replies go too.
 
 Draining for maintenance (the Drain RPC, ``kvctl drain``): no new sessions or session-less sequences; live
@@ -29,8 +31,10 @@ from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.core.sessions import Session
 from kvpool_server.service import paging
 from kvpool_server.service.errors import DrainingError, TooManySessionsError
+from kvpool_server.service.freeing import Freeing, free_rows
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.metrics import KVPoolMetrics, SessionGauges
+from kvpool_server.service.offload import Offload
 from kvpool_server.service.scope import Call
 
 logger = logging.getLogger(__name__)
@@ -76,28 +80,42 @@ class SessionService:
                     f"{self.max_sessions}, KVPOOL_MAX_SESSIONS): close one (or let its lease end), or raise the limit")
             return self.table.open(client_name, lease_ttl_ms / 1000.0, tenant)
 
-    def close(self, call: Call, session_id: int) -> tuple[int, int]:
-        """CloseSession: returns (sequences, blocks) freed."""
+    def close(self, call: Call, session_id: int) -> tuple[int, int] | Offload:
+        """CloseSession: returns (sequences, blocks) freed (an Offload of that when the blocks are released in
+        chunks: it waits for the last)."""
         with self.guard.lock:
             self.table.get(session_id, call.caller.tenant_id)  # another tenant's: NOT_FOUND
-            return self.end(session_id, "closed")
+            num_seqs, freed = self.end(session_id, "closed")
+        if isinstance(freed, int):
+            return num_seqs, freed
+        return Offload(lambda: (num_seqs, freed.wait()))
 
-    def end(self, session_id: int, reason: str, since: float | None = None) -> tuple[int, int]:
-        """Forget the session and free its sequences (under the lock); returns (sequences, blocks) freed.
-        ``since``: when the end was noticed (time.monotonic()), for the reclamation latency."""
+    def end(self, session_id: int, reason: str, since: float | None = None) -> tuple[int, int | Freeing]:
+        """Forget the session and free its sequences (under the lock); returns (sequences, blocks) freed -- or,
+        when the blocks are too many for one lock hold, the ``Freeing`` that releases them in chunks from the
+        loop's next turn on (the sequences are gone already). ``since``: when the end was noticed
+        (time.monotonic()), for the reclamation latency."""
         session = self.table.close(session_id)
         manager = self.guard.manager
         seq_ids = manager.seq_ids_of_session(session_id)
-        num_blocks = manager.free(seq_ids) if seq_ids else 0
+        freed = free_rows(self.guard, manager.detach(seq_ids)) if seq_ids else 0
         self.guard.replies.drop_session(session.tenant, session_id)
         if self.guard.events.log.pending:
             self.guard.events.publish()
-        if self.metrics is not None:
-            latency = time.monotonic() - since if since is not None else 0.0
-            self.metrics.session_reclaimed(reason, latency, len(seq_ids), num_blocks)
-        logger.info("session %d (%s) ended, %s: %d sequences, %d blocks freed", session_id, session.client_name,
-                    reason, len(seq_ids), num_blocks)
-        return len(seq_ids), num_blocks
+
+        def reclaimed(num_blocks: int) -> None:
+            if self.metrics is not None:
+                latency = time.monotonic() - since if since is not None else 0.0
+                self.metrics.session_reclaimed(reason, latency, len(seq_ids), num_blocks)
+            logger.info("session %d (%s) ended, %s: %d sequences, %d blocks freed", session_id,
+                        session.client_name, reason, len(seq_ids), num_blocks)
+
+        if isinstance(freed, int):
+            reclaimed(freed)
+        else:
+            freed.then(reclaimed)
+            freed.start(self.guard)
+        return len(seq_ids), freed
 
     def reap_expired(self) -> int:
         """End every session whose lease has passed; returns how many."""
@@ -170,8 +188,9 @@ class SessionService:
 
     def sequences(self, call: Call, session_id: int = 0, page_size: int = 0,
                   page_token: str = "") -> tuple[list[tuple[int, int, int, int]], str]:
-        """One page of live sequences (of ``session_id``, 0: all), by id: (seq_id, session_id, num_tokens,
-        num_blocks) each, and the token of the next page ("" after the last)."""
+        """One page of live sequences (of ``session_id``, 0: all): (seq_id, session_id, num_tokens, num_blocks)
+        each, and the token of the next page ("" after the last). Pages follow the internal ids (unique across
+        tenants); each row shows the id its tenant names the sequence by (two tenants' rows may show the same)."""
         listing = f"sequences/{session_id}"
         after = paging.decode_token(page_token, listing)
         limit = paging.page_size(page_size, paging.SEQUENCE_ROW_BYTES, self.max_message_bytes)
@@ -193,9 +212,9 @@ class SessionService:
             rows = []
             for seq_id in ids.tolist():
                 num_tokens = manager.num_tokens(seq_id)
-                rows.append((seq_id, manager.session_of_seq.get(seq_id, 0), num_tokens,
+                rows.append((manager.named_id(seq_id), manager.session_of_seq.get(seq_id, 0), num_tokens,
                              manager.tables.blocks_for(num_tokens)))
-        return rows, paging.encode_token(listing, rows[-1][0]) if more else ""
+        return rows, paging.encode_token(listing, int(ids[-1])) if more else ""
 
     def gauges(self) -> SessionGauges:
         """For the metrics scrape: live sessions, and blocks still held by sequences of sessions that ended (the
