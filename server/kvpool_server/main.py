@@ -60,6 +60,7 @@ def serve(config: ServerConfig) -> int:
     try:
         publisher = start_publisher(config, handle.service.guard)  # --kv-events-publish (None without it)
     except BaseException:
+        handle.stop()
         handle.pool.close()
         raise
     if publisher is not None and handle.metrics is not None:

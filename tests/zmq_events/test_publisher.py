@@ -172,3 +172,15 @@ def test_the_replay_buffer_keeps_the_last_messages_within_its_bounds(ipc_dir) ->
     assert len(live) == 120 and len(replayed) == 100  # the opening and the 20 oldest batches left it
     assert replayed == [(m.seq, m.payload) for m in live[-100:]]
     sub.close()
+
+
+def test_an_endpoint_that_cannot_be_bound_stops_the_start_with_a_message(tmp_path) -> None:
+    import subprocess
+
+    from tests.conftest import server_command
+
+    proc = subprocess.run([*server_command(), "--backend", "host", "--num-blocks", "8", "--address", "127.0.0.1:0",
+                           "--kv-events-publish", f"ipc://{tmp_path}/no/such/dir/events", "--kv-events-model", "m"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "--kv-events-publish ipc://" in proc.stderr and "No such file or directory" in proc.stderr
