@@ -46,7 +46,7 @@ def burst(stub, request: pb.WriteKVRequest) -> dict[str, int]:
 def settled_rss(pid: int, bound: int) -> int:
     """The server's RSS once its calls have ended (it gives freed bodies back within ~0.25 s): the first reading
     within the bound, or the last of a few."""
-    for _ in range(20):
+    for _ in range(50):
         rss = memory(pid, "VmRSS")
         if rss <= bound:
             return rss
@@ -65,11 +65,12 @@ def test_concurrent_large_write_kvs_stay_within_the_byte_budget(server_factory):
         seq = stub.RegisterSequence(pb.RegisterSequenceRequest()).seq_id
         stub.AppendToken(pb.AppendTokenRequest(seq_ids=[seq], num_tokens=[num_tokens]))
         base = memory(server.pid, "VmRSS")
-        # Bounds: after a burst, the base, the pool (written now) and one budget of slack; at the peak also every
+        # Bounds: after a burst, the base, the pool (written now) and three budgets of slack (the allocator's arenas of
+        # the copy threads keep some; unbounded, the 16 bodies stayed: +330-390 MiB here); at the peak also every
         # body gRPC receives before the handler sees it (the body, and its slices while it is assembled: 2x) and
         # the bodies held by the budget (charged and waiting: 2 x --max-inflight-bytes). Unbounded, a 8 MiB body
         # cost ~3.5x while it was served and stayed resident after a failure.
-        after_bound = base + POOL + BUDGET
+        after_bound = base + POOL + 3 * BUDGET
         peak_bound = base + POOL + CONCURRENT * 2 * len(data) + 2 * BUDGET
         valid = burst(stub, pb.WriteKVRequest(seq_id=seq, start_position=0, data=data))
         assert set(valid) <= {"OK", "RESOURCE_EXHAUSTED"} and valid.get("OK", 0) >= 2, valid
