@@ -1,0 +1,93 @@
+"""A Llama-family forward over a flat batch of tokens, its KV in a paged cache (the pool, or an in-process cache of
+the same shape) through ``torch.ops.kvpool``. The weights are a transformers ``LlamaForCausalLM``'s modules,
+used as they are (embedding, norms, projections, MLP, rotary embedding, LM head); only attention is replaced:
+
+    tokens [T] --embed--> h [T, hidden]
+    each layer:  q, k, v = projections(norm(h)), RoPE at ``positions``
+                 kvpool::write_layer(blocks, layer, slots, k, v)         the new tokens' KV into their slots
+                 o = attend(layer, q)                                    decode: kvpool::paged_decode through the
+                 h += o_proj(o);  h += mlp(norm(h))                      block tables; prefill: gather + SDPA
+    logits = lm_head(norm(h[keep]))
+
+The decode path is what an engine captures in a CUDA graph: every tensor it reads is a static buffer, no op
+synchronizes with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Attend = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, q [T, Hq, D]) -> [T, Hq, D]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedLlama:
+    """The forward of ``hf_model`` (a ``LlamaForCausalLM``, or a model of the same module structure)."""
+
+    def __init__(self, hf_model: Any) -> None:
+        config = hf_model.config
+        inner = hf_model.model
+        self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        self.rotary, self.lm_head = inner.rotary_emb, hf_model.lm_head
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = float(self.layers[0].self_attn.scaling)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
+                error: torch.Tensor, attend: Attend, keep: torch.Tensor | None = None) -> torch.Tensor:
+        t = ids.shape[0]
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, positions[None])
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            torch.ops.kvpool.write_layer(blocks, i, slots, k, v, error)
+            o = attend(i, q)
+            h = h + attn.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if keep is not None:
+            h = h[keep]
+        return self.lm_head(self.norm(h))
+
+    def decode_attend(self, blocks: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> Attend:
+        """One query token per sequence, the context through the block tables (Triton on CUDA)."""
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            return torch.ops.kvpool.paged_decode(q, blocks, layer, block_tables, seq_lens, self.scale)
+        return attend
+
+    def prefill_attend(self, blocks: torch.Tensor, error: torch.Tensor,
+                       spans: list[tuple[int, int, torch.Tensor]]) -> Attend:
+        """Several sequences' new tokens, concatenated: ``spans`` = (first row in q, new tokens, context slots
+        [n_ctx], the new ones last). Each sequence's context is gathered (``kvpool::read_layer``), then SDPA with
+        a causal mask offset to the new tokens' positions."""
+        group = self.num_heads // self.num_kv_heads
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(q)
+            for start, n, ctx in spans:
+                k, v = torch.ops.kvpool.read_layer(blocks, layer, ctx, error)
+                k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n_ctx, D]
+                v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+                m = ctx.shape[0]
+                allowed = (torch.arange(m, device=q.device)[None, :]
+                           <= (m - n + torch.arange(n, device=q.device))[:, None])
+                o = torch.nn.functional.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
+                                                                     attn_mask=allowed, scale=self.scale)
+                out[start:start + n] = o.transpose(0, 1)
+            return out
+        return attend
