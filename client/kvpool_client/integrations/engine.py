@@ -127,6 +127,11 @@ class DecodeEngine:
         self.tables.apply(rows, counts, slots)
         return rows, slots
 
+    def reserve(self, seqs: list[int], num_tokens: int) -> None:
+        """Append ``num_tokens`` to each sequence without computing their KV (benchmarks: a context whose KV is
+        whatever the blocks hold, read by the decode steps that follow like any other)."""
+        self._append(seqs, np.full(len(seqs), num_tokens, dtype=np.int64))
+
     # --- prefill (eager) ----------------------------------------------------------------------------------------
 
     def prefill(self, seqs: list[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -29,7 +29,7 @@ class LocalBlockCache:
     Invariant (``check_invariants``): a block's ref count is the number of live sequences whose table holds it;
     a block is on the free list iff its count is 0; every sequence holds ``ceil(len / block_size)`` blocks."""
 
-    def __init__(self, blocks: torch.Tensor, max_seqs: int = 4096) -> None:
+    def __init__(self, blocks: torch.Tensor) -> None:
         self.blocks = blocks
         self.block_size = blocks.shape[3]
         self.ref = np.zeros(blocks.shape[0], dtype=np.int32)
