@@ -85,7 +85,11 @@ def test_engine_matches_the_dense_model(server_factory, device, dtype, width, bl
     local = DecodeEngine.in_process(model, 64, block_size, **ENGINE)
     base, _, base_logits = _search(EngineBeams(local), prompt, width)
     assert base == ours
-    assert all(torch.equal(base_logits[s], our_logits[s]) for s in our_logits)
+    # the same kernels on the same layout: bit for bit on the CPU; on CUDA too in practice (bounded, not assumed)
+    if device == "cpu":
+        assert all(torch.equal(base_logits[s], our_logits[s]) for s in our_logits)
+    else:
+        assert _relative(base_logits, our_logits) < 1e-3
     local.control.check_invariants()
     assert local.control.num_blocks_used() == 1  # the scratch block only
     if width == 1:  # also transformers' generate() with its own DynamicCache, several prompts in one batch
