@@ -151,7 +151,9 @@ def measure(engine: DecodeEngine, batch: int, context: int, steps: int, device: 
 def run_variant(name: str, make_engine, model, args, results: dict) -> None:
     for context in args.contexts:
         engine = make_engine(max_batch=max(args.batches), max_model_len=context + 2 * args.steps + 2 * WARMUP + 32,
-                             graph_sizes=list(args.batches))
+                             graph_sizes=list(args.batches), compile_helpers=False if args.no_compile else None)
+        print(f"  {name}: graphs for batches {sorted(engine.graphs) or 'none (eager)'}, elementwise helpers "
+              f"{'compiled' if engine.model.compiled else 'eager'}", flush=True)
         for batch in args.batches:
             r = measure(engine, batch, context, args.steps, args.device)
             results.setdefault((context, batch), {})[name] = r
@@ -173,6 +175,8 @@ def main() -> None:
     p.add_argument("--contexts", default=None, help="comma-separated (default 512,2048)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kv-layout", default="block-major", choices=["block-major", "layer-major"])
+    p.add_argument("--no-compile", action="store_true", help="the elementwise helpers eager (default: compiled "
+                   "on CUDA, ``PagedLlama``)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.dtype = "float16" if args.device == "cuda" else "float32"

@@ -22,6 +22,7 @@ attached pool) and ``DecodeEngine.in_process(model, num_blocks, block_size)`` (`
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +47,9 @@ class DecodePlan:
 class DecodeEngine:
     def __init__(self, model: Any, control: Any, blocks: torch.Tensor, *, max_batch: int = 256,
                  max_model_len: int = 4096, graph_sizes: Sequence[int] | None = None,
-                 live_check: Callable[[], None] | None = None, pool: Any = None) -> None:
-        self.model = PagedLlama(model)
+                 live_check: Callable[[], None] | None = None, pool: Any = None,
+                 compile_helpers: bool | None = None) -> None:
+        self.model = PagedLlama(model, blocks.device.type == "cuda" if compile_helpers is None else compile_helpers)
         self.control, self.blocks, self.pool = control, blocks, pool
         self.live_check = live_check or (lambda: None)
         self.device = blocks.device
@@ -146,8 +148,8 @@ class DecodeEngine:
                  for s, c, r in zip(starts, counts, rows)]
         attend = self.model.prefill_attend(self.blocks, self.error, spans)
         keep = torch.from_numpy(starts + counts - 1).to(self.device)
-        return self.model.forward(ids, torch.from_numpy(positions).to(self.device),
-                                  torch.from_numpy(slots).to(self.device), self.blocks, self.error, attend, keep)
+        pos, dev_slots = torch.from_numpy(positions).to(self.device), torch.from_numpy(slots).to(self.device)
+        return self._guarded(lambda: self.model.forward(ids, pos, dev_slots, self.blocks, self.error, attend, keep))
 
     # --- decode -------------------------------------------------------------------------------------------------
 
@@ -204,7 +206,7 @@ class DecodeEngine:
         b["tables"][:, 0] = self.scratch_slot // self.block_size
         pool = None
         for bucket in sorted(self.graph_sizes, reverse=True):
-            self._forward(bucket)  # warm-up: compiles the Triton and CuPy kernels outside the capture
+            self._guarded(lambda b=bucket: self._forward(b))  # compiles the Triton, CuPy and torch.compile kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -213,6 +215,19 @@ class DecodeEngine:
             self.graphs[bucket] = (graph, out)
         torch.cuda.synchronize(self.device)
         self.check_errors()
+
+    def _guarded(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``run()``; if it fails with the helpers compiled (``torch.compile`` compiles at a first call), once more
+        with them eager. Outside any capture only (warm-ups, prefill): a rerun rewrites the same slots."""
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001
+            if not self.model.compiled:
+                raise
+            warnings.warn(f"torch.compile of the elementwise helpers failed ({e!r:.300}); running them eagerly",
+                          stacklevel=2)
+            self.model.use_compiled(False)
+            return run()
 
     def check_errors(self) -> None:
         """Raise if a kernel was given a slot outside the pool since the last check (synchronizes)."""
