@@ -119,13 +119,18 @@ class DecodeEngine:
             self.tables.remove(seqs)
 
     def _append(self, seqs: list[int], counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Append ``counts[i]`` tokens to ``seqs[i]``; the reply's slots checked (in the pool, as many as asked)
+        and applied to the tables. Nothing is asked of the server that the tables cannot hold."""
         self.live_check()
+        rows = self.tables.rows(seqs)
+        limit = self.tables.max_blocks * self.block_size
+        if np.any(self.tables.lens[rows] + counts > limit):
+            raise ValueError(f"a sequence would exceed the engine's max_model_len ({limit} tokens)")
         one = bool(np.all(counts == 1))
         reply = self.control.append(seqs, 1 if one else counts.tolist())
         slots = np.asarray(reply.slot_mapping, dtype=np.int64)
         if slots.size != int(counts.sum()) or (slots.size and (slots.min() < 0 or slots.max() >= self.num_slots)):
             raise ValueError(f"an Append reply names slots outside [0, {self.num_slots})")
-        rows = self.tables.rows(seqs)
         self.tables.apply(rows, counts, slots)
         return rows, slots
 
