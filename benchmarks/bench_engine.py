@@ -148,18 +148,30 @@ def measure(engine: DecodeEngine, batch: int, context: int, steps: int, device: 
             "serial_s": c + d + max(r, 0.0)}
 
 
-def run_variant(name: str, make_engine, model, args, results: dict) -> None:
+def run_variant(name: str, make_engine, args, results: dict) -> None:
     for context in args.contexts:
-        engine = make_engine(max_batch=max(args.batches), max_model_len=context + 2 * args.steps + 2 * WARMUP + 32,
-                             graph_sizes=list(args.batches), compile_helpers=False if args.no_compile else None)
-        print(f"  {name}: graphs for batches {sorted(engine.graphs) or 'none (eager)'}, elementwise helpers "
-              f"{'compiled' if engine.model.compiled else 'eager'}", flush=True)
+        try:
+            run_context(name, make_engine, args, results, context)
+        except Exception as e:  # noqa: BLE001  (the other contexts and the other variant still run)
+            print(f"  {name} context {context}: FAILED {e!r}", flush=True)
+            import traceback  # noqa: PLC0415
+
+            traceback.print_exc()
+
+
+def run_context(name: str, make_engine, args, results: dict, context: int) -> None:
+    engine = make_engine(max_batch=max(args.batches), max_model_len=context + 2 * args.steps + 2 * WARMUP + 32,
+                         graph_sizes=list(args.batches), compile_helpers=False if args.no_compile else None)
+    print(f"  {name}: graphs for batches {sorted(engine.graphs) or 'none (eager)'}, elementwise helpers "
+          f"{'compiled' if engine.model.compiled else 'eager'}", flush=True)
+    try:
         for batch in args.batches:
             r = measure(engine, batch, context, args.steps, args.device)
             results.setdefault((context, batch), {})[name] = r
             print(f"  {name:10s} context {context:5d} batch {batch:4d}: step {r['step_s'] * 1e3:8.3f} ms "
                   f"(serial: control {r['control_s'] * 1e3:.3f} + device {r['device_s'] * 1e3:.3f} + rest "
                   f"{r['rest_s'] * 1e3:.3f} ms)", flush=True)
+    finally:
         engine.close()
         del engine
         if args.device == "cuda":
@@ -197,12 +209,12 @@ def main() -> None:
     proc, address = start_server(args, layout, num_blocks)
     try:
         with KVPoolClient(address) as client:
-            run_variant("kvpool", lambda **kw: DecodeEngine.on_pool(model, client, **kw), model, args, results)
+            run_variant("kvpool", lambda **kw: DecodeEngine.on_pool(model, client, **kw), args, results)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    run_variant("in-process", lambda **kw: DecodeEngine.in_process(model, num_blocks, BLOCK_SIZE, **kw), model,
-                args, results)
+    run_variant("in-process", lambda **kw: DecodeEngine.in_process(model, num_blocks, BLOCK_SIZE, **kw), args,
+                results)
     report(model, layout, args, results, bandwidth)
 
 
@@ -215,6 +227,9 @@ def report(model, layout, args, results: dict, bandwidth: float) -> None:
           f"{'kvpool tok/s':>12} {'in-proc tok/s':>13} | {'roofline ms':>11} {'x roof kvpool':>13} "
           f"{'x roof in-proc':>14} | {'control ms kvpool/in-proc':>25} {'device ms':>9} {'model share':>11}")
     for (context, batch), r in sorted(results.items()):
+        if len(r) < 2:
+            print(f"{context:>7} {batch:>5} | only {list(r)} measured")
+            continue
         kv, lo = r["kvpool"], r["in-process"]
         mean_ctx = context + WARMUP + args.steps // 2
         step_bytes = (weights - embed.numel() * item + batch * embed.shape[1] * item
