@@ -7,7 +7,8 @@
 
 A random-weight Llama (transformers ``LlamaForCausalLM``; full: Llama-3-8B's config, 32 layers, 32 query / 8 KV
 heads, head_dim 128, vocab 128256, fp16) runs in ``DecodeEngine`` twice: ``on_pool`` (a kvpool server process,
-its pool attached by CUDA IPC, Append RPCs through ``KVPoolClient``) and ``in_process`` (``LocalBlockCache`` over a
+its pool attached by CUDA IPC, appends on one ``AppendTokenStream`` of ``KVPoolClient``, ``--unary``: unary
+AppendToken calls) and ``in_process`` (``LocalBlockCache`` over a
 ``torch.zeros`` cache of the same shape and layout). Same kernels, same graphs, same batches.
 
 For each context (~512, ~2048) and batch (1, 16, 64, 256): B sequences get the context appended without compute
@@ -189,6 +190,8 @@ def main() -> None:
     p.add_argument("--kv-layout", default="block-major", choices=["block-major", "layer-major"])
     p.add_argument("--no-compile", action="store_true", help="the elementwise helpers eager (default: compiled "
                    "on CUDA, ``PagedLlama``)")
+    p.add_argument("--unary", action="store_true", help="kvpool's appends as unary AppendToken calls (default: one "
+                   "AppendTokenStream)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.dtype = "float16" if args.device == "cuda" else "float32"
@@ -209,7 +212,8 @@ def main() -> None:
     proc, address = start_server(args, layout, num_blocks)
     try:
         with KVPoolClient(address) as client:
-            run_variant("kvpool", lambda **kw: DecodeEngine.on_pool(model, client, **kw), args, results)
+            run_variant("kvpool", lambda **kw: DecodeEngine.on_pool(model, client, append_stream=not args.unary, **kw),
+                        args, results)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
