@@ -13,7 +13,9 @@ The decode path is what an engine captures in a CUDA graph: every tensor it read
 synchronizes with the host. The elementwise parts (residual add + RMSNorm, RoPE, SiLU-and-multiply) are written
 here op for op as transformers computes them (``rms_norm`` is ``LlamaRMSNorm.forward``); ``compiled=True`` runs
 them through ``torch.compile`` (one fused kernel each instead of ~8, ~12 and 2 -- what nano-vllm does), which
-matters once a step is a graph replay of ~40 kernels a layer.
+matters once a step is a graph replay of ~40 kernels a layer. ``fused`` (the default): Q, K, V in one GEMM and
+gate, up in another, over concatenated copies of the weights (Llama-3-8B: +9 GiB), V written to the pool straight
+from its strided view of the QKV output.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def compiled_helpers() -> dict[str, Callable]:
 class PagedLlama:
     """The forward of ``hf_model`` (a ``LlamaForCausalLM``, or a model of the same module structure)."""
 
-    def __init__(self, hf_model: Any, compiled: bool = False) -> None:
+    def __init__(self, hf_model: Any, compiled: bool = False, fused: bool = True) -> None:
         config = hf_model.config
         inner = hf_model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
@@ -76,9 +78,21 @@ class PagedLlama:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scale = float(self.layers[0].self_attn.scaling)
         self.eps = float(self.norm.variance_epsilon)
+        self._qkv_split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                           self.num_kv_heads * self.head_dim]
         if config.hidden_act != "silu":
             raise ValueError(f"PagedLlama computes the MLP with SiLU, the model's is {config.hidden_act}")
         self.use_compiled(compiled)
+        # one GEMM for Q, K and V, one for gate and up (copies of the weights: +(Hq + 2 Hkv) D + 2 I rows of
+        # ``hidden`` a layer; transformers' own modules keep theirs)
+        self.fused = fused and not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
+        self.qkv: list[torch.Tensor] = []
+        self.gate_up: list[torch.Tensor] = []
+        if self.fused:
+            for layer in self.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.qkv.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach())
+                self.gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
 
     def use_compiled(self, compiled: bool) -> None:
         self.compiled = compiled
@@ -94,15 +108,23 @@ class PagedLlama:
         x = f["rms_norm"](h, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q = attn.q_proj(x).view(t, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            if self.fused:
+                q, k, v = torch.nn.functional.linear(x, self.qkv[i]).split(self._qkv_split, -1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)  # a strided view when fused: write_layer takes it
             q, k = f["rope"](q, k, cos, sin)
             torch.ops.kvpool.write_layer(blocks, i, slots, k, v, error)
             o = attend(i, q)
             h, x = f["add_rms_norm"](attn.o_proj(o.reshape(t, self.num_heads * self.head_dim)), h,
                                      layer.post_attention_layernorm.weight, eps)
-            y = mlp.down_proj(f["silu_mul"](mlp.gate_proj(x), mlp.up_proj(x)))
+            if self.fused:
+                gate, up = torch.nn.functional.linear(x, self.gate_up[i]).chunk(2, -1)
+            else:
+                gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            y = mlp.down_proj(f["silu_mul"](gate, up))
             last = i + 1 == len(self.layers)
             h, x = f["add_rms_norm"](y, h, (self.norm if last else self.layers[i + 1].input_layernorm).weight, eps)
         if keep is not None:
