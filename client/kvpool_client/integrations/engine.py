@@ -41,7 +41,7 @@ from kvpool_client.kernels import torch_views
 class DecodePlan:
     seqs: list[int]
     bucket: int  # rows the step runs (>= len(seqs))
-    staging: dict[str, torch.Tensor]
+    turn: int  # which of the two staging sets holds its inputs
 
 
 class DecodeEngine:
@@ -69,6 +69,7 @@ class DecodeEngine:
         self._staging = [{k: torch.zeros_like(v, device="cpu").pin_memory() if pin else torch.zeros_like(v,
                           device="cpu") for k, v in self.buffers.items()} for _ in range(2)]
         self._turn = 0
+        self._copied: list[Any] = [None, None]  # per staging set: an event after its last H2D copy (CUDA)
         self.scratch = control.register()  # the padding rows' slot: one block of the engine's own
         self.scratch_slot = int(np.asarray(control.append([self.scratch], 1).slot_mapping)[0])
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -167,8 +168,10 @@ class DecodeEngine:
             raise ValueError(f"a decode step takes 1..{self.max_batch} sequences, got {batch}")
         bucket = next((b for b in self.graph_sizes if b >= batch), batch) if self.graphs else batch
         rows, slots = self._append(seqs, np.ones(batch, dtype=np.int64))
-        st = self._staging[self._turn]
-        self._turn ^= 1
+        turn, self._turn = self._turn, self._turn ^ 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # its last copy out has run (long ago, unless nobody synchronized)
+        st = self._staging[turn]
         lens = self.tables.lens[rows]
         st["slots"][:batch] = torch.from_numpy(slots)
         st["positions"][:batch] = torch.from_numpy(lens - 1)
@@ -180,15 +183,18 @@ class DecodeEngine:
             st["seq_lens"][batch:bucket] = 1
             st["tables"][batch:bucket, 0] = self.scratch_slot // self.block_size
             st["ids"][batch:bucket] = 0
-        return DecodePlan(seqs, bucket, st)
+        return DecodePlan(seqs, bucket, turn)
 
     def run_decode(self, plan: DecodePlan, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """The device half: each sequence's last token in, logits [B, V] out (a view of a static buffer on CUDA:
         valid until the next step). Enqueued on the current stream; nothing here waits for the device."""
-        batch, bucket, st = len(plan.seqs), plan.bucket, plan.staging
+        batch, bucket, st = len(plan.seqs), plan.bucket, self._staging[plan.turn]
         st["ids"][:batch] = torch.as_tensor(tokens, dtype=torch.long)
         for name, buf in self.buffers.items():
             buf[:bucket].copy_(st[name][:bucket], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[plan.turn] = torch.cuda.Event()
+            self._copied[plan.turn].record()
         graph = self.graphs.get(bucket)
         if graph is not None:
             graph[0].replay()
@@ -213,7 +219,7 @@ class DecodeEngine:
         b["tables"][:, 0] = self.scratch_slot // self.block_size
         pool = None
         for bucket in sorted(self.graph_sizes, reverse=True):
-            self._guarded(lambda b=bucket: self._forward(b))  # compiles the Triton, CuPy and torch.compile kernels outside the capture
+            self._guarded(lambda b=bucket: self._forward(b))  # compiles every kernel outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -263,6 +269,7 @@ class DecodeEngine:
             self.free(seqs)
 
     def close(self) -> None:
+        """Free every sequence (the scratch one too), end the append stream, unmap the pool: the engine is done."""
         self.graphs.clear()
         for seq in list(self.tables.row_of):
             self.free([seq])
