@@ -34,6 +34,7 @@ import kvpool_client.kernels.torch_ops as ops
 from kvpool_client.integrations.local_cache import LocalBlockCache, zeros_like_pool
 from kvpool_client.integrations.paged_llama import PagedLlama
 from kvpool_client.integrations.seq_tables import SeqTables
+from kvpool_client.integrations.streamed_appends import StreamedAppends
 from kvpool_client.kernels import torch_views
 
 
@@ -221,13 +222,27 @@ class DecodeEngine:
         for bucket in sorted(self.graph_sizes, reverse=True):
             self._guarded(lambda b=bucket: self._forward(b))  # compiles every kernel outside the capture
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(bucket)
+            try:
+                graph, out = self._capture_one(bucket, pool)
+            except Exception as e:  # noqa: BLE001  (a compiled helper recompiling inside the capture, say)
+                if not self.model.compiled:
+                    raise
+                warnings.warn(f"capture with compiled helpers failed ({e!r:.300}); capturing them eager",
+                              stacklevel=2)
+                self.model.use_compiled(False)
+                self._forward(bucket)
+                torch.cuda.synchronize(self.device)
+                graph, out = self._capture_one(bucket, pool)
             pool = graph.pool() if pool is None else pool
             self.graphs[bucket] = (graph, out)
         torch.cuda.synchronize(self.device)
         self.check_errors()
+
+    def _capture_one(self, bucket: int, pool: Any) -> tuple[Any, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self._forward(bucket)
+        return graph, out
 
     def _guarded(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``run()``; if it fails with the helpers compiled (``torch.compile`` compiles at a first call), once more
@@ -279,16 +294,3 @@ class DecodeEngine:
         if self.pool is not None:
             self.pool.close()
 
-
-class StreamedAppends:
-    """A ``KVPoolClient`` whose appends go on one ``AppendTokenStream`` (2.6x the unary rate, docs/results.md)."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.stream = client.append_stream()
-
-    def append(self, seq_ids: Any, num_tokens: Any = 1) -> Any:
-        return self.stream.step(seq_ids, num_tokens)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
