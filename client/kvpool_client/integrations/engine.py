@@ -22,6 +22,7 @@ attached pool) and ``DecodeEngine.in_process(model, num_blocks, block_size)`` (`
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,9 @@ class DecodeEngine:
                  max_model_len: int = 4096, graph_sizes: Sequence[int] | None = None,
                  live_check: Callable[[], None] | None = None, pool: Any = None,
                  compile_helpers: bool | None = None) -> None:
-        self.model = PagedLlama(model, blocks.device.type == "cuda" if compile_helpers is None else compile_helpers)
+        if compile_helpers is None:  # default: on CUDA, unless KVPOOL_ENGINE_COMPILE=0
+            compile_helpers = blocks.device.type == "cuda" and os.environ.get("KVPOOL_ENGINE_COMPILE", "1") != "0"
+        self.model = PagedLlama(model, compile_helpers)
         self.control, self.blocks, self.pool = control, blocks, pool
         self.live_check = live_check or (lambda: None)
         self.device = blocks.device
