@@ -124,7 +124,7 @@ def measure(engine: DecodeEngine, batch: int, context: int, steps: int, device: 
             plan = engine.plan_decode(seqs)
         tokens = logits.argmax(-1).tolist()
     step = (time.perf_counter() - t0) / steps
-    control, dev, rest = [], [], []
+    control, dev, rest, enqueue = [], [], [], []
     for _ in range(steps):  # serial: each part on its own
         sync(device)
         t = time.perf_counter()
@@ -134,6 +134,7 @@ def measure(engine: DecodeEngine, batch: int, context: int, steps: int, device: 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         logits = engine.run_decode(plan, tokens)
+        enqueue.append(time.perf_counter() - t1)
         if device == "cuda":
             end.record()
         tokens = logits.argmax(-1).tolist()
@@ -146,7 +147,7 @@ def measure(engine: DecodeEngine, batch: int, context: int, steps: int, device: 
     engine.free(seqs)
     c, d, r = (statistics.median(x) for x in (control, dev, rest))
     return {"step_s": step, "tokens_per_s": batch / step, "control_s": c, "device_s": d, "rest_s": max(r, 0.0),
-            "serial_s": c + d + max(r, 0.0)}
+            "serial_s": c + d + max(r, 0.0), "enqueue_s": statistics.median(enqueue)}
 
 
 def run_variant(name: str, make_engine, args, results: dict) -> None:
@@ -220,6 +221,9 @@ def main() -> None:
     run_variant("in-process", lambda **kw: DecodeEngine.in_process(model, num_blocks, BLOCK_SIZE, **kw), args,
                 results)
     report(model, layout, args, results, bandwidth)
+    if args.device == "cuda":
+        print(f"peak memory of this process: {torch.cuda.max_memory_allocated() / (1 << 30):.1f} GiB "
+              "(model, fused weight copies, graphs; the in-process cache included)")
 
 
 def report(model, layout, args, results: dict, bandwidth: float) -> None:
@@ -229,7 +233,8 @@ def report(model, layout, args, results: dict, bandwidth: float) -> None:
     rows = []
     print(f"\n{'context':>7} {'batch':>5} | {'kvpool ms':>9} {'in-proc ms':>10} {'overhead':>8} | "
           f"{'kvpool tok/s':>12} {'in-proc tok/s':>13} | {'roofline ms':>11} {'x roof kvpool':>13} "
-          f"{'x roof in-proc':>14} | {'control ms kvpool/in-proc':>25} {'device ms':>9} {'model share':>11}")
+          f"{'x roof in-proc':>14} | {'control ms kvpool/in-proc':>25} {'device ms':>9} {'model share':>11} "
+          f"{'enqueue us':>10}")
     for (context, batch), r in sorted(results.items()):
         if len(r) < 2:
             print(f"{context:>7} {batch:>5} | only {list(r)} measured")
@@ -246,9 +251,10 @@ def report(model, layout, args, results: dict, bandwidth: float) -> None:
               f"{row['overhead']:+8.1%} | {kv['tokens_per_s']:12.0f} {lo['tokens_per_s']:13.0f} | "
               f"{roof * 1e3:11.3f} {kv['step_s'] / roof:13.2f} {lo['step_s'] / roof:14.2f} | "
               f"{kv['control_s'] * 1e3:12.3f} / {lo['control_s'] * 1e3:10.3f} {kv['device_s'] * 1e3:9.3f} "
-              f"{kv['device_s'] / kv['serial_s']:11.0%}")
+              f"{kv['device_s'] / kv['serial_s']:11.0%} {kv['enqueue_s'] * 1e6:10.0f}")
     print(f"\noverhead: kvpool step / in-process step - 1 (steps overlapped: step t+1's Append during step t's "
-          f"replay). control: the serial Append + table update + staging; model share: device time / serial step. "
+          f"replay). control: the serial Append + table update + staging; model share: device time / serial step; "
+          f"enqueue: host time of run_decode (input copies + one graph replay: all of the data path's host time). "
           f"Roofline at {bandwidth / 1e9:.0f} GB/s (copy, read + write).")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda"
