@@ -87,10 +87,10 @@ fi
 if [ "$only" = engine ]; then  # issue 22: KV ops as torch custom ops, the decode engine on the pool vs in-process
     # About 6 minutes: each step has its own time limit, and a failure in one does not stop the next.
     step "GPU tests: kvpool:: ops (vs reference, CUDA graph, torch.compile), the engine vs transformers (greedy, beams, in-process baseline, 3 processes)" \
-        bash -c "set -o pipefail; timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs -s \
+        bash -c "set -o pipefail; timeout ${T_TESTS:-180} python3 -m pytest -q -p no:cacheprovider -rs -s \
             tests/client/test_torch_ops.py tests/client/test_engine.py -k 'not cpu' 2>&1 | tee $OUT/engine_tests.log"
     step "engine benchmark: random Llama-3-8B, kvpool vs in-process, batch 1/16/64/256, context 512/2048, roofline" \
-        bash -c "set -o pipefail; timeout ${T_BENCH:-150} python3 benchmarks/bench_engine.py --json $OUT/engine.json 2>&1 | tee $OUT/bench_engine.log"
+        bash -c "set -o pipefail; timeout ${T_BENCH:-180} python3 benchmarks/bench_engine.py --json $OUT/engine.json 2>&1 | tee $OUT/bench_engine.log"
     grep -h "passed\|failed\|error" $OUT/engine_tests.log | tail -3
     echo "=== gpu_check status $status"; exit $status
 fi
