@@ -23,7 +23,9 @@ For each context (~512, ~2048) and batch (1, 16, 64, 256): B sequences get the c
                        (``dst.copy_(src)`` of 2 GiB, bytes read + written per second)
 
 overhead = kvpool step / in-process step - 1 (the target: <= 5%); the ratio to the roofline (target: <= 1.3 at
-batch 64). Each variant runs alone on the device (the server is stopped before the baseline allocates its cache).
+batch 64). Each variant runs alone on the device: per context, a server with a pool sized for it, the kvpool
+variant, the server stopped, then the in-process variant with a cache of the same size; the table so far is
+printed (and the JSON written) after each context.
 """
 
 from __future__ import annotations
@@ -150,15 +152,14 @@ def measure(engine: DecodeEngine, batch: int, context: int, steps: int, device: 
             "serial_s": c + d + max(r, 0.0), "enqueue_s": statistics.median(enqueue)}
 
 
-def run_variant(name: str, make_engine, args, results: dict) -> None:
-    for context in args.contexts:
-        try:
-            run_context(name, make_engine, args, results, context)
-        except Exception as e:  # noqa: BLE001  (the other contexts and the other variant still run)
-            print(f"  {name} context {context}: FAILED {e!r}", flush=True)
-            import traceback  # noqa: PLC0415
+def run_variant(name: str, make_engine, args, results: dict, context: int) -> None:
+    try:
+        run_context(name, make_engine, args, results, context)
+    except Exception as e:  # noqa: BLE001  (the other variant and the other contexts still run)
+        print(f"  {name} context {context}: FAILED {e!r}", flush=True)
+        import traceback  # noqa: PLC0415
 
-            traceback.print_exc()
+        traceback.print_exc()
 
 
 def run_context(name: str, make_engine, args, results: dict, context: int) -> None:
@@ -204,23 +205,24 @@ def main() -> None:
     layout = layout_for(model.config, BLOCK_SIZE, args.dtype, args.kv_layout)
     print(f"model: {model.config.num_hidden_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}"
           f" B parameters, {args.dtype} on {args.device} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    max_len = max(args.contexts) + 2 * args.steps + 2 * WARMUP + 32
-    num_blocks = max(args.batches) * -(-max_len // BLOCK_SIZE) + 2 * max(args.batches) + 8
     bandwidth = copy_bandwidth(args.device, (2 << 30) if args.device == "cuda" else (64 << 20))
-    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s; pool: {num_blocks} blocks of "
-          f"{layout.block_bytes >> 10} KiB", flush=True)
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
     results: dict = {}
-    proc, address = start_server(args, layout, num_blocks)
-    try:
-        with KVPoolClient(address) as client:
-            run_variant("kvpool", lambda **kw: DecodeEngine.on_pool(model, client, append_stream=not args.unary, **kw),
-                        args, results)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    run_variant("in-process", lambda **kw: DecodeEngine.in_process(model, num_blocks, BLOCK_SIZE, **kw), args,
-                results)
-    report(model, layout, args, results, bandwidth)
+    for context in args.contexts:  # per context: a pool of its size, kvpool then in-process, the table so far
+        max_len = context + 2 * args.steps + 2 * WARMUP + 32
+        num_blocks = max(args.batches) * -(-max_len // BLOCK_SIZE) + 2 * max(args.batches) + 8
+        print(f"context {context}: pool of {num_blocks} blocks of {layout.block_bytes >> 10} KiB", flush=True)
+        proc, address = start_server(args, layout, num_blocks)
+        try:
+            with KVPoolClient(address) as client:
+                run_variant("kvpool", lambda **kw: DecodeEngine.on_pool(model, client, append_stream=not args.unary,
+                                                                         **kw), args, results, context)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        run_variant("in-process", lambda n=num_blocks, **kw: DecodeEngine.in_process(model, n, BLOCK_SIZE, **kw),
+                    args, results, context)
+        report(model, layout, args, results, bandwidth)
     if args.device == "cuda":
         print(f"peak memory of this process: {torch.cuda.max_memory_allocated() / (1 << 30):.1f} GiB "
               "(model, fused weight copies, graphs; the in-process cache included)")
