@@ -13,7 +13,7 @@ SETUP := $(STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
-.PHONY: help setup test run bench bench-service bench-events soak experiments experiments-prefix experiments-quick proto lint lint-proto buf-breaking \
+.PHONY: help setup test run bench bench-service bench-engine bench-events soak experiments experiments-prefix experiments-quick proto lint lint-proto buf-breaking \
 	docker-up docker-down monitoring-up clean
 
 help:
@@ -25,6 +25,7 @@ help:
 	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
 	@echo "make bench              in-process core benchmark"
 	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
+	@echo "make bench-engine       decode engine on the pool vs in-process cache (needs PyTorch, transformers; CUDA: Llama-3-8B)"
 	@echo "make bench-events       KV events: block events/s to a SubscribeEvents subscriber process, none dropped"
 	@echo "make soak               20 min of load generators SIGKILLed at random: no block left to a dead session"
 	@echo "make experiments        capacity and sharing experiments (about 35 min on 2 cores; docs/experiments.md)"
@@ -78,6 +79,11 @@ bench: $(SETUP)
 # Pinned (server on CPU 0, clients on CPU 1) where there are two CPUs: steadier figures (docs/service-bench.md).
 bench-service: $(SETUP)
 	$(PY) benchmarks/bench_service.py $(shell [ $$(nproc) -ge 2 ] && echo --pin)
+
+# Issue 22: the decode engine on kvpool's pool against the same engine with an in-process cache (docs/results.md).
+# PyTorch and transformers are not in requirements/ (pip install -e 'client[torch]'); without CUDA: BENCH_ENGINE_ARGS="--device cpu --tiny".
+bench-engine: $(SETUP)
+	$(PY) benchmarks/bench_engine.py $(BENCH_ENGINE_ARGS)
 
 # A server sealing blocks as fast as it can, a subscriber process counting block events/s (docs/experiments.md).
 bench-events: $(SETUP)

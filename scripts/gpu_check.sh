@@ -13,7 +13,8 @@ export PYTHONPATH=/tmp/site:$PWD/server:$PWD/common:$PWD/client PYTHONUNBUFFERED
 status=0
 only=${1:-all}  # "device": only the first step (copy kernel); "validate": everything but the benchmarks;
                 # "bench": only the benchmarks; "client": demo, beam, attach; "datapath": issue 14;
-                # "prefix": issue 13; "layers": issues 19 and 20 (service layer before/after, clearing blocks)
+                # "prefix": issue 13; "layers": issues 19 and 20 (service layer before/after, clearing blocks);
+                # "engine": issue 22 (torch ops, the decode engine on the pool, bench_engine.py)
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -81,6 +82,16 @@ if [ "$only" = layers ]; then  # issues 19 + 20: the service layer before/after,
     step "AppendToken / AppendTokenStream end to end, GPU pool: this tree against the tree before (unix, pinned)" \
         bash -c "set -o pipefail; timeout 300 python3 benchmarks/bench_service.py --no-naive --rounds ${BENCH_ROUNDS:-3} --duration 3 \
             --kinds echo-aio,kvpool,kvpool-stream --before $B --transport unix --pin=6,7 -- --backend gpu 2>&1 | tee $OUT/bench_service_layers.log"
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = engine ]; then  # issue 22: KV ops as torch custom ops, the decode engine on the pool vs in-process
+    # About 6 minutes: each step has its own time limit, and a failure in one does not stop the next.
+    step "GPU tests: kvpool:: ops (vs reference, CUDA graph, torch.compile), the engine vs transformers (greedy, beams, in-process baseline, 3 processes)" \
+        bash -c "set -o pipefail; timeout ${T_TESTS:-180} python3 -m pytest -q -p no:cacheprovider -rs -s \
+            tests/client/test_torch_ops.py tests/client/test_engine.py -k 'not cpu' 2>&1 | tee $OUT/engine_tests.log"
+    step "engine benchmark: random Llama-3-8B, kvpool vs in-process, batch 1/16/64/256, context 512/2048, roofline" \
+        bash -c "set -o pipefail; timeout ${T_BENCH:-180} python3 benchmarks/bench_engine.py --json $OUT/engine.json 2>&1 | tee $OUT/bench_engine.log"
+    grep -h "passed\|failed\|error" $OUT/engine_tests.log | tail -3
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device

@@ -1,0 +1,41 @@
+"""Beam search on a ``DecodeEngine``: beams are sequences; a beam chosen by several successors is forked (its
+blocks shared), and the next append copies the shared last block (copy-on-write: on the server for the kvpool
+variant, in ``LocalBlockCache`` for the in-process one). The same interface as ``hf_llama.PagedBeams`` and
+``DenseBeams``, so ``hf_llama.beam_search`` drives all three."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool_client.integrations.engine import DecodeEngine
+
+
+class EngineBeams:
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+        self.seqs: list[int] = []
+
+    def start(self, prompt: torch.Tensor) -> torch.Tensor:
+        seq = self.engine.add_sequence()
+        self.seqs = [seq]
+        return self.engine.prefill([seq], [prompt.tolist()])[0]
+
+    def step(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        """Beam i continues beam ``parents[i]`` with ``tokens[i]``; logits [W, V] (a copy)."""
+        uses: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            uses.setdefault(p, []).append(i)
+        new = [0] * len(parents)
+        unused = [s for j, s in enumerate(self.seqs) if j not in uses]
+        for p, beams in uses.items():
+            children = self.engine.fork(self.seqs[p], len(beams) - 1)
+            for i, seq in zip(beams, [self.seqs[p], *children]):
+                new[i] = seq
+        self.engine.free(unused)
+        self.seqs = new
+        return self.engine.decode(new, tokens).clone()
+
+    def close(self) -> None:
+        self.engine.free(self.seqs)
+        self.seqs = []
+        self.engine.check_errors()
