@@ -24,8 +24,10 @@ CASES = [pytest.param("cpu", "float32", id="cpu-float32")]
 if torch.cuda.is_available():
     CASES += [pytest.param("cuda", "float16", id="cuda-float16")]
 # The documented bound: max |logit diff| / max |logit| over every step, teacher-forced (the dense model decodes the
-# same beams). float32: summation order only; float16: the Triton decode's float32 online softmax against SDPA.
-TOLERANCE = {"float32": 1e-5, "float16": 5e-3}
+# same beams). float32: summation order only; float16: the Triton decode's float32 online softmax against SDPA, and
+# the engine's fused Q/K/V and gate/up GEMMs and compiled elementwise helpers against transformers' separate ones
+# (measured on the H200: 5.0e-3 greedy, 9.3e-3 beam width 3 at block size 5, tokens identical).
+TOLERANCE = {"float32": 1e-5, "float16": 2e-2}
 STEPS = int(os.environ.get("KVPOOL_ENGINE_STEPS", "10"))
 
 
