@@ -18,8 +18,21 @@ LAYOUT_ARGS = ("--backend", "host", "--num-blocks", "128", "--num-layers", "2", 
                "--head-dim", "8", "--block-size", str(BS))
 
 
-def tp_server(server_factory, n: int):
-    return server_factory(*LAYOUT_ARGS, "--tensor-parallel", str(n))
+def tp_server(server_factory, n: int, backend: str = "host"):
+    return server_factory(*LAYOUT_ARGS, "--tensor-parallel", str(n), "--backend", backend)
+
+
+def _has_gpu() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:  # noqa: BLE001  (no CuPy, no driver: no GPU)
+        return False
+
+
+# The GPU: N shards on one device (each its own allocation, stream and CUDA IPC handle), mapped by CUDA IPC.
+BACKENDS = ["host", pytest.param("gpu", marks=pytest.mark.skipif(not _has_gpu(), reason="no GPU"))]
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -68,9 +81,10 @@ def test_writekv_readkv_and_each_ranks_view(server_factory, n):
     assert results[0] != b"" and len(results[0]) == len(results[1])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [2, 4])
-def test_ranks_write_their_heads_and_readkv_joins_them(server_factory, n):
-    server = tp_server(server_factory, n)
+def test_ranks_write_their_heads_and_readkv_joins_them(server_factory, n, backend):
+    server = tp_server(server_factory, n, backend)
     with KVPoolClient(server.address) as client:
         seq = client.register()
         result = client.append(seq, 20)
@@ -83,9 +97,10 @@ def test_ranks_write_their_heads_and_readkv_joins_them(server_factory, n):
         assert isinstance(group, RankGroup) and np.array_equal(group.read_slots(result.slot_mapping), kv)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [2, 4])
-def test_copy_on_write_and_clearing_reach_every_rank(server_factory, n):
-    server = tp_server(server_factory, n)
+def test_copy_on_write_and_clearing_reach_every_rank(server_factory, n, backend):
+    server = tp_server(server_factory, n, backend)
     with KVPoolClient(server.address) as client:
         group = client.attach_ranks()
         assert isinstance(group, RankGroup)

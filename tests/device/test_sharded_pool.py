@@ -137,3 +137,42 @@ def test_sizes_count_every_rank() -> None:
         create_pool(dataclasses.replace(LAYOUT, num_kv_heads=6), backend="host", num_blocks=4, tensor_parallel=4)
     with pytest.raises(ValueError, match="one device per rank"):
         create_pool(LAYOUT, backend="host", num_blocks=4, tensor_parallel=2, devices=[0])
+
+
+@pytest.mark.parametrize("op", ["copy", "zero"])
+def test_every_shard_is_started_before_any_is_waited_for(op: str) -> None:
+    """The device work of one call overlaps across shards: every shard's copy (or clearing) is started before the
+    pool waits for any, and the call returns only after it waited for all."""
+    events: list[tuple[str, int]] = []
+    with create_pool(LAYOUT, backend="host", num_blocks=NUM_BLOCKS, tensor_parallel=4) as pool:
+        for rank, shard in enumerate(pool.shards):
+            start = shard._start_copy if op == "copy" else shard._start_zero
+            wait = shard._wait
+
+            def started(arg: np.ndarray, rank: int = rank, start=start) -> None:
+                events.append(("start", rank))
+                start(arg)
+
+            def waited(rank: int = rank, wait=wait) -> None:
+                events.append(("wait", rank))
+                wait()
+
+            setattr(shard, "_start_copy" if op == "copy" else "_start_zero", started)
+            shard._wait = waited  # type: ignore[method-assign]
+        if op == "copy":
+            pool.copy_blocks(np.array([[0, 1], [2, 3]]))
+        else:
+            pool.zero_blocks(np.array([4, 9]))
+    assert events == [("start", r) for r in range(4)] + [("wait", r) for r in range(4)]
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if not isinstance(b, str)])  # the GPU only
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_gpu_shards_on_one_device_have_their_own_memory_and_stream(backend: str, n: int) -> None:
+    with create_pool(LAYOUT, backend=backend, num_blocks=NUM_BLOCKS, tensor_parallel=n, devices=[0] * n) as pool:
+        shards: list = pool.shards
+        assert {shard.device_id for shard in shards} == {0}
+        assert len({shard._base_ptr for shard in shards}) == n and len({shard._stream.ptr for shard in shards}) == n
+        infos = pool.rank_shards()
+        assert len({info.attach.cuda_ipc_handle for info in infos}) == n
+        assert all(info.attach.cuda_device == 0 for info in infos)
