@@ -90,11 +90,14 @@ def test_ranks_write_their_heads_and_readkv_joins_them(server_factory, n, backen
         result = client.append(seq, 20)
         layout = client.describe_pool().layout
         kv = kv_pattern(token_keys(5, 0, 20), layout)
-        for rank, shard in enumerate(client.describe_pool().shards):  # each rank writes its own heads, nothing more
-            client.attach(rank=rank).write_slots(result.slot_mapping, kv[:, :, :, shard.heads.start:shard.heads.stop])
-        assert np.array_equal(client.read_kv(seq), kv)
+        # Each rank attached once (CUDA maps a handle once a process): attach_ranks() is attach(rank=r) for every r.
         group = client.attach_ranks()
-        assert isinstance(group, RankGroup) and np.array_equal(group.read_slots(result.slot_mapping), kv)
+        assert isinstance(group, RankGroup)
+        for rank, shard in enumerate(client.describe_pool().shards):  # each rank writes its own heads, nothing more
+            assert group.ranks[rank].layout == shard.layout
+            group.ranks[rank].write_slots(result.slot_mapping, kv[:, :, :, shard.heads.start:shard.heads.stop])
+        assert np.array_equal(client.read_kv(seq), kv)
+        assert np.array_equal(group.read_slots(result.slot_mapping), kv)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -116,7 +119,7 @@ def test_copy_on_write_and_clearing_reach_every_rank(server_factory, n, backend)
         copied = np.arange(dst * BS, dst * BS + 5)
         assert np.array_equal(group.read_slots(copied), kv[BS:])
         for rank, shard in enumerate(client.describe_pool().shards):
-            view = client.attach(rank=rank)
+            view = group.ranks[rank]
             assert np.array_equal(view.read_slots(copied), kv[BS:, :, :, shard.heads.start:shard.heads.stop])
         # A block freed and handed to a new owner is cleared on every rank.
         client.free([parent, child])
