@@ -86,7 +86,9 @@ if [ "$only" = layers ]; then  # issues 19 + 20: the service layer before/after,
 fi
 if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N shards; one GPU: all on device 0)
     # carry=[".whl"]. Under ~3 minutes: the GPU tests, one GPU load-generator run, then the two benchmarks.
-    ndev=$(nvidia-smi -L | wc -l); TPDEV=""; [ "$ndev" -ge 8 ] && TPDEV="--tp-devices 0,1,2,3,4,5,6,7"
+    # Rank r on device r % GPUs when there are several (N = 8 on 4 GPUs: two shards a device); one GPU: all on 0.
+    ndev=$(nvidia-smi -L | wc -l); TPDEV=""
+    [ "$ndev" -gt 1 ] && TPDEV="--tp-devices $(for r in 0 1 2 3 4 5 6 7; do printf '%s' "$((r % ndev))"; [ $r -lt 7 ] && printf ','; done)"
     echo "GPUs: $ndev (${TPDEV:-every shard on device 0})"
     step "GPU tests: sharded pool (N shards on one device), stateful test over 1/2/4 shards, ranks over CUDA IPC" \
         bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider -rs \

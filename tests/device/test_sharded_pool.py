@@ -176,3 +176,19 @@ def test_gpu_shards_on_one_device_have_their_own_memory_and_stream(backend: str,
         infos = pool.rank_shards()
         assert len({info.attach.cuda_ipc_handle for info in infos}) == n
         assert all(info.attach.cuda_device == 0 for info in infos)
+
+
+def test_a_batch_is_validated_once_whatever_n_is() -> None:
+    """The control path does not grow with N: the group checks a batch once; no shard checks it again."""
+    with create_pool(LAYOUT, backend="host", num_blocks=NUM_BLOCKS, tensor_parallel=8) as pool:
+        for shard in pool.shards:
+            def refuse(*args: object) -> None:
+                raise AssertionError("a shard validated a batch the group had validated")
+
+            shard._checked_copies = refuse  # type: ignore[method-assign]
+            shard._checked_block_ids = refuse  # type: ignore[method-assign]
+            shard._checked_slots = refuse  # type: ignore[method-assign]
+        pool.copy_blocks(np.array([[0, 1]]))
+        pool.zero_blocks(np.array([2]))
+        pool.write_slots(np.array([0]), np.zeros((1, *LAYOUT.token_shape), LAYOUT.storage_dtype))
+        assert not as_bytes(pool.read_slots(np.array([0]))).any()
