@@ -138,6 +138,11 @@ class PoolDescription:
     tensor_parallel: int = 1
     shards: tuple[PoolShard, ...] = ()
 
+    @property
+    def group_bytes(self) -> int:
+        """The bytes of every rank's shard together (``pool_bytes`` is rank 0's when the pool is split)."""
+        return sum(s.pool_bytes for s in self.shards) if self.shards else self.pool_bytes
+
     def for_rank(self, rank: int) -> PoolDescription:
         """Rank ``rank``'s shard as a pool of its own: its layout (its heads only), size and mapping."""
         if not 0 <= rank < max(1, len(self.shards)):

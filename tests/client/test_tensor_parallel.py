@@ -4,6 +4,8 @@ reach every rank -- all as with one pool."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,14 @@ def test_a_split_that_does_not_divide_is_refused():
         load_config(["--num-kv-heads", "4", "--tensor-parallel", "2", "--tp-devices", "0"], environ={})
     assert load_config(["--num-kv-heads", "4", "--tensor-parallel", "2", "--tp-devices", "0,1"],
                        environ={}).tp_device_list() == [0, 1]
+
+
+def test_kvctl_stats_counts_every_rank(server_factory, capsys):
+    from kvpool_client.kvctl import main
+
+    server = tp_server(server_factory, 4)
+    assert main(["stats", "--target", server.address, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tensor_parallel"] == 4 and data["pool_bytes"] == 128 * 16 * 512  # all four shards: 128 blocks
+    assert main(["stats", "--target", server.address]) == 0
+    assert "4 tensor-parallel shards" in capsys.readouterr().out
