@@ -72,7 +72,8 @@ def run(backend: str, layout: KVLayout, n: int, copies: int, reps: int, devices:
         src = rng.permutation(copies)
         dst = copies + rng.permutation(copies)
         pairs = np.stack([src, dst], axis=1).astype(np.int32)
-        tokens = rng.integers(1, 255, size=(copies, *layout.token_shape)).astype(layout.storage_dtype)  # 1 a block
+        tokens = rng.integers(1, 255, size=(copies, *layout.token_shape), dtype=np.uint8).astype(
+            layout.storage_dtype)  # one token a block, checked after the timed copies
         pool.write_slots(src.astype(np.int64) * layout.block_size, tokens)
         seconds = timed(lambda: pool.copy_blocks(pairs), reps)
         ok = bool(np.array_equal(pool.read_slots(dst.astype(np.int64) * layout.block_size), tokens))

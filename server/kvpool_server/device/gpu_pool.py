@@ -81,7 +81,8 @@ class GpuPool(KVPool):
     def attach_info(self) -> PoolAttachInfo:
         self._check_open()
         if self._ipc_handle is None:
-            self._ipc_handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._base_ptr))
+            with self.device:  # a shard of a tensor-parallel pool may live on another device than the current one
+                self._ipc_handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._base_ptr))
         return PoolAttachInfo(backend="gpu", pool_bytes=self.pool_bytes, cuda_ipc_handle=self._ipc_handle,
                               cuda_device=self.device_id)
 
