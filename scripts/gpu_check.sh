@@ -15,6 +15,7 @@ only=${1:-all}  # "device": only the first step (copy kernel); "validate": every
                 # "bench": only the benchmarks; "client": demo, beam, attach; "datapath": issue 14;
                 # "prefix": issue 13; "layers": issues 19 and 20 (service layer before/after, clearing blocks);
                 # "engine": issue 22 (torch ops, the decode engine on the pool, bench_engine.py)
+                # "tp": issue 26 (tensor-parallel shards: GPU tests, loadgen, decode step, copy bandwidth)
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -92,6 +93,34 @@ if [ "$only" = engine ]; then  # issue 22: KV ops as torch custom ops, the decod
     step "engine benchmark: random Llama-3-8B, kvpool vs in-process, batch 1/16/64/256, context 512/2048, roofline" \
         bash -c "set -o pipefail; timeout ${T_BENCH:-180} python3 benchmarks/bench_engine.py --json $OUT/engine.json 2>&1 | tee $OUT/bench_engine.log"
     grep -h "passed\|failed\|error" $OUT/engine_tests.log | tail -3
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N shards; one GPU: all on device 0)
+    # carry=[".whl"]. Under ~3 minutes: the GPU tests, one GPU load-generator run, then the two benchmarks.
+    # Rank r on device r % GPUs when there are several (N = 8 on 4 GPUs: two shards a device); one GPU: all on 0.
+    ndev=$(nvidia-smi -L | wc -l); TPDEV=""
+    [ "$ndev" -gt 1 ] && TPDEV="--tp-devices $(for r in 0 1 2 3 4 5 6 7; do printf '%s' "$((r % ndev))"; [ $r -lt 7 ] && printf ','; done)"
+    echo "GPUs: $ndev (${TPDEV:-every shard on device 0})"
+    step "GPU tests: sharded pool (N shards on one device), stateful test over 1/2/4 shards, ranks over CUDA IPC" \
+        bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider -rs \
+            tests/device/test_sharded_pool.py tests/device/test_stateful_pool.py tests/client/test_tensor_parallel.py 2>&1 \
+            | tee $OUT/tp_tests.log"
+    tp_loadgen() {  # a GPU server of 4 shards (Llama-like heads), 2 loadgen processes writing every rank by CUDA IPC
+        sock=/tmp/kvp-tp.sock; rm -f $sock
+        python3 -m kvpool_server --backend gpu --pool-bytes 512MiB --num-kv-heads 8 --head-dim 16 --tensor-parallel 4 \
+            --unix-socket $sock --address "" --log-level WARNING & spid=$!
+        for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.2; done
+        timeout 60 python3 -m kvpool_client.loadgen.main --target unix:$sock --no-progress --json $OUT/tp_loadgen.json \
+            -p 2 -c 8 -n 40 --mode beam --beam-width 4 --kv-source device 2>&1 | tee $OUT/tp_loadgen.log
+        rc=$?; kill $spid; wait $spid; return $rc
+    }
+    step "load generator, beam search, GPU pool of 4 shards, KV verified through every rank's mapping and ReadKV" tp_loadgen
+    step "decode step (256 sequences, AppendToken with copies) at N = 1, 2, 4, 8 shards, in process" \
+        bash -c "set -o pipefail; timeout 120 taskset -c 2 python3 benchmarks/tp_decode_step.py --backend gpu $TPDEV \
+            --json $OUT/tp_decode_step.json 2>&1 | tee $OUT/tp_decode_step.log"
+    step "COW copy bandwidth per device, N shards copying at once" \
+        bash -c "set -o pipefail; timeout 90 python3 benchmarks/tp_copy_bandwidth.py --backend gpu $TPDEV \
+            --json $OUT/tp_copy_bandwidth.json 2>&1 | tee $OUT/tp_copy_bandwidth.log"
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device

@@ -30,11 +30,13 @@ import grpc
 from kvpool.layout import KVLayout
 from kvpool_client import plan
 from kvpool_client.commands import KVPoolCommands
+from kvpool_client.errors import InvalidArgumentError
 from kvpool_client.session import KeepAliveThread
 from kvpool_client.stream import AppendStream
 
 if TYPE_CHECKING:
     from kvpool_client.attach import AttachedPool
+    from kvpool_client.rank_group import RankGroup
 
 R = TypeVar("R")
 
@@ -80,13 +82,36 @@ class KVPoolClient(KVPoolCommands):
                             session.get("session_id", 0), self._session)
 
     # ---------------------------------------------------------------- zero-copy access
-    def attach(self) -> AttachedPool:
-        """Map the pool into this process (shared memory or CUDA IPC); closed with the client."""
+    def attach(self, rank: int | None = None) -> AttachedPool:
+        """Map the pool into this process (shared memory or CUDA IPC); closed with the client.
+
+        A tensor-parallel pool (``describe_pool().tensor_parallel`` N > 1) is N shards split by KV heads: pass this
+        process's ``rank`` to map its shard (its ``layout`` has that rank's heads only: ``shards[rank].heads`` of
+        the full layout). ``rank`` may be left out only for a pool of one rank."""
         from kvpool_client.attach import attach
 
-        pool = attach(self.describe_pool(), self._session)
+        description = self.describe_pool()
+        if rank is None and description.tensor_parallel > 1:
+            raise InvalidArgumentError(f"the pool is split over {description.tensor_parallel} tensor-parallel ranks: "
+                                       "attach(rank=r) maps rank r's shard (attach_ranks(): every rank)",
+                                       method="attach")
+        try:
+            shard = description.for_rank(rank or 0)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc), method="attach") from None
+        pool = attach(shard, self._session)
         self._attached.append(pool)
         return pool
+
+    def attach_ranks(self) -> RankGroup | AttachedPool:
+        """Every rank's shard mapped into this process, read and written as whole tokens (``RankGroup``); the plain
+        ``attach()`` for a pool of one rank."""
+        from kvpool_client.rank_group import RankGroup
+
+        description = self.describe_pool()
+        if description.tensor_parallel == 1:
+            return self.attach()
+        return RankGroup(description, [self.attach(rank) for rank in range(description.tensor_parallel)])
 
     @cached_property
     def _attached(self) -> list[AttachedPool]:

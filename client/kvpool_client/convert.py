@@ -4,6 +4,7 @@ them, so every path refuses the same bad arguments before sending and returns th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -20,6 +21,7 @@ from kvpool_client.types import (
     BlockTable,
     InvariantReport,
     PoolDescription,
+    PoolShard,
     PoolStats,
     SequenceInfo,
     SessionInfo,
@@ -151,9 +153,17 @@ def block_table(r: pb.GetBlockTableResponse) -> BlockTable:
 
 def pool_description(r: pb.DescribePoolResponse) -> PoolDescription:
     lay = r.layout
+    layout = KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, DTYPE_NAMES[lay.dtype],
+                      "layer-major" if lay.kv_layout == pb.KV_LAYOUT_LAYER_MAJOR else "block-major")
+    shards = tuple(
+        PoolShard(rank=s.rank, heads=range(s.first_kv_head, s.first_kv_head + s.num_kv_heads),
+                  layout=dataclasses.replace(layout, num_kv_heads=s.num_kv_heads), pool_bytes=s.pool_bytes,
+                  shm_name=s.shm_name, cuda_ipc_handle=bytes(s.cuda_ipc_handle), cuda_device=s.cuda_device)
+        for s in r.shards
+    ) or (PoolShard(0, range(layout.num_kv_heads), layout, r.pool_bytes, r.shm_name, bytes(r.cuda_ipc_handle),
+                    r.cuda_device),)  # a server before tensor parallelism: one pool, rank 0
     return PoolDescription(
-        layout=KVLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, DTYPE_NAMES[lay.dtype],
-                        "layer-major" if lay.kv_layout == pb.KV_LAYOUT_LAYER_MAJOR else "block-major"),
+        layout=layout,
         num_blocks=lay.num_blocks,
         backend=BACKEND_NAMES.get(r.backend, "unspecified"),
         pool_bytes=r.pool_bytes,
@@ -163,6 +173,8 @@ def pool_description(r: pb.DescribePoolResponse) -> PoolDescription:
         cuda_ipc_handle=bytes(r.cuda_ipc_handle),
         cuda_device=r.cuda_device,
         server_pid=r.server_pid,
+        tensor_parallel=max(1, r.tensor_parallel),
+        shards=shards,
     )
 
 

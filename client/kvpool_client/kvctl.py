@@ -86,12 +86,13 @@ def cmd_stats(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
     stats = ctl.client.stats()
     pool = ctl.client.describe_pool()
     bytes_used = stats.num_blocks_used * stats.block_bytes
-    data = {**asdict(stats), "bytes_used": bytes_used, "backend": pool.backend, "pool_bytes": pool.pool_bytes,
-            "server_pid": pool.server_pid}
+    data = {**asdict(stats), "bytes_used": bytes_used, "backend": pool.backend, "pool_bytes": pool.group_bytes,
+            "server_pid": pool.server_pid, "tensor_parallel": pool.tensor_parallel}
+    split = f", {pool.tensor_parallel} tensor-parallel shards" if pool.tensor_parallel > 1 else ""
     rows = [
-        ("backend", f"{pool.backend} (server pid {pool.server_pid})"),
+        ("backend", f"{pool.backend} (server pid {pool.server_pid}){split}"),
         ("blocks", f"{stats.num_blocks_used:,} used / {stats.num_blocks_total:,}  ({stats.num_blocks_free:,} free)"),
-        ("usage", f"{100 * stats.utilization:.2f}%  ({_mib(bytes_used)} of {_mib(pool.pool_bytes)})"),
+        ("usage", f"{100 * stats.utilization:.2f}%  ({_mib(bytes_used)} of {_mib(pool.group_bytes)})"),
         ("block", f"{stats.block_size} tokens, {stats.block_bytes:,} bytes"),
         ("sequences", f"{stats.num_sequences:,}"),
         ("tokens", f"{stats.num_tokens:,}"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,8 +104,26 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class PoolShard:
+    """One rank's shard of a tensor-parallel pool (DescribePool's ``shards``): the heads ``heads`` of the full layout
+    for every block, laid out as ``layout`` (the full layout with ``len(heads)`` heads), and what maps it."""
+
+    rank: int
+    heads: range
+    layout: KVLayout
+    pool_bytes: int
+    shm_name: str
+    cuda_ipc_handle: bytes
+    cuda_device: int
+
+
+@dataclass(frozen=True)
 class PoolDescription:
-    """DescribePool: the layout and how to map the pool (shm_name on the host backend, CUDA IPC on a GPU)."""
+    """DescribePool: the layout and how to map the pool (shm_name on the host backend, CUDA IPC on a GPU).
+
+    With ``tensor_parallel`` N > 1 the pool is N shards split by KV heads (``shards``, rank order); ``layout`` is the
+    full layout (WriteKV/ReadKV's format) and the single attach fields are rank 0's. ``for_rank(r)`` describes rank
+    r's shard as a pool of its own (what ``attach(rank=r)`` maps)."""
 
     layout: KVLayout
     num_blocks: int
@@ -116,6 +135,25 @@ class PoolDescription:
     cuda_ipc_handle: bytes
     cuda_device: int
     server_pid: int
+    tensor_parallel: int = 1
+    shards: tuple[PoolShard, ...] = ()
+
+    @property
+    def group_bytes(self) -> int:
+        """The bytes of every rank's shard together (``pool_bytes`` is rank 0's when the pool is split)."""
+        return sum(s.pool_bytes for s in self.shards) if self.shards else self.pool_bytes
+
+    def for_rank(self, rank: int) -> PoolDescription:
+        """Rank ``rank``'s shard as a pool of its own: its layout (its heads only), size and mapping."""
+        if not 0 <= rank < max(1, len(self.shards)):
+            raise ValueError(f"rank must be in [0, {max(1, len(self.shards))}), got {rank}")
+        if not self.shards:
+            return self
+        s = self.shards[rank]
+        return dataclasses.replace(
+            self, layout=s.layout, pool_bytes=s.pool_bytes, block_bytes=s.layout.block_bytes,
+            token_bytes=s.layout.token_bytes, shm_name=s.shm_name, cuda_ipc_handle=s.cuda_ipc_handle,
+            cuda_device=s.cuda_device, tensor_parallel=1, shards=(dataclasses.replace(s, rank=0),))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.layout import DTYPES, KV_LAYOUTS, KVLayout
+from kvpool.tensor_parallel import check_split
 from kvpool_server.log_setup import LOG_FORMATS, LOG_LEVELS, JsonLogFormatter
 from kvpool_server.settings import (
     BYTES_FORMS,
@@ -67,6 +68,13 @@ class ServerConfig:
         min=0, max=1, open_min=True)
     backend: str = setting("auto", "where the pool lives: auto (GPU if present, else host), gpu, host",
                            choices=BACKENDS)
+    # Tensor parallelism (docs/device.md, "A pool for a tensor-parallel group"): N pools split by KV heads.
+    tensor_parallel: int = setting(
+        1, "ranks of a tensor-parallel group: N pools, one a rank, each holding num_kv_heads / N heads of every "
+        "block (one head a rank, replicated, when N exceeds the heads) behind one allocator and one block-id space",
+        min=1, max=64)
+    tp_devices: str = setting(
+        "", "the CUDA device of each rank with --tensor-parallel, e.g. 0,1,2,3 (empty: every shard on device 0)")
     # Layout (KVLayout's fields); the default is the seed's: 16 tokens a block, 128 float32 (512 bytes) a token.
     num_layers: int = _layout_setting("num_layers", "layers of KV per token", min=1)
     num_kv_heads: int = _layout_setting("num_kv_heads", "KV heads per layer", min=1)
@@ -226,6 +234,19 @@ class ServerConfig:
                 raise ConfigError(f"{what!r}: no '@' in --kv-events-pod or a model name (the topic is "
                                   "kv@<pod>@<model>)")
 
+    def tp_device_list(self) -> list[int] | None:
+        """``tp_devices`` as one CUDA device id per rank (None: not given)."""
+        if not self.tp_devices.strip():
+            return None
+        parts = [p.strip() for p in self.tp_devices.split(",")]
+        if not all(p.isdigit() for p in parts):
+            raise ConfigError(f"--tp-devices must be CUDA device ids such as 0,1,2,3, got {self.tp_devices!r}")
+        devices = [int(p) for p in parts]
+        if len(devices) != self.tensor_parallel:
+            raise ConfigError(f"--tp-devices names {len(devices)} devices for --tensor-parallel "
+                              f"{self.tensor_parallel}: give one a rank")
+        return devices
+
     def pool_size_kwargs(self) -> dict[str, int | float]:
         """The one sizing argument for ``create_pool``."""
         if self.num_blocks is not None:
@@ -260,6 +281,11 @@ class ServerConfig:
             raise ConfigError(f"one token's KV ({self.layout.token_bytes} bytes) does not fit --max-message-bytes")
         self.cpu_set()  # raises ConfigError on a bad list
         self.check_kv_events()
+        try:
+            check_split(self.num_kv_heads, self.tensor_parallel)
+        except ValueError as exc:
+            raise ConfigError(f"--tensor-parallel {self.tensor_parallel}: {exc}") from None
+        self.tp_device_list()  # raises ConfigError on a bad list
         try:
             check_transport(self)
         except TransportError as exc:

@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvpool.tensor_parallel import group_block_bytes
 from kvpool_server.settings import ConfigError, format_bytes
 from kvpool_server.config import TransportError, check_transport_files
 
@@ -77,15 +78,16 @@ def shm_free_bytes(statvfs: Callable[[str], Any] = os.statvfs) -> int:
 def planned_pool_bytes(config: ServerConfig, shm_free: int) -> tuple[int, str]:
     """The bytes a host pool of ``config`` takes (whole blocks, as create_pool rounds), and the setting that asked
     for them, in words for a message."""
-    layout, sizing = config.layout, config.pool_size_kwargs()
+    sizing = config.pool_size_kwargs()
+    block_bytes = group_block_bytes(config.layout, config.tensor_parallel)  # all ranks' shards of a block
     if "num_blocks" in sizing:
-        size = config.num_blocks * layout.block_bytes if config.num_blocks else 0
+        size = config.num_blocks * block_bytes if config.num_blocks else 0
         return size, f"--num-blocks {config.num_blocks} ({format_bytes(size)})"
     if "gpu_memory_fraction" in sizing:
-        size = layout.num_blocks_for(int(shm_free * sizing["gpu_memory_fraction"])) * layout.block_bytes
+        size = int(shm_free * sizing["gpu_memory_fraction"]) // block_bytes * block_bytes
         return size, f"--gpu-memory-fraction {config.gpu_memory_fraction} ({format_bytes(size)})"
     asked = int(sizing["pool_bytes"])
-    size = layout.num_blocks_for(asked) * layout.block_bytes
+    size = asked // block_bytes * block_bytes
     if config.pool_bytes is None:
         return size, f"the default pool size ({format_bytes(asked)}; --pool-bytes sets it)"
     return size, f"--pool-bytes {format_bytes(asked)}"

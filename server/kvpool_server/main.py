@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool_server.config import ConfigError, ServerConfig, load_config
 from kvpool_server.host_checks import check_environment
@@ -25,8 +25,22 @@ from kvpool_server.process import freeze_startup_heap, pin_threads
 from kvpool_server.config import exposed_endpoint, exposed_metrics
 from kvpool_server.zmq_events import start_publisher
 
+if TYPE_CHECKING:
+    from kvpool_server.device.protocol import Pool
+
 logger = logging.getLogger("kvpool_server")
 DRAIN_QUIET_S = 0.2  # shutdown stops draining once no call has been refused for this long
+
+
+def tensor_parallel_words(pool: Pool) -> str:
+    """For the start line: how a tensor-parallel pool is split (nothing for one pool)."""
+    if pool.tensor_parallel == 1:
+        return ""
+    shards = pool.rank_shards()
+    devices = sorted({s.attach.cuda_device for s in shards if s.attach.cuda_device is not None})
+    where = f" on CUDA devices {','.join(map(str, devices))}" if devices else ""
+    return (f" split over {pool.tensor_parallel} tensor-parallel shards ({len(shards[0].heads)} of "
+            f"{pool.layout.num_kv_heads} KV heads each){where}")
 
 
 def serve(config: ServerConfig) -> int:
@@ -88,9 +102,10 @@ def serve(config: ServerConfig) -> int:
     if publisher is not None:
         where.append(f"KV events {publisher.endpoints()}")
     logger.info(
-        "kvpool-server %d listening on %s: %s pool, %d blocks of %d tokens (%d bytes each); %d start-up objects "
+        "kvpool-server %d listening on %s: %s pool%s, %d blocks of %d tokens (%d bytes each); %d start-up objects "
         "frozen out of garbage collection; CPUs %s; %s; %s",
-        os.getpid(), ", ".join(where), handle.pool.backend, handle.pool.num_blocks, config.block_size,
+        os.getpid(), ", ".join(where), handle.pool.backend, tensor_parallel_words(handle.pool),
+        handle.pool.num_blocks, config.block_size,
         config.layout.block_bytes, num_frozen, ",".join(map(str, sorted(cpus))) if cpus else "any",
         handle.service.auth.summary() if handle.service.auth is not None else "auth off",
         tls_summary(config),

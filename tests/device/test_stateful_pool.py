@@ -1,5 +1,6 @@
 """The core's model-based test, with every token's KV stored in a real pool (host shared memory, or the GPU with
-KVPOOL_TEST_BACKEND=gpu) and copy-on-write run by the pool's batched copy."""
+KVPOOL_TEST_BACKEND=gpu) and copy-on-write run by the pool's batched copy -- one pool, and a tensor-parallel group's
+pool of 2 and 4 shards (2 heads: split, then replicated)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ ELEMENT_OFFSETS = (np.arange(LAYOUT.token_elems, dtype=np.float32) / 64).reshape
 class PoolManagerMachine(ManagerMachine):
     """Tags become whole token KV: element e of the token tagged t holds t + e/64 (exact in float32)."""
 
+    TENSOR_PARALLEL = 1
+
     def __init__(self) -> None:
         super().__init__()
-        self.pool = create_pool(LAYOUT, backend=os.environ.get("KVPOOL_TEST_BACKEND", "host"), num_blocks=NUM_BLOCKS)
+        self.pool = create_pool(LAYOUT, backend=os.environ.get("KVPOOL_TEST_BACKEND", "host"), num_blocks=NUM_BLOCKS,
+                                tensor_parallel=self.TENSOR_PARALLEL)
 
     def teardown(self) -> None:
         self.pool.close()
@@ -43,3 +47,8 @@ class PoolManagerMachine(ManagerMachine):
 
 PoolManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestManagerOnRealPool = PoolManagerMachine.TestCase
+
+for _n in (2, 4):  # the same machine over a ShardedPool of _n shards
+    _machine = type(f"PoolManagerMachineTP{_n}", (PoolManagerMachine,), {"TENSOR_PARALLEL": _n})
+    _machine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+    globals()[f"TestManagerOnShardedPool{_n}"] = _machine.TestCase

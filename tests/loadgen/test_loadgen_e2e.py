@@ -12,6 +12,15 @@ import pytest
 from kvpool_client import KVPoolClient
 
 POOL = ("--backend", "host", "--pool-bytes", "8MiB")  # 1,024 blocks of the seed layout
+# The same token size split over 4 KV heads, as a tensor-parallel group of 1, 2 or 4 ranks (N pools split by heads;
+# the load generator writes every rank's heads through its own mapping and verifies them there and by ReadKV).
+TENSOR_PARALLEL = [1, 2, 4]
+
+
+def tp_pool(n: int) -> tuple[str, ...]:
+    if n == 1:
+        return POOL
+    return (*POOL, "--num-kv-heads", "4", "--head-dim", "16", "--tensor-parallel", str(n))
 
 
 def loadgen(target: str, tmp_path: Path, *args: str) -> tuple[int, dict, str]:
@@ -44,8 +53,9 @@ def assert_clean_run(rc: int, summary: dict, output: str, completions: int, targ
 SMALL = ("--processes", "2", "--concurrency", "4", "--completions", "10", "--max-len", "80", "--seed", "3")
 
 
-def test_plain_mode(server_factory, tmp_path):
-    server = server_factory(*POOL)
+@pytest.mark.parametrize("tp", TENSOR_PARALLEL)
+def test_plain_mode(server_factory, tmp_path, tp):
+    server = server_factory(*tp_pool(tp))
     rc, summary, output = loadgen(server.address, tmp_path, *SMALL)
     assert_clean_run(rc, summary, output, 10, server.address)
     assert summary["run"]["sequences"] == 10
@@ -56,8 +66,9 @@ def test_plain_mode(server_factory, tmp_path):
     assert summary["memory"]["external_fragmentation"] == 0.0
 
 
-def test_beam_mode_forks_prunes_and_copies_on_write(server_factory, tmp_path):
-    server = server_factory(*POOL)
+@pytest.mark.parametrize("tp", TENSOR_PARALLEL)
+def test_beam_mode_forks_prunes_and_copies_on_write(server_factory, tmp_path, tp):
+    server = server_factory(*tp_pool(tp))
     rc, summary, output = loadgen(server.address, tmp_path, *SMALL, "--mode", "beam", "--beam-width", "4")
     assert_clean_run(rc, summary, output, 10, server.address)
     share = summary["sharing"]
@@ -78,8 +89,9 @@ def test_parallel_mode_shares_the_prompt(server_factory, tmp_path):
     assert share["copies"] > 0 and share["blocks_saved_avg"] > 0
 
 
-def test_injected_corruption_is_caught_and_fails_the_run(server_factory, tmp_path):
-    server = server_factory(*POOL)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_injected_corruption_is_caught_and_fails_the_run(server_factory, tmp_path, tp):
+    server = server_factory(*tp_pool(tp))
     rc, summary, output = loadgen(server.address, tmp_path, *SMALL, "--inject-errors", "2")
     assert rc == 1, output
     assert not summary["ok"]

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvpool_client.attach import AttachedPool
+from kvpool_client.rank_group import RankGroup
 from kvpool_client.client import KVPoolClient
 from kvpool_client.loadgen.pattern import history_keys, kv_pattern, token_keys
 from kvpool_client.loadgen.sequences import Seq
@@ -20,7 +21,7 @@ class Verifier:
     """``method``: "table" (GetBlockTable + the attached pool), "readkv" (ReadKV) or "both". ``timed(name, fn,
     *args)`` runs an RPC and records its latency; ``counts`` is the worker's counter dict."""
 
-    def __init__(self, client: KVPoolClient, pool: AttachedPool, method: str, timed: Callable[..., Any],
+    def __init__(self, client: KVPoolClient, pool: AttachedPool | RankGroup, method: str, timed: Callable[..., Any],
                  counts: dict[str, int]) -> None:
         self.client = client
         self.pool = pool

@@ -31,7 +31,7 @@ class WorkerBase:
         self.dist = distribution(cfg.lengths, cfg.max_len)
         self.width = sequences_per_request(cfg.mode, cfg.beam_width, cfg.num_samples)
         self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, token=cfg.token)
-        self.pool = self.client.attach()
+        self.pool = self.client.attach_ranks()  # every rank's shard of a tensor-parallel pool, split by heads
         self.layout = self.pool.layout
         if cfg.kv_source == "device" and self.pool.backend != "gpu":
             raise RuntimeError(f"--kv-source device writes from GPU arrays into a GPU pool; this server's pool is "

@@ -253,7 +253,7 @@ class DescribePoolRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribePoolResponse(_message.Message):
-    __slots__ = ("layout", "backend", "pool_bytes", "cuda_ipc_handle", "cuda_device", "shm_name", "server_pid")
+    __slots__ = ("layout", "backend", "pool_bytes", "cuda_ipc_handle", "cuda_device", "shm_name", "server_pid", "tensor_parallel", "shards")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,8 @@ class DescribePoolResponse(_message.Message):
     CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     layout: PoolLayout
     backend: Backend
     pool_bytes: int
@@ -268,7 +270,29 @@ class DescribePoolResponse(_message.Message):
     cuda_device: int
     shm_name: str
     server_pid: int
-    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., pool_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_device: _Optional[int] = ..., shm_name: _Optional[str] = ..., server_pid: _Optional[int] = ...) -> None: ...
+    tensor_parallel: int
+    shards: _containers.RepeatedCompositeFieldContainer[PoolShard]
+    def __init__(self, layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., pool_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_device: _Optional[int] = ..., shm_name: _Optional[str] = ..., server_pid: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[PoolShard, _Mapping]]] = ...) -> None: ...
+
+class PoolShard(_message.Message):
+    __slots__ = ("rank", "first_kv_head", "num_kv_heads", "pool_bytes", "block_bytes", "cuda_ipc_handle", "cuda_device", "shm_name")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_KV_HEAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    first_kv_head: int
+    num_kv_heads: int
+    pool_bytes: int
+    block_bytes: int
+    cuda_ipc_handle: bytes
+    cuda_device: int
+    shm_name: str
+    def __init__(self, rank: _Optional[int] = ..., first_kv_head: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_device: _Optional[int] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class WriteKVRequest(_message.Message):
     __slots__ = ("seq_id", "start_position", "data", "session_id")

@@ -81,24 +81,36 @@ class GpuPool(KVPool):
     def attach_info(self) -> PoolAttachInfo:
         self._check_open()
         if self._ipc_handle is None:
-            self._ipc_handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._base_ptr))
+            with self.device:  # a shard of a tensor-parallel pool may live on another device than the current one
+                self._ipc_handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._base_ptr))
         return PoolAttachInfo(backend="gpu", pool_bytes=self.pool_bytes, cuda_ipc_handle=self._ipc_handle,
                               cuda_device=self.device_id)
 
     def _copy(self, pairs: np.ndarray) -> None:
+        self._start_copy(pairs)
+        self._wait()  # also makes the pinned pairs buffer reusable by the next call
+
+    def _zero(self, ids: np.ndarray) -> None:
+        # The stream is synchronised before returning, like every operation: a client writes the new owner's KV
+        # through its own mapping on its own stream as soon as it has the plan, and a zero still in flight would
+        # erase it.
+        self._start_zero(ids)
+        self._wait()
+
+    def _start_copy(self, pairs: np.ndarray) -> None:
+        """Enqueue the copies on this pool's stream and return (``_wait`` waits for them): a ShardedPool starts
+        every shard's copies before it waits for any, so the devices (or one device's streams) overlap."""
         c = len(pairs)
         self._pairs_host[: 2 * c] = pairs.reshape(-1)
         with self.device:
             cupy.cuda.runtime.memcpyAsync(self._pairs.data.ptr, self._pairs_pinned.ptr, 8 * c, _H2D,
                                           self._stream.ptr)
             self.copier.launch(self._base_ptr, self._pairs.data.ptr, c, self._stream)
-            self._stream.synchronize()  # also makes the pinned pairs buffer reusable by the next call
 
-    def _zero(self, ids: np.ndarray) -> None:
-        # One memset per span for one run of consecutive ids, else one launch per batch (a batch longer than
-        # num_blocks repeats ids and goes in pieces). The stream is synchronised before returning, like every
-        # operation: a client writes the new owner's KV through its own mapping on its own stream as soon as it has
-        # the plan, and a zero still in flight would erase it.
+    def _start_zero(self, ids: np.ndarray) -> None:
+        """Enqueue the clearing (``_start_copy``'s twin): one memset per span for one run of consecutive ids, else
+        one launch per batch (a batch longer than num_blocks repeats ids and goes in pieces, the stream
+        synchronised between pieces, which share the pinned ids buffer)."""
         with self.device:
             if self.zeroes_by_memset(ids):
                 z = self.zeroer
@@ -106,16 +118,20 @@ class GpuPool(KVPool):
                 for span in range(z.spans_per_block):
                     cupy.cuda.runtime.memsetAsync(first + span * z.seg_stride, 0, len(ids) * z.span_bytes,
                                                   self._stream.ptr)
-                self._stream.synchronize()
                 return
             for start in range(0, len(ids), self.num_blocks):
+                if start:
+                    self._stream.synchronize()  # the previous piece still reads the pinned ids buffer
                 piece = ids[start : start + self.num_blocks]
                 n = len(piece)
                 self._zero_ids_host[:n] = piece
                 cupy.cuda.runtime.memcpyAsync(self._zero_ids.data.ptr, self._zero_ids_pinned.ptr, 4 * n, _H2D,
                                               self._stream.ptr)
                 self.zeroer.launch(self._base_ptr, self._zero_ids.data.ptr, n, self._stream)
-                self._stream.synchronize()  # also makes the pinned ids buffer reusable
+
+    def _wait(self) -> None:
+        with self.device:
+            self._stream.synchronize()  # also makes the pinned pairs / ids buffers reusable
 
     def zeroes_by_memset(self, ids: np.ndarray) -> bool:
         """Whether ``zero_blocks(ids)`` uses cudaMemsetAsync (ids one ascending run, few spans) or the kernel."""

@@ -38,6 +38,17 @@ class PoolAttachInfo:
     cuda_device: int | None = None
 
 
+@dataclass(frozen=True)
+class RankShard:
+    """One rank's part of the pool: the heads of the full layout it holds (``heads``), its pool's layout (those
+    heads only) and what maps it. A pool of one rank is one shard holding every head."""
+
+    rank: int
+    heads: range
+    layout: KVLayout
+    attach: PoolAttachInfo
+
+
 class KVPool:
     """KV memory, block-major ``[num_blocks, L, 2, block_size, H, D]`` or layer-major ``[L, 2, num_blocks,
     block_size, H, D]`` (``layout.kv_layout``; see ``kvpool.layout``). ``blocks`` is the logical 6-d view
@@ -61,6 +72,7 @@ class KVPool:
     """
 
     backend: str = ""
+    tensor_parallel: int = 1  # ranks whose KV heads the pool holds apart (ShardedPool); 1: one pool, every head
 
     def __init__(self, layout: KVLayout, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -142,6 +154,10 @@ class KVPool:
     def attach_info(self) -> PoolAttachInfo:
         raise NotImplementedError
 
+    def rank_shards(self) -> list[RankShard]:
+        """Each rank's shard and what maps it (one pool: rank 0, every head)."""
+        return [RankShard(0, range(self.layout.num_kv_heads), self.layout, self.attach_info())]
+
     def close(self) -> None:
         """Release the memory (unlink the shm name / free the GPU allocation). Idempotent."""
         with self._lock:
@@ -169,6 +185,17 @@ class KVPool:
 
     def _copy(self, pairs: np.ndarray) -> None:
         raise NotImplementedError
+
+    # The asynchronous halves of _copy / _zero, for a ShardedPool that starts the work on every shard before it
+    # waits for any (the GPU overrides them: enqueue on its stream, then synchronise); here they run at once.
+    def _start_copy(self, pairs: np.ndarray) -> None:
+        self._copy(pairs)
+
+    def _start_zero(self, ids: np.ndarray) -> None:
+        self._zero(ids)
+
+    def _wait(self) -> None:
+        """Wait until the work ``_start_copy`` / ``_start_zero`` started has finished."""
 
     def _zero(self, ids: np.ndarray) -> None:
         raise NotImplementedError

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvpool.layout import KVLayout
 from kvpool_server.device import PoolAttachInfo
+from kvpool_server.device.pool import RankShard
 
 
 @runtime_checkable
@@ -29,6 +30,10 @@ class Pool(Protocol):
     @property
     def closed(self) -> bool: ...
 
+    @property
+    def tensor_parallel(self) -> int:
+        """Ranks whose KV heads the pool holds apart (a ShardedPool); 1: one pool."""
+
     def copy_blocks(self, copies: Any) -> int:
         """Run copy-on-write pairs ``int[c, 2]`` (src, dst) as one batch, finished when it returns."""
 
@@ -43,7 +48,10 @@ class Pool(Protocol):
         """Token KV at ``slots``, a new host array ``[n, L, 2, H, D]``."""
 
     def attach_info(self) -> PoolAttachInfo:
-        """What another process needs to map the pool."""
+        """What another process needs to map the pool (rank 0's shard of a sharded pool)."""
+
+    def rank_shards(self) -> list[RankShard]:
+        """Each rank's heads, layout and what maps its shard, in rank order."""
 
     def close(self) -> None:
         """Release the memory; idempotent."""

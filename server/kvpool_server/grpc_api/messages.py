@@ -9,7 +9,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core import AppendPlan, PoolStats
 from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvpool_server.core.sessions import Session
-from kvpool_server.service.kvpool import PoolDescription
+from kvpool_server.service.kvpool import PoolDescription, RankShard
 from kvpool_server.service.tenant_usage import TenantUsage
 
 DTYPE_TO_PB = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
@@ -88,6 +88,20 @@ def describe_pool_response(pool: PoolDescription) -> pb.DescribePoolResponse:
         cuda_device=info.cuda_device if info.cuda_device is not None else 0,
         shm_name=(info.shm_name or "") if may_attach else "",
         server_pid=os.getpid(),
+        tensor_parallel=pool.tensor_parallel,
+        shards=[pool_shard(shard, may_attach) for shard in pool.shards],
+    )
+
+
+def pool_shard(shard: RankShard, may_attach: bool) -> pb.PoolShard:
+    """One rank's shard: its heads, and (with ``may_attach``) what maps it."""
+    info = shard.attach
+    return pb.PoolShard(
+        rank=shard.rank, first_kv_head=shard.heads.start, num_kv_heads=len(shard.heads), pool_bytes=info.pool_bytes,
+        block_bytes=shard.layout.block_bytes,
+        cuda_ipc_handle=bytes(info.cuda_ipc_handle or b"") if may_attach else b"",
+        cuda_device=info.cuda_device if info.cuda_device is not None else 0,
+        shm_name=(info.shm_name or "") if may_attach else "",
     )
 
 

@@ -38,7 +38,8 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         raise StartupError(str(exc)) from exc
     try:
         size: Any = config.pool_size_kwargs()
-        pool = create_pool(config.layout, backend=config.backend, **size)
+        pool = create_pool(config.layout, backend=config.backend, tensor_parallel=config.tensor_parallel,
+                           devices=config.tp_device_list(), **size)
     except Exception as exc:
         raise StartupError(pool_error_message(config.backend, exc)) from exc
     try:

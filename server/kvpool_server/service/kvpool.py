@@ -30,6 +30,7 @@ from kvpool.layout import KVLayout
 from kvpool_server.core import AppendPlan, PoolStats
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.device import PoolAttachInfo
+from kvpool_server.device.pool import RankShard
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
 from kvpool_server.service.byte_budget import ByteBudget
@@ -64,8 +65,10 @@ class BlockTableView(NamedTuple):
 class PoolDescription(NamedTuple):
     layout: KVLayout
     num_blocks: int
-    attach: PoolAttachInfo
+    attach: PoolAttachInfo  # rank 0's shard when tensor_parallel > 1
     may_attach: bool  # False: the attach fields (shm name, IPC handle) must not be sent
+    tensor_parallel: int = 1
+    shards: tuple[RankShard, ...] = ()  # every rank's heads and what maps its shard
 
 
 class KVPoolService:
@@ -193,7 +196,9 @@ class KVPoolService:
         """The pool's layout; with ``may_attach``, also what maps it (mapping the pool gives every byte of every
         tenant's KV: docs/security.md)."""
         pool = self.guard.pool
-        return PoolDescription(pool.layout, pool.num_blocks, pool.attach_info(), call.caller.may_attach)
+        shards = tuple(pool.rank_shards())
+        return PoolDescription(pool.layout, pool.num_blocks, shards[0].attach, call.caller.may_attach,
+                               pool.tensor_parallel, shards)
 
     def check_invariants(self, call: Call) -> Offload:
         return self.invariants.request(self.guard.lock)
