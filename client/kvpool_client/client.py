@@ -30,6 +30,7 @@ import grpc
 from kvpool.layout import KVLayout
 from kvpool_client import plan
 from kvpool_client.commands import KVPoolCommands
+from kvpool_client.fast_commands import FastPathCommands
 from kvpool_client.session import KeepAliveThread
 from kvpool_client.stream import AppendStream
 
@@ -39,10 +40,17 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 
 
-class KVPoolClient(KVPoolCommands):
+class KVPoolClient(FastPathCommands, KVPoolCommands):
     """One channel to a kvpool server. Thread-safe (gRPC channels are); not fork-safe: make one per process.
 
-    ``KVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None)``: see commands.py."""
+    ``KVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None, fast_path=None)``: see
+    commands.py. ``fast_path``: register / append / fork / free go over the session's shared-memory channel when the
+    server is on this host (fast_commands.py, docs/fast-path.md); False: always gRPC; None (the default): on, unless
+    ``channel`` is given (a caller's own channel, its interceptors, see every call)."""
+
+    def __init__(self, target: str, *, fast_path: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        self._init_fast_path(kwargs.get("channel") is None if fast_path is None else fast_path)
 
     @staticmethod
     def _open_channel(
@@ -100,6 +108,7 @@ class KVPoolClient(KVPoolCommands):
             pool.close()
         self._attached.clear()
         keep_alive = getattr(self, "_keep_alive", None)
+        self._close_fast_path()
         self._run(self._close_session())
         if keep_alive is not None:
             keep_alive.stop()

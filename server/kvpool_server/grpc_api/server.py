@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpool.v1 import kvpool_pb2
 from kvpool_server.config import ServerConfig
 from kvpool_server.device.protocol import Pool
+from kvpool_server.fastpath.server import FastPathServer
 from kvpool_server.grpc_api.handlers import unary_handler
 from kvpool_server.grpc_api.listen import bind
 from kvpool_server.grpc_api.methods import RPCS, BidiStream, ServerStream, Unary
@@ -74,6 +75,7 @@ class ServerHandle:
     background: BackgroundTasks  # periodic work on the loop: ``handle.background.every(interval_s, fn)``
     metrics: KVPoolMetrics | None = None
     metrics_address: str = ""
+    fast_path: FastPathServer | None = None  # the shared-memory channels (None with --no-fast-path)
     metrics_http: MetricsHTTPServer | None = field(default=None)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -92,6 +94,8 @@ class ServerHandle:
             except OSError as exc:
                 raise StartupError(str(exc)) from exc
         self.run(self._start())
+        if self.fast_path is not None:
+            self.fast_path.start()
 
     async def _start(self) -> None:
         await self.server.start()
@@ -115,6 +119,8 @@ class ServerHandle:
         if not self.loop.loop.is_closed():
             self.run(self._stop())
             self.loop.close()
+        if self.fast_path is not None:
+            self.fast_path.stop()
         self.executor.shutdown(wait=True, cancel_futures=True)
         if self.metrics_http is not None:
             self.metrics_http.close()
@@ -204,5 +210,11 @@ async def _build(config: ServerConfig, service: KVPoolService, admission: Admiss
     except BaseException:
         executor.shutdown(wait=False)
         raise
+    fast_path = None
+    if not config.no_fast_path:
+        fast_path = FastPathServer(service, scope, area_bytes=config.fast_path_area_bytes,
+                                   max_channels=config.fast_path_max_channels)
+        service.fast_path = fast_path
+        service.sessions.ended_hooks.append(fast_path.session_ended)
     return ServerHandle(server, port, service.guard.pool, service, admission, health_servicer, loop, executor,
-                        streams, background, metrics, config.metrics_address)
+                        streams, background, metrics, config.metrics_address, fast_path=fast_path)

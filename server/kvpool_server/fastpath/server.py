@@ -1,0 +1,286 @@
+"""FastPathServer: the shared-memory channels of local sessions, served by one thread ("kvpool-fastpath").
+
+    OpenFastPath (gRPC, on the event loop)  -> open(): a Channel (segment created, name + token answered)
+    the client maps the segment, connects to the abstract unix socket, sends the token -> the channel is live
+    the thread: serve every channel whose CTL_REQ_SEQ moved; spin SPIN_S (releasing the GIL each round) for the
+                next one; then mark every channel "server parked" and wait in epoll for a wake byte, a new
+                connection, a control note or PARK_TIMEOUT_S
+    a session's end (SessionService.end, under the lock) -> session_ended(): its channels are fenced at once
+                (the flag in the segment), closed by the thread
+    the client's socket closes (it exited or died) -> the channel is closed (its session ends by its keep-alive)
+    stop() (server shutdown) -> every channel fenced and closed; parked clients woken (they see the fence)
+
+Every record is served through ``scope.call`` and the same ``KVPoolService`` methods as gRPC (records.py): the
+thread takes the core's lock like any call, so the event loop (health checks, streams) keeps running; Python's
+GIL switch interval (5 ms) bounds how long a record's Python work can hold the loop up, and the spin releases the
+GIL at every round (``time.sleep(0)``).
+
+Bounds: at most ``max_channels`` channels of ``2 * area_bytes + 256`` bytes of shared memory each; a channel
+opened but never connected is closed after CONNECT_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from kvpool import fastpath as fp
+from kvpool_server.core import InvalidArgumentError
+from kvpool_server.core.errors import QuotaExceededError
+from kvpool_server.core.errors import FailedPreconditionError
+from kvpool_server.fastpath.channel import Channel, new_name
+from kvpool_server.fastpath.records import ChannelHeaders, serve_record
+from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.service.scope import Call, CallScope
+
+logger = logging.getLogger(__name__)
+SPIN_S = 50e-6  # after the last record, look for the next one this long before parking
+PARK_TIMEOUT_S = 0.25  # a parked thread looks anyway this often (a wake lost to store/load reordering costs this)
+CONNECT_TIMEOUT_S = 10.0
+TOKEN_BYTES = 16
+_barrier = threading.Lock()
+
+
+def memory_barrier() -> None:
+    """A full barrier between our store and our load of the other side's flag (an uncontended lock's atomic
+    read-modify-write; x86 orders it fully). PARK_TIMEOUT_S covers a platform where it would not."""
+    _barrier.acquire()
+    _barrier.release()
+
+
+def is_local_peer(peer: str | None) -> bool:
+    """gRPC's peer string of a unix socket or loopback client."""
+    if not peer:
+        return False
+    return peer.startswith("unix:") or peer.startswith("ipv4:127.") or peer.startswith("ipv6:[::1]")
+
+
+class FastPathServer:
+    def __init__(self, service: KVPoolService, scope: CallScope, *, area_bytes: int, max_channels: int) -> None:
+        self.service = service
+        self.scope = scope
+        self.area_bytes = area_bytes
+        self.max_channels = max_channels
+        self.lock = threading.Lock()  # the channel registry: open() and session_ended() run on the event loop
+        self.pending: dict[bytes, Channel] = {}  # by token, until the client connects
+        self.channels: dict[int, Channel] = {}  # by socket fd
+        self.notes: list[Channel] = []  # fenced channels the thread is to close
+        self.address = f"kvpool-fastpath-{os.getpid()}-{os.urandom(6).hex()}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + self.address)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "listen")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "note")
+        self.running = True
+        self.thread = threading.Thread(target=self._run, name="kvpool-fastpath", daemon=True)
+        self.served = 0
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # ---------------------------------------------------------------- from the event loop
+    def open(self, call: Call, session_id: int, peer: str | None) -> tuple[Channel, str]:
+        """OpenFastPath: a channel for the caller's live session; returns it and the socket address."""
+        if not self.running:
+            raise FailedPreconditionError("the fast path is stopping: use gRPC")
+        if not is_local_peer(peer):
+            raise FailedPreconditionError(f"the fast path is for clients on the server's host; {peer} is not: use gRPC")
+        if not session_id:
+            raise InvalidArgumentError("OpenFastPath needs a session_id (a channel lives as long as its session)")
+        guard = self.service.guard
+        with guard.lock:
+            guard.fence(call.caller, session_id)  # live, the caller's tenant's (NOT_FOUND otherwise); renewed
+            with self.lock:
+                if len(self.pending) + len(self.channels) >= self.max_channels:
+                    raise QuotaExceededError(
+                        f"--fast-path-max-channels={self.max_channels} channels are open: use gRPC")
+                token = os.urandom(TOKEN_BYTES)
+                generation = int.from_bytes(os.urandom(7), "little") or 1
+                channel = Channel(new_name(), self.area_bytes, session_id, call.caller,
+                                  call.headers.get("authorization"), generation, token)
+                channel.opened_at = time.monotonic()
+                self.pending[token] = channel
+        return channel, "@" + self.address
+
+    def session_ended(self, session_id: int) -> None:
+        """The session ended (under the core's lock): fence its channels now, close them on the thread."""
+        with self.lock:
+            found = [c for c in (*self.channels.values(), *self.pending.values()) if c.session_id == session_id]
+            for channel in found:
+                channel.fence(fp.FENCED_SESSION_ENDED)
+                self.notes.append(channel)
+        if found:
+            self._note()
+
+    def stop(self) -> None:
+        """Fence and close every channel, stop the thread (idempotent)."""
+        if not self.running:
+            return
+        self.running = False
+        self._note()
+        if self.thread.is_alive():
+            self.thread.join(5)
+        with self.lock:
+            for channel in (*self.channels.values(), *self.pending.values()):
+                channel.close()
+            self.channels.clear()
+            self.pending.clear()
+        self.selector.close()
+        self.listener.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+    def _note(self) -> None:
+        try:
+            os.write(self.wake_w, b"n")
+        except BlockingIOError:
+            pass  # a note is already waiting
+
+    # ---------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        idle_since = time.perf_counter()
+        while self.running:
+            try:
+                if self._serve_ready():
+                    idle_since = time.perf_counter()
+                    continue
+                if time.perf_counter() - idle_since < SPIN_S:
+                    time.sleep(0)  # releases the GIL: the event loop runs between our looks
+                    continue
+                self._park()
+                idle_since = time.perf_counter()
+            except Exception:  # a bug here must not end the thread: every channel would hang
+                logger.exception("fast path: serving failed")
+                time.sleep(0.01)
+
+    def _serve_ready(self) -> bool:
+        served = False
+        for channel in list(self.channels.values()):
+            views = channel.views
+            if views is None or channel.fenced:
+                continue
+            seq = int(views.ctl[fp.CTL_REQ_SEQ])
+            if seq == channel.last_seq:
+                continue
+            if seq != channel.last_seq + 1:  # only the client writes it, so it broke the protocol
+                logger.warning("fast path: session %d wrote request seq %d after %d: channel closed",
+                               channel.session_id, seq, channel.last_seq)
+                channel.fence(fp.FENCED_PROTOCOL)
+                self._close(channel)
+                continue
+            serve_record(self.service, self.scope, views, ChannelHeaders(channel.authorization), channel.session_id,
+                         channel.generation, seq)
+            channel.last_seq = seq
+            self.served += 1
+            memory_barrier()
+            channel.wake_client()
+            served = True
+        return served
+
+    def _park(self) -> None:
+        channels = list(self.channels.values())
+        for channel in channels:
+            if channel.views is not None:
+                channel.views.ctl[fp.CTL_SERVER_PARKED] = 1
+        memory_barrier()
+        if not self._serve_ready():  # a request published before our flag was visible
+            timeout = PARK_TIMEOUT_S if channels or self.pending else None
+            for key, _ in self.selector.select(timeout):
+                self._event(key.data, key.fileobj)
+        for channel in channels:
+            if channel.views is not None:
+                channel.views.ctl[fp.CTL_SERVER_PARKED] = 0
+        self._expire_pending()
+
+    def _event(self, kind: Any, fileobj: Any) -> None:
+        if kind == "listen":
+            self._accept()
+        elif kind == "note":
+            try:
+                os.read(self.wake_r, 4096)
+            except BlockingIOError:
+                pass
+            with self.lock:
+                notes, self.notes = self.notes, []
+            for channel in notes:
+                self._close(channel)
+        else:
+            channel: Channel = kind
+            try:
+                data = channel.sock.recv(4096) if channel.sock is not None else b""
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:  # the client closed its end (close(), exit, death)
+                self._close(channel)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        try:
+            uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            sock.settimeout(1.0)
+            token = b""
+            while len(token) < TOKEN_BYTES:
+                chunk = sock.recv(TOKEN_BYTES - len(token))
+                if not chunk:
+                    break
+                token += chunk
+        except OSError:
+            sock.close()
+            return
+        with self.lock:
+            channel = self.pending.pop(token, None) if uid == os.getuid() else None
+            if channel is not None and not channel.fenced:
+                channel.connected(sock)
+                self.channels[sock.fileno()] = channel
+        if channel is None or channel.fenced:
+            sock.close()
+            if channel is not None:
+                channel.close()
+            return
+        sock.setblocking(False)
+        try:
+            sock.send(b"k")  # bound: the client may send records
+        except OSError:
+            self._close(channel)
+            return
+        self.selector.register(sock, selectors.EVENT_READ, channel)
+
+    def _close(self, channel: Channel) -> None:
+        with self.lock:
+            if channel.sock is not None:
+                self.channels.pop(channel.sock.fileno(), None)
+                try:
+                    self.selector.unregister(channel.sock)
+                except (KeyError, ValueError):
+                    pass
+            self.pending.pop(channel.token, None)
+            channel.close()
+
+    def _expire_pending(self) -> None:
+        if not self.pending:
+            return
+        now = time.monotonic()
+        with self.lock:
+            stale = [c for c in self.pending.values() if now - c.opened_at > CONNECT_TIMEOUT_S]
+        for channel in stale:
+            self._close(channel)
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {"channels": len(self.channels), "pending": len(self.pending), "served": self.served}
