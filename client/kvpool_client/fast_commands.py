@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool import fastpath as fp
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client import convert, rpcs
 from kvpool_client.errors import DeadlineExceededError, KVPoolClientError
@@ -24,6 +25,11 @@ from kvpool_client.fastpath import FastChannel, is_local_target
 from kvpool_client.types import AppendResult
 
 logger = logging.getLogger(__name__)
+# Records carry no request id: a channel applies each record at most once (its seq), never resends one, and gives
+# itself up when a reply does not come (DeadlineExceededError), so the server's reply cache has nothing to replay
+# -- and skipping it is a third of the server's work for a decode step. (The record has the field: a client that
+# wants replay across transports may fill it.)
+NO_REQUEST_ID = 0
 
 
 class FastPathCommands:
@@ -49,8 +55,8 @@ class FastPathCommands:
         if seq_id != 0 and len(cache_extra_key) <= 4096:
             fast = self._fast(rpcs.REGISTER_SEQUENCE.name, timeout)
             if fast is not None:
-                channel, request_id, t = fast
-                return self._fast_call(lambda: channel.register(seq_id, None, 0, cache_extra_key, request_id,
+                channel, t = fast
+                return self._fast_call(lambda: channel.register(seq_id, None, 0, cache_extra_key, NO_REQUEST_ID,
                                                                 rpcs.REGISTER_SEQUENCE.name, t))[0]
         return super().register(seq_id, cache_extra_key=cache_extra_key, timeout=timeout)  # type: ignore[misc]
 
@@ -62,9 +68,9 @@ class FastPathCommands:
                 self._fits(0, 0, prompt.size, len(cache_extra_key)):
             fast = self._fast(rpcs.REGISTER_SEQUENCE.name, timeout)
             if fast is not None:
-                channel, request_id, t = fast
+                channel, t = fast
                 return self._fast_call(lambda: channel.register(seq_id, prompt, public_prefix_len, cache_extra_key,
-                                                                request_id, rpcs.REGISTER_SEQUENCE.name, t))
+                                                                NO_REQUEST_ID, rpcs.REGISTER_SEQUENCE.name, t))
         return super().register_prompt(  # type: ignore[misc]
             prompt_token_ids, seq_id, public_prefix_len=public_prefix_len, cache_extra_key=cache_extra_key,
             timeout=timeout)
@@ -73,15 +79,18 @@ class FastPathCommands:
                *, token_ids: Sequence[int] | np.ndarray | None = None, timeout: float | None = None) -> AppendResult:
         if not self._fast_off:
             method = rpcs.APPEND_TOKEN.name
-            ids, counts, counts_field = convert.append_args(seq_ids, num_tokens, method)  # its errors, as gRPC's
-            tokens = _uint32(token_ids) if token_ids is not None else np.zeros(0, np.uint32)
-            if tokens is not None and _uint64_ok(ids) and self._fits(len(ids), len(counts_field), tokens.size):
-                fast = self._fast(method, timeout)
-                if fast is not None:
-                    channel, request_id, t = fast
-                    if channel.fits(0, 0, 0, reply=_append_reply_bound(channel, len(ids), int(counts.sum()))):
-                        return self._fast_call(lambda: channel.append(ids, counts, counts_field, tokens,
-                                                                      request_id, method, t))
+            args = _append_args(seq_ids, num_tokens)  # None: let gRPC's path give its error
+            tokens = _uint32(token_ids) if token_ids is not None else None
+            if args is not None and (tokens is not None or token_ids is None):
+                ids, id_array, counts, counts_field = args
+                n_tokens = 0 if tokens is None else tokens.size
+                if self._fits(len(ids), counts_field.size, n_tokens):
+                    fast = self._fast(method, timeout)
+                    if fast is not None:
+                        channel, t = fast
+                        if channel.fits(0, 0, 0, reply=fp.append_reply_bound(len(ids), int(counts.sum()), 1)):
+                            return self._fast_call(lambda: channel.append(ids, id_array, counts, counts_field,
+                                                                          tokens, NO_REQUEST_ID, method, t))
         return super().append(seq_ids, num_tokens, token_ids=token_ids, timeout=timeout)  # type: ignore[misc]
 
     def fork(self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (), *,
@@ -91,8 +100,8 @@ class FastPathCommands:
                 self._fits(len(children), 0, 0):
             fast = self._fast(rpcs.FORK.name, timeout)
             if fast is not None:
-                channel, request_id, t = fast
-                return self._fast_call(lambda: channel.fork(parent_seq_id, num_children, children, request_id,
+                channel, t = fast
+                return self._fast_call(lambda: channel.fork(parent_seq_id, num_children, children, NO_REQUEST_ID,
                                                             rpcs.FORK.name, t))
         return super().fork(parent_seq_id, num_children, child_seq_ids, timeout=timeout)  # type: ignore[misc]
 
@@ -102,8 +111,8 @@ class FastPathCommands:
             if _uint64_ok(ids) and self._fits(len(ids), 0, 0):
                 fast = self._fast(rpcs.FREE.name, timeout)
                 if fast is not None:
-                    channel, request_id, t = fast
-                    return self._fast_call(lambda: channel.free(ids, request_id, rpcs.FREE.name, t))
+                    channel, t = fast
+                    return self._fast_call(lambda: channel.free(ids, NO_REQUEST_ID, rpcs.FREE.name, t))
         return super().free(seq_ids, timeout=timeout)  # type: ignore[misc]
 
     # ---------------------------------------------------------------- plumbing
@@ -111,8 +120,8 @@ class FastPathCommands:
         channel = self._fast_channel
         return channel is None or channel.fits(n_ids, n_counts, n_tokens, extra)
 
-    def _fast(self, method: str, timeout: float | None) -> tuple[FastChannel, int, float] | None:
-        """(the channel, a request id, the call's timeout), opening the session and the channel on first use; None:
+    def _fast(self, method: str, timeout: float | None) -> tuple[FastChannel, float] | None:
+        """(the channel, the call's timeout), opening the session and the channel on first use; None:
         use gRPC."""
         if self._fast_off:
             return None
@@ -122,7 +131,7 @@ class FastPathCommands:
         channel = self._fast_channel or self._open_fast_path(session["session_id"], timeout)
         if channel is None:
             return None
-        return channel, session["request_id"], self.timeout if timeout is None else timeout
+        return channel, self.timeout if timeout is None else timeout
 
     def _open_fast_path(self, session_id: int, timeout: float | None) -> FastChannel | None:
         with self._fast_lock:
@@ -175,7 +184,24 @@ def _uint64_ok(ids: list[int]) -> bool:
     return True
 
 
-def _append_reply_bound(channel: FastChannel, n_ids: int, n_tokens: int) -> int:
-    from kvpool import fastpath as fp
-
-    return fp.append_reply_bound(n_ids, n_tokens, 1)  # block_size 1: the bound for any pool
+def _append_args(seq_ids: Any, num_tokens: Any) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray] | None:
+    """(ids, ids as uint64, one count per id, the counts the record carries), cheaper than convert.append_args
+    for a decode step; None for anything unusual (gRPC's path then raises its own error)."""
+    try:
+        if isinstance(seq_ids, (int, np.integer)):
+            seq_ids = [int(seq_ids)]
+        id_array = np.asarray(seq_ids, dtype=np.uint64)
+        if id_array.ndim != 1 or id_array.size == 0:
+            return None
+        ids = tuple(seq_ids) if isinstance(seq_ids, (list, tuple)) else tuple(id_array.tolist())
+        if isinstance(num_tokens, (int, np.integer)):
+            if num_tokens < 1 or num_tokens >= 1 << 32:
+                return None
+            counts = np.full(id_array.size, int(num_tokens), dtype=np.int64)
+            return ids, id_array, counts, np.array([num_tokens], dtype=np.uint32)
+        counts = np.asarray(num_tokens, dtype=np.int64)
+        if counts.shape != id_array.shape or (counts < 1).any() or (counts >= 1 << 32).any():
+            return None
+        return ids, id_array, counts, counts.astype(np.uint32)
+    except (TypeError, ValueError, OverflowError):
+        return None

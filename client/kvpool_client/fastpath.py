@@ -116,13 +116,11 @@ class FastChannel:
     def fits(self, n_ids: int, n_counts: int, n_tokens: int, extra: int = 0, reply: int = 0) -> bool:
         return fp.request_bytes(n_ids, n_counts, n_tokens, extra) <= self.area_bytes and reply <= self.area_bytes
 
-    def append(self, ids: list[int], counts: np.ndarray, counts_field: list[int], token_ids: Any, request_id: int,
-               method: str, timeout: float) -> AppendResult:
-        tokens = np.asarray(token_ids, dtype=np.uint32) if token_ids is not None else None
-
+    def append(self, ids: tuple[int, ...], id_array: np.ndarray, counts: np.ndarray, counts_field: np.ndarray,
+               tokens: np.ndarray | None, request_id: int, method: str, timeout: float) -> AppendResult:
         def write(views: fp.Views) -> None:
-            _request(views, fp.OP_APPEND, request_id, self.generation, ids=np.asarray(ids, dtype=np.uint64),
-                     counts=np.asarray(counts_field, dtype=np.uint32), tokens=tokens)
+            _request(views, fp.OP_APPEND, request_id, self.generation, ids=id_array, counts=counts_field,
+                     tokens=tokens)
 
         with self.lock:
             views = self._exchange(write, method, timeout)
@@ -134,7 +132,7 @@ class FastChannel:
             new = area[at:at + 4 * n_new].view(np.int32).astype(np.int64)
             at += fp.align8(4 * n_new)
             copies = area[at:at + 8 * n_copies].view(np.int32).astype(np.int64).reshape(-1, 2)
-        return AppendResult(seq_ids=tuple(ids), num_tokens=counts, slot_mapping=slots, new_block_ids=new,
+        return AppendResult(seq_ids=ids, num_tokens=counts, slot_mapping=slots, new_block_ids=new,
                             copies=copies)
 
     def register(self, seq_id: int | None, prompt: Any, public_prefix_len: int, cache_extra_key: bytes,
