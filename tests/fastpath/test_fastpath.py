@@ -247,3 +247,28 @@ def test_a_request_fingerprint_takes_ids_of_2_to_the_63_and_above():
 
     assert fingerprint("free", [1 << 63, 5]) == fingerprint("free", np.array([1 << 63, 5], dtype=np.uint64))
     assert fingerprint("free", [(1 << 64) - 1]) != fingerprint("free", [1])
+
+
+def test_a_keep_alive_thread_survives_a_fork_of_its_process():
+    """Found by bench_service's fast kinds: KeepAliveThread's ``_stop`` Event shadowed threading.Thread._stop, which
+    the child of a fork (subprocess with preexec_fn) calls: TypeError printed in every such child."""
+    import threading
+
+    from kvpool_client.session import KeepAliveThread, SessionState
+
+    state = SessionState(True, "fork-test", 1.0)
+    state.session_id = 1
+    release = threading.Event()
+
+    class Idle(KeepAliveThread):
+        def run(self) -> None:
+            release.wait()
+
+    thread = Idle(state, None)
+    thread.start()
+    try:
+        child = subprocess.run(["true"], preexec_fn=lambda: None, capture_output=True)
+        assert child.returncode == 0 and b"TypeError" not in child.stderr, child.stderr
+    finally:
+        release.set()
+        thread.join()
