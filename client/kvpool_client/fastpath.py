@@ -272,10 +272,6 @@ def _request(views: fp.Views, op: int, request_id: int, generation: int, *, ids:
     at += fp.align8(4 * n_tokens)
     if extra:
         area[at:at + len(extra)] = np.frombuffer(extra, np.uint8)
-    req[fp.REQ_OP] = op
-    req[fp.REQ_REQUEST_ID] = np.uint64(request_id).view(np.int64)
-    req[fp.REQ_GENERATION] = generation
-    req[fp.REQ_N_IDS], req[fp.REQ_N_COUNTS], req[fp.REQ_N_TOKENS], req[fp.REQ_EXTRA_LEN] = (
-        n_ids, n_counts, n_tokens, len(extra))
-    req[fp.REQ_ARG0] = np.uint64(arg0).view(np.int64)
-    req[fp.REQ_ARG1] = arg1
+    wrap = 1 << 64  # uint64 fields as the int64 words with the same bits
+    req[:fp.REQ_SEQ] = (op, request_id - wrap if request_id >= 1 << 63 else request_id, generation, n_ids, n_counts,
+                        n_tokens, arg0 - wrap if arg0 >= 1 << 63 else arg0, arg1, len(extra))

@@ -65,7 +65,7 @@ def _arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray,
     area = views.area_bytes
     n_ids, n_counts, n_tokens, extra = (header[fp.REQ_N_IDS], header[fp.REQ_N_COUNTS], header[fp.REQ_N_TOKENS],
                                         header[fp.REQ_EXTRA_LEN])
-    if min(n_ids, n_counts, n_tokens, extra) < 0 or max(n_ids, n_counts, n_tokens, extra) > area or \
+    if not (0 <= n_ids <= area and 0 <= n_counts <= area and 0 <= n_tokens <= area and 0 <= extra <= area) or \
             fp.request_bytes(n_ids, n_counts, n_tokens, extra) > area:
         raise InvalidArgumentError(f"fast path: a request of {n_ids} ids, {n_counts} counts, {n_tokens} tokens and "
                                    f"{extra} key bytes does not fit the {area}-byte request area")
@@ -86,11 +86,12 @@ def _apply(service: KVPoolService, call: Any, views: fp.Views, header: list[int]
     arg0, arg1 = header[fp.REQ_ARG0] & U64, header[fp.REQ_ARG1]
     if op == fp.OP_APPEND:
         n = ids.size
-        total = int(counts[0]) * n if counts.size == 1 else int(counts.sum()) if counts.size else n
-        if fp.append_reply_bound(n, max(total, 0), service.guard.manager.block_size) > views.area_bytes:
+        total = n if not counts.size else int(counts[0]) * n if counts.size == 1 else int(counts.sum())
+        if fp.append_reply_bound(n, total, service.guard.manager.block_size) > views.area_bytes:
             raise InvalidArgumentError(f"fast path: the reply of an append of {total} tokens may not fit the "
                                        f"{views.area_bytes}-byte reply area: send it over gRPC")
-        _wait_unpinned(service, ids)
+        if len(service.pins):
+            _wait_unpinned(service, ids)
         count_arg = [int(counts[0])] if counts.size == 1 else counts
         return service.append(call, ids, count_arg, tokens, session_id, request_id)
     if op == fp.OP_REGISTER:

@@ -154,7 +154,8 @@ class FastPathServer:
             try:
                 if self._serve_ready():
                     idle_since = time.perf_counter()
-                    continue
+                    time.sleep(0)  # let a thread waiting for the GIL (the event loop: health, streams) in now,
+                    continue       # not after the 5 ms switch interval
                 if time.perf_counter() - idle_since < SPIN_S:
                     time.sleep(0)  # releases the GIL: the event loop runs between our looks
                     continue
