@@ -272,3 +272,17 @@ def test_a_keep_alive_thread_survives_a_fork_of_its_process():
     finally:
         release.set()
         thread.join()
+
+
+def test_a_four_process_kv_verified_loadgen_run_goes_over_the_fast_path(server_factory, tmp_path):
+    from tests.loadgen.test_loadgen_e2e import assert_clean_run, loadgen
+
+    server = server_factory("--backend", "host", "--pool-bytes", "8MiB")
+    args = ("--processes", "4", "--concurrency", "8", "--completions", "16", "--max-len", "80", "--seed", "5",
+            "--mode", "beam")
+    rc, summary, output = loadgen(server.address, tmp_path, *args)
+    assert_clean_run(rc, summary, output, 16, server.address)
+    assert summary["run"]["fast_path_appends"] == summary["run"]["append_calls"] > 0
+    rc, summary, output = loadgen(server.address, tmp_path, *args, "--no-fast-path")
+    assert_clean_run(rc, summary, output, 16, server.address)
+    assert summary["run"]["fast_path_appends"] == 0
