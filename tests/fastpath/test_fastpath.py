@@ -286,3 +286,26 @@ def test_a_four_process_kv_verified_loadgen_run_goes_over_the_fast_path(server_f
     rc, summary, output = loadgen(server.address, tmp_path, *args, "--no-fast-path")
     assert_clean_run(rc, summary, output, 16, server.address)
     assert summary["run"]["fast_path_appends"] == 0
+
+
+def test_a_channel_is_its_tenants_and_a_revoked_token_is_refused_at_the_next_record(server_factory, tmp_path):
+    import grpc
+
+    from kvpool.v1 import kvpool_pb2 as pb
+    from tests.security.tenant_helpers import As, code_of
+    from tests.security.test_revocation import revoke, write_tokens
+
+    tokens = write_tokens(tmp_path / "tokens.toml")
+    server = server_factory("--auth-tokens", str(tokens))
+    client = KVPoolClient(server.address, token="tok-a", lease_ttl_s=60.0)  # not closed: its token is revoked
+    with grpc.insecure_channel(server.address) as channel:
+        seq = client.register()
+        client.append(seq, 3)
+        assert client.fast_path_open
+        b = As(channel, "tok-b")
+        assert code_of(lambda: b.OpenFastPath(pb.OpenFastPathRequest(session_id=client.session_id))) == \
+            grpc.StatusCode.NOT_FOUND  # another tenant's session: it cannot learn that it exists
+        revoke(server, tokens, "a", As(channel, "tok-a"))
+        with pytest.raises(KVPoolClientError) as refused:
+            client.append(seq, 1)
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
