@@ -29,7 +29,6 @@ import grpc
 
 from kvpool.layout import KVLayout
 from kvpool_client import plan
-from kvpool_client.commands import KVPoolCommands
 from kvpool_client.fast_commands import FastPathCommands
 from kvpool_client.session import KeepAliveThread
 from kvpool_client.stream import AppendStream
@@ -40,17 +39,13 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 
 
-class KVPoolClient(FastPathCommands, KVPoolCommands):
+class KVPoolClient(FastPathCommands):
     """One channel to a kvpool server. Thread-safe (gRPC channels are); not fork-safe: make one per process.
 
     ``KVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None, fast_path=None)``: see
     commands.py. ``fast_path``: register / append / fork / free go over the session's shared-memory channel when the
     server is on this host (fast_commands.py, docs/fast-path.md); False: always gRPC; None (the default): on, unless
     ``channel`` is given (a caller's own channel, its interceptors, see every call)."""
-
-    def __init__(self, target: str, *, fast_path: bool | None = None, **kwargs: Any) -> None:
-        super().__init__(target, **kwargs)
-        self._init_fast_path(kwargs.get("channel") is None if fast_path is None else fast_path)
 
     @staticmethod
     def _open_channel(
@@ -71,6 +66,8 @@ class KVPoolClient(FastPathCommands, KVPoolCommands):
         """One step, blocking: a unary call's response, or a sleep."""
         if isinstance(step, plan.Pause):
             return time.sleep(step.seconds)
+        if isinstance(step, plan.Exchange):
+            return step.channel.exchange(step)
         return self._stub_method(step.rpc)(step.request, timeout=step.timeout, metadata=self._metadata)
 
     @property

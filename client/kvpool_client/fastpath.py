@@ -12,6 +12,7 @@ request at a time per channel (``lock``).
 
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import threading
@@ -32,7 +33,6 @@ from kvpool_client.errors import (
     UnavailableError,
     UnknownError,
 )
-from kvpool_client.types import AppendResult
 
 SPIN_S = 200e-6  # the reply usually comes within this (the server's work); after it, park on the socket
 PARK_SLICE_S = 0.05  # a parked wait looks again this often (a wake lost to store/load reordering costs this)
@@ -74,7 +74,8 @@ class FastChannel:
         self.max_batch = int(response.max_batch)
         self.views: fp.Views | None = fp.Views(mapping, self.area_bytes)
         self.seq = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one exchange at a time (KVPoolClient is thread-safe)
+        self.async_lock: asyncio.Lock | None = None  # the same for AsyncKVPoolClient's coroutines
         self.broken: KVPoolClientError | None = None  # set once the channel cannot be used again
 
     @classmethod
@@ -101,7 +102,7 @@ class FastChannel:
             raise
 
     def close(self) -> None:
-        with self.lock:
+        with self.lock:  # an async exchange never parks holding it: it is never left held
             self.broken = self.broken or UnavailableError("the fast-path channel is closed")
             if self.views is not None:
                 self.views.release()
@@ -112,63 +113,33 @@ class FastChannel:
             except BufferError:
                 pass
 
-    # ---------------------------------------------------------------- the calls
+    @property
+    def fenced(self) -> bool:
+        """The server closed the channel (its session ended, or it stops)."""
+        views = self.views
+        return views is None or bool(views.ctl[fp.CTL_FENCED])
+
+    # ---------------------------------------------------------------- one exchange
     def fits(self, n_ids: int, n_counts: int, n_tokens: int, extra: int = 0, reply: int = 0) -> bool:
         return fp.request_bytes(n_ids, n_counts, n_tokens, extra) <= self.area_bytes and reply <= self.area_bytes
 
-    def append(self, ids: tuple[int, ...], id_array: np.ndarray, counts: np.ndarray, counts_field: np.ndarray,
-               tokens: np.ndarray | None, request_id: int, method: str, timeout: float) -> AppendResult:
-        def write(views: fp.Views) -> None:
-            _request(views, fp.OP_APPEND, request_id, self.generation, ids=id_array, counts=counts_field,
-                     tokens=tokens)
-
+    def exchange(self, step: Any) -> Any:
+        """A plan's ``Exchange`` step, blocking: write, publish, wait (spin, then park), read -- or raise."""
         with self.lock:
-            views = self._exchange(write, method, timeout)
-            rep, area = views.rep, views.rep_area
-            n_slots, n_new, n_copies = int(rep[fp.REP_N_SLOTS]), int(rep[fp.REP_N_NEW]), int(rep[fp.REP_N_COPIES])
-            at = fp.HEADER_BYTES
-            slots = area[at:at + 8 * n_slots].view(np.int64).copy()
-            at += 8 * n_slots
-            new = area[at:at + 4 * n_new].view(np.int32).astype(np.int64)
-            at += fp.align8(4 * n_new)
-            copies = area[at:at + 8 * n_copies].view(np.int32).astype(np.int64).reshape(-1, 2)
-        return AppendResult(seq_ids=ids, num_tokens=counts, slot_mapping=slots, new_block_ids=new,
-                            copies=copies)
+            views, seq = self._publish(step.write, step.method)
+            self._wait(views, seq, step.method, step.timeout)
+            return self._finish(views, step.read, step.method)
 
-    def register(self, seq_id: int | None, prompt: Any, public_prefix_len: int, cache_extra_key: bytes,
-                 request_id: int, method: str, timeout: float) -> tuple[int, int]:
-        tokens = np.asarray(prompt, dtype=np.uint32) if prompt is not None else None
+    async def exchange_async(self, step: Any) -> Any:
+        """The same, awaited: the park waits on the event loop (``add_reader`` on the socket)."""
+        if self.async_lock is None:
+            self.async_lock = asyncio.Lock()
+        async with self.async_lock:
+            views, seq = self._publish(step.write, step.method)
+            await self._wait_async(views, seq, step.method, step.timeout)
+            return self._finish(views, step.read, step.method)
 
-        def write(views: fp.Views) -> None:
-            _request(views, fp.OP_REGISTER, request_id, self.generation, tokens=tokens, extra=cache_extra_key,
-                     arg0=seq_id or 0, arg1=public_prefix_len)
-
-        with self.lock:
-            views = self._exchange(write, method, timeout)
-            rep = views.rep
-            return int(rep[fp.REP_VALUE0]) & ((1 << 64) - 1), int(rep[fp.REP_VALUE1])
-
-    def fork(self, parent: int, num_children: int, children: list[int], request_id: int, method: str,
-             timeout: float) -> list[int]:
-        def write(views: fp.Views) -> None:
-            _request(views, fp.OP_FORK, request_id, self.generation, ids=np.asarray(children, dtype=np.uint64),
-                     arg0=parent, arg1=num_children)
-
-        with self.lock:
-            views = self._exchange(write, method, timeout)
-            n = int(views.rep[fp.REP_N_CHILDREN])
-            return views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * n].view(np.uint64).tolist()
-
-    def free(self, ids: list[int], request_id: int, method: str, timeout: float) -> int:
-        def write(views: fp.Views) -> None:
-            _request(views, fp.OP_FREE, request_id, self.generation, ids=np.asarray(ids, dtype=np.uint64))
-
-        with self.lock:
-            return int(self._exchange(write, method, timeout).rep[fp.REP_VALUE0])
-
-    # ---------------------------------------------------------------- one exchange
-    def _exchange(self, write: Any, method: str, timeout: float) -> fp.Views:
-        """Write, publish, wait; the views with an OK reply in them (hold ``lock``), or raise its exception."""
+    def _publish(self, write: Any, method: str) -> tuple[fp.Views, int]:
         views = self._usable(method)
         seq = self.seq + 1
         write(views)
@@ -179,14 +150,16 @@ class FastChannel:
         memory_barrier()
         if ctl[fp.CTL_SERVER_PARKED]:
             self._send_wake(method)
-        self._wait(views, seq, method, timeout)
+        return views, seq
+
+    def _finish(self, views: fp.Views, read: Any, method: str) -> Any:
         rep = views.rep
         code = int(rep[fp.REP_CODE])
         if code:
             n = min(max(int(rep[fp.REP_MSG_LEN]), 0), fp.MAX_MESSAGE_BYTES)
             message = views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + n].tobytes().decode("utf-8", "replace")
             raise error_for(code, message, int(rep[fp.REP_REASON]), method)
-        return views
+        return read(views)
 
     def _usable(self, method: str) -> fp.Views:
         if self.broken is not None or self.views is None:
@@ -218,60 +191,77 @@ class FastChannel:
 
     def _wait(self, views: fp.Views, seq: int, method: str, timeout: float) -> None:
         ctl = views.ctl
-        perf = time.perf_counter
-        spin_end = perf() + SPIN_S
-        while ctl[fp.CTL_REP_SEQ] != seq:
-            if perf() > spin_end:
-                break
-        else:
+        if self._spin(ctl, seq):
             return
         deadline = time.monotonic() + timeout
         ctl[fp.CTL_CLIENT_PARKED] = 1
         memory_barrier()
         try:
             while ctl[fp.CTL_REP_SEQ] != seq:
-                fenced = int(ctl[fp.CTL_FENCED])
-                if fenced:
-                    self._break(self._fence_error(fenced), method)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:  # the request may still be applied: the channel is out of step, give it up
-                    self._break(DeadlineExceededError(
-                        f"no fast-path reply within {timeout:g} s", code=grpc.StatusCode.DEADLINE_EXCEEDED), method)
+                remaining = self._check_parked(ctl, deadline, timeout, method)
                 ready, _, _ = select.select([self.sock], [], [], min(remaining, PARK_SLICE_S))
                 if ready:
-                    try:
-                        data = self.sock.recv(4096)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
-                    if not data and ctl[fp.CTL_REP_SEQ] != seq:
-                        fenced = int(ctl[fp.CTL_FENCED])
-                        self._break(self._fence_error(fenced) if fenced else ServerGoneError(
-                            "the server closed the fast-path socket without an answer: it is gone"), method)
+                    self._drain(ctl, seq, method)
+        finally:
+            ctl[fp.CTL_CLIENT_PARKED] = 0
+
+    def _spin(self, ctl: np.ndarray, seq: int) -> bool:
+        perf = time.perf_counter
+        spin_end = perf() + SPIN_S
+        while ctl[fp.CTL_REP_SEQ] != seq:
+            if perf() > spin_end:
+                return False
+        return True
+
+    def _check_parked(self, ctl: np.ndarray, deadline: float, timeout: float, method: str) -> float:
+        """While parked: raise for a fence or a passed deadline; else the seconds left."""
+        fenced = int(ctl[fp.CTL_FENCED])
+        if fenced:
+            self._break(self._fence_error(fenced), method)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:  # the request may still be applied: the channel is out of step, give it up
+            self._break(DeadlineExceededError(
+                f"no fast-path reply within {timeout:g} s", code=grpc.StatusCode.DEADLINE_EXCEEDED), method)
+        return remaining
+
+    def _drain(self, ctl: np.ndarray, seq: int, method: str) -> None:
+        """Read the wake bytes; EOF without the reply: the server closed the channel, or died."""
+        try:
+            data = self.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data and ctl[fp.CTL_REP_SEQ] != seq:
+            fenced = int(ctl[fp.CTL_FENCED])
+            self._break(self._fence_error(fenced) if fenced else ServerGoneError(
+                "the server closed the fast-path socket without an answer: it is gone"), method)
+
+    async def _wait_async(self, views: fp.Views, seq: int, method: str, timeout: float) -> None:
+        ctl = views.ctl
+        if self._spin(ctl, seq):  # at most SPIN_S of the event loop: the reply usually comes within it
+            return
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout
+        ctl[fp.CTL_CLIENT_PARKED] = 1
+        memory_barrier()
+        try:
+            while ctl[fp.CTL_REP_SEQ] != seq:
+                remaining = self._check_parked(ctl, deadline, timeout, method)
+                woke = loop.create_future()
+                loop.add_reader(self.sock, _resolve, woke)
+                try:
+                    await asyncio.wait_for(woke, min(remaining, PARK_SLICE_S))
+                except TimeoutError:
+                    pass
+                finally:
+                    loop.remove_reader(self.sock)
+                if woke.done() and not woke.cancelled():
+                    self._drain(ctl, seq, method)
         finally:
             ctl[fp.CTL_CLIENT_PARKED] = 0
 
 
-def _request(views: fp.Views, op: int, request_id: int, generation: int, *, ids: Any = None, counts: Any = None,
-             tokens: Any = None, extra: bytes = b"", arg0: int = 0, arg1: int = 0) -> None:
-    """Write a request record's arrays and header (not yet published)."""
-    area, req = views.req_area, views.req
-    n_ids = 0 if ids is None else ids.size
-    n_counts = 0 if counts is None else counts.size
-    n_tokens = 0 if tokens is None else tokens.size
-    at = fp.HEADER_BYTES
-    if n_ids:
-        area[at:at + 8 * n_ids].view(np.uint64)[:] = ids
-    at += 8 * n_ids
-    if n_counts:
-        area[at:at + 4 * n_counts].view(np.uint32)[:] = counts
-    at += fp.align8(4 * n_counts)
-    if n_tokens:
-        area[at:at + 4 * n_tokens].view(np.uint32)[:] = tokens
-    at += fp.align8(4 * n_tokens)
-    if extra:
-        area[at:at + len(extra)] = np.frombuffer(extra, np.uint8)
-    wrap = 1 << 64  # uint64 fields as the int64 words with the same bits
-    req[:fp.REQ_SEQ] = (op, request_id - wrap if request_id >= 1 << 63 else request_id, generation, n_ids, n_counts,
-                        n_tokens, arg0 - wrap if arg0 >= 1 << 63 else arg0, arg1, len(extra))
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvpool import fastpath as fp
-from kvpool_client import KVPoolClient, KVPoolClientError, ServerGoneError, UnavailableError
+from kvpool_client import KVPoolClient, KVPoolClientError, ServerGoneError
 from kvpool_client.fastpath import is_local_target
 
 WORKER = Path(__file__).with_name("fast_worker.py")
@@ -163,8 +163,8 @@ def test_hostile_records_get_error_replies_and_change_nothing_half_way(server_fa
         channel.views.ctl[fp.CTL_REQ_SEQ] = channel.seq + 5
         channel.sock.send(b"w")
         wait_for(lambda: channel.views.ctl[fp.CTL_FENCED] != 0, 5)
-        with pytest.raises(UnavailableError):
-            client.append(seqs, 1)
+        assert client.append(seqs, 1).slot_mapping.size == 4  # given up: over gRPC from now on
+        assert not client.fast_path_open
         assert observer.check_invariants().ok and observer.health() == "SERVING"
     wait_for(lambda: observer_stats(server.address).num_blocks_used == 0, 5)
 
@@ -309,3 +309,27 @@ def test_a_channel_is_its_tenants_and_a_revoked_token_is_refused_at_the_next_rec
         with pytest.raises(KVPoolClientError) as refused:
             client.append(seq, 1)
         assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_asyncio_client_goes_over_the_fast_path_with_the_same_answers(server_factory):
+    import asyncio
+
+    from kvpool_client import AsyncKVPoolClient, NotFoundError
+
+    fast_server, grpc_server = server_factory(*POOL), server_factory(*POOL)
+
+    async def script(address: str, fast: bool) -> list:
+        async with AsyncKVPoolClient(address, fast_path=fast) as client:
+            a, b = await asyncio.gather(client.register(), client.register())
+            first = await client.append([a, b], [20, 7])
+            children = await client.fork(a, 2)
+            cow = await client.append(children, 1, token_ids=[5, 6])
+            p, cached = await client.register_prompt(np.arange(40))
+            with pytest.raises(NotFoundError):
+                await client.append([a, 999], 1)
+            freed = await client.free([a, b, *children, p])
+            assert client.fast_path_open == fast
+            return [first.slot_mapping.tolist(), first.new_block_ids.tolist(), cow.copies.tolist(),
+                    cow.slot_mapping.tolist(), cached, freed, (await client.stats()).num_blocks_used]
+
+    assert asyncio.run(script(fast_server.address, True)) == asyncio.run(script(grpc_server.address, False))

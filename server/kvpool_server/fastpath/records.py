@@ -10,7 +10,7 @@ published by ``CTL_REP_SEQ``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -92,12 +92,12 @@ def _apply(service: KVPoolService, call: Any, views: fp.Views, header: list[int]
                                        f"{views.area_bytes}-byte reply area: send it over gRPC")
         if len(service.pins):
             _wait_unpinned(service, ids)
-        count_arg = [int(counts[0])] if counts.size == 1 else counts
-        return service.append(call, ids, count_arg, tokens, session_id, request_id)
+        count_arg: Any = [int(counts[0])] if counts.size == 1 else counts
+        return service.append(call, cast(Any, ids), count_arg, cast(Any, tokens), session_id, request_id)
     if op == fp.OP_REGISTER:
         if arg1 < 0:
             raise InvalidArgumentError(f"RegisterSequence public_prefix_len must be >= 0, got {arg1}")
-        return service.register(call, arg0 or None, session_id, request_id, tokens, arg1, extra)
+        return service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1, extra)
     if op == fp.OP_FORK:
         if not 0 <= arg1 <= service.max_batch:
             raise InvalidArgumentError(f"Fork num_children must be in [0, max_batch={service.max_batch}], got {arg1}")

@@ -214,8 +214,8 @@ class FastPathServer:
                 pass
             with self.lock:
                 notes, self.notes = self.notes, []
-            for channel in notes:
-                self._close(channel)
+            for noted in notes:
+                self._close(noted)
         else:
             channel: Channel = kind
             try:
