@@ -13,6 +13,7 @@ request at a time per channel (``lock``).
 from __future__ import annotations
 
 import asyncio
+import os
 import select
 import socket
 import threading
@@ -206,11 +207,14 @@ class FastChannel:
             ctl[fp.CTL_CLIENT_PARKED] = 0
 
     def _spin(self, ctl: np.ndarray, seq: int) -> bool:
-        perf = time.perf_counter
+        """Look for the reply for SPIN_S, yielding the CPU at each look (another process that shares this core --
+        a second frontend, the server itself -- runs instead of waiting for our spin to end)."""
+        perf, yield_cpu = time.perf_counter, os.sched_yield
         spin_end = perf() + SPIN_S
         while ctl[fp.CTL_REP_SEQ] != seq:
             if perf() > spin_end:
                 return False
+            yield_cpu()
         return True
 
     def _check_parked(self, ctl: np.ndarray, deadline: float, timeout: float, method: str) -> float:
