@@ -11,9 +11,9 @@
     stop() (server shutdown) -> every channel fenced and closed; parked clients woken (they see the fence)
 
 Every record is served through ``scope.call`` and the same ``KVPoolService`` methods as gRPC (records.py): the
-thread takes the core's lock like any call, so the event loop (health checks, streams) keeps running; Python's
-GIL switch interval (5 ms) bounds how long a record's Python work can hold the loop up, and the spin releases the
-GIL at every round (``time.sleep(0)``).
+thread takes the core's lock like any call, so the event loop (health checks, streams) keeps running; the thread
+gives the GIL and the core up after every round and at every look of its spin (``os.sched_yield()``), so the loop
+waits at most one record's work, not Python's 5 ms GIL switch interval.
 
 Bounds: at most ``max_channels`` channels of ``2 * area_bytes + 256`` bytes of shared memory each; a channel
 opened but never connected is closed after CONNECT_TIMEOUT_S.
@@ -154,10 +154,10 @@ class FastPathServer:
             try:
                 if self._serve_ready():
                     idle_since = time.perf_counter()
-                    time.sleep(0)  # let a thread waiting for the GIL (the event loop: health, streams) in now,
-                    continue       # not after the 5 ms switch interval
+                    os.sched_yield()  # the GIL and the core to the event loop (health, streams) if it waits,
+                    continue          # now, not after the 5 ms switch interval
                 if time.perf_counter() - idle_since < SPIN_S:
-                    time.sleep(0)  # releases the GIL: the event loop runs between our looks
+                    os.sched_yield()  # releases the GIL and the core: the event loop runs between our looks
                     continue
                 self._park()
                 idle_since = time.perf_counter()
