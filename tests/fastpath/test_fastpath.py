@@ -333,3 +333,34 @@ def test_the_asyncio_client_goes_over_the_fast_path_with_the_same_answers(server
                     cow.slot_mapping.tolist(), cached, freed, (await client.stats()).num_blocks_used]
 
     assert asyncio.run(script(fast_server.address, True)) == asyncio.run(script(grpc_server.address, False))
+
+
+def test_the_channels_keep_their_invariants_through_open_use_end_and_stop():
+    """In-process: the server's channel registry (``FastPathServer.check_invariants``) while channels open, serve,
+    end with their sessions and stop with the server; the segments' names are gone afterwards."""
+    from kvpool_server.config import load_config
+    from kvpool_server.grpc_api.server import build_server
+
+    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "8",
+                                       "--address", "127.0.0.1:0"]))
+    handle.start()
+    fast = handle.fast_path
+    try:
+        clients = [KVPoolClient(f"127.0.0.1:{handle.port}") for _ in range(3)]
+        for client in clients:
+            client.append(client.register(), 5)
+            assert client.fast_path_open
+        wait_for(lambda: fast.stats()["channels"] == 3, 5)
+        fast.check_invariants()
+        names = [c.name for c in fast.channels.values()]
+        clients[0].close()  # CloseSession: the session's end fences the channel, the thread closes it
+        wait_for(lambda: fast.stats()["channels"] == 2, 5)
+        fast.check_invariants()
+        assert clients[1].append(clients[1].register(), 1).slot_mapping.size == 1
+        fast.check_invariants()
+    finally:
+        handle.stop()
+    assert fast.stats()["channels"] == 0
+    assert not any(os.path.exists(f"/dev/shm/{name}") for name in names)
+    for client in clients[1:]:
+        client.close()  # the server is gone: CloseSession's UNAVAILABLE is swallowed

@@ -12,7 +12,7 @@
 
 Every record is served through ``scope.call`` and the same ``KVPoolService`` methods as gRPC (records.py): the
 thread takes the core's lock like any call, so the event loop (health checks, streams) keeps running; the thread
-gives the GIL and the core up after every round and at every look of its spin (``os.sched_yield()``), so the loop
+gives the GIL and the core up after every record and at every look of its spin (``os.sched_yield()``), so the loop
 waits at most one record's work, not Python's 5 ms GIL switch interval.
 
 Bounds: at most ``max_channels`` channels of ``2 * area_bytes + 256`` bytes of shared memory each; a channel
@@ -62,6 +62,11 @@ def is_local_peer(peer: str | None) -> bool:
 
 
 class FastPathServer:
+    """The channels and their thread. Invariants (``check_invariants``): a channel is pending (by its token, not
+    yet connected, its segment's name still linked) or live (by its socket's fd, connected, its name unlinked),
+    never both; every one is mapped; no more than ``max_channels`` in all; between records, a live channel's
+    ``last_seq`` is what its segment's ``CTL_REP_SEQ`` says (the server's own count, published with every reply)."""
+
     def __init__(self, service: KVPoolService, scope: CallScope, *, area_bytes: int, max_channels: int) -> None:
         self.service = service
         self.scope = scope
@@ -152,10 +157,9 @@ class FastPathServer:
         idle_since = time.perf_counter()
         while self.running:
             try:
-                if self._serve_ready():
+                if self._serve_ready():  # it yields the GIL and the core after every record
                     idle_since = time.perf_counter()
-                    os.sched_yield()  # the GIL and the core to the event loop (health, streams) if it waits,
-                    continue          # now, not after the 5 ms switch interval
+                    continue
                 if time.perf_counter() - idle_since < SPIN_S:
                     os.sched_yield()  # releases the GIL and the core: the event loop runs between our looks
                     continue
@@ -187,6 +191,7 @@ class FastPathServer:
             memory_barrier()
             channel.wake_client()
             served = True
+            os.sched_yield()  # after every record: the event loop waits for one record at most, not a round
         return served
 
     def _park(self) -> None:
@@ -281,6 +286,19 @@ class FastPathServer:
             stale = [c for c in self.pending.values() if now - c.opened_at > CONNECT_TIMEOUT_S]
         for channel in stale:
             self._close(channel)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the class docstring's invariants do not hold (tests; read under the lock)."""
+        with self.lock:
+            assert len(self.pending) + len(self.channels) <= self.max_channels
+            assert not {id(c) for c in self.pending.values()} & {id(c) for c in self.channels.values()}
+            for token, channel in self.pending.items():
+                assert channel.token == token and channel.sock is None and channel.linked and channel.views
+            for fd, channel in self.channels.items():
+                assert channel.sock is not None and channel.sock.fileno() == fd and not channel.linked
+                assert channel.views is not None or channel.fenced
+                if channel.views is not None and not channel.fenced:
+                    assert int(channel.views.ctl[fp.CTL_REP_SEQ]) == channel.last_seq
 
     def stats(self) -> dict[str, int]:
         with self.lock:
