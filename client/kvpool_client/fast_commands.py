@@ -22,7 +22,7 @@ import numpy as np
 from kvpool import fastpath as fp
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client import fastpath_records as channel_ops
-from kvpool_client import rpcs
+from kvpool_client import convert, rpcs
 from kvpool_client.command import command
 from kvpool_client.commands import KVPoolCommands
 from kvpool_client.errors import KVPoolClientError
@@ -50,6 +50,10 @@ class FastPathCommands(KVPoolCommands):
         enabled = kwargs.get("channel") is None if fast_path is None else fast_path
         self._fast_off = not (enabled and self._session.enabled and is_local_target(target))
         self._fast_channel: FastChannel | None = None
+        # The receive limit this client declares to the server (convert.call_metadata): a call whose worst-case
+        # reply is over it goes over gRPC, where the server refuses it unapplied -- as it would without the fast path.
+        declared = int(dict(self._metadata).get(convert.RECEIVE_LIMIT_KEY, "-1"))
+        self._fast_reply_limit = declared if declared >= 0 else 1 << 62
 
     @property
     def fast_path_open(self) -> bool:
@@ -137,6 +141,8 @@ class FastPathCommands(KVPoolCommands):
 
     # ---------------------------------------------------------------- plumbing
     def _fits(self, n_ids: int, n_counts: int, n_tokens: int, extra: int = 0, reply: int = 0) -> bool:
+        if reply > self._fast_reply_limit:
+            return False
         channel = self._fast_channel
         return channel is None or channel.fits(n_ids, n_counts, n_tokens, extra, reply)
 

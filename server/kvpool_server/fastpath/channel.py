@@ -1,9 +1,9 @@
 """Channel: one session's shared-memory segment and the unix socket that wakes its two sides.
 
-Invariant: a channel's segment stays mapped (``views`` not None) until ``close()``, which only the fast-path thread
-calls; any other thread (the session's end on the event loop) only ``fence()``s it -- a flag in the segment and a
-note for that thread -- under ``FastPathServer.lock``. Every request it serves names its own ``session_id``, so a
-channel whose session has ended is refused by the session table (``CoreGuard.mutate``) even before it is closed.
+Invariant: a channel's segment stays mapped (``views`` not None) until ``close()``; only the fast-path thread
+touches a live channel (``FastPathServer.stop`` closes them after that thread has ended). Every request it serves
+names its own ``session_id``, so a channel whose session has ended is refused by the session table
+(``CoreGuard.mutate``) even before the thread fences and closes it.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
     the thread: serve every channel whose CTL_REQ_SEQ moved; spin SPIN_S (releasing the GIL each round) for the
                 next one; then mark every channel "server parked" and wait in epoll for a wake byte, a new
                 connection, a control note or PARK_TIMEOUT_S
-    a session's end (SessionService.end, under the lock) -> session_ended(): its channels are fenced at once
-                (the flag in the segment), closed by the thread
+    a session's end (closed, lease expired, keep-alive broken) -> its records are refused by the session table at
+                once (CoreGuard.mutate: the same fencing as gRPC); within REAP_INTERVAL_S the thread fences its
+                channels (the flag in the segment) and closes them
     the client's socket closes (it exited or died) -> the channel is closed (its session ends by its keep-alive)
     stop() (server shutdown) -> every channel fenced and closed; parked clients woken (they see the fence)
 
@@ -41,7 +42,8 @@ from kvpool_server.service.scope import Call, CallScope
 
 logger = logging.getLogger(__name__)
 SPIN_S = 50e-6  # after the last record, look for the next one this long before parking
-PARK_TIMEOUT_S = 0.25  # a parked thread looks anyway this often (a wake lost to store/load reordering costs this)
+PARK_TIMEOUT_S = 0.1  # a parked thread looks anyway this often (a wake lost to store/load reordering costs this)
+REAP_INTERVAL_S = 0.1  # how often the channels of ended sessions are looked for (the sessions' reaper's period)
 CONNECT_TIMEOUT_S = 10.0
 TOKEN_BYTES = 16
 _barrier = threading.Lock()
@@ -75,7 +77,7 @@ class FastPathServer:
         self.lock = threading.Lock()  # the channel registry: open() and session_ended() run on the event loop
         self.pending: dict[bytes, Channel] = {}  # by token, until the client connects
         self.channels: dict[int, Channel] = {}  # by socket fd
-        self.notes: list[Channel] = []  # fenced channels the thread is to close
+        self.reaped_at = 0.0  # when the thread last closed the channels of ended sessions
         self.address = f"kvpool-fastpath-{os.getpid()}-{os.urandom(6).hex()}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + self.address)
@@ -118,16 +120,6 @@ class FastPathServer:
                 self.pending[token] = channel
         return channel, "@" + self.address
 
-    def session_ended(self, session_id: int) -> None:
-        """The session ended (under the core's lock): fence its channels now, close them on the thread."""
-        with self.lock:
-            found = [c for c in (*self.channels.values(), *self.pending.values()) if c.session_id == session_id]
-            for channel in found:
-                channel.fence(fp.FENCED_SESSION_ENDED)
-                self.notes.append(channel)
-        if found:
-            self._note()
-
     def stop(self) -> None:
         """Fence and close every channel, stop the thread (idempotent)."""
         if not self.running:
@@ -159,6 +151,7 @@ class FastPathServer:
             try:
                 if self._serve_ready():  # it yields the GIL and the core after every record
                     idle_since = time.perf_counter()
+                    self._reap_ended()
                     continue
                 if time.perf_counter() - idle_since < SPIN_S:
                     os.sched_yield()  # releases the GIL and the core: the event loop runs between our looks
@@ -168,6 +161,18 @@ class FastPathServer:
             except Exception:  # a bug here must not end the thread: every channel would hang
                 logger.exception("fast path: serving failed")
                 time.sleep(0.01)
+
+    def _reap_ended(self) -> None:
+        """Fence and close the channels whose session has ended (closed, lease expired, keep-alive broken): every
+        REAP_INTERVAL_S, busy or parked. Their records were refused by the session table already (``guard``)."""
+        now = time.monotonic()
+        if now - self.reaped_at < REAP_INTERVAL_S:
+            return
+        self.reaped_at = now
+        live = self.service.guard.sessions
+        for channel in [c for c in (*self.channels.values(), *self.pending.values()) if c.session_id not in live]:
+            channel.fence(fp.FENCED_SESSION_ENDED)
+            self._close(channel)
 
     def _serve_ready(self) -> bool:
         served = False
@@ -207,20 +212,17 @@ class FastPathServer:
         for channel in channels:
             if channel.views is not None:
                 channel.views.ctl[fp.CTL_SERVER_PARKED] = 0
+        self._reap_ended()
         self._expire_pending()
 
     def _event(self, kind: Any, fileobj: Any) -> None:
         if kind == "listen":
             self._accept()
-        elif kind == "note":
+        elif kind == "note":  # stop(): the loop's condition says it
             try:
                 os.read(self.wake_r, 4096)
             except BlockingIOError:
                 pass
-            with self.lock:
-                notes, self.notes = self.notes, []
-            for noted in notes:
-                self._close(noted)
         else:
             channel: Channel = kind
             try:

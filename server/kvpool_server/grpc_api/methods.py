@@ -22,6 +22,7 @@ from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.core import AppendPlan
 from kvpool_server.grpc_api import messages
 from kvpool_server.grpc_api.status import PEER_KEY
+from kvpool_server.fastpath.server import FastPathServer
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import Call
 
@@ -76,11 +77,15 @@ def _events_response(service: KVPoolService, answer: Any) -> pb.SubscribeEventsR
     return messages.batch_message(batch, num_dropped, service.guard.events.medium)
 
 
-def _open_fast_path(service: KVPoolService, call: Call, session_id: int) -> Any:
-    fast_path = getattr(service, "fast_path", None)
-    if fast_path is None:
-        raise FailedPreconditionError("this server has the fast path off (--no-fast-path): use gRPC")
-    return fast_path.open(call, session_id, call.headers.get(PEER_KEY))
+def open_fast_path(fast_path: FastPathServer | None) -> Unary:
+    """OpenFastPath's row for a server whose shared-memory channels are ``fast_path`` (None: the fast path is off)."""
+
+    def invoke(service: KVPoolService, call: Call, r: pb.OpenFastPathRequest) -> Any:
+        if fast_path is None:
+            raise FailedPreconditionError("this server has the fast path off (--no-fast-path): use gRPC")
+        return fast_path.open(call, r.session_id, call.headers.get(PEER_KEY))
+
+    return Unary(pb.OpenFastPathRequest, invoke, _fast_path_response)
 
 
 def _fast_path_response(service: KVPoolService, answer: Any) -> pb.OpenFastPathResponse:
@@ -150,8 +155,7 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         pb.ListSequencesRequest, lambda s, call, r: s.sessions.sequences(call, r.session_id),
         lambda s, rows: pb.ListSequencesResponse(sequences=[
             pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in rows])),
-    "OpenFastPath": Unary(
-        pb.OpenFastPathRequest, lambda s, call, r: _open_fast_path(s, call, r.session_id), _fast_path_response),
+    "OpenFastPath": open_fast_path(None),  # build_server's method_handlers gives it the server's FastPathServer
     "Drain": Unary(
         pb.DrainRequest, lambda s, call, r: s.drain(call),
         lambda s, a: pb.DrainResponse(num_sessions=a[0], num_sequences=a[1])),

@@ -80,7 +80,6 @@ class KVPoolService:
         self.pins = SequencePins()
         self.invariants = InvariantChecks(manager)
         self.chunk_tokens = chunk_tokens(pool.layout.token_bytes)
-        self.fast_path: Any = None  # the shared-memory transport's FastPathServer, for OpenFastPath (build_server)
 
     def reload_tokens(self) -> bool:
         """SIGHUP: re-read the tokens file (under the lock: it changes the tenants' limits)."""

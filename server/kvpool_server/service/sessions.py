@@ -49,7 +49,6 @@ class SessionService:
         self.metrics = metrics
         self.on_drain = on_drain  # the Drain RPC's first call: health NOT_SERVING
         self.draining = False  # set by the Drain RPC, never unset (restart the server to serve again)
-        self.ended_hooks: list[Callable[[int], None]] = []  # called with a session's id as it ends (under the lock)
 
     def open(self, call: Call, client_name: str = "", lease_ttl_ms: int = 0) -> Session:
         self.refuse_if_drained("OpenSession")
@@ -72,8 +71,6 @@ class SessionService:
         """Forget the session and free its sequences (under the lock); returns (sequences, blocks) freed.
         ``since``: when the end was noticed (time.monotonic()), for the reclamation latency."""
         session = self.table.close(session_id)
-        for hook in self.ended_hooks:  # a transport's per-session state (the fast path's channel): fenced now
-            hook(session_id)
         manager = self.guard.manager
         seq_ids = manager.seq_ids_of_session(session_id)
         num_blocks = manager.free(seq_ids) if seq_ids else 0
