@@ -364,3 +364,4 @@ def test_the_channels_keep_their_invariants_through_open_use_end_and_stop():
     assert not any(os.path.exists(f"/dev/shm/{name}") for name in names)
     for client in clients[1:]:
         client.close()  # the server is gone: CloseSession's UNAVAILABLE is swallowed
+

@@ -45,6 +45,8 @@ SPIN_S = 50e-6  # after the last record, look for the next one this long before 
 PARK_TIMEOUT_S = 0.1  # a parked thread looks anyway this often (a wake lost to store/load reordering costs this)
 REAP_INTERVAL_S = 0.1  # how often the channels of ended sessions are looked for (the sessions' reaper's period)
 CONNECT_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 0.05  # the most a connection that does not send its token holds the thread up
+POLL_BUSY_S = 0.01  # a busy thread (never parked) still takes new connections and dead clients' EOFs this often
 TOKEN_BYTES = 16
 _barrier = threading.Lock()
 
@@ -78,6 +80,7 @@ class FastPathServer:
         self.pending: dict[bytes, Channel] = {}  # by token, until the client connects
         self.channels: dict[int, Channel] = {}  # by socket fd
         self.reaped_at = 0.0  # when the thread last closed the channels of ended sessions
+        self.polled_at = 0.0  # when the busy thread last looked at its sockets
         self.address = f"kvpool-fastpath-{os.getpid()}-{os.urandom(6).hex()}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + self.address)
@@ -114,8 +117,11 @@ class FastPathServer:
                         f"--fast-path-max-channels={self.max_channels} channels are open: use gRPC")
                 token = os.urandom(TOKEN_BYTES)
                 generation = int.from_bytes(os.urandom(7), "little") or 1
-                channel = Channel(new_name(), self.area_bytes, session_id, call.caller,
-                                  call.headers.get("authorization"), generation, token)
+                try:
+                    channel = Channel(new_name(), self.area_bytes, session_id, call.caller,
+                                      call.headers.get("authorization"), generation, token)
+                except OSError as exc:  # /dev/shm full, say: the client goes on over gRPC
+                    raise FailedPreconditionError(f"cannot make a fast-path segment ({exc}): use gRPC") from None
                 channel.opened_at = time.monotonic()
                 self.pending[token] = channel
         return channel, "@" + self.address
@@ -151,6 +157,7 @@ class FastPathServer:
             try:
                 if self._serve_ready():  # it yields the GIL and the core after every record
                     idle_since = time.perf_counter()
+                    self._poll_events()
                     self._reap_ended()
                     continue
                 if time.perf_counter() - idle_since < SPIN_S:
@@ -161,6 +168,14 @@ class FastPathServer:
             except Exception:  # a bug here must not end the thread: every channel would hang
                 logger.exception("fast path: serving failed")
                 time.sleep(0.01)
+
+    def _poll_events(self) -> None:
+        """While busy: new connections, clients that went away (the parked thread gets these from ``select``)."""
+        now = time.monotonic()
+        if now - self.polled_at >= POLL_BUSY_S:
+            self.polled_at = now
+            for key, _ in self.selector.select(0):
+                self._event(key.data, key.fileobj)
 
     def _reap_ended(self) -> None:
         """Fence and close the channels whose session has ended (closed, lease expired, keep-alive broken): every
@@ -241,7 +256,10 @@ class FastPathServer:
             return
         try:
             uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-            sock.settimeout(1.0)
+            if uid != os.getuid():  # only this user's processes map the segment (0600) anyway
+                sock.close()
+                return
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)  # the client sends its token with the connect: it is there
             token = b""
             while len(token) < TOKEN_BYTES:
                 chunk = sock.recv(TOKEN_BYTES - len(token))
@@ -252,7 +270,7 @@ class FastPathServer:
             sock.close()
             return
         with self.lock:
-            channel = self.pending.pop(token, None) if uid == os.getuid() else None
+            channel = self.pending.pop(token, None)
             if channel is not None and not channel.fenced:
                 channel.connected(sock)
                 self.channels[sock.fileno()] = channel
