@@ -11,9 +11,19 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import threading
 
 from kvpool import fastpath as fp
 from kvpool_server.service.auth import Identity
+
+_barrier = threading.Lock()
+
+
+def memory_barrier() -> None:
+    """A full barrier between our store and our load of the other side's flag (an uncontended lock's atomic
+    read-modify-write; x86 orders it fully). The parked side's timeout covers a platform where it would not."""
+    _barrier.acquire()
+    _barrier.release()
 
 
 class Channel:

@@ -26,17 +26,17 @@ import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
 from kvpool import fastpath as fp
 from kvpool_server.core import InvalidArgumentError
-from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.core.errors import FailedPreconditionError
-from kvpool_server.fastpath.channel import Channel, new_name
+from kvpool_server.fastpath.channel import Channel, memory_barrier, new_name
+from kvpool_server.fastpath.handshake import is_local_peer, new_token, read_token
 from kvpool_server.fastpath.records import ChannelHeaders, serve_record
+from kvpool_server.service.errors import TooManyStreamsError
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import Call, CallScope
 
@@ -45,24 +45,7 @@ SPIN_S = 50e-6  # after the last record, look for the next one this long before 
 PARK_TIMEOUT_S = 0.1  # a parked thread looks anyway this often (a wake lost to store/load reordering costs this)
 REAP_INTERVAL_S = 0.1  # how often the channels of ended sessions are looked for (the sessions' reaper's period)
 CONNECT_TIMEOUT_S = 10.0
-HANDSHAKE_TIMEOUT_S = 0.05  # the most a connection that does not send its token holds the thread up
 POLL_BUSY_S = 0.01  # a busy thread (never parked) still takes new connections and dead clients' EOFs this often
-TOKEN_BYTES = 16
-_barrier = threading.Lock()
-
-
-def memory_barrier() -> None:
-    """A full barrier between our store and our load of the other side's flag (an uncontended lock's atomic
-    read-modify-write; x86 orders it fully). PARK_TIMEOUT_S covers a platform where it would not."""
-    _barrier.acquire()
-    _barrier.release()
-
-
-def is_local_peer(peer: str | None) -> bool:
-    """gRPC's peer string of a unix socket or loopback client."""
-    if not peer:
-        return False
-    return peer.startswith("unix:") or peer.startswith("ipv4:127.") or peer.startswith("ipv6:[::1]")
 
 
 class FastPathServer:
@@ -76,7 +59,7 @@ class FastPathServer:
         self.scope = scope
         self.area_bytes = area_bytes
         self.max_channels = max_channels
-        self.lock = threading.Lock()  # the channel registry: open() and session_ended() run on the event loop
+        self.lock = threading.Lock()  # the registry: open() runs on the event loop, the rest on the thread
         self.pending: dict[bytes, Channel] = {}  # by token, until the client connects
         self.channels: dict[int, Channel] = {}  # by socket fd
         self.reaped_at = 0.0  # when the thread last closed the channels of ended sessions
@@ -113,9 +96,9 @@ class FastPathServer:
             guard.fence(call.caller, session_id)  # live, the caller's tenant's (NOT_FOUND otherwise); renewed
             with self.lock:
                 if len(self.pending) + len(self.channels) >= self.max_channels:
-                    raise QuotaExceededError(
+                    raise TooManyStreamsError(
                         f"--fast-path-max-channels={self.max_channels} channels are open: use gRPC")
-                token = os.urandom(TOKEN_BYTES)
+                token = new_token()
                 generation = int.from_bytes(os.urandom(7), "little") or 1
                 try:
                     channel = Channel(new_name(), self.area_bytes, session_id, call.caller,
@@ -254,20 +237,8 @@ class FastPathServer:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        try:
-            uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-            if uid != os.getuid():  # only this user's processes map the segment (0600) anyway
-                sock.close()
-                return
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)  # the client sends its token with the connect: it is there
-            token = b""
-            while len(token) < TOKEN_BYTES:
-                chunk = sock.recv(TOKEN_BYTES - len(token))
-                if not chunk:
-                    break
-                token += chunk
-        except OSError:
-            sock.close()
+        token = read_token(sock)
+        if token is None:
             return
         with self.lock:
             channel = self.pending.pop(token, None)
