@@ -146,6 +146,7 @@ class FastChannel:
         write(views)
         views.req[fp.REQ_SEQ] = seq
         ctl = views.ctl
+        memory_barrier()  # the record's stores before the seq's (x86 keeps them in order anyway; ARM does not)
         ctl[fp.CTL_REQ_SEQ] = seq
         self.seq = seq
         memory_barrier()
@@ -154,6 +155,7 @@ class FastChannel:
         return views, seq
 
     def _finish(self, views: fp.Views, read: Any, method: str) -> Any:
+        memory_barrier()  # the reply's loads after the seq's
         rep = views.rep
         code = int(rep[fp.REP_CODE])
         if code:

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvpool import fastpath as fp
 from kvpool_server.core import InvalidArgumentError
+from kvpool_server.fastpath.channel import memory_barrier
 from kvpool_server.service.errors import Status
 from kvpool_server.service.kvpool import KVPoolService, Registered
 from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
@@ -44,6 +45,7 @@ class ChannelHeaders:
 def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, headers: ChannelHeaders,
                  session_id: int, generation: int, seq: int) -> None:
     """Serve the request record ``seq`` of a channel and write its reply (never raises for a bad record)."""
+    memory_barrier()  # the record's loads after the seq's
     header = views.req.tolist()  # one copy of the 16 words: what is read below cannot change under us
     op = header[fp.REQ_OP]
     call = scope.call(fp.OP_NAMES.get(op, "FastPath"), headers)
@@ -149,6 +151,7 @@ def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
             rep[fp.REP_VALUE0] = int(answer)
         rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
     rep[fp.REP_SEQ] = seq
+    memory_barrier()  # the reply's stores before the seq's (x86 keeps them in order anyway; ARM does not)
     views.ctl[fp.CTL_REP_SEQ] = seq  # published: the whole reply is written
 
 
@@ -161,4 +164,5 @@ def write_error(views: fp.Views, seq: int, status: Status) -> None:
     rep[fp.REP_MSG_LEN] = len(message)
     rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
     rep[fp.REP_SEQ] = seq
+    memory_barrier()
     views.ctl[fp.CTL_REP_SEQ] = seq
