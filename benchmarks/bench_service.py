@@ -9,6 +9,8 @@ Every server is a separate process started by this script, one at a time:
   echo-stream      the sync echo's bidi EchoStream: one stream, one echo message per step (same message shapes)
   echo-aio-stream  the same on the grpc.aio echo: the baseline of kvpool-stream
   kvpool-stream    the real ``kvpool-server``, AppendTokenStream: one stream, one message per step
+  kvpool-fast      the real ``kvpool-server``, the decode step over the session's shared-memory fast path
+                   (``KVPoolClient.append``: docs/fast-path.md); ``kvpool-fast-tokens``: with the 256 token ids
   kvpool-before    with ``--before DIR``: the real server of an older tree (``git archive REV server common | tar -x
                    -C DIR``), and ``kvpool-before-stream``; run in the same rounds, so ``kvpool / kvpool-before`` is
                    a change's cost measured in one run
@@ -68,12 +70,19 @@ def open_stream(call: grpc.StreamStreamMultiCallable) -> tuple:
     return exchange, close
 
 
+def server_kind(kind: str) -> str:
+    """The server a kind measures (the -stream and -fast kinds use the same servers)."""
+    return kind.removesuffix("-stream").removesuffix("-tokens").removesuffix("-fast")
+
+
 def run_client(kind: str, address: str, mode: str, duration_s: float, start_at: float | None = None) -> list[float]:
     """Back-to-back steps for ``duration_s``; returns each step's latency in seconds."""
     channel = grpc.insecure_channel(address)
     streaming = kind.endswith("-stream")
     close = None
-    if kind.startswith("echo"):
+    if "-fast" in kind:
+        step, reset, close = fast_client(kind, address)
+    elif kind.startswith("echo"):
         if streaming:
             exchange, close = open_stream(channel.stream_stream(
                 ECHO_STREAM_METHOD,
@@ -146,6 +155,27 @@ def run_client(kind: str, address: str, mode: str, duration_s: float, start_at: 
     return latencies
 
 
+def fast_client(kind: str, address: str) -> tuple:
+    """(step, reset, close) of a KVPoolClient whose appends go over its fast-path channel."""
+    from kvpool_client import KVPoolClient
+
+    client = KVPoolClient(address, fast_path=True)
+    state: dict = {}
+    token_ids = np.arange(NUM_SEQS, dtype=np.uint32) if kind.endswith("-tokens") else None
+
+    def reset() -> None:
+        if "ids" in state:
+            client.free(state["ids"])
+        state["ids"] = [client.register() for _ in range(NUM_SEQS)]
+
+    def step() -> None:
+        assert client.append(state["ids"], 1, token_ids=token_ids).slot_mapping.size == NUM_SEQS
+
+    reset()
+    assert client.fast_path_open, "the fast path did not open (is the server local?)"
+    return step, reset, client.close
+
+
 def _client_proc(args: tuple) -> tuple[int, float]:
     latencies = run_client(*args)
     return len(latencies), sum(latencies)
@@ -163,7 +193,7 @@ def summarize(latencies: list[float]) -> dict[str, float]:
 def measure(
     kind: str, duration_s: float, clients: int, naive: bool, extra_args: list[str], transport: str = "tcp"
 ) -> dict[str, dict[str, float]]:
-    server = Server(kind.removesuffix("-stream"), extra_args, transport)  # -stream kinds: the same servers
+    server = Server(server_kind(kind), extra_args, transport)
     try:
         results = {"1 client": summarize(run_client(kind, server.address, "batched", duration_s))}
         if clients > 1 and not kind.endswith("-stream"):
@@ -191,7 +221,8 @@ def main() -> None:
     parser.add_argument("--no-aio", action="store_true", help="skip the asyncio variants")
     parser.add_argument("--no-naive", action="store_true", help="skip the one-call-per-sequence figure")
     parser.add_argument("--quick", action="store_true", help="1 s per measurement, 1 round")
-    parser.add_argument("--kinds", default="echo,echo-aio,kvpool,echo-stream,echo-aio-stream,kvpool-stream",
+    parser.add_argument("--kinds", default="echo,echo-aio,kvpool,echo-stream,echo-aio-stream,kvpool-stream,"
+                        "kvpool-fast,kvpool-fast-tokens",
                         help="servers to measure")
     parser.add_argument("--before", metavar="DIR", help="also measure the server of an older tree unpacked in DIR "
                         "(kinds kvpool-before, kvpool-before-stream), alternating with this tree's")
@@ -238,7 +269,8 @@ def main() -> None:
     for pair in (("kvpool", "echo-aio"), ("kvpool-stream", "echo-aio-stream"), ("kvpool", "echo"),
                  ("kvpool-stream", "echo-stream"), ("kvpool-stream", "kvpool"), ("echo-aio", "echo"),
                  ("echo-aio-stream", "echo-stream"), ("kvpool-inproc", "echo-aio"), ("kvpool", "kvpool-inproc"),
-                 ("kvpool", "kvpool-before"), ("kvpool-stream", "kvpool-before-stream")):
+                 ("kvpool", "kvpool-before"), ("kvpool-stream", "kvpool-before-stream"),
+                 ("kvpool-fast", "kvpool"), ("kvpool-fast", "kvpool-stream")):
         for label in ("1 client", f"{args.clients} clients"):
             a, b = (pair[0], label), (pair[1], label)
             if a in best and b in best:

@@ -27,16 +27,18 @@ import grpc
 
 from kvpool.layout import KVLayout
 from kvpool_client import plan
-from kvpool_client.commands import KVPoolCommands
+from kvpool_client.fast_commands import FastPathCommands
 from kvpool_client.session import keep_alive_task
 
 R = TypeVar("R")
 
 
-class AsyncKVPoolClient(KVPoolCommands):
+class AsyncKVPoolClient(FastPathCommands):
     """One grpc.aio channel to a kvpool server; any number of calls may be in flight on it at once.
 
-    ``AsyncKVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None)``: see commands.py."""
+    ``AsyncKVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None, fast_path=None)``:
+    see commands.py and fast_commands.py (register / append / fork / free over the session's shared-memory channel
+    when the server is local; a parked wait is on the event loop)."""
 
     @staticmethod
     def _open_channel(
@@ -57,6 +59,8 @@ class AsyncKVPoolClient(KVPoolCommands):
         """One step, awaited: a unary call's response, or a sleep."""
         if isinstance(step, plan.Pause):
             return await asyncio.sleep(step.seconds)
+        if isinstance(step, plan.Exchange):
+            return await step.channel.exchange_async(step)
         return await self._stub_method(step.rpc)(step.request, timeout=step.timeout, metadata=self._metadata)
 
     async def layout(self) -> KVLayout:
@@ -66,6 +70,7 @@ class AsyncKVPoolClient(KVPoolCommands):
     async def close(self) -> None:
         """End the session (the server frees its sequences) and close the channel; calls in flight are cancelled."""
         keep_alive = getattr(self, "_keep_alive", None)
+        self._close_fast_path()
         await self._run(self._close_session())
         if keep_alive is not None:
             keep_alive.cancel()

@@ -29,8 +29,8 @@ import grpc
 
 from kvpool.layout import KVLayout
 from kvpool_client import plan
-from kvpool_client.commands import KVPoolCommands
 from kvpool_client.errors import InvalidArgumentError
+from kvpool_client.fast_commands import FastPathCommands
 from kvpool_client.session import KeepAliveThread
 from kvpool_client.stream import AppendStream
 
@@ -41,10 +41,13 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 
 
-class KVPoolClient(KVPoolCommands):
+class KVPoolClient(FastPathCommands):
     """One channel to a kvpool server. Thread-safe (gRPC channels are); not fork-safe: make one per process.
 
-    ``KVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None)``: see commands.py."""
+    ``KVPoolClient(target, *, timeout=10.0, retry=RetryPolicy(), options=(), channel=None, fast_path=None)``: see
+    commands.py. ``fast_path``: register / append / fork / free go over the session's shared-memory channel when the
+    server is on this host (fast_commands.py, docs/fast-path.md); False: always gRPC; None (the default): on, unless
+    ``channel`` is given (a caller's own channel, its interceptors, see every call)."""
 
     @staticmethod
     def _open_channel(
@@ -65,6 +68,8 @@ class KVPoolClient(KVPoolCommands):
         """One step, blocking: a unary call's response, or a sleep."""
         if isinstance(step, plan.Pause):
             return time.sleep(step.seconds)
+        if isinstance(step, plan.Exchange):
+            return step.channel.exchange(step)
         return self._stub_method(step.rpc)(step.request, timeout=step.timeout, metadata=self._metadata)
 
     @property
@@ -125,6 +130,7 @@ class KVPoolClient(KVPoolCommands):
             pool.close()
         self._attached.clear()
         keep_alive = getattr(self, "_keep_alive", None)
+        self._close_fast_path()
         self._run(self._close_session())
         if keep_alive is not None:
             keep_alive.stop()

@@ -9,6 +9,8 @@ A plan never touches a channel, a sleep or an event loop. It yields two kinds of
     Attempt(rpc, request, timeout)   make one unary call; the response comes back at the yield, or the call's
                                      exception (errors.py) is raised there
     Pause(seconds)                   wait that long (between retries, between health polls)
+    Exchange(channel, write, read,   one record over the session's fast-path channel (fast_commands.py)
+             method, timeout)
 
 and returns the call's result. ``run`` makes the steps with blocking calls (KVPoolClient), ``run_async`` with
 awaited ones (AsyncKVPoolClient): that is all the two clients do differently. psycopg 3 drives its protocol the
@@ -40,7 +42,18 @@ class Pause(NamedTuple):
     seconds: float
 
 
-Step = Attempt | Pause
+class Exchange(NamedTuple):
+    """One record over a fast-path channel (fastpath.py): ``write(views)``, publish, wait, ``read(views)``; the
+    reply's error is raised at the yield as the client's exception."""
+
+    channel: Any
+    write: Callable[[Any], None]
+    read: Callable[[Any], Any]
+    method: str
+    timeout: float
+
+
+Step = Attempt | Pause | Exchange
 Plan = Generator[Step, Any, R]
 
 

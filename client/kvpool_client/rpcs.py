@@ -44,4 +44,5 @@ OPEN_SESSION = Rpc("OpenSession", idempotent=False)
 CLOSE_SESSION = Rpc("CloseSession", idempotent=False)
 LIST_SESSIONS = Rpc("ListSessions", idempotent=True)
 LIST_SEQUENCES = Rpc("ListSequences", idempotent=True)
+OPEN_FAST_PATH = Rpc("OpenFastPath", idempotent=False)  # fast_commands.py
 HEALTH_CHECK = Rpc("Health.Check", idempotent=True, stub=HEALTH_STUB)

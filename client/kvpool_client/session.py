@@ -136,20 +136,20 @@ class KeepAliveThread(threading.Thread):
         super().__init__(name=f"kvpool-keepalive-{state.session_id}", daemon=True)
         self._state = state
         self._open_stream = open_stream
-        self._stop = threading.Event()
+        self._stopping = threading.Event()  # not _stop: that is threading.Thread's own method (called after a fork)
         self._call: Any = None
         self._sent: deque[float] = deque(maxlen=MAX_HEARTBEATS_IN_FLIGHT)
 
     def _heartbeats(self) -> Iterator[pb.KeepAliveRequest]:
         request = pb.KeepAliveRequest(session_id=self._state.session_id)
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             self._sent.append(time.monotonic())
             yield request
-            self._stop.wait(self._state.heartbeat_s)
+            self._stopping.wait(self._state.heartbeat_s)
 
     def run(self) -> None:
         state, broken_since = self._state, None
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             try:
                 self._sent.clear()
                 self._call = self._open_stream(self._heartbeats())
@@ -157,11 +157,11 @@ class KeepAliveThread(threading.Thread):
                     broken_since = None
                     if self._sent:
                         state.acked(self._sent.popleft())
-                if self._stop.is_set():
+                if self._stopping.is_set():
                     return
                 raise grpc.RpcError()  # the server ended the stream: a drain; reconnect like a failure
             except grpc.RpcError as rpc_error:
-                if self._stop.is_set():
+                if self._stopping.is_set():
                     return
                 error = from_rpc_error(rpc_error, KEEP_ALIVE_METHOD) if hasattr(rpc_error, "code") else ServerGoneError(
                     "the server ended the keep-alive stream", method=KEEP_ALIVE_METHOD)
@@ -169,10 +169,10 @@ class KeepAliveThread(threading.Thread):
                 broken_since = broken_since or now
                 if state.keep_alive_failed(error, gave_up=now - broken_since > state.lease_ttl_s):
                     return
-                self._stop.wait(RECONNECT_PAUSE_S)
+                self._stopping.wait(RECONNECT_PAUSE_S)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         if self._call is not None:
             self._call.cancel()
 

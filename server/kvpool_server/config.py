@@ -154,6 +154,16 @@ class ServerConfig:
         10_000, "a session's lease when its client asks for none: it ends (and its sequences are freed) this long "
         "after its last heartbeat", min=100, max="max_session_ttl_ms")
     max_session_ttl_ms: int = setting(300_000, "the longest lease a client may ask for", min=100)
+    # The shared-memory fast path (docs/fast-path.md): Register/Append/Fork/Free as records for local sessions.
+    no_fast_path: bool = setting(
+        False, "offer no shared-memory channel to local sessions (OpenFastPath answers FAILED_PRECONDITION): gRPC "
+        "only", show_default=False)
+    fast_path_area_bytes: int = setting(
+        1 * MiB, "each fast-path channel's request area and reply area (a bigger record goes over gRPC)",
+        min=64 << 10, max=64 * MiB, size=True)
+    fast_path_max_channels: int = setting(
+        256, "most open fast-path channels (each maps two areas of shared memory; only touched pages cost memory)",
+        min=1)
     shutdown_grace_s: float = setting(10.0, "seconds in-flight calls get to finish after SIGTERM/SIGINT", min=0)
     shutdown_drain_s: float = setting(
         2.0, "at shutdown, at most this many seconds of refusing new calls (UNAVAILABLE) before the listener closes; "

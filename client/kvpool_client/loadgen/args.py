@@ -74,6 +74,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--admin-token", default=os.environ.get("KVPOOL_ADMIN_TOKEN"), metavar="TOKEN",
                    help="an admin token: Stats of every tenant in one call, and CheckInvariants at the end "
                         "(env KVPOOL_ADMIN_TOKEN)")
+    p.add_argument("--no-fast-path", action="store_true",
+                   help="every call over gRPC (default: register/append/fork/free over each process's shared-memory "
+                   "channel when the server is on this host, docs/fast-path.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a tty)")
     return p
 

@@ -64,7 +64,7 @@ def spawn(a: argparse.Namespace, tenants: list[tuple[str, str]], dist: LengthDis
                            exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant,
                            workload=a.workload, num_prompts=a.num_prompts, shared_tokens=a.shared_tokens,
                            unique_tokens=a.unique_tokens, num_turns=a.turns, turn_tokens=a.turn_tokens,
-                           no_prefix_cache=a.no_prefix_cache)
+                           no_prefix_cache=a.no_prefix_cache, fast_path=not a.no_fast_path)
         proc = ctx.Process(target=worker_main, args=(cfg, workers.claim, workers.start, workers.events),
                            name=f"kvpool-loadgen-{i}")
         proc.start()

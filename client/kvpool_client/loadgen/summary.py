@@ -90,6 +90,7 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
             "tokens_appended": counts.get("tokens_appended", 0),
             "tokens_per_s": counts.get("tokens_appended", 0) / (t1 - t0) if t1 > t0 else 0.0,
             "append_calls": counts.get("append_calls", 0),
+            "fast_path_appends": counts.get("fast_path_appends", 0),  # of them, over the shared-memory channel
             "decode_steps": counts.get("decode_steps", 0),
             "beams_pruned": counts.get("beams_pruned", 0),
             "resource_exhausted_retries": counts.get("exhausted_retries", 0),

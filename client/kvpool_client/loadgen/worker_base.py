@@ -30,7 +30,7 @@ class WorkerBase:
         self.events = events
         self.dist = distribution(cfg.lengths, cfg.max_len)
         self.width = sequences_per_request(cfg.mode, cfg.beam_width, cfg.num_samples)
-        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, token=cfg.token)
+        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, token=cfg.token, fast_path=cfg.fast_path)
         self.pool = self.client.attach_ranks()  # every rank's shard of a tensor-parallel pool, split by heads
         self.layout = self.pool.layout
         if cfg.kv_source == "device" and self.pool.backend != "gpu":
@@ -87,6 +87,7 @@ class WorkerBase:
                     raise
                 time.sleep(0.005)
         self.counts["append_calls"] += 1
+        self.counts["fast_path_appends"] += self.client.fast_path_open  # over the shared-memory channel
         self.counts["tokens_appended"] += len(result.slot_mapping)
         self.counts["copies"] += len(result.copies)
         self.counts["blocks_allocated"] += len(result.new_block_ids)

@@ -41,3 +41,4 @@ class WorkerConfig:
     num_turns: int = 4
     turn_tokens: int = 64
     no_prefix_cache: bool = False
+    fast_path: bool = True  # register/append/fork/free over the session's shared-memory channel when local

@@ -527,3 +527,27 @@ class BlockRemoved(_message.Message):
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class OpenFastPathRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class OpenFastPathResponse(_message.Message):
+    __slots__ = ("shm_name", "socket_address", "token", "segment_bytes", "area_bytes", "generation", "max_batch")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AREA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    socket_address: str
+    token: bytes
+    segment_bytes: int
+    area_bytes: int
+    generation: int
+    max_batch: int
+    def __init__(self, shm_name: _Optional[str] = ..., socket_address: _Optional[str] = ..., token: _Optional[bytes] = ..., segment_bytes: _Optional[int] = ..., area_bytes: _Optional[int] = ..., generation: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...

@@ -125,6 +125,11 @@ class KVPoolServiceStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.OpenFastPath = channel.unary_unary(
+                '/kvpool.v1.KVPoolService/OpenFastPath',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.OpenFastPathRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.OpenFastPathResponse.FromString,
+                _registered_method=True)
 
 
 class KVPoolServiceServicer:
@@ -268,6 +273,16 @@ class KVPoolServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenFastPath(self, request, context):
+        """OpenFastPath opens a shared-memory channel for a live session of the caller's tenant, for a client on the same
+        host (unix socket or loopback): RegisterSequence, AppendToken, Fork and Free as fixed binary records in a
+        shared-memory segment, woken through a unix socket (docs/fast-path.md). The channel ends with its session.
+        FAILED_PRECONDITION when the server has the fast path off or the caller is not local: use gRPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPoolServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -360,6 +375,11 @@ def add_KVPoolServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.DrainRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.DrainResponse.SerializeToString,
+            ),
+            'OpenFastPath': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenFastPath,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.OpenFastPathRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.OpenFastPathResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -849,6 +869,33 @@ class KVPoolService:
             '/kvpool.v1.KVPoolService/Drain',
             kvpool_dot_v1_dot_kvpool__pb2.DrainRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenFastPath(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPoolService/OpenFastPath',
+            kvpool_dot_v1_dot_kvpool__pb2.OpenFastPathRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.OpenFastPathResponse.FromString,
             options,
             channel_credentials,
             insecure,

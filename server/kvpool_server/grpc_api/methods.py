@@ -17,9 +17,13 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool import fastpath as fp
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.core import AppendPlan
 from kvpool_server.grpc_api import messages
+from kvpool_server.grpc_api.status import PEER_KEY
+from kvpool_server.fastpath.server import FastPathServer
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import Call
 
@@ -75,6 +79,24 @@ def _follow_events(service: KVPoolService, call: Call, r: pb.SubscribeEventsRequ
 def _events_response(service: KVPoolService, answer: Any) -> pb.SubscribeEventsResponse:
     batch, num_dropped = answer
     return messages.batch_message(batch, num_dropped, service.guard.events.medium)
+
+
+def open_fast_path(fast_path: FastPathServer | None) -> Unary:
+    """OpenFastPath's row for a server whose shared-memory channels are ``fast_path`` (None: the fast path is off)."""
+
+    def invoke(service: KVPoolService, call: Call, r: pb.OpenFastPathRequest) -> Any:
+        if fast_path is None:
+            raise FailedPreconditionError("this server has the fast path off (--no-fast-path): use gRPC")
+        return fast_path.open(call, r.session_id, call.headers.get(PEER_KEY))
+
+    return Unary(pb.OpenFastPathRequest, invoke, _fast_path_response)
+
+
+def _fast_path_response(service: KVPoolService, answer: Any) -> pb.OpenFastPathResponse:
+    channel, address = answer
+    return pb.OpenFastPathResponse(shm_name=channel.name, socket_address=address, token=channel.token,
+                                   segment_bytes=fp.segment_bytes(channel.area_bytes), area_bytes=channel.area_bytes,
+                                   generation=channel.generation, max_batch=service.max_batch)
 
 
 def _close_append_stream(service: KVPoolService, state: Any, reason: str) -> None:
@@ -139,6 +161,7 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         lambda s, a: pb.ListSequencesResponse(sequences=[
             pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in a[0]],
             next_page_token=a[1])),
+    "OpenFastPath": open_fast_path(None),  # build_server's method_handlers gives it the server's FastPathServer
     "Drain": Unary(
         pb.DrainRequest, lambda s, call, r: s.drain(call),
         lambda s, a: pb.DrainResponse(num_sessions=a[0], num_sequences=a[1])),

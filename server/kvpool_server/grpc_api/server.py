@@ -22,9 +22,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpool.v1 import kvpool_pb2
 from kvpool_server.config import ServerConfig
 from kvpool_server.device.protocol import Pool
+from kvpool_server.fastpath.server import FastPathServer
 from kvpool_server.grpc_api.handlers import unary_handler
 from kvpool_server.grpc_api.listen import bind
-from kvpool_server.grpc_api.methods import RPCS, BidiStream, ServerStream, Unary
+from kvpool_server.grpc_api.methods import RPCS, BidiStream, ServerStream, Unary, open_fast_path
 from kvpool_server.grpc_api.reflection import SERVICE_NAME, add_reflection
 from kvpool_server.grpc_api.streams import OpenStreams, bidi_handler, server_stream_handler
 from kvpool_server.service.admission import Admission
@@ -74,6 +75,7 @@ class ServerHandle:
     background: BackgroundTasks  # periodic work on the loop: ``handle.background.every(interval_s, fn)``
     metrics: KVPoolMetrics | None = None
     metrics_address: str = ""
+    fast_path: FastPathServer | None = None  # the shared-memory channels (None with --no-fast-path)
     metrics_http: MetricsHTTPServer | None = field(default=None)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -92,6 +94,8 @@ class ServerHandle:
             except OSError as exc:
                 raise StartupError(str(exc)) from exc
         self.run(self._start())
+        if self.fast_path is not None:
+            self.fast_path.start()
 
     async def _start(self) -> None:
         await self.server.start()
@@ -115,6 +119,8 @@ class ServerHandle:
         if not self.loop.loop.is_closed():
             self.run(self._stop())
             self.loop.close()
+        if self.fast_path is not None:
+            self.fast_path.stop()
         self.executor.shutdown(wait=True, cancel_futures=True)
         if self.metrics_http is not None:
             self.metrics_http.close()
@@ -150,12 +156,14 @@ def _not_serving_soon(health_servicer: Any) -> None:
             health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING))
 
 
-def method_handlers(service: KVPoolService, scope: CallScope, executor: Executor,
-                    streams: OpenStreams) -> dict[str, grpc.RpcMethodHandler]:
-    """A raw-bytes handler for every KVPoolService method, chosen by the method's kind (``methods.RPCS``)."""
+def method_handlers(service: KVPoolService, scope: CallScope, executor: Executor, streams: OpenStreams,
+                    fast_path: FastPathServer | None = None) -> dict[str, grpc.RpcMethodHandler]:
+    """A raw-bytes handler for every KVPoolService method, chosen by the method's kind (``methods.RPCS``;
+    OpenFastPath opens ``fast_path``'s channels, or answers FAILED_PRECONDITION without one)."""
     handlers = {}
+    rpcs = {**RPCS, "OpenFastPath": open_fast_path(fast_path)}
     for name, descriptor in SERVICE.methods_by_name.items():
-        method = RPCS[name]
+        method = rpcs[name]
         kind = (descriptor.client_streaming, descriptor.server_streaming)
         if kind == (False, False) and isinstance(method, Unary):
             handlers[name] = unary_handler(service, scope, executor, name, method)
@@ -193,16 +201,19 @@ async def _build(config: ServerConfig, service: KVPoolService, admission: Admiss
         background.every(min(1.0, config.stream_idle_timeout_s / 4), streams.sweep, "idle-streams")
     background.every(REAP_INTERVAL_S, service.sessions.reap_expired, "sessions-reaper")  # leases that ran out
     scope = CallScope(admission, service.auth, metrics)
+    fast_path = None if config.no_fast_path else FastPathServer(
+        service, scope, area_bytes=config.fast_path_area_bytes, max_channels=config.fast_path_max_channels)
     server = grpc.aio.server(options=grpc_options(config))
     try:
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, method_handlers(service, scope, executor, streams)),)
-        )
+        handlers = method_handlers(service, scope, executor, streams, fast_path)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         add_reflection(server)
         port = bind(server, config, StartupError)
     except BaseException:
         executor.shutdown(wait=False)
+        if fast_path is not None:
+            fast_path.stop()
         raise
     return ServerHandle(server, port, service.guard.pool, service, admission, health_servicer, loop, executor,
-                        streams, background, metrics, config.metrics_address)
+                        streams, background, metrics, config.metrics_address, fast_path=fast_path)

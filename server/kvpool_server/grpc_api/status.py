@@ -16,6 +16,9 @@ async def abort(context: grpc.aio.ServicerContext, status: Status) -> NoReturn:
     raise AssertionError("unreachable: abort raises")
 
 
+PEER_KEY = ":peer"  # MetadataHeaders.get(PEER_KEY): gRPC's peer ("unix:...", "ipv4:127.0.0.1:5555", ...)
+
+
 class MetadataHeaders:
     """A call's invocation metadata, read (once) only when the service asks for a header."""
 
@@ -26,6 +29,9 @@ class MetadataHeaders:
         self._metadata: dict[str, Any] | None = None
 
     def get(self, key: str) -> str | None:
+        if key == PEER_KEY:  # not metadata (a client cannot send a key starting with ':')
+            peer = self._context.peer()
+            return peer.decode() if isinstance(peer, bytes) else peer
         if self._metadata is None:
             self._metadata = dict(self._context.invocation_metadata() or ())
         value = self._metadata.get(key)

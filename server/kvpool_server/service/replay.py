@@ -49,7 +49,10 @@ def fingerprint(*parts: Any) -> bytes:
         elif isinstance(part, int):
             digest.update(b"\x00I%d" % part)
         else:  # an int sequence (a protobuf repeated field, a list, an array): 1-2 us at 256 ints
-            array = np.asarray(part, dtype=np.int64)
+            try:
+                array = np.asarray(part, dtype=np.int64)
+            except OverflowError:  # ids of 2**63 and above (uint64 fields): the same bytes as their int64 wrap
+                array = np.asarray(part, dtype=np.uint64).view(np.int64)
             digest.update(b"\x00A%d:" % array.size + array.tobytes())
     return digest.digest()
 

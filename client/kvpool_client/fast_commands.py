@@ -1,0 +1,228 @@
+"""register / register_prompt / append / fork / free over the session's fast-path channel when the client has one
+(docs/fast-path.md), else -- a remote server, ``fast_path=False``, ``session=False``, a server with the fast path
+off, a record too big for the channel's areas, an argument the record cannot carry -- the same call over gRPC
+(commands.py). Same arguments, same results, same exceptions either way; both clients (KVPoolClient, and
+AsyncKVPoolClient, whose exchange parks on its event loop) run these plans.
+
+The channel is opened on the first such call, after the session (OpenFastPath names it), and closed by
+``close()``. A channel that failed -- a timeout (its request may still be applied: it is out of step), a fence (its
+session ended, the server stopped), its socket's end (the server died) -- raised its error for the call in flight
+and is given up: later calls go over gRPC and get the server's answer as it now stands.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool import fastpath as fp
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_client import fastpath_records as channel_ops
+from kvpool_client import convert, rpcs
+from kvpool_client.command import command
+from kvpool_client.commands import KVPoolCommands
+from kvpool_client.errors import KVPoolClientError
+from kvpool_client.fastpath import FastChannel, is_local_target
+from kvpool_client.plan import Exchange, Plan
+from kvpool_client.types import AppendResult
+
+logger = logging.getLogger(__name__)
+# Records carry no request id: a channel applies each record at most once (its seq), never resends one, and gives
+# itself up when a reply does not come (DeadlineExceededError), so the server's reply cache has nothing to replay
+# -- and skipping it is a third of the server's work for a decode step. (The record has the field: a client that
+# wants replay across transports may fill it.)
+NO_REQUEST_ID = 0
+MAX_EXTRA_KEY = 4096
+
+
+class FastPathCommands(KVPoolCommands):
+    """KVPoolCommands with the four steady-state calls over the fast path when it can."""
+
+    def __init__(self, target: str, *, fast_path: bool | None = None, **kwargs: Any) -> None:
+        """``fast_path``: True, or None (the default) unless ``channel`` is given (a caller's own channel, its
+        interceptors, see every call): the four calls over the session's channel when the server is on this host;
+        False: always gRPC. The other arguments: KVPoolCommands'."""
+        super().__init__(target, **kwargs)
+        enabled = kwargs.get("channel") is None if fast_path is None else fast_path
+        self._fast_off = not (enabled and self._session.enabled and is_local_target(target))
+        self._fast_channel: FastChannel | None = None
+        # The receive limit this client declares to the server (convert.call_metadata): a call whose worst-case
+        # reply is over it goes over gRPC, where the server refuses it unapplied -- as it would without the fast path.
+        declared = int(dict(self._metadata).get(convert.RECEIVE_LIMIT_KEY, "-1"))
+        self._fast_reply_limit = declared if declared >= 0 else 1 << 62
+
+    @property
+    def fast_path_open(self) -> bool:
+        """True while this client's calls go over a fast-path channel."""
+        return self._fast_channel is not None and not self._fast_off
+
+    # ---------------------------------------------------------------- the calls
+    @command
+    def register(self, seq_id: int | None = None, *, cache_extra_key: bytes = b"",
+                 timeout: float | None = None) -> Plan[int]:
+        method = rpcs.REGISTER_SEQUENCE.name
+        channel = None
+        if seq_id != 0 and len(cache_extra_key) <= MAX_EXTRA_KEY:
+            channel = yield from self._fast_channel_plan(method, timeout)
+        if channel is None:
+            return (yield from super().register.__wrapped__(  # type: ignore[attr-defined]
+                self, seq_id, cache_extra_key=cache_extra_key, timeout=timeout))
+        write = channel_ops.register_writer(channel.generation, seq_id, None, 0, cache_extra_key, NO_REQUEST_ID)
+        return (yield from self._exchange(channel, write, channel_ops.read_registered, method, timeout))[0]
+
+    @command
+    def register_prompt(self, prompt_token_ids: Sequence[int] | np.ndarray, seq_id: int | None = None, *,
+                        public_prefix_len: int = 0, cache_extra_key: bytes = b"",
+                        timeout: float | None = None) -> Plan[tuple[int, int]]:
+        method = rpcs.REGISTER_SEQUENCE.name
+        prompt = _uint32(prompt_token_ids)
+        channel = None
+        if prompt is not None and seq_id != 0 and public_prefix_len >= 0 and len(cache_extra_key) <= MAX_EXTRA_KEY \
+                and self._fits(0, 0, prompt.size, len(cache_extra_key)):
+            channel = yield from self._fast_channel_plan(method, timeout)
+        if channel is None or prompt is None:
+            return (yield from super().register_prompt.__wrapped__(  # type: ignore[attr-defined]
+                self, prompt_token_ids, seq_id, public_prefix_len=public_prefix_len, cache_extra_key=cache_extra_key,
+                timeout=timeout))
+        write = channel_ops.register_writer(channel.generation, seq_id, prompt, public_prefix_len, cache_extra_key,
+                                            NO_REQUEST_ID)
+        return (yield from self._exchange(channel, write, channel_ops.read_registered, method, timeout))
+
+    @command
+    def append(self, seq_ids: int | Sequence[int] | np.ndarray, num_tokens: int | Sequence[int] | np.ndarray = 1,
+               *, token_ids: Sequence[int] | np.ndarray | None = None,
+               timeout: float | None = None) -> Plan[AppendResult]:
+        method = rpcs.APPEND_TOKEN.name
+        args = None if self._fast_off else _append_args(seq_ids, num_tokens)  # None: gRPC's path gives its error
+        tokens = _uint32(token_ids) if token_ids is not None and args is not None else None
+        channel = None
+        if args is not None and (tokens is not None or token_ids is None):
+            n_tokens = 0 if tokens is None else tokens.size
+            if self._fits(len(args[0]), args[3].size, n_tokens, reply=fp.append_reply_bound(
+                    len(args[0]), int(args[2].sum()), 1)):
+                channel = yield from self._fast_channel_plan(method, timeout)
+        if channel is None or args is None:
+            return (yield from super().append.__wrapped__(  # type: ignore[attr-defined]
+                self, seq_ids, num_tokens, token_ids=token_ids, timeout=timeout))
+        ids, id_array, counts, counts_field = args
+        write = channel_ops.append_writer(channel.generation, id_array, counts_field, tokens, NO_REQUEST_ID)
+        return (yield from self._exchange(channel, write, channel_ops.append_reader(ids, counts), method, timeout))
+
+    @command
+    def fork(self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (), *,
+             timeout: float | None = None) -> Plan[list[int]]:
+        method = rpcs.FORK.name
+        children = list(child_seq_ids)
+        channel = None
+        if 0 <= num_children < (1 << 32) and 0 < parent_seq_id < (1 << 64) and _uint64_ok(children) and \
+                self._fits(len(children), 0, 0, reply=fp.reply_bytes(0, 0, 0, 0, max(num_children, len(children)))):
+            channel = yield from self._fast_channel_plan(method, timeout)
+        if channel is None:
+            return (yield from super().fork.__wrapped__(  # type: ignore[attr-defined]
+                self, parent_seq_id, num_children, child_seq_ids, timeout=timeout))
+        write = channel_ops.fork_writer(channel.generation, parent_seq_id, num_children, children, NO_REQUEST_ID)
+        return (yield from self._exchange(channel, write, channel_ops.read_children, method, timeout))
+
+    @command
+    def free(self, seq_ids: int | Sequence[int], *, timeout: float | None = None) -> Plan[int]:
+        method = rpcs.FREE.name
+        ids = [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
+        channel = None
+        if not self._fast_off and _uint64_ok(ids) and self._fits(len(ids), 0, 0):
+            channel = yield from self._fast_channel_plan(method, timeout)
+        if channel is None:
+            return (yield from super().free.__wrapped__(self, seq_ids, timeout=timeout))  # type: ignore[attr-defined]
+        write = channel_ops.free_writer(channel.generation, [int(i) for i in ids], NO_REQUEST_ID)
+        return (yield from self._exchange(channel, write, channel_ops.read_freed, method, timeout))
+
+    # ---------------------------------------------------------------- plumbing
+    def _fits(self, n_ids: int, n_counts: int, n_tokens: int, extra: int = 0, reply: int = 0) -> bool:
+        if reply > self._fast_reply_limit:
+            return False
+        channel = self._fast_channel
+        return channel is None or channel.fits(n_ids, n_counts, n_tokens, extra, reply)
+
+    def _fast_channel_plan(self, method: str, timeout: float | None) -> Plan[FastChannel | None]:
+        """The channel, opening the session and the channel on first use; None: use gRPC."""
+        if self._fast_off:
+            return None
+        session = yield from self._session_fields(method, timeout)
+        if not session:
+            return None
+        channel = self._fast_channel
+        if channel is not None and (channel.broken is not None or channel.fenced):
+            # Out of step (a timeout), or closed by the server (its session ended, it stopped, it died): gRPC from
+            # now on, which answers as the server now stands (SessionLostError, ServerRestartedError, UNAVAILABLE).
+            self._close_fast_path()
+            return None
+        if channel is None:
+            try:
+                response = yield from self._call(rpcs.OPEN_FAST_PATH,
+                                                 pb.OpenFastPathRequest(session_id=session["session_id"]), timeout)
+                if self._fast_channel is None and not self._fast_off:  # another call of this client may have
+                    self._fast_channel = FastChannel.connect(response)
+            except (KVPoolClientError, OSError, ValueError) as exc:
+                logger.info("kvpool fast path not used (gRPC instead): %s", exc)
+                self._fast_off = True
+            channel = None if self._fast_off else self._fast_channel
+        return channel
+
+    def _exchange(self, channel: FastChannel, write: Any, read: Any, method: str, timeout: float | None) -> Plan[Any]:
+        sent_at = time.monotonic()
+        answer = yield Exchange(channel, write, read, method, self.timeout if timeout is None else timeout)
+        self._session.acked(sent_at)  # the server renewed the lease after sent_at
+        return answer
+
+    def _close_fast_path(self) -> None:
+        channel, self._fast_channel = self._fast_channel, None
+        self._fast_off = True
+        if channel is not None:
+            channel.close()
+
+
+def _append_args(seq_ids: Any, num_tokens: Any) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray] | None:
+    """(ids, ids as uint64, one count per id, the counts the record carries), cheaper than convert.append_args
+    for a decode step; None for anything unusual (gRPC's path then raises its own error)."""
+    try:
+        if isinstance(seq_ids, (int, np.integer)):
+            seq_ids = [int(seq_ids)]
+        id_array = np.asarray(seq_ids, dtype=np.uint64)
+        if id_array.ndim != 1 or id_array.size == 0:
+            return None
+        ids = tuple(seq_ids) if isinstance(seq_ids, (list, tuple)) else tuple(id_array.tolist())
+        if isinstance(num_tokens, (int, np.integer)):
+            if num_tokens < 1 or num_tokens >= 1 << 32:
+                return None
+            one_each: np.ndarray = np.full(id_array.size, int(num_tokens), dtype=np.int64)
+            return ids, id_array, one_each, np.array([num_tokens], dtype=np.uint32)
+        counts: np.ndarray = np.asarray(num_tokens, dtype=np.int64)
+        if counts.shape != id_array.shape or (counts < 1).any() or (counts >= 1 << 32).any():
+            return None
+        return ids, id_array, counts, counts.astype(np.uint32)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _uint32(values: Any) -> np.ndarray | None:
+    """``values`` as uint32 token ids, or None when they are not (gRPC then gives its own error)."""
+    try:
+        array = np.asarray(values)
+        if array.ndim != 1 or (array.size and (array.dtype.kind not in "iu" or array.min() < 0 or
+                                               array.max() >= 1 << 32)):
+            return None
+        return array.astype(np.uint32, copy=False)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _uint64_ok(ids: list[Any]) -> bool:
+    """Every id fits a uint64 (else gRPC gives its own error)."""
+    try:
+        np.asarray(ids, dtype=np.uint64)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return True

@@ -1,0 +1,153 @@
+"""The fast path's record layout: one shared-memory segment per channel, what the server (kvpool_server/fastpath)
+and the client (kvpool_client/fastpath.py) both read. docs/fast-path.md has the picture.
+
+    offset 0                 control   32 int64 words (256 B): the handshake words, each side's on its own line
+    offset 256               request   area_bytes: a 128-byte header (16 int64 words), then the arrays
+    offset 256 + area_bytes  reply     area_bytes: a 128-byte header (16 int64 words), then the arrays
+
+Control words (``CTL_*``): the client writes ``CTL_REQ_SEQ`` (after the whole request) and ``CTL_CLIENT_PARKED``;
+the server writes the rest. A request is published by raising ``CTL_REQ_SEQ`` to the previous value + 1; its reply
+by setting ``CTL_REP_SEQ`` to the same number, after the whole reply. Nothing in the segment is trusted by the
+server: it copies the header into Python ints and the arrays into its own memory, checks every count against the
+area before it reads, and serves a request only when ``CTL_REQ_SEQ`` is exactly its last seq + 1.
+
+Arrays follow their header in the order listed, each starting on an 8-byte boundary (``align8``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+MAGIC = 0x6B76_6670_0001  # "kvfp", version 1
+CONTROL_BYTES = 256
+HEADER_BYTES = 128
+HEADER_WORDS = HEADER_BYTES // 8
+
+# control words (int64 indices)
+CTL_MAGIC = 0
+CTL_GENERATION = 1
+CTL_AREA_BYTES = 2
+CTL_REQ_SEQ = 8  # client's cache line
+CTL_CLIENT_PARKED = 9
+CTL_REP_SEQ = 16  # server's cache line
+CTL_SERVER_PARKED = 17
+CTL_FENCED = 18  # nonzero: the channel is closed (its session ended, or the server stops); see FENCED_*
+
+FENCED_SESSION_ENDED = 1
+FENCED_SERVER_STOPPING = 2
+FENCED_PROTOCOL = 3  # the client broke the protocol (a request seq out of order)
+
+# ops
+OP_REGISTER = 1
+OP_APPEND = 2
+OP_FORK = 3
+OP_FREE = 4
+OP_NAMES = {OP_REGISTER: "RegisterSequence", OP_APPEND: "AppendToken", OP_FORK: "Fork", OP_FREE: "Free"}
+
+# request header words
+#   register: ARG0 = seq_id (0: the server assigns), ARG1 = public_prefix_len; arrays: tokens (the prompt), extra
+#   append:   ids, counts (one for all, or one each), tokens (token ids, or none)
+#   fork:     ARG0 = parent, ARG1 = num_children; arrays: ids (the children's chosen ids)
+#   free:     ids
+REQ_OP = 0
+REQ_REQUEST_ID = 1
+REQ_GENERATION = 2
+REQ_N_IDS = 3
+REQ_N_COUNTS = 4
+REQ_N_TOKENS = 5
+REQ_ARG0 = 6
+REQ_ARG1 = 7
+REQ_EXTRA_LEN = 8  # register's cache_extra_key bytes
+REQ_SEQ = 9  # the CTL_REQ_SEQ this record is for
+
+# reply header words
+#   arrays: message (utf-8, MSG_LEN bytes), slots int64, new block ids int32, copies int32 [c, 2], children uint64
+REP_SEQ = 0
+REP_CODE = 1  # the canonical status code (gRPC's numbers); 0: OK
+REP_REASON = 2  # REASONS index
+REP_MSG_LEN = 3
+REP_VALUE0 = 4  # register: seq_id; free: blocks freed
+REP_VALUE1 = 5  # register: num_cached_tokens
+REP_N_SLOTS = 6
+REP_N_NEW = 7
+REP_N_COPIES = 8
+REP_N_CHILDREN = 9
+
+REASONS = ("", "session-not-found", "server-restarted", "quota-exceeded")  # the kvpool-error reasons, by index
+MAX_MESSAGE_BYTES = 4096  # an error message is cut to this
+
+
+def align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def segment_bytes(area_bytes: int) -> int:
+    return CONTROL_BYTES + 2 * area_bytes
+
+
+def request_bytes(n_ids: int, n_counts: int, n_tokens: int, extra_len: int = 0) -> int:
+    """The request area a record needs."""
+    return HEADER_BYTES + 8 * n_ids + align8(4 * n_counts) + align8(4 * n_tokens) + align8(extra_len)
+
+
+def reply_bytes(msg_len: int, n_slots: int, n_new: int, n_copies: int, n_children: int) -> int:
+    """The reply area a record needs."""
+    return (HEADER_BYTES + align8(msg_len) + 8 * n_slots + align8(4 * n_new) + 8 * n_copies + 8 * n_children)
+
+
+def append_reply_bound(n_ids: int, n_tokens: int, block_size: int) -> int:
+    """The largest reply an append of ``n_ids`` sequences and ``n_tokens`` tokens can have (an OK one: an error's
+    is at most HEADER_BYTES + MAX_MESSAGE_BYTES): a slot per token, at most n_tokens // block_size + n_ids new
+    blocks, at most one copy per sequence."""
+    return reply_bytes(0, n_tokens, n_tokens // block_size + n_ids, n_ids, 0)
+
+
+class Views:
+    """NumPy views of one mapped segment: ``ctl`` (int64 control words), ``req``/``rep`` (the areas' headers as int64
+    words), ``req_area``/``rep_area`` (the areas' bytes). ``release()`` drops them so the mapping can close."""
+
+    def __init__(self, mapping: mmap.mmap, area_bytes: int) -> None:
+        self.area_bytes = area_bytes
+        self.ctl = np.frombuffer(mapping, np.int64, CONTROL_BYTES // 8, 0)
+        self.req_area = np.frombuffer(mapping, np.uint8, area_bytes, CONTROL_BYTES)
+        self.rep_area = np.frombuffer(mapping, np.uint8, area_bytes, CONTROL_BYTES + area_bytes)
+        self.req = self.req_area[:HEADER_BYTES].view(np.int64)
+        self.rep = self.rep_area[:HEADER_BYTES].view(np.int64)
+
+    def release(self) -> None:
+        del self.ctl, self.req_area, self.rep_area, self.req, self.rep
+
+
+def create_segment(name: str, area_bytes: int) -> mmap.mmap:
+    """Create (exclusively, mode 0600) and map a zeroed segment; the caller unlinks it (``unlink_segment``)."""
+    import _posixshmem
+
+    size = segment_bytes(area_bytes)
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        unlink_segment(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_segment(name: str, size: int) -> mmap.mmap:
+    """Map an existing segment (no resource_tracker: see kvpool.shm)."""
+    from kvpool.shm import open_shm
+
+    return open_shm(name, size)
+
+
+def unlink_segment(name: str) -> None:
+    import _posixshmem
+
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,98 @@
+"""Channel: one session's shared-memory segment and the unix socket that wakes its two sides.
+
+Invariant: a channel's segment stays mapped (``views`` not None) until ``close()``; only the fast-path thread
+touches a live channel (``FastPathServer.stop`` closes them after that thread has ended). Every request it serves
+names its own ``session_id``, so a channel whose session has ended is refused by the session table
+(``CoreGuard.mutate``) even before the thread fences and closes it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+
+from kvpool import fastpath as fp
+from kvpool_server.service.auth import Identity
+
+_barrier = threading.Lock()
+
+
+def memory_barrier() -> None:
+    """A full barrier between our store and our load of the other side's flag (an uncontended lock's atomic
+    read-modify-write; x86 orders it fully). The parked side's timeout covers a platform where it would not."""
+    _barrier.acquire()
+    _barrier.release()
+
+
+class Channel:
+    def __init__(self, name: str, area_bytes: int, session_id: int, caller: Identity, authorization: str | None,
+                 generation: int, token: bytes) -> None:
+        self.name = name
+        self.session_id = session_id
+        self.area_bytes = area_bytes
+        self.tenant = caller.tenant_id
+        self.authorization = authorization  # the header OpenFastPath carried: every record is authenticated again
+        self.generation = generation
+        self.token = token
+        self.mapping: mmap.mmap | None = fp.create_segment(name, area_bytes)
+        self.views: fp.Views | None = fp.Views(self.mapping, area_bytes)
+        ctl = self.views.ctl
+        ctl[fp.CTL_GENERATION] = generation
+        ctl[fp.CTL_AREA_BYTES] = area_bytes
+        ctl[fp.CTL_MAGIC] = fp.MAGIC
+        self.linked = True  # the segment's name exists (until the client has connected)
+        self.sock: socket.socket | None = None
+        self.last_seq = 0  # the last request seq served (the server's own count, never read back from the segment)
+        self.fenced = 0  # a FENCED_* reason once the channel must serve nothing more
+        self.opened_at = 0.0
+
+    def connected(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.unlink()
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            fp.unlink_segment(self.name)
+
+    def fence(self, reason: int) -> None:
+        """Mark the channel closed in the segment (the client sees it at its next request); serve nothing more."""
+        if not self.fenced:
+            self.fenced = reason
+            if self.views is not None:
+                self.views.ctl[fp.CTL_FENCED] = reason
+
+    def wake_client(self) -> None:
+        """A byte on the socket, only when the client has parked (it spins first)."""
+        if self.sock is not None and self.views is not None and self.views.ctl[fp.CTL_CLIENT_PARKED]:
+            try:
+                self.sock.send(b"w", socket.MSG_DONTWAIT)
+            except OSError:
+                pass  # its buffer is full of wakes it has not read (it will see the reply), or it is gone
+
+    def close(self) -> None:
+        """Fence, wake a parked client (it sees the fence), close the socket, unmap (fast-path thread only)."""
+        self.fence(fp.FENCED_SERVER_STOPPING)
+        self.wake_client()
+        self.unlink()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.views is not None:
+            self.views.release()
+            self.views = None
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:  # a view still exported somewhere: the mapping goes with its last reference
+                pass
+            self.mapping = None
+
+    def fileno(self) -> int:
+        return self.sock.fileno() if self.sock is not None else -1
+
+
+def new_name() -> str:
+    return f"kvpool-fp-{os.getpid()}-{os.urandom(6).hex()}"
