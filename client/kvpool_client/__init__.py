@@ -9,16 +9,19 @@ from kvpool_client.event_follower import AsyncEventFollower, EventFollower, fetc
 from kvpool_client.events import EventGapError, EventIndex, IndexedBlock
 from kvpool_client.errors import (
     AlreadyExistsError,
+    AttachNotAllowedError,
     DeadlineExceededError,
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
     KVPoolClientError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     ServerGoneError,
     ServerRestartedError,
     SessionLostError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from kvpool_client.retry import RetryPolicy
@@ -40,6 +43,7 @@ __all__ = [
     "AppendStream",
     "AsyncEventFollower",
     "AsyncKVPoolClient",
+    "AttachNotAllowedError",
     "BlockTable",
     "DeadlineExceededError",
     "EventFollower",
@@ -53,6 +57,7 @@ __all__ = [
     "KVPoolClient",
     "KVPoolClientError",
     "NotFoundError",
+    "PermissionDeniedError",
     "PoolDescription",
     "PoolStats",
     "ResourceExhaustedError",
@@ -63,6 +68,7 @@ __all__ = [
     "SessionInfo",
     "SessionLostError",
     "TenantUsage",
+    "UnauthenticatedError",
     "UnavailableError",
     "fetch_snapshot",
 ]
