@@ -12,6 +12,9 @@
 Every command takes --json (one JSON document; `top --json` writes one line a refresh). Exit codes: 0 done,
 1 the server answered with an error (or is not SERVING), 2 usage, 3 not available on this server, 4 no server,
 5 `drain --wait` ran out with sessions or sequences still live (kvctl_drain.py).
+
+A secured server (--auth-tokens, TLS): the token from --token-file FILE or KVPOOL_TOKEN (never an argument),
+--tls-ca PEM, and --tls-cert PEM --tls-key PEM for mutual TLS (credentials.py; docs/ops.md).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_client import kvctl_drain
+from kvpool_client import credentials, diagnose, kvctl_drain
 from kvpool_client.client import KVPoolClient
-from kvpool_client.errors import KVPoolClientError, from_rpc_error
+from kvpool_client.credentials import Credentials, CredentialsError
+from kvpool_client.errors import KVPoolClientError, PermissionDeniedError, UnauthenticatedError, from_rpc_error
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_AVAILABLE, EXIT_NO_SERVER = 0, 1, 2, 3, 4
 EXIT_NOT_DRAINED = kvctl_drain.EXIT_NOT_DRAINED  # 5
@@ -46,27 +50,26 @@ class NotAvailable(Exception):
 class Ctl:
     """One connection: the client library for what it wraps, the generated stub for what it does not yet."""
 
-    def __init__(self, target: str, timeout: float) -> None:
+    def __init__(self, target: str, timeout: float, creds: Credentials | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(target)
-        self.client = KVPoolClient(target, timeout=timeout, channel=self.channel)
+        self.creds = creds or Credentials()
+        self.metadata = self.creds.metadata()
+        self.channel = self.creds.channel(target)
+        self.client = KVPoolClient(target, timeout=timeout, channel=self.channel, token=self.creds.token)
         self.stub = pb_grpc.KVPoolServiceStub(self.channel)
 
     def connect(self) -> None:
-        """Fail fast, and clearly, when nothing answers at the target."""
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=min(CONNECT_TIMEOUT_S, self.timeout))
-        except grpc.FutureTimeoutError:
-            raise ConnectionError(
-                f"no kvpool-server at {self.target} (nothing answered within {min(CONNECT_TIMEOUT_S, self.timeout):g} "
-                "s): is it running? Give its address with --target HOST:PORT or unix:PATH (env KVPOOL_TARGET)"
-            ) from None
+        """Fail fast, and say what happened, when no server answers at the target (diagnose.py): one Health call,
+        which fails at once on a refused connection or a TLS mismatch and waits at most CONNECT_TIMEOUT_S."""
+        problem = diagnose.probe(self.channel, self.target, min(CONNECT_TIMEOUT_S, self.timeout), self.creds.tls)
+        if problem is not None:
+            raise ConnectionError(problem.message)
 
     def call(self, name: str, request: Any) -> Any:
         """A KVPoolService RPC through the generated stub; UNIMPLEMENTED becomes NotAvailable."""
         try:
-            return getattr(self.stub, name)(request, timeout=self.timeout)
+            return getattr(self.stub, name)(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise NotAvailable(
@@ -157,7 +160,7 @@ def cmd_events(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
     request = pb.SubscribeEventsRequest()
     if args.from_seq is not None:
         request.from_seq = args.from_seq
-    stream = ctl.stub.SubscribeEvents(request, timeout=args.seconds or None)
+    stream = ctl.stub.SubscribeEvents(request, timeout=args.seconds or None, metadata=ctl.metadata)
     batches = events = 0
     last: tuple[int, int] = (0, 0)
     try:
@@ -230,27 +233,29 @@ def version() -> str:
         return "unknown"
 
 
-def _target_options(suppress: bool) -> argparse.ArgumentParser:
+def _target_options(suppress: bool) -> credentials.SecretSafeParser:
     """The options every command takes, before or after its name. The copy on the subcommands has no defaults
     (SUPPRESS), so ``kvctl --target X stats`` is not reset by the subcommand's own default."""
 
     def default(value: object) -> object:
         return argparse.SUPPRESS if suppress else value
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = credentials.SecretSafeParser(add_help=False)
     common.add_argument("--target", default=default(os.environ.get("KVPOOL_TARGET", "127.0.0.1:50051")),
                         help="server address: HOST:PORT or unix:PATH (env KVPOOL_TARGET; default 127.0.0.1:50051)")
     common.add_argument("--unix-socket", metavar="PATH", default=default(None),
                         help="the server's unix socket (same as --target unix:PATH)")
     common.add_argument("--timeout", type=float, default=default(10.0), help="deadline of each RPC in seconds (default 10)")
     common.add_argument("--json", action="store_true", default=default(False), help="print JSON instead of text")
+    credentials.add_options(common, suppress=suppress)
     return common
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = _target_options(suppress=True)
-    parser = argparse.ArgumentParser(prog="kvctl", description=__doc__, parents=[_target_options(suppress=False)],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = credentials.SecretSafeParser(prog="kvctl", description=__doc__,
+                                          parents=[_target_options(suppress=False)],
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("stats", parents=[common], help="pool occupancy")
@@ -278,7 +283,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.unix_socket:
         args.target = f"unix:{args.unix_socket}"
     args.exit_code = EXIT_OK
-    ctl = Ctl(args.target, args.timeout)
+    try:
+        diagnose.check_target(args.target)
+        creds = credentials.from_args(args)
+    except (ValueError, CredentialsError) as exc:
+        return _fail(args, EXIT_USAGE, str(exc))
+    ctl = Ctl(args.target, args.timeout, creds)
     try:
         ctl.connect()
         if args.command == "top":
@@ -290,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, EXIT_NO_SERVER, str(exc))
     except NotAvailable as exc:
         return _fail(args, EXIT_NOT_AVAILABLE, str(exc))
+    except (UnauthenticatedError, PermissionDeniedError) as exc:
+        return _fail(args, EXIT_ERROR, f"{exc}; {_auth_advice(exc, creds)}")
     except KVPoolClientError as exc:
         return _fail(args, EXIT_ERROR, str(exc))
     except KeyboardInterrupt:
@@ -298,6 +310,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctl.close()
     print(json.dumps(data, indent=1) if args.json else text)
     return args.exit_code
+
+
+def _auth_advice(exc: KVPoolClientError, creds: Credentials) -> str:
+    """What to do about a refusal, from what this kvctl sent."""
+    if isinstance(exc, PermissionDeniedError):
+        return "this command needs an admin token (role = \"admin\" in the server's tokens file)"
+    if creds.token is None:
+        return ("the server asks for a token (--auth-tokens): give --token-file FILE (env KVPOOL_TOKEN_FILE) or set "
+                "KVPOOL_TOKEN")
+    return f"the server does not know the token from {creds.where.get('token')} (mistyped, or revoked)"
 
 
 def _fail(args: argparse.Namespace, code: int, message: str) -> int:
