@@ -86,16 +86,16 @@ class Credentials:
 
     def describe(self) -> str:
         """For a message: what this client sends ("token from FILE, TLS (CA FILE, client certificate FILE)")."""
-        parts = [f"token from {self.where.get('token', 'KVPOOL_TOKEN')}" if self.token else "no token"]
-        if self.tls:
-            tls = [f"CA {self.where.get('tls_ca', 'the system roots')}"]
-            if self.tls_cert is not None:
-                tls.append(f"client certificate {self.where.get('tls_cert', '?')}")
-            parts.append(f"TLS ({', '.join(tls)})")
-        else:
-            parts.append("plaintext")
-        return ", ".join(parts)
+        token = f"token from {self.where.get('token', ENV_TOKEN)}" if self.token else "no token"
+        return f"{token}, {self.describe_tls()}"
 
+    def describe_tls(self) -> str:
+        if not self.tls:
+            return "plaintext"
+        tls = [f"CA {self.where.get('tls_ca', 'the system roots')}"]
+        if self.tls_cert is not None:
+            tls.append(f"client certificate {self.where.get('tls_cert', '?')}")
+        return f"TLS ({', '.join(tls)})"
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_token_file(path: str | Path) -> str:

@@ -47,7 +47,7 @@ def explain(target: str, details: str, tls: bool) -> Problem:
         return Problem(f"{target} is a path, not an address: a unix socket is named unix:{target}", True)
     if target.startswith("unix:"):
         path = target.removeprefix("unix:").removeprefix("//")
-        return Problem(_unix_problem(path, low), "connection refused" not in low)
+        return _unix_problem(path, low)
     if "wrong_version_number" in low:
         return Problem(f"the server at {target} does not speak TLS (a plaintext port): leave out --tls-ca, "
                        "--tls-cert and --tls-key", True)
@@ -67,7 +67,7 @@ def explain(target: str, details: str, tls: bool) -> Problem:
     if "connection refused" in low:
         return Problem(f"nothing listens at {target} (connection refused): is kvpool-server running, on this "
                        f"address? {TARGET_HELP}", False)
-    if "errors resolving" in low or "dns" in low and "not found" in low:
+    if "errors resolving" in low or ("dns" in low and "not found" in low):
         return Problem(f"cannot resolve the host of {target} ({details}); {TARGET_HELP}", True)
     if "deadline" in low:
         return Problem(f"nothing answered at {target} in time (a firewall, a wrong host, or a server too busy to "
@@ -75,22 +75,24 @@ def explain(target: str, details: str, tls: bool) -> Problem:
     return Problem(f"cannot reach a kvpool-server at {target}: {details}; {TARGET_HELP}", False)
 
 
-def _unix_problem(path: str, low: str) -> str:
+def _unix_problem(path: str, low: str) -> Problem:
+    """A missing socket or a refused one may be a server still starting; the rest waiting does not cure."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return (f"no unix socket at {path} (no such file): is kvpool-server running with --unix-socket {path}? "
-                f"{TARGET_HELP}")
+        return Problem(f"no unix socket at {path} (no such file): is kvpool-server running with --unix-socket "
+                       f"{path}? {TARGET_HELP}", False)
     except PermissionError:
-        return f"cannot look at {path}: no permission to its directory"
+        return Problem(f"cannot look at {path}: no permission to its directory", True)
     if not stat.S_ISSOCK(mode):
-        return f"{path} is not a unix socket (a {_kind(mode)}): {TARGET_HELP}"
+        return Problem(f"{path} is not a unix socket (a {_kind(mode)}): {TARGET_HELP}", True)
     if "permission denied" in low:
-        return (f"no permission to connect to {path}: the server makes it 0660; join its group "
-                "(kvpool-server --unix-socket-group), or run as the server's user")
+        return Problem(f"no permission to connect to {path}: the server makes it 0660 with --unix-socket-group "
+                       "(else 0600): join that group, or run as the server's user", True)
     if "connection refused" in low:
-        return f"nothing listens on {path} (connection refused): a socket left by a server that is gone?"
-    return f"cannot connect to {path}: {low}"
+        return Problem(f"nothing listens on {path} (connection refused): a socket left by a server that is gone?",
+                       False)
+    return Problem(f"cannot connect to {path}: {low}", False)
 
 
 def _kind(mode: int) -> str:

@@ -64,7 +64,7 @@ def spawn(a: argparse.Namespace, tenants: list[tuple[str, str]], dist: LengthDis
                            exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant,
                            workload=a.workload, num_prompts=a.num_prompts, shared_tokens=a.shared_tokens,
                            unique_tokens=a.unique_tokens, num_turns=a.turns, turn_tokens=a.turn_tokens,
-                           no_prefix_cache=a.no_prefix_cache)
+                           no_prefix_cache=a.no_prefix_cache, credentials=a.tls)
         proc = ctx.Process(target=worker_main, args=(cfg, workers.claim, workers.start, workers.events),
                            name=f"kvpool-loadgen-{i}")
         proc.start()
@@ -83,8 +83,8 @@ def collect(a: argparse.Namespace, workers: Workers, tenants: list[tuple[str, st
         ready = _wait_ready(events, procs, out.worker_errors)
         stats_tokens = [a.admin_token] if a.admin_token else [t for _, t in tenants] or [a.token]
         out.sampler = StatsSampler(a.target, a.sample_interval_ms / 1e3, tokens=stats_tokens,
-                                   tenants=[name for name, _ in tenants]).start()
-        event_counter = EventCounter(a.target, main_token).start()
+                                   tenants=[name for name, _ in tenants], credentials=a.tls).start()
+        event_counter = EventCounter(a.target, main_token, credentials=a.tls).start()
         out.t0 = time.monotonic()
         if ready:
             workers.start.set()

@@ -77,7 +77,8 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
     verification_errors = counts.get("verify_errors", 0)
     summary: dict[str, Any] = {
         "config": {
-            **{k: v for k, v in vars(a).items() if k not in ("json", "plot", "no_progress", "token", "admin_token")},
+            **{k: v for k, v in vars(a).items() if k not in ("json", "plot", "no_progress", "token", "admin_token",
+                                                       "tls")},
             "max_len": seq_max_len, "processes": num_procs, "backend": desc.backend, "layout": asdict(layout),
             "block_size": bs, "token_bytes": layout.token_bytes, "naive_seqs": naive_seqs,
             "sequences_per_request": width,

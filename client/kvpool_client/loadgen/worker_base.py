@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvpool_client.client import KVPoolClient
+from kvpool_client.credentials import Credentials
 from kvpool_client.errors import QuotaExceededError, ResourceExhaustedError
 from kvpool_client.loadgen.chat import ChatConversation
 from kvpool_client.loadgen.sequences import Request
@@ -30,7 +31,8 @@ class WorkerBase:
         self.events = events
         self.dist = distribution(cfg.lengths, cfg.max_len)
         self.width = sequences_per_request(cfg.mode, cfg.beam_width, cfg.num_samples)
-        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, token=cfg.token)
+        creds = (cfg.credentials or Credentials()).with_token(cfg.token)
+        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, **creds.client_kwargs())
         self.pool = self.client.attach()
         self.layout = self.pool.layout
         if cfg.kv_source == "device" and self.pool.backend != "gpu":

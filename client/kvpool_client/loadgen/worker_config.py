@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool_client.credentials import Credentials
+
 EXHAUSTED_WAIT_S = 30.0  # how long a step waits for other processes to free blocks before it gives up
 
 
@@ -41,3 +43,4 @@ class WorkerConfig:
     num_turns: int = 4
     turn_tokens: int = 64
     no_prefix_cache: bool = False
+    credentials: Credentials | None = None  # TLS material of every connection (credentials.py); the token is above
