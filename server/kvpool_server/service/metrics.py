@@ -14,6 +14,7 @@ Wiring: ``grpc_server.build_server`` (``--metrics-address`` is in config.py; doc
 
 from __future__ import annotations
 
+import errno
 import re
 import threading
 from collections.abc import Callable, Iterable
@@ -247,5 +248,7 @@ def start_metrics_server(address: str, registry: CollectorRegistry) -> MetricsHT
     try:
         server, thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=registry)
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot serve metrics on {address}: {exc.strerror} (address in use?)") from exc
+        hint = {errno.EADDRINUSE: ": another process listens there", errno.EADDRNOTAVAIL: ": not an address of "
+                "this host"}.get(exc.errno or 0, "")
+        raise OSError(exc.errno, f"cannot serve metrics on {address}: {exc.strerror}{hint}") from exc
     return MetricsHTTPServer(server, thread)
