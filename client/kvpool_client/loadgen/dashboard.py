@@ -127,6 +127,7 @@ def render(summary: dict[str, Any]) -> str:
         lines += [" verification failures:"] + [f"   {m}" for m in ver["messages"]]
     if summary.get("worker_errors"):
         lines += [" worker failures:"] + [f"   {m.strip().splitlines()[-1]}" for m in summary["worker_errors"]]
-    lines.append(f" result: {'PASS' if summary['ok'] else 'FAIL'}")
+    interrupted = f" (interrupted by {summary['interrupted']})" if summary.get("interrupted") else ""
+    lines.append(f" result: {'PASS' if summary['ok'] else 'FAIL'}{interrupted}")
     lines.append("=" * 78)
     return "\n".join(lines)

@@ -4,13 +4,15 @@
     kvpool-loadgen --lengths sharegpt --mode beam --beam-width 4 --json out/beam4.json --plot out/beam4.png
 
 Exit status: 0 when every request completed and verified with 0 KV errors and the server's invariants hold;
-1 otherwise; 2 for bad arguments or no server.
+1 otherwise; 2 for bad arguments or no server; 130 (143) when SIGINT / Ctrl-C (SIGTERM) stopped the run -- the
+summary of what was done is printed and written all the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             CredentialsError) as error:
         print(f"kvpool-loadgen: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the workers ran, after them, or a second Ctrl-C: stop at once
+        print("\nkvpool-loadgen: interrupted; no summary (a first Ctrl-C during the run stops it with one)",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     summary["diagnosis"] = preflight.explain_incomplete(summary)
     print(render(summary), flush=True)
     for line in summary["diagnosis"]:
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             plot_memory(summary, args.plot)
         except ImportError as error:  # matplotlib is the loadgen extra; the run itself does not need it
             print(f"kvpool-loadgen: no plot ({error}); pip install 'kvpool-client[loadgen]'", file=sys.stderr)
+    if summary.get("interrupted"):
+        return 128 + signal.Signals[summary["interrupted"]]
     return 0 if summary["ok"] else 1
 
 

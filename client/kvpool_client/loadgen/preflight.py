@@ -113,6 +113,10 @@ def too_small_message(fit: PoolFit, max_len: int) -> str:
 def explain_incomplete(summary: dict[str, Any]) -> list[str]:
     """Why ``run.completions`` fell short of ``config.completions`` (empty when it did not)."""
     cfg, run = summary["config"], summary["run"]
+    if summary.get("interrupted"):
+        return [f"interrupted by {summary['interrupted']} after {run['wall_s']:.1f} s: {run['completions']} of "
+                f"{cfg['completions']} requests completed and verified; the {run.get('stopped_in_flight', 0)} in "
+                "flight were left unfinished (closing the workers' sessions freed their sequences)"]
     if run["completions"] >= cfg["completions"]:
         return []
     lines = [f"only {run['completions']} of {cfg['completions']} requests completed:"]

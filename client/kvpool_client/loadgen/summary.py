@@ -83,7 +83,7 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
             "block_size": bs, "token_bytes": layout.token_bytes, "naive_seqs": naive_seqs,
             "sequences_per_request": width,
         },
-        "workload": prefix.workload_means(a, setup.dist),
+        "workload": prefix.workload_means(a, setup.dist, collected.claimed if collected.interrupted else None),
         "run": {
             "wall_s": t1 - t0,
             "completions": counts.get("completions", 0),
@@ -133,9 +133,11 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
     if a.workload == "shared-prefix" and a.mode == "beam":
         summary["beam"] = prefix.beam_section(mem, share)
     summary["events"] = prefix.events_section(collected.events_seen, sampler.series)
+    summary["interrupted"] = collected.interrupted or None  # "SIGINT" / "SIGTERM": the run was stopped early
+    summary["run"]["stopped_in_flight"] = counts.get("stopped_in_flight", 0)
     summary["ok"] = bool(
         verification_errors == 0 and not worker_errors and invariants_ok
-        and summary["run"]["completions"] == a.completions
+        and summary["run"]["completions"] == a.completions and not collected.interrupted
     )
     return summary
 

@@ -16,6 +16,7 @@ importing another; verification is verifier.py; the per-request state is sequenc
 
 from __future__ import annotations
 
+import signal
 import time
 import traceback
 from typing import Any
@@ -27,6 +28,7 @@ from kvpool_client.loadgen.chat import make_chat_conversation
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER, kv_pattern, token_keys
 from kvpool_client.loadgen.prefix_requests import PrefixRequests, decode_token_ids
 from kvpool_client.loadgen.sequences import Request, Seq
+from kvpool_client.loadgen.worker_base import Stopped
 from kvpool_client.loadgen.worker_config import WorkerConfig
 from kvpool_client.loadgen.workload import beam_token_stream, make_request, prune_and_refork
 
@@ -39,16 +41,22 @@ class Worker(Admission, PrefixRequests):
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
+        """Until the run has its completions -- or the driver asks to stop (``stopping()``): then the requests in
+        flight are left as they are, and closing the client (its session) frees their sequences."""
         self.t_start = time.monotonic()
         self._record()
-        while True:
-            while len(self.active) < self.cfg.concurrency and self.admit():
+        try:
+            while not self.stopping():
+                while len(self.active) < self.cfg.concurrency and not self.stopping() and self.admit():
+                    self._record()
+                if not self.active or self.stopping():
+                    break
+                self.decode_step()
+                self.retire()
                 self._record()
-            if not self.active:
-                break
-            self.decode_step()
-            self.retire()
-            self._record()
+        except Stopped:
+            pass
+        self.counts["stopped_in_flight"] = len(self.active) if self.stopping() else 0
         self.t_end = time.monotonic()
 
     def start_request(self, index: int) -> None:
@@ -183,11 +191,14 @@ class Worker(Admission, PrefixRequests):
         self.client.close()
 
 
-def worker_main(cfg: WorkerConfig, claim: Any, start: Any, events: Any) -> None:
-    """Entry point of a spawned process: attach, say ready, wait for the start signal, run, report."""
+def worker_main(cfg: WorkerConfig, claim: Any, start: Any, events: Any, stop: Any = None) -> None:
+    """Entry point of a spawned process: attach, say ready, wait for the start signal, run, report. SIGINT is the
+    driver's to handle (a Ctrl-C reaches the whole process group): it sets ``stop``, and the worker reports what
+    it did."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = None
     try:
-        worker = Worker(cfg, claim, events)
+        worker = Worker(cfg, claim, events, stop)
         events.put(("ready", cfg.worker_id, None, None))
         start.wait()
         worker.run()

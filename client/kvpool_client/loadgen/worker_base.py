@@ -8,6 +8,7 @@ part calls another's method through ``self``, and the methods one part needs of 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -24,11 +25,17 @@ from kvpool_client.loadgen.worker_config import WorkerConfig
 from kvpool_client.loadgen.workload import distribution, sequences_per_request
 
 
+class Stopped(Exception):
+    """The run is being stopped (the driver's SIGINT / SIGTERM, or the driver is gone): the worker ends its loop."""
+
+
 class WorkerBase:
-    def __init__(self, cfg: WorkerConfig, claim: Any, events: Any) -> None:
+    def __init__(self, cfg: WorkerConfig, claim: Any, events: Any, stop: Any = None) -> None:
         self.cfg = cfg
         self.claim = claim
         self.events = events
+        self._stop = stop  # the driver's stop Event (None: never asked to stop)
+        self._parent = os.getppid()
         self.dist = distribution(cfg.lengths, cfg.max_len)
         self.width = sequences_per_request(cfg.mode, cfg.beam_width, cfg.num_samples)
         creds = (cfg.credentials or Credentials()).with_token(cfg.token)
@@ -67,6 +74,10 @@ class WorkerBase:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- plumbing
+    def stopping(self) -> bool:
+        """The driver asked the workers to stop, or is gone (a worker is never left loading the server alone)."""
+        return (self._stop is not None and self._stop.is_set()) or os.getppid() != self._parent
+
     def timed(self, name: str, fn: Any, *args: Any) -> Any:
         start = time.perf_counter()
         try:
@@ -85,6 +96,8 @@ class WorkerBase:
             except ResourceExhaustedError as error:
                 self.counts["exhausted_retries"] += 1
                 self.counts["quota_refusals"] += isinstance(error, QuotaExceededError)
+                if self.stopping():
+                    raise Stopped from None
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.005)
