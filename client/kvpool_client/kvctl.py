@@ -1,6 +1,7 @@
 """kvctl: look at (and, where the server allows, steer) a running kvpool-server.
 
-    kvctl stats                       pool occupancy: blocks, usage, tokens, fragmentation, sharing, copies
+    kvctl stats                       pool occupancy: blocks (used + free + evictable = total), usage, tokens,
+                                      fragmentation, sharing, copies
     kvctl sessions                    live sessions (ListSessions)
     kvctl sequences [--session S]     live sequences, of one session or all (ListSequences)
     kvctl block-table SEQ             one sequence's page table
@@ -91,7 +92,10 @@ def cmd_stats(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
             "server_pid": pool.server_pid}
     rows = [
         ("backend", f"{pool.backend} (server pid {pool.server_pid})"),
-        ("blocks", f"{stats.num_blocks_used:,} used / {stats.num_blocks_total:,}  ({stats.num_blocks_free:,} free)"),
+        ("blocks", f"{stats.num_blocks_used:,} used + {stats.num_blocks_free:,} free + {stats.num_blocks_evictable:,} "
+                   f"evictable = {stats.num_blocks_total:,}"),
+        ("evictable", f"{stats.num_blocks_evictable:,} blocks: the prefix cache's, held by no sequence; allocatable "
+                      "(oldest first) when the free list runs out"),
         ("usage", f"{100 * stats.utilization:.2f}%  ({_mib(bytes_used)} of {_mib(pool.pool_bytes)})"),
         ("block", f"{stats.block_size} tokens, {stats.block_bytes:,} bytes"),
         ("sequences", f"{stats.num_sequences:,}"),

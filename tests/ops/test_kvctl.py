@@ -27,7 +27,7 @@ def test_stats_text_and_json(server, capsys):
         kv.fork(seq, 1)
     code, text, _ = kvctl(capsys, "--target", server.address, "stats")
     assert code == 0
-    assert "2 used / 256" in text and "sequences" in text and "shared blocks" in text
+    assert "2 used + 254 free + 0 evictable = 256" in text and "sequences" in text and "shared blocks" in text
     code, out, _ = kvctl(capsys, "stats", "--target", server.address, "--json")
     data = json.loads(out)
     assert code == 0
@@ -161,3 +161,22 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("kvctl ")
+
+
+def test_stats_and_top_count_evictable_blocks(server, capsys):
+    """used + free + evictable = total: a freed prompt's sealed blocks stay cached, held by no sequence (24.6)."""
+    with KVPoolClient(server.address) as kv:
+        seq, _ = kv.register_prompt(list(range(40)))
+        kv.append([seq], 40, token_ids=list(range(40)))
+        kv.append([seq], 1, token_ids=[40])  # seals the prompt's full blocks
+        kv.free(seq)
+    code, out, _ = kvctl(capsys, "--target", server.address, "stats", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["num_blocks_evictable"] > 0
+    assert data["num_blocks_used"] + data["num_blocks_free"] + data["num_blocks_evictable"] == data["num_blocks_total"]
+    code, text, _ = kvctl(capsys, "--target", server.address, "stats")
+    assert f"0 used + {data['num_blocks_free']} free + {data['num_blocks_evictable']} evictable = 256" in text
+    code, out, _ = kvctl(capsys, "--target", server.address, "top", "--json", "--iterations", "1")
+    view = json.loads(out)
+    assert view["blocks_evictable"] == data["num_blocks_evictable"]
+    assert view["blocks_used"] + view["blocks_free"] + view["blocks_evictable"] == view["blocks_total"]
