@@ -65,3 +65,12 @@ def test_plot_marks_a_failed_run(tmp_path):
     assert failure_reason(summary) == "0 / 5 completed (pool out of blocks)"
     plot_memory(summary, str(tmp_path / "m.png"))
     assert (tmp_path / "m.png").stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit) as exit_:
+        main(["--target", f"unix:{tmp_path}/none.sock", "--plot", str(tmp_path / "p.png")])
+    assert exit_.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err

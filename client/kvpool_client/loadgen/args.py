@@ -85,6 +85,12 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         diagnose.check_target(a.target)
     except ValueError as error:
         p.error(str(error))
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401, PLC0415  (the loadgen extra; checked now, not after the run)
+        except ImportError:
+            p.error("--plot needs matplotlib, which is not installed: pip install 'kvpool-client[loadgen]' "
+                    "(or leave out --plot)")
     if a.inject_errors < 0:
         p.error("--inject-errors must be >= 0")
     for name in ("processes", "concurrency", "completions", "beam_width", "num_samples", "prune_every"):

@@ -80,8 +80,8 @@ class SessionService:
         if self.metrics is not None:
             latency = time.monotonic() - since if since is not None else 0.0
             self.metrics.session_reclaimed(reason, latency, len(seq_ids), num_blocks)
-        logger.info("session %d (%s) ended, %s: %d sequences, %d blocks freed", session_id, session.client_name,
-                    reason, len(seq_ids), num_blocks)
+        logger.info("session %#x (%s) ended, %s: %d sequences, %d blocks freed", session_id, session.client_name,
+                    reason, len(seq_ids), num_blocks)  # hex, as kvctl shows it; the reason, as the metric's label
         return len(seq_ids), num_blocks
 
     def reap_expired(self) -> int:
@@ -89,7 +89,7 @@ class SessionService:
         with self.guard.lock:
             expired = self.table.expired()
             for session in expired:
-                self.end(session.session_id, "lease expired", since=session.deadline)
+                self.end(session.session_id, "lease_expired", since=session.deadline)
         return len(expired)
 
     # ---------------------------------------------------------------- drain (maintenance)
@@ -136,7 +136,7 @@ class SessionService:
         try:
             with self.guard.lock:
                 if self.table.stream_closed(session):
-                    self.end(session.session_id, "keep-alive broken", since=since)
+                    self.end(session.session_id, "stream_broken", since=since)
         except Exception:
             logger.exception("ending the session of a closed KeepAlive stream failed")
 
