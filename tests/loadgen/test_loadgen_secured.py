@@ -61,9 +61,15 @@ def test_tokens_are_refused_on_the_command_line_without_being_repeated(secured, 
         assert rc == 2 and "s3cret-t0ken" not in output and "file" in output, output
 
 
-def test_a_tenant_that_may_not_attach_is_told_before_the_run(secured, tmp_path):
+def test_a_tenant_that_may_not_attach_runs_over_grpc_or_is_told_before_the_run(secured, tmp_path):
     server, tls = secured
     rc, summary, output = loadgen(server.address, tmp_path, *RUN, *tls, "--token-file", str(tmp_path / "token-b"))
+    assert rc == 0, output  # --kv-path auto: WriteKV / ReadKV, said in the dashboard
+    assert summary["ok"] and summary["verification"]["errors"] == 0 and summary["verification"]["tokens_verified"]
+    assert summary["kv_path"]["path"] == "grpc" and "may not attach" in summary["kv_path"]["why"][0]
+    assert "KV over gRPC (WriteKV / ReadKV)" in output and summary["verification"]["method"].startswith("ReadKV")
+    rc, _, output = loadgen(server.address, tmp_path, *RUN, *tls, "--token-file", str(tmp_path / "token-b"),
+                            "--kv-path", "attach")
     assert rc == 2 and "may not attach" in output and "may_attach = true" in output, output
     assert "Errno" not in output and "Traceback" not in output
 

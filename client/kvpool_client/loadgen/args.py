@@ -8,6 +8,7 @@ import os
 from kvpool_client import diagnose
 from kvpool_client.credentials import SecretSafeParser
 from kvpool_client.loadgen import auth, preflight
+from kvpool_client.loadgen.kv_path import KV_PATHS
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER
 from kvpool_client.loadgen.worker_config import EXHAUSTED_WAIT_S
 from kvpool_client.loadgen.workload import MODES
@@ -66,6 +67,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--kv-source", choices=("auto", "host", "device"), default="auto",
                    help="write KV from host arrays, or from GPU arrays through the client's kernels (GPU pool "
                         "only); auto: device on a GPU pool, host otherwise (default auto)")
+    p.add_argument("--kv-path", choices=KV_PATHS, default="auto",
+                   help="how KV is written and verified: attach (the mapped pool: same host and IPC namespace, "
+                   "and may_attach), grpc (WriteKV/ReadKV: from anywhere), auto: attach when the pool can be "
+                   "mapped, else grpc, said in the dashboard (default auto)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a tty)")
     auth.add_options(p)  # --tenants, --token-file, --admin-token-file, --tls-* (auth.py)
     return p
@@ -91,6 +96,10 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         except ImportError:
             p.error("--plot needs matplotlib, which is not installed: pip install 'kvpool-client[loadgen]' "
                     "(or leave out --plot)")
+    if a.kv_path == "grpc" and a.verify == "table":
+        p.error("--verify table reads the mapped pool; with --kv-path grpc verification is by ReadKV (--verify readkv)")
+    if a.kv_path == "grpc" and a.kv_source == "device":
+        p.error("--kv-source device writes into the mapped GPU pool; with --kv-path grpc KV goes from host arrays")
     if a.inject_errors < 0:
         p.error("--inject-errors must be >= 0")
     for name in ("processes", "concurrency", "completions", "beam_width", "num_samples", "prune_every"):

@@ -127,6 +127,10 @@ def render(summary: dict[str, Any]) -> str:
         lines += [" verification failures:"] + [f"   {m}" for m in ver["messages"]]
     if summary.get("worker_errors"):
         lines += [" worker failures:"] + [f"   {m.strip().splitlines()[-1]}" for m in summary["worker_errors"]]
+    kv = summary.get("kv_path") or {}
+    if kv.get("path") in ("grpc", "mixed"):
+        lines.append(f" KV over gRPC (WriteKV / ReadKV) in {kv['grpc_processes']} process(es), not the mapped "
+                         f"pool: {'; '.join(kv['why'])}")
     interrupted = f" (interrupted by {summary['interrupted']})" if summary.get("interrupted") else ""
     lines.append(f" result: {'PASS' if summary['ok'] else 'FAIL'}{interrupted}")
     lines.append("=" * 78)

@@ -54,8 +54,9 @@ def prepare(a: argparse.Namespace) -> RunSetup:
         desc = client.describe_pool()
         before = client.stats()
     num_procs = min(a.processes, a.concurrency)
-    for token in sorted(set(run_creds.worker_tokens(num_procs)), key=str):
-        preflight.check_attach(a.target, a.tls.with_token(token), tenancy.tenant_of(tenants, token))
+    if a.kv_path == "attach":  # else a process that may not attach moves KV over gRPC (kv_path.py)
+        for token in sorted(set(run_creds.worker_tokens(num_procs)), key=str):
+            preflight.check_attach(a.target, a.tls.with_token(token), tenancy.tenant_of(tenants, token))
     dist = distribution(a.lengths, a.max_len)
     width = sequences_per_request(a.mode, a.beam_width, a.num_samples)
     seq_max_len = prefix.longest_sequence(a, dist)  # shared-prefix: the whole prompt + output; chat: the last turn

@@ -75,9 +75,10 @@ def check_attach(target: str, creds: Credentials, tenant: str = "") -> None:
     if desc.backend in ("host", "gpu") and not (desc.shm_name or desc.cuda_ipc_handle):
         who = f"tenant {tenant!r}" if tenant else "the tenant of this token"
         raise AttachNotAllowedError(
-            f"{who} may not attach the pool, and kvpool-loadgen writes and verifies KV through the mapped pool: "
-            f"grant it may_attach = true in the server's tokens file (then SIGHUP the server), or run as a tenant "
-            f"that may. ({NOT_ALLOWED})", code=AttachNotAllowedError.code, method="DescribePool")
+            f"{who} may not attach the pool, and --kv-path attach writes and verifies KV through the mapped pool: "
+            f"grant it may_attach = true in the server's tokens file (then SIGHUP the server), run as a tenant "
+            f"that may, or use --kv-path grpc (or auto). ({NOT_ALLOWED})", code=AttachNotAllowedError.code,
+            method="DescribePool")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ flight -- and the driver collects those reports for up to ``STOP_GRACE_S`` (then
 summarizes what was done; a second signal stops at once (KeyboardInterrupt, no summary). Workers ignore SIGINT (a
 Ctrl-C reaches the whole process group): the driver decides. A worker whose driver is gone stops by itself.
 
-Messages on the events queue are ``(kind, worker_id, payload, extra)``: ``ready``; ``done`` (extra: the process's
+Messages on the events queue are ``(kind, worker_id, payload, extra)``: ``ready`` (payload: how the process
+moves KV, ``{"kv_path": "attach" | "grpc", "why": ...}``); ``done`` (extra: the process's
 tokens appended so far); ``result`` (payload: ``Worker.summary()``); ``error`` (payload: the traceback, extra: the
 counts so far, for the per-tenant figures).
 """
@@ -61,6 +62,7 @@ class Collected:
     events_seen: dict[str, Any] | None = None
     interrupted: str = ""  # the signal that stopped the run ("SIGINT"), or ""
     claimed: int = 0  # requests the processes started (all of them, unless interrupted)
+    kv_paths: dict[int, dict[str, str]] = field(default_factory=dict)  # worker id -> {"kv_path", "why"} (kv_path.py)
 
 
 class Interrupt:
@@ -105,7 +107,7 @@ def spawn(a: argparse.Namespace, tenants: list[tuple[str, str]], dist: LengthDis
                            exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant,
                            workload=a.workload, num_prompts=a.num_prompts, shared_tokens=a.shared_tokens,
                            unique_tokens=a.unique_tokens, num_turns=a.turns, turn_tokens=a.turn_tokens,
-                           no_prefix_cache=a.no_prefix_cache, credentials=a.tls)
+                           no_prefix_cache=a.no_prefix_cache, credentials=a.tls, kv_path=a.kv_path)
         proc = ctx.Process(target=worker_main, args=(cfg, workers.claim, workers.start, workers.events, workers.stop),
                            name=f"kvpool-loadgen-{i}")
         proc.start()
@@ -131,7 +133,7 @@ def _collect(a: argparse.Namespace, workers: Workers, tenants: list[tuple[str, s
     out = Collected(t0=time.monotonic())
     event_counter = None
     try:
-        ready = _wait_ready(events, procs, out.worker_errors, interrupt)
+        ready = _wait_ready(events, procs, out, interrupt)
         stats_tokens = [a.admin_token] if a.admin_token else [t for _, t in tenants] or [a.token]
         out.sampler = StatsSampler(a.target, a.sample_interval_ms / 1e3, tokens=stats_tokens,
                                    tenants=[name for name, _ in tenants], credentials=a.tls).start()
@@ -178,7 +180,9 @@ def _collect(a: argparse.Namespace, workers: Workers, tenants: list[tuple[str, s
     return out
 
 
-def _wait_ready(events: Any, procs: list, worker_errors: list[str], interrupt: Interrupt) -> bool:
+def _wait_ready(events: Any, procs: list, out: Collected, interrupt: Interrupt) -> bool:
+    """Every process attached (or chose gRPC for KV: ``out.kv_paths``) and said ready; False if one failed."""
+    worker_errors = out.worker_errors
     ready: set[int] = set()
     deadline = time.monotonic() + READY_TIMEOUT_S
     while len(ready) < len(procs):
@@ -193,6 +197,7 @@ def _wait_ready(events: Any, procs: list, worker_errors: list[str], interrupt: I
             return False
         if kind == "ready":
             ready.add(wid)
+            out.kv_paths[wid] = payload or {"kv_path": "attach", "why": ""}
         elif kind == "error":
             worker_errors.append(f"worker {wid}: {payload}")
             return False

@@ -100,8 +100,10 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
             "stats_samples": len(sampler.series["t"]),
         },
         "verification": {
-            "method": {"both": "page table + attached pool, and ReadKV", "table": "page table + attached pool",
-                       "readkv": "ReadKV"}[a.verify],
+            "method": ("ReadKV (the pool is not mapped: KV over gRPC)" if collected.kv_paths and all(
+                p["kv_path"] == "grpc" for p in collected.kv_paths.values()) else
+                {"both": "page table + attached pool, and ReadKV", "table": "page table + attached pool",
+                 "readkv": "ReadKV"}[a.verify]),
             "tokens_verified": counts.get("tokens_verified", 0),
             "errors": verification_errors,
             "checks_failed": counts.get("checks_failed", 0),
@@ -133,6 +135,7 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
     if a.workload == "shared-prefix" and a.mode == "beam":
         summary["beam"] = prefix.beam_section(mem, share)
     summary["events"] = prefix.events_section(collected.events_seen, sampler.series)
+    summary["kv_path"] = kv_path_section(collected.kv_paths)
     summary["interrupted"] = collected.interrupted or None  # "SIGINT" / "SIGTERM": the run was stopped early
     summary["run"]["stopped_in_flight"] = counts.get("stopped_in_flight", 0)
     summary["ok"] = bool(
@@ -140,6 +143,15 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
         and summary["run"]["completions"] == a.completions and not collected.interrupted
     )
     return summary
+
+
+def kv_path_section(kv_paths: dict[int, dict[str, str]]) -> dict[str, Any]:
+    """How the processes moved KV: ``path`` "attach" (the mapped pool), "grpc" (WriteKV/ReadKV) or "mixed", and
+    why gRPC where it was used."""
+    paths = {p["kv_path"] for p in kv_paths.values()} or {"attach"}
+    whys = sorted({p["why"] for p in kv_paths.values() if p.get("why")})
+    return {"path": paths.pop() if len(paths) == 1 else "mixed", "why": whys,
+            "grpc_processes": sum(p["kv_path"] == "grpc" for p in kv_paths.values())}
 
 
 def _thin(t: np.ndarray, max_points: int = 4000, **columns: np.ndarray) -> dict[str, list[float]]:

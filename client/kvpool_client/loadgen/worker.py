@@ -71,7 +71,8 @@ class Worker(Admission, PrefixRequests):
         spec = make_request(cfg.seed, index, self.dist, cfg.mode, cfg.num_samples)
         root = self.timed("register", self.client.register)
         result = self.prefill(root, spec.prompt_len)
-        self.write_kv(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout))
+        self.write_kv(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout),
+                      [(root, 0, spec.prompt_len)])
         request = Request(index)
         seq_ids = [root]
         if self.width > 1:
@@ -100,7 +101,8 @@ class Worker(Admission, PrefixRequests):
         with np.errstate(over="ignore"):
             keys = np.array([s.writer for s in seqs], dtype=np.uint64) * np.uint64(KEY_MULTIPLIER)
             keys += np.array([s.length for s in seqs], dtype=np.uint64)
-        self.timed("write_slots", self.write_kv, result.slot_mapping, kv_pattern(keys, self.layout))
+        self.timed("write_slots", self.write_kv, result.slot_mapping, kv_pattern(keys, self.layout),
+                   [(s.seq_id, s.length, 1) for s in seqs])
         for s, slot in zip(seqs, result.slot_mapping.tolist(), strict=True):
             s.last_slot = slot
             last = s.history[-1]
@@ -199,7 +201,8 @@ def worker_main(cfg: WorkerConfig, claim: Any, start: Any, events: Any, stop: An
     worker = None
     try:
         worker = Worker(cfg, claim, events, stop)
-        events.put(("ready", cfg.worker_id, None, None))
+        events.put(("ready", cfg.worker_id, {"kv_path": "grpc" if worker.pool is None else "attach",
+                                              "why": worker.grpc_kv_why}, None))
         start.wait()
         worker.run()
         events.put(("result", cfg.worker_id, worker.summary(), None))

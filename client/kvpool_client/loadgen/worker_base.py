@@ -19,6 +19,7 @@ from kvpool_client.client import KVPoolClient
 from kvpool_client.credentials import Credentials
 from kvpool_client.errors import QuotaExceededError, ResourceExhaustedError
 from kvpool_client.loadgen.chat import ChatConversation
+from kvpool_client.loadgen.kv_path import map_pool, write_over_grpc
 from kvpool_client.loadgen.sequences import Request
 from kvpool_client.loadgen.verifier import Verifier
 from kvpool_client.loadgen.worker_config import WorkerConfig
@@ -40,12 +41,13 @@ class WorkerBase:
         self.width = sequences_per_request(cfg.mode, cfg.beam_width, cfg.num_samples)
         creds = (cfg.credentials or Credentials()).with_token(cfg.token)
         self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, **creds.client_kwargs())
-        self.pool = self.client.attach()
-        self.layout = self.pool.layout
-        if cfg.kv_source == "device" and self.pool.backend != "gpu":
-            raise RuntimeError(f"--kv-source device writes from GPU arrays into a GPU pool; this server's pool is "
-                               f"on the {self.pool.backend} backend: use --kv-source host (or auto)")
-        self.device_kv = cfg.kv_source == "device" or (cfg.kv_source == "auto" and self.pool.backend == "gpu")
+        self.pool, self.grpc_kv_why = map_pool(self.client, cfg.kv_path)  # None: KV over gRPC (kv_path.py)
+        self.layout = self.client.layout
+        backend = self.pool.backend if self.pool is not None else "not mapped"
+        if cfg.kv_source == "device" and backend != "gpu":
+            raise RuntimeError(f"--kv-source device writes from GPU arrays into a mapped GPU pool; this server's pool "
+                               f"is {backend}: use --kv-source host (or auto)")
+        self.device_kv = cfg.kv_source == "device" or (cfg.kv_source == "auto" and backend == "gpu")
         self.active: list[Request] = []
         self.deferred: list[int] = []  # request indices to start (again) first: admission.py
         self.hold_admission = False  # after a preemption, until a request completes
@@ -121,9 +123,13 @@ class WorkerBase:
             self.claim.value = index + 1
             return index
 
-    def write_kv(self, slots: np.ndarray, data: np.ndarray) -> None:
+    def write_kv(self, slots: np.ndarray, data: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
         """Write token KV into ``slots``: from host arrays, or (``--kv-source device``) from device arrays through
-        the client's scatter kernel, then wait for it (other processes and the server read these slots next)."""
+        the client's scatter kernel, then wait for it (other processes and the server read these slots next).
+        ``runs``: the same tokens as ``(seq_id, start, num_tokens)``, for WriteKV when the pool is not mapped."""
+        if self.pool is None:
+            write_over_grpc(self.client, runs, data)
+            return
         if not self.device_kv:
             self.pool.write_slots(slots, data)
             return

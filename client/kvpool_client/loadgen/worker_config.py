@@ -44,3 +44,4 @@ class WorkerConfig:
     turn_tokens: int = 64
     no_prefix_cache: bool = False
     credentials: Credentials | None = None  # TLS material of every connection (credentials.py); the token is above
+    kv_path: str = "auto"  # "attach" (the mapped pool), "grpc" (WriteKV/ReadKV), "auto" (kv_path.py)
