@@ -7,6 +7,7 @@
     kvctl block-table SEQ             one sequence's page table
     kvctl health                      gRPC health (exit 0 only when SERVING)
     kvctl drain [--wait S]            Drain RPC: NOT_SERVING, no new sessions; --wait until none is live (else 5)
+    kvctl drain --resume              undo a drain: SERVING again, new sessions taken
     kvctl events [--batches N]        follow SubscribeEvents (the prefix cache's KV events); --json: a batch a line
     kvctl top                         a live view: usage, rates and Stats latency, refreshed in place
 
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="service name ('' for the server as a whole)")
     drain = sub.add_parser("drain", parents=[common], help="drain the server: NOT_SERVING, no new sessions (admin)")
     drain.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for it to empty; exit 5, naming what is still live, if it does not")
+    drain.add_argument("--resume", action="store_true", help="undo a drain: SERVING again, new sessions taken")
     p = sub.add_parser("events", parents=[common], help="follow the server's KV event stream (admin with auth)")
     p.add_argument("--from-seq", type=int, default=None, help="resume at this batch (else: a snapshot first)")
     p.add_argument("--batches", type=int, default=0, help="stop after this many batches (0: follow)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -180,3 +181,21 @@ def test_stats_and_top_count_evictable_blocks(server, capsys):
     view = json.loads(out)
     assert view["blocks_evictable"] == data["num_blocks_evictable"]
     assert view["blocks_used"] + view["blocks_free"] + view["blocks_evictable"] == view["blocks_total"]
+
+
+def test_a_drain_can_be_undone(server, capsys):
+    """kvctl drain --resume (24.7): SERVING again, and new sessions are taken again."""
+    assert kvctl(capsys, "--target", server.address, "drain")[0] == 0
+    code, _, _ = kvctl(capsys, "--target", server.address, "health")
+    assert code == EXIT_ERROR
+    with KVPoolClient(server.address) as kv, pytest.raises(UnavailableError, match="draining"):
+        kv.register()
+    code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--resume", "--json")
+    assert code == 0 and json.loads(out)["draining"] is False
+    deadline = time.monotonic() + 10  # the health status is set on the server's loop just after the reply
+    while kvctl(capsys, "--target", server.address, "health")[0] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with KVPoolClient(server.address) as kv:
+        assert kv.append([kv.register()], 3).slot_mapping.size == 3
+    assert kvctl(capsys, "--target", server.address, "drain", "--resume")[0] == 0  # idempotent

@@ -134,6 +134,6 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         lambda s, rows: pb.ListSequencesResponse(sequences=[
             pb.SequenceInfo(seq_id=i[0], session_id=i[1], num_tokens=i[2], num_blocks=i[3]) for i in rows])),
     "Drain": Unary(
-        pb.DrainRequest, lambda s, call, r: s.drain(call),
+        pb.DrainRequest, lambda s, call, r: s.drain(call, r.resume),
         lambda s, a: pb.DrainResponse(num_sessions=a[0], num_sequences=a[1])),
 }

@@ -43,12 +43,12 @@ class KeepAliveState:
 
 
 class SessionService:
-    def __init__(self, guard: CoreGuard, metrics: KVPoolMetrics | None, on_drain: Callable[[], None]) -> None:
+    def __init__(self, guard: CoreGuard, metrics: KVPoolMetrics | None, on_drain: Callable[[bool], None]) -> None:
         self.guard = guard
         self.table = guard.sessions
         self.metrics = metrics
-        self.on_drain = on_drain  # the Drain RPC's first call: health NOT_SERVING
-        self.draining = False  # set by the Drain RPC, never unset (restart the server to serve again)
+        self.on_drain = on_drain  # on_drain(True) at a drain: health NOT_SERVING; on_drain(False) at a resume: SERVING
+        self.draining = False  # set by the Drain RPC, unset by Drain(resume=True)
 
     def open(self, call: Call, client_name: str = "", lease_ttl_ms: int = 0) -> Session:
         self.refuse_if_drained("OpenSession")
@@ -100,11 +100,16 @@ class SessionService:
                 "sequences; live sessions go on until they end"
             )
 
-    def drain(self) -> tuple[int, int]:
-        """Start draining (once); returns what is still live: (sessions, sequences)."""
-        if not self.draining:
+    def drain(self, resume: bool = False) -> tuple[int, int]:
+        """Start draining (once), or with ``resume`` stop draining; returns what is still live: (sessions,
+        sequences)."""
+        if resume and self.draining:
+            self.draining = False
+            self.on_drain(False)
+            logger.warning("drain undone: serving new sessions again")
+        elif not resume and not self.draining:
             self.draining = True
-            self.on_drain()
+            self.on_drain(True)
             logger.warning("draining: no new sessions; %d live sessions go on", len(self.table))
         with self.guard.lock:
             return len(self.table), self.guard.manager.num_sequences
