@@ -16,6 +16,8 @@
      ├─ UnauthenticatedError          UNAUTHENTICATED      no token, or one the server does not know (or revoked)
      ├─ PermissionDeniedError         PERMISSION_DENIED    the token's role may not make this call (admin RPCs)
      │   └─ AttachNotAllowedError                          the tenant may not map the pool (may_attach = false)
+     ├─ PoolNotMappableError          (none; an OSError)   attach() where the pool is not visible: another host,
+     │                                                     container or IPC namespace (use write_kv / read_kv)
      ├─ UnimplementedError            UNIMPLEMENTED
      └─ UnknownError                  every other code
 
@@ -120,6 +122,12 @@ class AttachNotAllowedError(PermissionDeniedError):
     """``attach()`` by a tenant that may not map the pool: the server left the mapping (shm name, CUDA IPC handle)
     out of DescribePool because the tenant's entry in the tokens file lacks ``may_attach = true``. Move KV through
     ``write_kv()`` / ``read_kv()`` (gRPC) instead, or have the operator grant ``may_attach``."""
+
+
+class PoolNotMappableError(KVPoolClientError, OSError):
+    """``attach()`` could not map the pool DescribePool names: its shared-memory segment (or CUDA IPC handle) is
+    not reachable from this process -- the server runs on another host, or in another container or IPC namespace.
+    Move KV through ``write_kv()`` / ``read_kv()`` (gRPC) instead, or run where the server's IPC namespace is."""
 
 
 class UnimplementedError(KVPoolClientError):

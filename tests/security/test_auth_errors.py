@@ -54,3 +54,19 @@ def test_attach_by_a_tenant_that_may_not_says_so_and_what_to_do(auth_server):
         assert (client.read_kv(seq) == kv.reshape(3, *client.layout.token_shape)).all() and slots.size == 3
     with KVPoolClient(auth_server.address, token="tok-b") as client, client.attach() as pool:
         assert pool.num_blocks == 256
+
+
+def test_attach_where_the_pool_is_not_visible_says_so(server):
+    """What attach() meets in another container or IPC namespace: the segment DescribePool names is not there."""
+    import dataclasses
+
+    from kvpool_client import PoolNotMappableError
+    from kvpool_client.attach import attach
+
+    with KVPoolClient(server.address) as client:
+        description = dataclasses.replace(client.describe_pool(), shm_name="kvpool-1-0-0-elsewhere")
+        with pytest.raises(PoolNotMappableError) as err:
+            attach(description, client._session)
+    message = str(err.value)
+    assert "another host, or in another container or IPC namespace" in message and "write_kv" in message
+    assert isinstance(err.value, OSError)
