@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import io
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +34,9 @@ from dataclasses import asdict
 from typing import Any
 
 import grpc
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
@@ -95,8 +100,8 @@ def cmd_stats(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
         ("backend", f"{pool.backend} (server pid {pool.server_pid})"),
         ("blocks", f"{stats.num_blocks_used:,} used + {stats.num_blocks_free:,} free + {stats.num_blocks_evictable:,} "
                    f"evictable = {stats.num_blocks_total:,}"),
-        ("evictable", f"{stats.num_blocks_evictable:,} blocks: the prefix cache's, held by no sequence; allocatable "
-                      "(oldest first) when the free list runs out"),
+        ("evictable", f"{stats.num_blocks_evictable:,} (prefix cache, no sequence holds them: allocatable, oldest "
+                      "first)"),
         ("usage", f"{100 * stats.utilization:.2f}%  ({_mib(bytes_used)} of {_mib(pool.pool_bytes)})"),
         ("block", f"{stats.block_size} tokens, {stats.block_bytes:,} bytes"),
         ("sequences", f"{stats.num_sequences:,}"),
@@ -219,15 +224,31 @@ def _mib(num_bytes: int) -> str:
 
 
 def _table(rows: Sequence[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    """Name / value rows (rich, plain text: no colour, no box)."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for name, value in rows:
+        table.add_row(name, value)
+    return _text(table)
 
 
 def _columns(header: Sequence[str], lines: Sequence[Sequence[Any]]) -> str:
-    cells = [list(map(str, header))] + [[str(c) for c in line] for line in lines]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths)))
-                     for row in cells)
+    """A table with a header; the first column left-aligned, the rest right-aligned (rich, plain text)."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for i, name in enumerate(header):
+        table.add_column(str(name), justify="left" if i == 0 else "right", no_wrap=True)
+    for line in lines:
+        table.add_row(*map(str, line))
+    return _text(table)
+
+
+def _text(table: Table) -> str:
+    """A rich table as plain text: wide enough not to wrap (kvctl's output is often piped), no trailing blanks."""
+    console = Console(file=io.StringIO(), width=max(100, shutil.get_terminal_size().columns), color_system=None,
+                      force_terminal=False, highlight=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()).strip("\n")
 
 
 # ---------------------------------------------------------------------------------------------- entry point

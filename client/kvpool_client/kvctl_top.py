@@ -103,7 +103,7 @@ def run_top(client: KVPoolClient, args: argparse.Namespace, window: int = 60) ->
         try:
             from rich.live import Live
         except ImportError:
-            print("kvctl top: needs the `rich` package: pip install 'kvpool-client[cli]' (or requirements/loadgen.txt)")
+            print("kvctl top: needs the `rich` package (a dependency of kvpool-client): pip install rich")
             return 3
         with Live(render(poll(), args.target, args.interval), auto_refresh=False) as live:
             count = 1
