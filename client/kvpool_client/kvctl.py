@@ -245,10 +245,11 @@ def _columns(header: Sequence[str], lines: Sequence[Sequence[Any]]) -> str:
 
 def _text(table: Table) -> str:
     """A rich table as plain text: wide enough not to wrap (kvctl's output is often piped), no trailing blanks."""
-    console = Console(file=io.StringIO(), width=max(100, shutil.get_terminal_size().columns), color_system=None,
+    out = io.StringIO()
+    console = Console(file=out, width=max(100, shutil.get_terminal_size().columns), color_system=None,
                       force_terminal=False, highlight=False)
     console.print(table)
-    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()).strip("\n")
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines()).strip("\n")
 
 
 # ---------------------------------------------------------------------------------------------- entry point
