@@ -168,6 +168,12 @@ def test_the_start_line_says_whether_auth_and_tls_are_on(server_factory, tmp_pat
     """Issue 24.3: how many tokens and tenants, and TLS, on the start line (not silently whatever the file said)."""
     from tests.security.tenant_helpers import write_tokens
 
+    def start_line(server) -> str:  # written just after the server says SERVING: wait for it
+        deadline = time.monotonic() + 30
+        while "listening on" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return server.log()
+
     secured = server_factory("--auth-tokens", str(write_tokens(tmp_path / "t.toml")))
-    assert "auth on: 3 tokens (1 admin), 3 tenants; TLS off" in secured.log()
-    assert "auth off; TLS off" in server_factory().log()
+    assert "auth on: 3 tokens (1 admin), 3 tenants; TLS off" in start_line(secured)
+    assert "auth off; TLS off" in start_line(server_factory())
