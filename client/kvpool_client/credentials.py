@@ -57,6 +57,14 @@ class Credentials:
     def tls(self) -> bool:
         return self.tls_ca is not None or self.tls_cert is not None
 
+    def for_target(self, target: str) -> Credentials:
+        """These credentials for ``target``: a unix socket is never TLS (the server serves TLS on TCP only; the
+        socket's file mode is its access control), so a TLS setting from the environment is left out for it."""
+        if not target.startswith("unix:") or not self.tls:
+            return self
+        where = {k: v for k, v in self.where.items() if not k.startswith("tls")}
+        return Credentials(self.token, None, None, None, None, where)
+
     def with_token(self, token: str | None) -> Credentials:
         return Credentials(token, self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name, self.where)
 

@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.exit_code = EXIT_OK
     try:
         diagnose.check_target(args.target)
-        creds = credentials.from_args(args)
+        creds = credentials.from_args(args).for_target(args.target)
     except (ValueError, CredentialsError) as exc:
         return _fail(args, EXIT_USAGE, str(exc))
     ctl = Ctl(args.target, args.timeout, creds)

@@ -145,3 +145,13 @@ def test_a_socket_path_without_unix_and_a_refused_port(capsys, tmp_path, monkeyp
     assert code == EXIT_NO_SERVER and "connection refused" in err
     code, _, err = kvctl(capsys, "--unix-socket", str(tmp_path / "nothing.sock"), "stats")
     assert code == EXIT_NO_SERVER and "no unix socket at" in err
+
+
+def test_tls_settings_in_the_environment_leave_a_unix_socket_alone(unix_server, capsys, monkeypatch, tmp_path):
+    """The unix socket is never TLS: KVPOOL_CLIENT_TLS_* set for the TCP servers must not break it."""
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(CA("some CA").pem)
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
+    monkeypatch.setenv("KVPOOL_CLIENT_TLS_CA", str(ca))
+    code, out, err = kvctl(capsys, "--target", unix_server.address, "stats", "--json")
+    assert code == 0 and json.loads(out)["num_blocks_total"] == 256, err

@@ -11,6 +11,7 @@ summary of what was done is printed and written all the same.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -45,6 +46,7 @@ def prepare(a: argparse.Namespace) -> RunSetup:
     """Read the tokens and TLS files (auth.py), connect, describe the pool and check that the load can fit and that
     every process may map the pool (preflight.py)."""
     run_creds = auth.resolve(a)
+    run_creds = dataclasses.replace(run_creds, creds=run_creds.creds.for_target(a.target))  # unix: never TLS
     a.token, a.admin_token, a.tls = run_creds.creds.token, run_creds.admin_token, run_creds.creds.with_token(None)
     tenants, main_token = run_creds.tenants, run_creds.main_token
     if run_creds.admin_token or run_creds.creds.token or run_creds.tenants or run_creds.creds.tls:
