@@ -10,7 +10,8 @@ environment variables, one rule for each (docs/ops.md, "A secured server").
                                                               (default: the target's host)
 
 A flag beats its variable; ``--token-file`` (or KVPOOL_TOKEN_FILE) beats KVPOOL_TOKEN. The client's TLS variables
-are not the server's (KVPOOL_TLS_CERT is the *server's* certificate), so one environment can hold both.
+are not the server's (KVPOOL_TLS_CERT is the *server's* certificate), so one environment can hold both. A unix:
+target never uses TLS (``Credentials.for_target``): the server serves TLS on TCP only.
 
 A token is never an argument: argv is in ``ps`` and the shell's history. ``--token X`` is refused with a message
 that does not repeat X (``refuse_secret_option``), and no usage error repeats a value given to an option named like
