@@ -55,7 +55,7 @@ def explain(target: str, details: str, tls: bool) -> Problem:
         return Problem(f"the server at {target} presented a certificate that the CA given with --tls-ca did not "
                        "sign (or no --tls-ca was given and the system's CAs do not trust it): give the CA that "
                        "signed the server's certificate", True)
-    if "peer name" in low and "not in peer certificate" in low:
+    if "hostname verification" in low or ("peer name" in low and "not in peer certificate" in low):
         return Problem(f"the server's certificate does not name the host of {target}: connect by a name it carries, "
                        "or give --tls-server-name NAME", True)
     if "socket closed" in low or "connection reset" in low:

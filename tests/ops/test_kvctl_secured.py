@@ -155,3 +155,11 @@ def test_tls_settings_in_the_environment_leave_a_unix_socket_alone(unix_server, 
     monkeypatch.setenv("KVPOOL_CLIENT_TLS_CA", str(ca))
     code, out, err = kvctl(capsys, "--target", unix_server.address, "stats", "--json")
     assert code == 0 and json.loads(out)["num_blocks_total"] == 256, err
+
+
+def test_a_name_the_server_certificate_does_not_carry(secured, capsys):
+    server, files, tls = secured
+    code, _, err = kvctl(capsys, "--target", server.address, *tls, "--tls-server-name", "not-the-server", "health")
+    assert code == EXIT_NO_SERVER and "--tls-server-name" in err, err
+    code, out, err = kvctl(capsys, "--target", server.address, *tls, "--tls-server-name", "localhost", "health")
+    assert code == 0 and "SERVING" in out, err
