@@ -156,7 +156,9 @@ def cmd_health(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
     data = {"service": args.service, "status": status}
     if status != "SERVING":
         args.exit_code = EXIT_ERROR
-    return data, f"{args.service or 'server'}: {status}"
+    why = (" (draining -- `kvctl drain --resume` undoes a drain -- or shutting down)"
+           if status == "NOT_SERVING" else "")
+    return data, f"{args.service or 'server'}: {status}{why}"
 
 
 def cmd_drain(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:

@@ -186,8 +186,8 @@ def test_stats_and_top_count_evictable_blocks(server, capsys):
 def test_a_drain_can_be_undone(server, capsys):
     """kvctl drain --resume (24.7): SERVING again, and new sessions are taken again."""
     assert kvctl(capsys, "--target", server.address, "drain")[0] == 0
-    code, _, _ = kvctl(capsys, "--target", server.address, "health")
-    assert code == EXIT_ERROR
+    code, out, _ = kvctl(capsys, "--target", server.address, "health")
+    assert code == EXIT_ERROR and "NOT_SERVING (draining" in out and "--resume" in out
     with KVPoolClient(server.address) as kv, pytest.raises(UnavailableError, match="draining"):
         kv.register()
     code, out, _ = kvctl(capsys, "--target", server.address, "drain", "--resume", "--json")
