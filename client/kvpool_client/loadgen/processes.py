@@ -100,19 +100,38 @@ def spawn(a: argparse.Namespace, tenants: list[tuple[str, str]], dist: LengthDis
     shares = [a.concurrency // num_procs + (i < a.concurrency % num_procs) for i in range(num_procs)]
     ctx = mp.get_context("spawn")
     workers = Workers([], ctx.Value("q", 0), ctx.Event(), ctx.Queue(), ctx.Event())
-    for i, share in enumerate(shares):
-        tenant, token = tenancy.worker_token(tenants, i, a.token)
-        cfg = WorkerConfig(i, a.target, share, a.completions, a.seed, a.lengths, dist.max_len, a.mode, a.beam_width,
-                           a.num_samples, a.prune_every, a.verify, a.timeout, a.inject_errors,
-                           exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant,
-                           workload=a.workload, num_prompts=a.num_prompts, shared_tokens=a.shared_tokens,
-                           unique_tokens=a.unique_tokens, num_turns=a.turns, turn_tokens=a.turn_tokens,
-                           no_prefix_cache=a.no_prefix_cache, credentials=a.tls, kv_path=a.kv_path)
-        proc = ctx.Process(target=worker_main, args=(cfg, workers.claim, workers.start, workers.events, workers.stop),
-                           name=f"kvpool-loadgen-{i}")
-        proc.start()
-        workers.procs.append(proc)
+    try:
+        for i, share in enumerate(shares):
+            tenant, token = tenancy.worker_token(tenants, i, a.token)
+            cfg = WorkerConfig(i, a.target, share, a.completions, a.seed, a.lengths, dist.max_len, a.mode,
+                               a.beam_width, a.num_samples, a.prune_every, a.verify, a.timeout, a.inject_errors,
+                               exhausted_wait_s=a.exhausted_wait, kv_source=a.kv_source, token=token, tenant=tenant,
+                               workload=a.workload, num_prompts=a.num_prompts, shared_tokens=a.shared_tokens,
+                               unique_tokens=a.unique_tokens, num_turns=a.turns, turn_tokens=a.turn_tokens,
+                               no_prefix_cache=a.no_prefix_cache, credentials=a.tls, kv_path=a.kv_path)
+            proc = ctx.Process(target=worker_main, name=f"kvpool-loadgen-{i}",
+                               args=(cfg, workers.claim, workers.start, workers.events, workers.stop))
+            workers.procs.append(proc)
+            # born with SIGINT blocked: a Ctrl-C while it imports is not its to handle (worker_main ignores SIGINT
+            # and unblocks it); the driver's own pending SIGINT arrives when the mask is restored
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    except BaseException:  # Ctrl-C while starting them: stop those started (Python's exit would wait for them)
+        _stop_now(workers)
+        raise
     return workers
+
+
+def _stop_now(workers: Workers) -> None:
+    workers.stop.set()
+    workers.start.set()
+    for proc in workers.procs:
+        if proc.pid is not None:  # started
+            proc.terminate()
+            proc.join()
 
 
 def collect(a: argparse.Namespace, workers: Workers, tenants: list[tuple[str, str]], main_token: str | None

@@ -198,12 +198,14 @@ def worker_main(cfg: WorkerConfig, claim: Any, start: Any, events: Any, stop: An
     driver's to handle (a Ctrl-C reaches the whole process group): it sets ``stop``, and the worker reports what
     it did."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # spawn() blocked it for the start-up
     worker = None
     try:
         worker = Worker(cfg, claim, events, stop)
         events.put(("ready", cfg.worker_id, {"kv_path": "grpc" if worker.pool is None else "attach",
                                               "why": worker.grpc_kv_why}, None))
-        start.wait()
+        while not start.wait(0.5) and not worker.stopping():  # a driver gone before the start: stop, not hang
+            pass
         worker.run()
         events.put(("result", cfg.worker_id, worker.summary(), None))
     except BaseException:  # noqa: BLE001  (reported to the parent, which fails the run)
