@@ -106,6 +106,7 @@ class Credentials:
             tls.append(f"client certificate {self.where.get('tls_cert', '?')}")
         return f"TLS ({', '.join(tls)})"
 
+
 # ---------------------------------------------------------------------------------------------- reading
 def read_token_file(path: str | Path) -> str:
     """The one token in ``path`` (surrounding whitespace and a final newline dropped). CredentialsError, naming the
