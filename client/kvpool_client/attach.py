@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvpool import layout as kvlayout
-from kvpool_client.errors import InvalidArgumentError, ServerGoneError
+from kvpool_client.errors import AttachNotAllowedError, InvalidArgumentError, PoolNotMappableError, ServerGoneError
 from kvpool_client.kernels import reference
 from kvpool_client.kernels.arrays import ACCEPTED_DTYPES, is_torch, to_numpy
 
@@ -240,15 +240,34 @@ def _cupy() -> Any:
     return cupy
 
 
+NOT_ALLOWED = (
+    "this tenant may not attach the pool: the server (--auth-tokens) sends the pool's shared-memory name or CUDA IPC "
+    "handle only to tenants whose [tenants.NAME] section in the tokens file says may_attach = true (mapping the pool "
+    "shows every tenant's KV). Move KV through client.write_kv() / client.read_kv() instead, or ask the operator to "
+    "grant may_attach (docs/security.md)")
+
+
 def attach(description: PoolDescription, session: SessionState) -> AttachedPool:
     """Map the pool ``description`` (DescribePool's) names: shared memory on the host backend, CUDA IPC through CuPy
-    on a GPU; its writes and reads check the server's process and ``session`` first (``ServerLiveness``)."""
+    on a GPU; its writes and reads check the server's process and ``session`` first (``ServerLiveness``).
+    AttachNotAllowedError when the description carries no mapping: the caller's tenant lacks ``may_attach``."""
     from kvpool_client import mapping  # noqa: PLC0415  (mapping imports CuPy lazily on the GPU path)
 
-    if description.backend == "host":
-        mapped = mapping.map_host_pool(description.shm_name, description.pool_bytes)
-    elif description.backend == "gpu":
-        mapped = mapping.map_gpu_pool(description.cuda_ipc_handle, description.pool_bytes, description.cuda_device)
-    else:
+    if description.backend in ("host", "gpu") and not (description.shm_name or description.cuda_ipc_handle):
+        raise AttachNotAllowedError(NOT_ALLOWED, code=AttachNotAllowedError.code, method="DescribePool")
+    if description.backend not in ("host", "gpu"):
         raise InvalidArgumentError(f"the server reports backend {description.backend!r}; cannot attach")
+    try:
+        if description.backend == "host":
+            mapped = mapping.map_host_pool(description.shm_name, description.pool_bytes)
+        else:
+            mapped = mapping.map_gpu_pool(description.cuda_ipc_handle, description.pool_bytes, description.cuda_device)
+    except (OSError, RuntimeError) as error:  # no such segment here; a CUDA IPC handle of another host or container
+        where = (f"shared-memory segment /{description.shm_name}" if description.backend == "host"
+                 else f"CUDA IPC handle (device {description.cuda_device})")
+        raise PoolNotMappableError(
+            f"cannot map the pool's {where} from this process ({type(error).__name__}: {error}): the server "
+            f"(pid {description.server_pid}) is on another host, or in another container or IPC namespace. Move KV "
+            "through client.write_kv() / client.read_kv() instead, or run in the server's IPC namespace (docker: "
+            "--ipc container:SERVER)", method="attach") from error
     return AttachedPool(description, mapped, ServerLiveness(description.server_pid, session))

@@ -13,6 +13,11 @@
      ├─ DeadlineExceededError         DEADLINE_EXCEEDED    the call's deadline passed (a TimeoutError)
      ├─ InternalError                 INTERNAL             a server bug, e.g. a violated invariant
      ├─ CancelledError                CANCELLED
+     ├─ UnauthenticatedError          UNAUTHENTICATED      no token, or one the server does not know (or revoked)
+     ├─ PermissionDeniedError         PERMISSION_DENIED    the token's role may not make this call (admin RPCs)
+     │   └─ AttachNotAllowedError                          the tenant may not map the pool (may_attach = false)
+     ├─ PoolNotMappableError          (none; an OSError)   attach() where the pool is not visible: another host,
+     │                                                     container or IPC namespace (use write_kv / read_kv)
      ├─ UnimplementedError            UNIMPLEMENTED
      └─ UnknownError                  every other code
 
@@ -98,6 +103,33 @@ class CancelledError(KVPoolClientError):
     code = grpc.StatusCode.CANCELLED
 
 
+class UnauthenticatedError(KVPoolClientError):
+    """The server runs with --auth-tokens and this call carried no token, or one it does not know (never issued,
+    mistyped, or revoked by a reload of its tokens file). Give the client ``token=``; the tools read it from
+    ``--token-file FILE`` or KVPOOL_TOKEN (docs/security.md)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(KVPoolClientError):
+    """The token is valid but its role may not make this call (ListSessions, Drain, SubscribeEvents,
+    CheckInvariants are an ``admin`` token's), or its tenant may not do this."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class AttachNotAllowedError(PermissionDeniedError):
+    """``attach()`` by a tenant that may not map the pool: the server left the mapping (shm name, CUDA IPC handle)
+    out of DescribePool because the tenant's entry in the tokens file lacks ``may_attach = true``. Move KV through
+    ``write_kv()`` / ``read_kv()`` (gRPC) instead, or have the operator grant ``may_attach``."""
+
+
+class PoolNotMappableError(KVPoolClientError, OSError):
+    """``attach()`` could not map the pool DescribePool names: its shared-memory segment (or CUDA IPC handle) is
+    not reachable from this process -- the server runs on another host, or in another container or IPC namespace.
+    Move KV through ``write_kv()`` / ``read_kv()`` (gRPC) instead, or run where the server's IPC namespace is."""
+
+
 class UnimplementedError(KVPoolClientError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
@@ -119,6 +151,8 @@ ERROR_FOR_CODE: dict[grpc.StatusCode, type[KVPoolClientError]] = {
         DeadlineExceededError,
         InternalError,
         CancelledError,
+        UnauthenticatedError,
+        PermissionDeniedError,
         UnimplementedError,
         UnknownError,
     )

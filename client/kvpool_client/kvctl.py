@@ -1,11 +1,13 @@
 """kvctl: look at (and, where the server allows, steer) a running kvpool-server.
 
-    kvctl stats                       pool occupancy: blocks, usage, tokens, fragmentation, sharing, copies
+    kvctl stats                       pool occupancy: blocks (used + free + evictable = total), usage, tokens,
+                                      fragmentation, sharing, copies
     kvctl sessions                    live sessions (ListSessions)
     kvctl sequences [--session S]     live sequences, of one session or all (ListSequences)
     kvctl block-table SEQ             one sequence's page table
     kvctl health                      gRPC health (exit 0 only when SERVING)
     kvctl drain [--wait S]            Drain RPC: NOT_SERVING, no new sessions; --wait until none is live (else 5)
+    kvctl drain --resume              undo a drain: SERVING again, new sessions taken
     kvctl events [--batches N]        follow SubscribeEvents (the prefix cache's KV events); --json: a batch a line
     kvctl events --zmq ENDPOINT       the same events on vLLM's ZMQ wire (--kv-events-publish), as a router sees them
     kvctl top                         a live view: usage, rates and Stats latency, refreshed in place
@@ -13,14 +15,19 @@
 Every command takes --json (one JSON document; `top --json` writes one line a refresh). Exit codes: 0 done,
 1 the server answered with an error (or is not SERVING), 2 usage, 3 not available on this server, 4 no server,
 5 `drain --wait` ran out with sessions or sequences still live (kvctl_drain.py).
+
+A secured server (--auth-tokens, TLS): the token from --token-file FILE or KVPOOL_TOKEN (never an argument),
+--tls-ca PEM, and --tls-cert PEM --tls-key PEM for mutual TLS (credentials.py; docs/ops.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import io
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,12 +35,16 @@ from dataclasses import asdict
 from typing import Any
 
 import grpc
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_client import kvctl_drain
+from kvpool_client import credentials, diagnose, kvctl_drain
 from kvpool_client.client import KVPoolClient
-from kvpool_client.errors import KVPoolClientError, from_rpc_error
+from kvpool_client.credentials import Credentials, CredentialsError
+from kvpool_client.errors import KVPoolClientError, PermissionDeniedError, UnauthenticatedError, from_rpc_error
 from kvpool_client.pages import all_pages
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_AVAILABLE, EXIT_NO_SERVER = 0, 1, 2, 3, 4
@@ -48,27 +59,26 @@ class NotAvailable(Exception):
 class Ctl:
     """One connection: the client library for what it wraps, the generated stub for what it does not yet."""
 
-    def __init__(self, target: str, timeout: float) -> None:
+    def __init__(self, target: str, timeout: float, creds: Credentials | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(target)
-        self.client = KVPoolClient(target, timeout=timeout, channel=self.channel)
+        self.creds = creds or Credentials()
+        self.metadata = self.creds.metadata()
+        self.channel = self.creds.channel(target)
+        self.client = KVPoolClient(target, timeout=timeout, channel=self.channel, token=self.creds.token)
         self.stub = pb_grpc.KVPoolServiceStub(self.channel)
 
     def connect(self) -> None:
-        """Fail fast, and clearly, when nothing answers at the target."""
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=min(CONNECT_TIMEOUT_S, self.timeout))
-        except grpc.FutureTimeoutError:
-            raise ConnectionError(
-                f"no kvpool-server at {self.target} (nothing answered within {min(CONNECT_TIMEOUT_S, self.timeout):g} "
-                "s): is it running? Give its address with --target HOST:PORT or unix:PATH (env KVPOOL_TARGET)"
-            ) from None
+        """Fail fast, and say what happened, when no server answers at the target (diagnose.py): one Health call,
+        which fails at once on a refused connection or a TLS mismatch and waits at most CONNECT_TIMEOUT_S."""
+        problem = diagnose.probe(self.channel, self.target, min(CONNECT_TIMEOUT_S, self.timeout), self.creds.tls)
+        if problem is not None:
+            raise ConnectionError(problem.message)
 
     def call(self, name: str, request: Any) -> Any:
         """A KVPoolService RPC through the generated stub; UNIMPLEMENTED becomes NotAvailable."""
         try:
-            return getattr(self.stub, name)(request, timeout=self.timeout)
+            return getattr(self.stub, name)(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise NotAvailable(
@@ -91,7 +101,10 @@ def cmd_stats(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
     split = f", {pool.tensor_parallel} tensor-parallel shards" if pool.tensor_parallel > 1 else ""
     rows = [
         ("backend", f"{pool.backend} (server pid {pool.server_pid}){split}"),
-        ("blocks", f"{stats.num_blocks_used:,} used / {stats.num_blocks_total:,}  ({stats.num_blocks_free:,} free)"),
+        ("blocks", f"{stats.num_blocks_used:,} used + {stats.num_blocks_free:,} free + {stats.num_blocks_evictable:,} "
+                   f"evictable = {stats.num_blocks_total:,}"),
+        ("evictable", f"{stats.num_blocks_evictable:,} (prefix cache, no sequence holds them: allocatable, oldest "
+                      "first)"),
         ("usage", f"{100 * stats.utilization:.2f}%  ({_mib(bytes_used)} of {_mib(pool.group_bytes)})"),
         ("block", f"{stats.block_size} tokens, {stats.block_bytes:,} bytes"),
         ("sequences", f"{stats.num_sequences:,}"),
@@ -146,7 +159,9 @@ def cmd_health(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
     data = {"service": args.service, "status": status}
     if status != "SERVING":
         args.exit_code = EXIT_ERROR
-    return data, f"{args.service or 'server'}: {status}"
+    why = (" (draining -- `kvctl drain --resume` undoes a drain -- or shutting down)"
+           if status == "NOT_SERVING" else "")
+    return data, f"{args.service or 'server'}: {status}{why}"
 
 
 def cmd_drain(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
@@ -160,7 +175,7 @@ def cmd_events(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
     request = pb.SubscribeEventsRequest()
     if args.from_seq is not None:
         request.from_seq = args.from_seq
-    stream = ctl.stub.SubscribeEvents(request, timeout=args.seconds or None)
+    stream = ctl.stub.SubscribeEvents(request, timeout=args.seconds or None, metadata=ctl.metadata)
     batches = events = 0
     last: tuple[int, int] = (0, 0)
     try:
@@ -214,15 +229,32 @@ def _mib(num_bytes: int) -> str:
 
 
 def _table(rows: Sequence[tuple[str, str]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    """Name / value rows (rich, plain text: no colour, no box)."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for name, value in rows:
+        table.add_row(name, value)
+    return _text(table)
 
 
 def _columns(header: Sequence[str], lines: Sequence[Sequence[Any]]) -> str:
-    cells = [list(map(str, header))] + [[str(c) for c in line] for line in lines]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths)))
-                     for row in cells)
+    """A table with a header; the first column left-aligned, the rest right-aligned (rich, plain text)."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for i, name in enumerate(header):
+        table.add_column(str(name), justify="left" if i == 0 else "right", no_wrap=True)
+    for line in lines:
+        table.add_row(*map(str, line))
+    return _text(table)
+
+
+def _text(table: Table) -> str:
+    """A rich table as plain text: wide enough not to wrap (kvctl's output is often piped), no trailing blanks."""
+    out = io.StringIO()
+    console = Console(file=out, width=max(100, shutil.get_terminal_size().columns), color_system=None,
+                      force_terminal=False, highlight=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines()).strip("\n")
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -233,27 +265,29 @@ def version() -> str:
         return "unknown"
 
 
-def _target_options(suppress: bool) -> argparse.ArgumentParser:
+def _target_options(suppress: bool) -> credentials.SecretSafeParser:
     """The options every command takes, before or after its name. The copy on the subcommands has no defaults
     (SUPPRESS), so ``kvctl --target X stats`` is not reset by the subcommand's own default."""
 
     def default(value: object) -> object:
         return argparse.SUPPRESS if suppress else value
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = credentials.SecretSafeParser(add_help=False)
     common.add_argument("--target", default=default(os.environ.get("KVPOOL_TARGET", "127.0.0.1:50051")),
                         help="server address: HOST:PORT or unix:PATH (env KVPOOL_TARGET; default 127.0.0.1:50051)")
     common.add_argument("--unix-socket", metavar="PATH", default=default(None),
                         help="the server's unix socket (same as --target unix:PATH)")
     common.add_argument("--timeout", type=float, default=default(10.0), help="deadline of each RPC in seconds (default 10)")
     common.add_argument("--json", action="store_true", default=default(False), help="print JSON instead of text")
+    credentials.add_options(common, suppress=suppress)
     return common
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = _target_options(suppress=True)
-    parser = argparse.ArgumentParser(prog="kvctl", description=__doc__, parents=[_target_options(suppress=False)],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = credentials.SecretSafeParser(prog="kvctl", description=__doc__,
+                                          parents=[_target_options(suppress=False)],
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("stats", parents=[common], help="pool occupancy")
@@ -266,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="service name ('' for the server as a whole)")
     drain = sub.add_parser("drain", parents=[common], help="drain the server: NOT_SERVING, no new sessions (admin)")
     drain.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for it to empty; exit 5, naming what is still live, if it does not")
+    drain.add_argument("--resume", action="store_true", help="undo a drain: SERVING again, new sessions taken")
     p = sub.add_parser("events", parents=[common], help="follow the server's KV event stream (admin with auth)")
     p.add_argument("--from-seq", type=int, default=None, help="resume at this batch (else: a snapshot first)")
     p.add_argument("--batches", type=int, default=0, help="stop after this many batches (0: follow)")
@@ -297,7 +332,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         print(json.dumps(data, indent=1) if args.json else text)
         return EXIT_OK
-    ctl = Ctl(args.target, args.timeout)
+    try:
+        diagnose.check_target(args.target)
+        creds = credentials.from_args(args).for_target(args.target)
+    except (ValueError, CredentialsError) as exc:
+        return _fail(args, EXIT_USAGE, str(exc))
+    ctl = Ctl(args.target, args.timeout, creds)
     try:
         ctl.connect()
         if args.command == "top":
@@ -309,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, EXIT_NO_SERVER, str(exc))
     except NotAvailable as exc:
         return _fail(args, EXIT_NOT_AVAILABLE, str(exc))
+    except (UnauthenticatedError, PermissionDeniedError) as exc:
+        return _fail(args, EXIT_ERROR, f"{exc}; {_auth_advice(exc, creds)}")
     except KVPoolClientError as exc:
         return _fail(args, EXIT_ERROR, str(exc))
     except KeyboardInterrupt:
@@ -317,6 +359,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctl.close()
     print(json.dumps(data, indent=1) if args.json else text)
     return args.exit_code
+
+
+def _auth_advice(exc: KVPoolClientError, creds: Credentials) -> str:
+    """What to do about a refusal, from what this kvctl sent."""
+    if isinstance(exc, PermissionDeniedError):
+        return "this command needs an admin token (role = \"admin\" in the server's tokens file)"
+    if creds.token is None:
+        return ("the server asks for a token (--auth-tokens): give --token-file FILE (env KVPOOL_TOKEN_FILE) or set "
+                "KVPOOL_TOKEN")
+    return f"the server does not know the token from {creds.where.get('token')} (mistyped, or revoked)"
 
 
 def _fail(args: argparse.Namespace, code: int, message: str) -> int:

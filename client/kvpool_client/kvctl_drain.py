@@ -24,6 +24,11 @@ MAX_LISTED = 20  # session-less sequence ids named in the message / the JSON
 
 def cmd_drain(call: Callable[[str, Any], Any], args: argparse.Namespace) -> tuple[dict, str]:
     """Drain; with ``--wait`` poll until nothing is live, or fail naming what still is (``args.exit_code``)."""
+    if getattr(args, "resume", False):
+        reply = call("Drain", pb.DrainRequest(resume=True))
+        data = {"draining": False, "num_sessions": reply.num_sessions, "num_sequences": reply.num_sequences}
+        return data, f"drain undone: serving new sessions again ({reply.num_sessions} sessions, " \
+                     f"{reply.num_sequences} sequences live)"
     reply = call("Drain", pb.DrainRequest())
     deadline = time.monotonic() + args.wait
     while args.wait and _live(reply) and time.monotonic() < deadline:

@@ -45,6 +45,7 @@ def snapshot(samples: deque[Sample]) -> dict:
     return {
         "time": time.time(),
         "blocks_used": s.num_blocks_used, "blocks_total": s.num_blocks_total, "blocks_free": s.num_blocks_free,
+        "blocks_evictable": s.num_blocks_evictable,
         "usage_ratio": s.utilization, "bytes_used": s.num_blocks_used * s.block_bytes, "sequences": s.num_sequences,
         "tokens": s.num_tokens, "internal_fragmentation_ratio": s.internal_fragmentation,
         "blocks_shared": s.num_blocks_shared, "cow_copies": s.num_copies,
@@ -65,10 +66,13 @@ def render(view: dict, target: str, interval: float):  # -> rich renderable
     table.add_column()
     width = 30
     filled = int(round(view["usage_ratio"] * width))
-    bar = "[green]" + "█" * filled + "[/green]" + "·" * (width - filled)
+    cached = min(width - filled, int(round(view["blocks_evictable"] / max(1, view["blocks_total"]) * width)))
+    bar = "[green]" + "█" * filled + "[/green][yellow]" + "▒" * cached + "[/yellow]" + "·" * (width - filled - cached)
     table.add_row("usage", f"{100 * view['usage_ratio']:.2f}%", bar)
     table.add_row("blocks", f"{view['blocks_used']:,} / {view['blocks_total']:,}",
-                  f"{view['bytes_used'] / (1 << 20):,.2f} MiB used, {view['blocks_free']:,} free")
+                  f"{view['bytes_used'] / (1 << 20):,.2f} MiB used, {view['blocks_free']:,} free, "
+                  f"{view['blocks_evictable']:,} evictable")
+    table.add_row("evictable", f"{view['blocks_evictable']:,}", "prefix cache, held by no sequence (allocatable)")
     table.add_row("sequences", f"{view['sequences']:,}", f"{view['sequences_per_s']:+,.1f}/s")
     table.add_row("tokens", f"{view['tokens']:,}", f"{view['tokens_per_s']:+,.0f}/s")
     table.add_row("fragmentation", f"{100 * view['internal_fragmentation_ratio']:.2f}%", "internal (last blocks)")
@@ -99,7 +103,7 @@ def run_top(client: KVPoolClient, args: argparse.Namespace, window: int = 60) ->
         try:
             from rich.live import Live
         except ImportError:
-            print("kvctl top: needs the `rich` package: pip install 'kvpool-client[cli]' (or requirements/loadgen.txt)")
+            print("kvctl top: needs the `rich` package (a dependency of kvpool-client): pip install rich")
             return 3
         with Live(render(poll(), args.target, args.interval), auto_refresh=False) as live:
             count = 1

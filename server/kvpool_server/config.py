@@ -329,6 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# KVPOOL_* variables of the other tools, which kvpool-server does not warn about (a name ending in _ is a prefix):
+# the clients' (kvpool_client/credentials.py, loadgen/auth.py), compose's and the scripts'.
+OTHER_TOOLS_VARIABLES = (
+    "KVPOOL_TARGET", "KVPOOL_TOKEN", "KVPOOL_TOKEN_FILE", "KVPOOL_ADMIN_TOKEN", "KVPOOL_ADMIN_TOKEN_FILE",
+    "KVPOOL_CLIENT_", "KVPOOL_LOADGEN_", "KVPOOL_HEALTH_", "KVPOOL_PROMETHEUS_", "KVPOOL_GRAFANA_", "KVPOOL_IMAGE_",
+    "KVPOOL_PORT", "KVPOOL_BENCH_", "KVPOOL_TEST_", "KVPOOL_DEMO_", "KVPOOL_LLAMA_", "KVPOOL_GPU",
+)
+
+
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Flags (``argv``) over ``KVPOOL_*`` variables (``environ``, default os.environ) over defaults, validated.
     Pure: what the settings name on this host (files, CPUs, memory) is ``host_checks``' to check, at start."""

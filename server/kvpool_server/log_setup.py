@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping, Sequence
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -28,6 +29,26 @@ class JsonLogFormatter(logging.Formatter):
 
 
 JsonLogFormatter.converter = time.gmtime
+
+
+def requested_log_format(argv: Sequence[str], environ: Mapping[str, str]) -> str:
+    """The --log-format asked for (flag, else KVPOOL_LOG_FORMAT), read before the settings are -- for a fatal
+    error in reading them; "text" unless json was asked for."""
+    value = environ.get("KVPOOL_LOG_FORMAT", "text")
+    for i, arg in enumerate(argv):
+        if arg == "--log-format" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--log-format="):
+            value = arg.partition("=")[2]
+    return "json" if value.strip().lower() == "json" else "text"
+
+
+def fatal_line(message: str, log_format: str) -> str:
+    """A fatal start-up error as the logs write it: ``kvpool-server: ...`` (text) or one JSON object (json)."""
+    if log_format != "json":
+        return f"kvpool-server: {message}"
+    record = logging.LogRecord("kvpool_server", logging.CRITICAL, __file__, 0, message, None, None)
+    return JsonLogFormatter().format(record)
 
 
 def configure_logging(log_level: str, log_format: str) -> None:

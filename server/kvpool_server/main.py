@@ -16,13 +16,14 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpool_server.config import ConfigError, ServerConfig, load_config
+from kvpool_server.config import OTHER_TOOLS_VARIABLES, ConfigError, ServerConfig, load_config
 from kvpool_server.host_checks import check_environment
-from kvpool_server.log_setup import configure_logging
+from kvpool_server.log_setup import configure_logging, fatal_line, requested_log_format
 from kvpool_server.grpc_api.server import ServerHandle, build_server
 from kvpool_server.service.build import StartupError
 from kvpool_server.process import freeze_startup_heap, pin_threads
 from kvpool_server.config import exposed_endpoint, exposed_metrics
+from kvpool_server.settings import unknown_variables
 from kvpool_server.zmq_events import start_publisher
 
 if TYPE_CHECKING:
@@ -165,17 +166,23 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Fatal start-up errors go to stderr in the --log-format asked for (a JSON line with json), exit 2 for a
+    setting, 1 for a start that failed; unknown ``KVPOOL_*`` variables are warned about (a misspelt one would
+    otherwise be silently ignored)."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        config = load_config(argv)
+        config = load_config(args)
         check_environment(config)  # the files and CPUs it names (before serve pins threads to them)
     except ConfigError as exc:
-        print(f"kvpool-server: {exc}", file=sys.stderr)
+        print(fatal_line(str(exc), requested_log_format(args, os.environ)), file=sys.stderr)
         sys.exit(2)
     configure_logging(config.log_level, config.log_format)
+    for warning in unknown_variables(ServerConfig, os.environ, OTHER_TOOLS_VARIABLES):
+        logger.warning("%s", warning)
     try:
         code = serve(config)
     except StartupError as exc:
-        print(f"kvpool-server: {exc}", file=sys.stderr)
+        print(fatal_line(str(exc), config.log_format), file=sys.stderr)
         sys.exit(1)
     sys.exit(code)
 

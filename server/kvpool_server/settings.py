@@ -15,6 +15,7 @@ Nothing here reads the OS: the checks of files, CPUs and memory are kvpool_serve
 from __future__ import annotations
 
 import argparse
+import difflib
 import dataclasses
 import functools
 import types
@@ -170,6 +171,23 @@ def _bytes_arg(text: str) -> int:
         return parse_bytes(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def unknown_variables(cls: type, environ: Mapping[str, str], others: Sequence[str] = ()) -> list[str]:
+    """A warning for each ``KVPOOL_*`` variable that is none of ``cls``'s settings nor one of ``others`` (other
+    tools' variables; a name ending in ``_`` is a prefix), with the setting it most resembles: a misspelt variable
+    is otherwise silently ignored."""
+    known = {s.env for s in settings_of(cls)}
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        if any(name == other or (other.endswith("_") and name.startswith(other)) for other in others):
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.append(f"{name} is not a kvpool-server setting: ignored{hint}")
+    return warnings
 
 
 def read_settings(cls: type, args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:

@@ -39,7 +39,9 @@ class FakeRpcError(grpc.RpcError, grpc.Call):
         (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceededError),
         (grpc.StatusCode.INTERNAL, errors.InternalError),
         (grpc.StatusCode.UNIMPLEMENTED, errors.UnimplementedError),
-        (grpc.StatusCode.PERMISSION_DENIED, errors.UnknownError),
+        (grpc.StatusCode.PERMISSION_DENIED, errors.PermissionDeniedError),
+        (grpc.StatusCode.UNAUTHENTICATED, errors.UnauthenticatedError),
+        (grpc.StatusCode.DATA_LOSS, errors.UnknownError),
     ],
 )
 def test_each_code_maps_to_its_class(code, cls):

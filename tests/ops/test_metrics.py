@@ -11,6 +11,7 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvpool_client import KVPoolClient, NotFoundError  # noqa: E402
+from kvpool_client.kvctl import main as kvctl_main  # noqa: E402
 from kvpool_server.core import KVCacheManager  # noqa: E402
 from kvpool_server.config import ServerConfig  # noqa: E402
 from kvpool_server.service.metrics import (  # noqa: E402
@@ -113,6 +114,8 @@ def test_names_follow_prometheus_conventions():
     metrics = KVPoolMetrics()
     metrics.watch_pool(KVCacheManager(num_blocks=4, block_size=4).stats, block_bytes=64)
     for family in metrics.registry.collect():
+        if family.name.startswith(("process_", "python_")):  # prometheus_client's standard process series
+            continue
         assert family.name.startswith("kvpool_"), family.name
         if family.type == "counter":
             assert not family.name.endswith("_total")  # the client adds _total to the sample
@@ -161,7 +164,24 @@ def test_http_scrape_after_a_known_workload(grpc_server_with_metrics):
     ok = (("code", "OK"), ("method", "AppendToken"))
     assert got[("kvpool_rpc_duration_seconds_count", ok)] == 2
     assert got[("kvpool_rpc_duration_seconds_count", (("code", "NOT_FOUND"), ("method", "GetBlockTable")))] == 1
-    assert got[("kvpool_rpc_duration_seconds_count", (("code", "OK"), ("method", "AppendTokenStream")))] == 1
+    # a stream's life is its own histogram: no AppendTokenStream among the unary calls' latencies (24.6)
+    assert got[("kvpool_stream_duration_seconds_count", (("code", "OK"), ("method", "AppendTokenStream")))] == 1
+    assert not [key for key in got if key[0].startswith("kvpool_rpc_duration") and "AppendTokenStream" in str(key)]
+    build = next(key for key in got if key[0] == "kvpool_build_info")
+    assert dict(build[1])["version"] and got[build] == 1
+    assert got[("process_resident_memory_bytes", ())] > 0 and ("process_cpu_seconds_total", ()) in got
+
+
+def test_a_kvctl_events_exit_is_not_an_error(grpc_server_with_metrics, capsys):
+    """kvctl events ends its stream by cancelling it: a stream's CANCELLED, which the documented error-rate query
+    (docs/metrics.md) does not count."""
+    target, http, _ = grpc_server_with_metrics
+    assert kvctl_main(["--target", target, "events", "--batches", "1", "--json"]) == 0
+    got = scrape_text(urllib.request.urlopen(http.url, timeout=5).read().decode())
+    assert got[("kvpool_stream_duration_seconds_count", (("code", "CANCELLED"), ("method", "SubscribeEvents")))] == 1
+    errors = [key for key, value in got.items() if key[0] == "kvpool_rpc_duration_seconds_count" and value
+              and dict(key[1])["code"] not in ("OK", "CANCELLED")]
+    assert errors == []
 
 
 def test_metrics_server_reports_a_busy_address(grpc_server_with_metrics):

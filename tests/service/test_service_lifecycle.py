@@ -125,7 +125,7 @@ def run_server(*args: str, timeout: float = 20, env: dict | None = None) -> subp
 def test_second_server_on_the_same_port_fails_loudly(server) -> None:
     second = run_server("--address", f"127.0.0.1:{server.port}")
     assert second.returncode != 0
-    assert "cannot listen on 127.0.0.1:" in second.stderr, second.stderr
+    assert "cannot listen on 127.0.0.1:" in second.stderr and "is in use" in second.stderr, second.stderr
     wait_serving(server.address, server.proc, timeout=5)  # the first one is unharmed
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvpool_client.loadgen import preflight
+from kvpool_client import diagnose
+from kvpool_client.credentials import SecretSafeParser
+from kvpool_client.loadgen import auth, preflight
+from kvpool_client.loadgen.kv_path import KV_PATHS
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER
 from kvpool_client.loadgen.worker_config import EXHAUSTED_WAIT_S
 from kvpool_client.loadgen.workload import MODES
@@ -14,9 +17,8 @@ WORKLOADS = ("standard", "shared-prefix", "chat")
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvpool-loadgen", description=description, formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = SecretSafeParser(prog="kvpool-loadgen", description=description,
+                         formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--target", default=os.environ.get("KVPOOL_TARGET", "127.0.0.1:50051"),
                    help="server address: HOST:PORT or unix:PATH (env KVPOOL_TARGET; default %(default)s)")
     p.add_argument("--processes", "-p", type=int, default=2, help="client processes (default %(default)s)")
@@ -65,19 +67,15 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--kv-source", choices=("auto", "host", "device"), default="auto",
                    help="write KV from host arrays, or from GPU arrays through the client's kernels (GPU pool "
                         "only); auto: device on a GPU pool, host otherwise (default auto)")
-    p.add_argument("--token", default=os.environ.get("KVPOOL_TOKEN"),
-                   help="bearer token for a server with --auth-tokens (env KVPOOL_TOKEN); without --tenants")
-    p.add_argument("--tenants", type=int, default=0, metavar="N",
-                   help="run as N tenants at once: process i calls with tenant i %% N's token from --token-file")
-    p.add_argument("--token-file", default=os.environ.get("KVPOOL_TOKEN_FILE"), metavar="FILE",
-                   help="one 'TENANT TOKEN' per line, N lines at least (env KVPOOL_TOKEN_FILE)")
-    p.add_argument("--admin-token", default=os.environ.get("KVPOOL_ADMIN_TOKEN"), metavar="TOKEN",
-                   help="an admin token: Stats of every tenant in one call, and CheckInvariants at the end "
-                        "(env KVPOOL_ADMIN_TOKEN)")
+    p.add_argument("--kv-path", choices=KV_PATHS, default="auto",
+                   help="how KV is written and verified: attach (the mapped pool: same host and IPC namespace, "
+                   "and may_attach), grpc (WriteKV/ReadKV: from anywhere), auto: attach when the pool can be "
+                   "mapped, else grpc, said in the dashboard (default auto)")
     p.add_argument("--no-fast-path", action="store_true",
                    help="every call over gRPC (default: register/append/fork/free over each process's shared-memory "
                    "channel when the server is on this host, docs/fast-path.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when not a tty)")
+    auth.add_options(p)  # --tenants, --token-file, --admin-token-file, --tls-* (auth.py)
     return p
 
 
@@ -91,6 +89,20 @@ def _version() -> str:
 
 
 def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    try:
+        diagnose.check_target(a.target)
+    except ValueError as error:
+        p.error(str(error))
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401, PLC0415  (the loadgen extra; checked now, not after the run)
+        except ImportError:
+            p.error("--plot needs matplotlib, which is not installed: pip install 'kvpool-client[loadgen]' "
+                    "(or leave out --plot)")
+    if a.kv_path == "grpc" and a.verify == "table":
+        p.error("--verify table reads the mapped pool; with --kv-path grpc verification is by ReadKV (--verify readkv)")
+    if a.kv_path == "grpc" and a.kv_source == "device":
+        p.error("--kv-source device writes into the mapped GPU pool; with --kv-path grpc KV goes from host arrays")
     if a.inject_errors < 0:
         p.error("--inject-errors must be >= 0")
     for name in ("processes", "concurrency", "completions", "beam_width", "num_samples", "prune_every"):

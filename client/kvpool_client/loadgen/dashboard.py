@@ -3,49 +3,42 @@
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvpool_client.loadgen.prefix_summary import render_events, render_prefix
 from kvpool_client.loadgen.tenants import render_tenants
 
 
 class ProgressBar:
-    """``[#####.....]  42/100 completions  12,345 tokens  3.1 s`` redrawn at most 10 times a second."""
+    """rich's progress bar on stderr (only on a terminal): ``━━━━━━╸━━━  42/100 completions  12,345 tokens  0:00:03``,
+    redrawn by rich at most 10 times a second."""
 
-    def __init__(
-        self, total: int, *, enabled: bool | None = None, stream: TextIO | None = None, width: int = 30
-    ) -> None:
+    def __init__(self, total: int, *, enabled: bool | None = None, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
         self.enabled = self.stream.isatty() if enabled is None else enabled
         self.total = total
-        self.width = width
-        self.done = 0
-        self.tokens = 0
-        self._start = time.monotonic()
-        self._last_draw = 0.0
+        self._progress: Progress | None = None
+        if self.enabled:
+            console = Console(file=self.stream, force_terminal=True)
+            self._progress = Progress(
+                BarColumn(bar_width=30), MofNCompleteColumn(), TextColumn("completions"),
+                TextColumn("{task.fields[tokens]:>9,} tokens"), TimeElapsedColumn(),
+                console=console, refresh_per_second=10, transient=False)
+            self._task = self._progress.add_task("run", total=total, tokens=0)
+            self._progress.start()
 
     def update(self, done: int, tokens: int) -> None:
-        self.done, self.tokens = done, tokens
-        now = time.monotonic()
-        if self.enabled and (now - self._last_draw >= 0.1 or done >= self.total):
-            self._last_draw = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        filled = int(self.width * self.done / self.total) if self.total else self.width
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(
-            f"\r[{bar}] {self.done:>5}/{self.total} completions  {self.tokens:>9,} tokens  {now - self._start:6.1f} s"
-        )
-        self.stream.flush()
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done, tokens=tokens)
 
     def close(self) -> None:
-        if self.enabled:
-            if self.done < self.total:  # update() drew the final state already
-                self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._progress is not None:
+            self._progress.refresh()
+            self._progress.stop()
+            self._progress = None
 
 
 def _mib(num_bytes: float) -> str:
@@ -127,6 +120,11 @@ def render(summary: dict[str, Any]) -> str:
         lines += [" verification failures:"] + [f"   {m}" for m in ver["messages"]]
     if summary.get("worker_errors"):
         lines += [" worker failures:"] + [f"   {m.strip().splitlines()[-1]}" for m in summary["worker_errors"]]
-    lines.append(f" result: {'PASS' if summary['ok'] else 'FAIL'}")
+    kv = summary.get("kv_path") or {}
+    if kv.get("path") in ("grpc", "mixed"):
+        lines.append(f" KV over gRPC (WriteKV / ReadKV) in {kv['grpc_processes']} process(es), not the mapped "
+                         f"pool: {'; '.join(kv['why'])}")
+    interrupted = f" (interrupted by {summary['interrupted']})" if summary.get("interrupted") else ""
+    lines.append(f" result: {'PASS' if summary['ok'] else 'FAIL'}{interrupted}")
     lines.append("=" * 78)
     return "\n".join(lines)

@@ -21,14 +21,16 @@ import grpc
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from kvpool_client.credentials import Credentials
 
 MAX_MESSAGE_BYTES = 256 << 20  # a snapshot of a big cache is one message
 
 
 class EventCounter:
-    def __init__(self, target: str, token: str | None = None, catch_up_s: float = 10.0) -> None:
+    def __init__(self, target: str, token: str | None = None, catch_up_s: float = 10.0,
+                 credentials: Credentials | None = None) -> None:
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        self._channel = (credentials or Credentials()).channel(target, options)
         self._stub = pb_grpc.KVPoolServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.catch_up_s = catch_up_s

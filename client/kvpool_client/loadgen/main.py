@@ -4,13 +4,16 @@
     kvpool-loadgen --lengths sharegpt --mode beam --beam-width 4 --json out/beam4.json --plot out/beam4.png
 
 Exit status: 0 when every request completed and verified with 0 KV errors and the server's invariants hold;
-1 otherwise; 2 for bad arguments or no server.
+1 otherwise; 2 for bad arguments or no server; 130 (143) when SIGINT / Ctrl-C (SIGTERM) stopped the run -- the
+summary of what was done is printed and written all the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,9 +21,10 @@ from typing import Any
 import grpc
 
 from kvpool_client.client import KVPoolClient
+from kvpool_client.credentials import CredentialsError
 from kvpool_client.errors import InternalError, KVPoolClientError
 from kvpool_client.loadgen import prefix_summary as prefix
-from kvpool_client.loadgen import preflight
+from kvpool_client.loadgen import auth, preflight
 from kvpool_client.loadgen import tenants as tenancy
 from kvpool_client.loadgen.args import build_parser, check_args
 from kvpool_client.loadgen.dashboard import render
@@ -39,13 +43,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def prepare(a: argparse.Namespace) -> RunSetup:
-    """Read the tenants' tokens, connect, describe the pool and check that the load can fit (preflight.py)."""
-    tenants = tenancy.read_token_file(a.token_file, a.tenants) if a.tenants else []
-    main_token = a.admin_token or (tenants[0][1] if tenants else a.token)
-    with KVPoolClient(a.target, timeout=a.timeout, token=main_token) as client:
-        preflight.connect(client, a.target, a.connect_timeout)
+    """Read the tokens and TLS files (auth.py), connect, describe the pool and check that the load can fit and that
+    every process may map the pool (preflight.py)."""
+    run_creds = auth.resolve(a)
+    run_creds = dataclasses.replace(run_creds, creds=run_creds.creds.for_target(a.target))  # unix: never TLS
+    a.token, a.admin_token, a.tls = run_creds.creds.token, run_creds.admin_token, run_creds.creds.with_token(None)
+    tenants, main_token = run_creds.tenants, run_creds.main_token
+    if run_creds.admin_token or run_creds.creds.token or run_creds.tenants or run_creds.creds.tls:
+        print(f"kvpool-loadgen: {run_creds.describe()}", file=sys.stderr)
+    with KVPoolClient(a.target, timeout=a.timeout, **a.tls.with_token(main_token).client_kwargs()) as client:
+        preflight.connect(client, a.target, a.connect_timeout, a.tls)
         desc = client.describe_pool()
         before = client.stats()
+    num_procs = min(a.processes, a.concurrency)
+    if a.kv_path == "attach":  # else a process that may not attach moves KV over gRPC (kv_path.py)
+        for token in sorted(set(run_creds.worker_tokens(num_procs)), key=str):
+            preflight.check_attach(a.target, a.tls.with_token(token), tenancy.tenant_of(tenants, token))
     dist = distribution(a.lengths, a.max_len)
     width = sequences_per_request(a.mode, a.beam_width, a.num_samples)
     seq_max_len = prefix.longest_sequence(a, dist)  # shared-prefix: the whole prompt + output; chat: the last turn
@@ -55,13 +68,12 @@ def prepare(a: argparse.Namespace) -> RunSetup:
     if not fit.all_fit:
         print(f"kvpool-loadgen: warning: {a.concurrency} requests in flight may need up to {fit.blocks_in_flight} "
               f"blocks and the pool has {desc.num_blocks}: expect RESOURCE_EXHAUSTED retries", file=sys.stderr)
-    num_procs = min(a.processes, a.concurrency)
     return RunSetup(tenants, main_token, desc, before, dist, width, seq_max_len, num_procs)
 
 
 def end_state(a: argparse.Namespace, main_token: str | None) -> EndState:
     """The server's stats after the run, and its invariants (a frontend token may not check them: not checked)."""
-    with KVPoolClient(a.target, timeout=a.timeout, token=main_token) as client:
+    with KVPoolClient(a.target, timeout=a.timeout, **a.tls.with_token(main_token).client_kwargs()) as client:
         after = client.stats()
         try:
             client.check_invariants()
@@ -80,9 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     check_args(parser, args)
     try:
         summary = run(args)
-    except (KVPoolClientError, preflight.NoServerError, preflight.NoRoomError, tenancy.TokenFileError) as error:
+    except (KVPoolClientError, preflight.NoServerError, preflight.NoRoomError, tenancy.TokenFileError,
+            CredentialsError) as error:
         print(f"kvpool-loadgen: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the workers ran, after them, or a second Ctrl-C: stop at once
+        print("\nkvpool-loadgen: interrupted; no summary (a first Ctrl-C during the run stops it with one)",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     summary["diagnosis"] = preflight.explain_incomplete(summary)
     print(render(summary), flush=True)
     for line in summary["diagnosis"]:
@@ -98,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             plot_memory(summary, args.plot)
         except ImportError as error:  # matplotlib is the loadgen extra; the run itself does not need it
             print(f"kvpool-loadgen: no plot ({error}); pip install 'kvpool-client[loadgen]'", file=sys.stderr)
+    if summary.get("interrupted"):
+        return 128 + signal.Signals[summary["interrupted"]]
     return 0 if summary["ok"] else 1
 
 

@@ -69,7 +69,7 @@ class PrefixRequests(WorkerBase):
         writer, own_writer = SHARED_WRITER_BASE + spec.prompt_id, REQUEST_WRITER_BASE + index
         keys = np.concatenate([token_keys(writer, min(cached, shared), shared),
                                token_keys(own_writer, max(cached, shared), prompt_len)])
-        self.write_kv(slots, kv_pattern(keys, self.layout))
+        self.write_kv(slots, kv_pattern(keys, self.layout), [(root, cached, len(keys))])
         table = self.timed("prefix_blocks", self.client.block_table, root)
         request = Request(index, prompt_id=spec.prompt_id, held_since=held_since,
                           prefix_block_ids=table.block_ids[: shared // self.layout.block_size].tolist(),
@@ -94,7 +94,8 @@ class PrefixRequests(WorkerBase):
         seq_id, cached, slots = self._register_and_prefill(ids)
         self.counts["expected_cached_tokens"] += conversation.expected_cached_tokens(turn, self.layout.block_size)
         writer = conversation_writer(index)
-        self.write_kv(slots, kv_pattern(token_keys(writer, cached, prompt_len), self.layout))
+        self.write_kv(slots, kv_pattern(token_keys(writer, cached, prompt_len), self.layout),
+                      [(seq_id, cached, prompt_len - cached)])
         request = Request(index, conversation=conversation, turn=turn, next_name=1)
         request.seqs[seq_id] = Seq(seq_id, 0, prompt_len, conversation.sequence_len(turn), [[writer, 0, prompt_len]],
                                    request_index=index, writer=writer,

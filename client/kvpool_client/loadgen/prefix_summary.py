@@ -28,20 +28,22 @@ def longest_sequence(a: argparse.Namespace, dist: LengthDistribution) -> int:
     return dist.max_len
 
 
-def workload_means(a: argparse.Namespace, dist: LengthDistribution) -> dict[str, float]:
-    """Mean prompt and output lengths of the run's requests (chat: of its turns) and the longest one."""
+def workload_means(a: argparse.Namespace, dist: LengthDistribution, count: int | None = None) -> dict[str, float]:
+    """Mean prompt and output lengths of the run's requests (chat: of its turns) and the longest one; ``count``:
+    of its first ``count`` requests only (an interrupted run: those started)."""
     specs: list[Any]
+    n = a.completions if count is None else max(1, count)
     if a.workload == "chat":
         specs = []
-        for i in range(a.completions):
+        for i in range(n):
             conv = make_chat_conversation(a.seed, i, dist, a.turns, a.turn_tokens)
             specs += [RequestSpec(i, conv.prompt_len(k), (conv.sequence_len(k) - conv.prompt_len(k),))
                       for k in range(conv.num_turns)]
     elif a.workload == "shared-prefix":
         specs = [make_shared_prefix_request(a.seed, i, dist, a.num_prompts, a.shared_tokens, a.unique_tokens)
-                 for i in range(a.completions)]
+                 for i in range(n)]
     else:
-        specs = [make_request(a.seed, i, dist, a.mode, a.num_samples) for i in range(a.completions)]
+        specs = [make_request(a.seed, i, dist, a.mode, a.num_samples) for i in range(n)]
     return {
         "mean_prompt_len": float(np.mean([s.prompt_len for s in specs])),
         "mean_output_len": float(np.mean([o for s in specs for o in s.output_lens])),

@@ -1,7 +1,10 @@
 """What kvpool-loadgen checks before it starts workers, and how it explains a run that did not complete.
 
-- ``connect(client, target, timeout)``: a short wait for the server; "no kvpool-server at TARGET" instead of a
-  silent 30 s wait on a wrong ``--target``.
+- ``connect(client, target, timeout, creds)``: a short wait for the server, then what happened (diagnose.py): a
+  draining server, a TLS mismatch, nothing listening -- instead of a silent 30 s wait on a wrong ``--target``; a
+  failure that waiting cannot cure (TLS, a certificate) fails at once.
+- ``check_attach(target, creds, tenant)``: every process maps the pool; a tenant without ``may_attach`` is told so
+  before any process starts.
 - ``pool_fit(...)``: can one request fit the pool at all (else there is no point starting), and can all those in
   flight at once (else they will queue on RESOURCE_EXHAUSTED and may stall)?
 - ``explain_incomplete(summary)``: the lines that say *why* fewer requests completed than asked.
@@ -12,8 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool_client import diagnose
+from kvpool_client.attach import NOT_ALLOWED
 from kvpool_client.client import KVPoolClient
-from kvpool_client.errors import DeadlineExceededError, UnavailableError
+from kvpool_client.credentials import Credentials
+from kvpool_client.errors import AttachNotAllowedError, DeadlineExceededError, KVPoolClientError, UnavailableError
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -26,15 +32,53 @@ class NoRoomError(RuntimeError):
     """Not even one request fits the pool: the run could never complete one."""
 
 
-def connect(client: KVPoolClient, target: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+def connect(client: KVPoolClient, target: str, timeout: float = CONNECT_TIMEOUT_S,
+            creds: Credentials | None = None) -> None:
+    """Return once the server says SERVING; NoServerError saying why not (a failure that waiting cannot cure --
+    TLS, a certificate, a path without unix: -- at once, else after ``timeout``)."""
+    creds = creds or Credentials()
+    problem = _probe(target, creds, min(timeout, 3.0))
+    if problem is not None and problem.permanent:
+        raise NoServerError(problem.message)
     try:
         client.wait_until_serving(timeout=timeout)
-    except (DeadlineExceededError, UnavailableError) as error:
+        return
+    except (DeadlineExceededError, UnavailableError):
+        pass
+    try:
+        status = client.health(timeout=min(timeout, 3.0))
+    except KVPoolClientError:
+        status = None
+    if status is not None:
         raise NoServerError(
-            f"no kvpool-server at {target} (not SERVING within {timeout:g} s: {getattr(error, 'details', error)}). "
-            "Is it running? Give its address with --target HOST:PORT or unix:PATH (env KVPOOL_TARGET); "
-            "--connect-timeout waits longer for one that is starting"
-        ) from None
+            f"the kvpool-server at {target} answers but is {status}: it is draining (kvctl drain) or shutting down, "
+            "and takes no new sessions. Wait until it serves again, or give another server's --target") from None
+    problem = _probe(target, creds, min(timeout, 3.0))
+    why = problem.message if problem is not None else "it did not answer SERVING"
+    raise NoServerError(f"no kvpool-server at {target} after {timeout:g} s: {why} (--connect-timeout waits longer "
+                        "for one that is starting)") from None
+
+
+def _probe(target: str, creds: Credentials, timeout: float) -> diagnose.Problem | None:
+    channel = creds.channel(target)
+    try:
+        return diagnose.probe(channel, target, timeout, creds.tls)
+    finally:
+        channel.close()
+
+
+def check_attach(target: str, creds: Credentials, tenant: str = "") -> None:
+    """AttachNotAllowedError when the server does not give this token's tenant the pool's mapping: every process
+    writes and verifies KV through the mapped pool."""
+    with KVPoolClient(target, session=False, **creds.client_kwargs()) as client:
+        desc = client.describe_pool()
+    if desc.backend in ("host", "gpu") and not (desc.shm_name or desc.cuda_ipc_handle):
+        who = f"tenant {tenant!r}" if tenant else "the tenant of this token"
+        raise AttachNotAllowedError(
+            f"{who} may not attach the pool, and --kv-path attach writes and verifies KV through the mapped pool: "
+            f"grant it may_attach = true in the server's tokens file (then SIGHUP the server), run as a tenant "
+            f"that may, or use --kv-path grpc (or auto). ({NOT_ALLOWED})", code=AttachNotAllowedError.code,
+            method="DescribePool")
 
 
 @dataclass(frozen=True)
@@ -70,6 +114,10 @@ def too_small_message(fit: PoolFit, max_len: int) -> str:
 def explain_incomplete(summary: dict[str, Any]) -> list[str]:
     """Why ``run.completions`` fell short of ``config.completions`` (empty when it did not)."""
     cfg, run = summary["config"], summary["run"]
+    if summary.get("interrupted"):
+        return [f"interrupted by {summary['interrupted']} after {run['wall_s']:.1f} s: {run['completions']} of "
+                f"{cfg['completions']} requests completed and verified; the {run.get('stopped_in_flight', 0)} in "
+                "flight were left unfinished (closing the workers' sessions freed their sequences)"]
     if run["completions"] >= cfg["completions"]:
         return []
     lines = [f"only {run['completions']} of {cfg['completions']} requests completed:"]

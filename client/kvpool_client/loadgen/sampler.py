@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 
 from kvpool_client.client import KVPoolClient
+from kvpool_client.credentials import Credentials
 from kvpool_client.errors import KVPoolClientError
 from kvpool_client.types import PoolStats
 
@@ -32,9 +33,12 @@ class StatsSampler:
         *,
         tokens: Sequence[str | None] = (None,),
         tenants: Sequence[str] = (),
+        credentials: Credentials | None = None,
     ) -> None:
         self.interval_s = interval_s
-        self._clients = [KVPoolClient(target, timeout=timeout, token=token) for token in tokens]
+        creds = credentials or Credentials()
+        self._clients = [KVPoolClient(target, timeout=timeout, **creds.with_token(token).client_kwargs())
+                         for token in tokens]
         self.series: dict[str, list[float]] = {name: [] for name in FIELDS}
         self.tenant_series: dict[str, dict[str, list[float]]] = {
             name: {field: [] for field in TENANT_FIELDS} for name in tenants

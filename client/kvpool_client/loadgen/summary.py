@@ -77,12 +77,13 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
     verification_errors = counts.get("verify_errors", 0)
     summary: dict[str, Any] = {
         "config": {
-            **{k: v for k, v in vars(a).items() if k not in ("json", "plot", "no_progress", "token", "admin_token")},
+            **{k: v for k, v in vars(a).items() if k not in ("json", "plot", "no_progress", "token", "admin_token",
+                                                       "tls")},
             "max_len": seq_max_len, "processes": num_procs, "backend": desc.backend, "layout": asdict(layout),
             "block_size": bs, "token_bytes": layout.token_bytes, "naive_seqs": naive_seqs,
             "sequences_per_request": width,
         },
-        "workload": prefix.workload_means(a, setup.dist),
+        "workload": prefix.workload_means(a, setup.dist, collected.claimed if collected.interrupted else None),
         "run": {
             "wall_s": t1 - t0,
             "completions": counts.get("completions", 0),
@@ -100,8 +101,10 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
             "stats_samples": len(sampler.series["t"]),
         },
         "verification": {
-            "method": {"both": "page table + attached pool, and ReadKV", "table": "page table + attached pool",
-                       "readkv": "ReadKV"}[a.verify],
+            "method": ("ReadKV (the pool is not mapped: KV over gRPC)" if collected.kv_paths and all(
+                p["kv_path"] == "grpc" for p in collected.kv_paths.values()) else
+                {"both": "page table + attached pool, and ReadKV", "table": "page table + attached pool",
+                 "readkv": "ReadKV"}[a.verify]),
             "tokens_verified": counts.get("tokens_verified", 0),
             "errors": verification_errors,
             "checks_failed": counts.get("checks_failed", 0),
@@ -133,11 +136,23 @@ def summarize(a: argparse.Namespace, setup: RunSetup, collected: Collected, end:
     if a.workload == "shared-prefix" and a.mode == "beam":
         summary["beam"] = prefix.beam_section(mem, share)
     summary["events"] = prefix.events_section(collected.events_seen, sampler.series)
+    summary["kv_path"] = kv_path_section(collected.kv_paths)
+    summary["interrupted"] = collected.interrupted or None  # "SIGINT" / "SIGTERM": the run was stopped early
+    summary["run"]["stopped_in_flight"] = counts.get("stopped_in_flight", 0)
     summary["ok"] = bool(
         verification_errors == 0 and not worker_errors and invariants_ok
-        and summary["run"]["completions"] == a.completions
+        and summary["run"]["completions"] == a.completions and not collected.interrupted
     )
     return summary
+
+
+def kv_path_section(kv_paths: dict[int, dict[str, str]]) -> dict[str, Any]:
+    """How the processes moved KV: ``path`` "attach" (the mapped pool), "grpc" (WriteKV/ReadKV) or "mixed", and
+    why gRPC where it was used."""
+    paths = {p["kv_path"] for p in kv_paths.values()} or {"attach"}
+    whys = sorted({p["why"] for p in kv_paths.values() if p.get("why")})
+    return {"path": paths.pop() if len(paths) == 1 else "mixed", "why": whys,
+            "grpc_processes": sum(p["kv_path"] == "grpc" for p in kv_paths.values())}
 
 
 def _thin(t: np.ndarray, max_points: int = 4000, **columns: np.ndarray) -> dict[str, list[float]]:

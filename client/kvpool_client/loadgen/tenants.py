@@ -50,6 +50,11 @@ def worker_token(tenants: Sequence[tuple[str, str]], worker_id: int, token: str 
     return tenants[worker_id % len(tenants)]
 
 
+def tenant_of(tenants: Sequence[tuple[str, str]], token: str | None) -> str:
+    """The tenant whose token ``token`` is ("" when not one of ``tenants``)."""
+    return next((name for name, tok in tenants if tok == token), "")
+
+
 def tenant_summary(
     tenant_series: dict[str, dict[str, list[float]]],
     quotas: dict[str, int],

@@ -21,12 +21,13 @@ class Verifier:
     """``method``: "table" (GetBlockTable + the attached pool), "readkv" (ReadKV) or "both". ``timed(name, fn,
     *args)`` runs an RPC and records its latency; ``counts`` is the worker's counter dict."""
 
-    def __init__(self, client: KVPoolClient, pool: AttachedPool | RankGroup, method: str, timed: Callable[..., Any],
+    def __init__(self, client: KVPoolClient, pool: AttachedPool | RankGroup | None, method: str, timed: Callable[..., Any],
                  counts: dict[str, int]) -> None:
+        """``pool`` None: the pool is not mapped (KV over gRPC), so every check is by ReadKV."""
         self.client = client
         self.pool = pool
-        self.layout = pool.layout
-        self.method = method
+        self.layout = client.layout
+        self.method = method if pool is not None else "readkv"
         self.timed = timed
         self.counts = counts
         self.errors: list[str] = []
@@ -34,7 +35,10 @@ class Verifier:
     def corrupt(self, s: Seq) -> None:
         """Self-test (--inject-errors): overwrite the sequence's last token with another token's KV."""
         wrong = kv_pattern(token_keys(s.seq_id, s.length, s.length + 1), self.layout)
-        self.pool.write_slots([s.last_slot], wrong)
+        if self.pool is None:
+            self.client.write_kv(s.seq_id, s.length - 1, wrong)
+        else:
+            self.pool.write_slots([s.last_slot], wrong)
         self.counts["errors_injected"] += 1
 
     def verify(self, s: Seq) -> None:
@@ -46,7 +50,7 @@ class Verifier:
             if table.num_tokens != s.length:
                 self._error(s, f"page table has {table.num_tokens} tokens, expected {s.length}", s.length)
             else:
-                self._compare(s, "attached pool", self.pool.read_slots(table.slots()), expected)
+                self._compare(s, "attached pool", self.pool.read_slots(table.slots()), expected)  # type: ignore[union-attr]
         if self.method in ("readkv", "both"):
             self._compare(s, "ReadKV", self.timed("read_kv", self.client.read_kv, s.seq_id), expected)
 

@@ -16,6 +16,7 @@ importing another; verification is verifier.py; the per-request state is sequenc
 
 from __future__ import annotations
 
+import signal
 import time
 import traceback
 from typing import Any
@@ -27,6 +28,7 @@ from kvpool_client.loadgen.chat import make_chat_conversation
 from kvpool_client.loadgen.pattern import KEY_MULTIPLIER, kv_pattern, token_keys
 from kvpool_client.loadgen.prefix_requests import PrefixRequests, decode_token_ids
 from kvpool_client.loadgen.sequences import Request, Seq
+from kvpool_client.loadgen.worker_base import Stopped
 from kvpool_client.loadgen.worker_config import WorkerConfig
 from kvpool_client.loadgen.workload import beam_token_stream, make_request, prune_and_refork
 
@@ -39,16 +41,22 @@ class Worker(Admission, PrefixRequests):
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
+        """Until the run has its completions -- or the driver asks to stop (``stopping()``): then the requests in
+        flight are left as they are, and closing the client (its session) frees their sequences."""
         self.t_start = time.monotonic()
         self._record()
-        while True:
-            while len(self.active) < self.cfg.concurrency and self.admit():
+        try:
+            while not self.stopping():
+                while len(self.active) < self.cfg.concurrency and not self.stopping() and self.admit():
+                    self._record()
+                if not self.active or self.stopping():
+                    break
+                self.decode_step()
+                self.retire()
                 self._record()
-            if not self.active:
-                break
-            self.decode_step()
-            self.retire()
-            self._record()
+        except Stopped:
+            pass
+        self.counts["stopped_in_flight"] = len(self.active) if self.stopping() else 0
         self.t_end = time.monotonic()
 
     def start_request(self, index: int) -> None:
@@ -63,7 +71,8 @@ class Worker(Admission, PrefixRequests):
         spec = make_request(cfg.seed, index, self.dist, cfg.mode, cfg.num_samples)
         root = self.timed("register", self.client.register)
         result = self.prefill(root, spec.prompt_len)
-        self.write_kv(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout))
+        self.write_kv(result.slot_mapping, kv_pattern(token_keys(root, 0, spec.prompt_len), self.layout),
+                      [(root, 0, spec.prompt_len)])
         request = Request(index)
         seq_ids = [root]
         if self.width > 1:
@@ -92,7 +101,8 @@ class Worker(Admission, PrefixRequests):
         with np.errstate(over="ignore"):
             keys = np.array([s.writer for s in seqs], dtype=np.uint64) * np.uint64(KEY_MULTIPLIER)
             keys += np.array([s.length for s in seqs], dtype=np.uint64)
-        self.timed("write_slots", self.write_kv, result.slot_mapping, kv_pattern(keys, self.layout))
+        self.timed("write_slots", self.write_kv, result.slot_mapping, kv_pattern(keys, self.layout),
+                   [(s.seq_id, s.length, 1) for s in seqs])
         for s, slot in zip(seqs, result.slot_mapping.tolist(), strict=True):
             s.last_slot = slot
             last = s.history[-1]
@@ -183,13 +193,19 @@ class Worker(Admission, PrefixRequests):
         self.client.close()
 
 
-def worker_main(cfg: WorkerConfig, claim: Any, start: Any, events: Any) -> None:
-    """Entry point of a spawned process: attach, say ready, wait for the start signal, run, report."""
+def worker_main(cfg: WorkerConfig, claim: Any, start: Any, events: Any, stop: Any = None) -> None:
+    """Entry point of a spawned process: attach, say ready, wait for the start signal, run, report. SIGINT is the
+    driver's to handle (a Ctrl-C reaches the whole process group): it sets ``stop``, and the worker reports what
+    it did."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # spawn() blocked it for the start-up
     worker = None
     try:
-        worker = Worker(cfg, claim, events)
-        events.put(("ready", cfg.worker_id, None, None))
-        start.wait()
+        worker = Worker(cfg, claim, events, stop)
+        events.put(("ready", cfg.worker_id, {"kv_path": "grpc" if worker.pool is None else "attach",
+                                              "why": worker.grpc_kv_why}, None))
+        while not start.wait(0.5) and not worker.stopping():  # a driver gone before the start: stop, not hang
+            pass
         worker.run()
         events.put(("result", cfg.worker_id, worker.summary(), None))
     except BaseException:  # noqa: BLE001  (reported to the parent, which fails the run)

@@ -8,6 +8,7 @@ part calls another's method through ``self``, and the methods one part needs of 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -15,28 +16,38 @@ from typing import Any
 import numpy as np
 
 from kvpool_client.client import KVPoolClient
+from kvpool_client.credentials import Credentials
 from kvpool_client.errors import QuotaExceededError, ResourceExhaustedError
 from kvpool_client.loadgen.chat import ChatConversation
+from kvpool_client.loadgen.kv_path import map_pool, write_over_grpc
 from kvpool_client.loadgen.sequences import Request
 from kvpool_client.loadgen.verifier import Verifier
 from kvpool_client.loadgen.worker_config import WorkerConfig
 from kvpool_client.loadgen.workload import distribution, sequences_per_request
 
 
+class Stopped(Exception):
+    """The run is being stopped (the driver's SIGINT / SIGTERM, or the driver is gone): the worker ends its loop."""
+
+
 class WorkerBase:
-    def __init__(self, cfg: WorkerConfig, claim: Any, events: Any) -> None:
+    def __init__(self, cfg: WorkerConfig, claim: Any, events: Any, stop: Any = None) -> None:
         self.cfg = cfg
         self.claim = claim
         self.events = events
+        self._stop = stop  # the driver's stop Event (None: never asked to stop)
+        self._parent = os.getppid()
         self.dist = distribution(cfg.lengths, cfg.max_len)
         self.width = sequences_per_request(cfg.mode, cfg.beam_width, cfg.num_samples)
-        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, token=cfg.token, fast_path=cfg.fast_path)
-        self.pool = self.client.attach_ranks()  # every rank's shard of a tensor-parallel pool, split by heads
-        self.layout = self.pool.layout
-        if cfg.kv_source == "device" and self.pool.backend != "gpu":
-            raise RuntimeError(f"--kv-source device writes from GPU arrays into a GPU pool; this server's pool is "
-                               f"on the {self.pool.backend} backend: use --kv-source host (or auto)")
-        self.device_kv = cfg.kv_source == "device" or (cfg.kv_source == "auto" and self.pool.backend == "gpu")
+        creds = (cfg.credentials or Credentials()).with_token(cfg.token)
+        self.client = KVPoolClient(cfg.target, timeout=cfg.timeout, fast_path=cfg.fast_path, **creds.client_kwargs())
+        self.pool, self.grpc_kv_why = map_pool(self.client, cfg.kv_path)  # every rank's shard; None: KV over gRPC (kv_path.py)
+        self.layout = self.client.layout
+        backend = self.pool.backend if self.pool is not None else "not mapped"
+        if cfg.kv_source == "device" and backend != "gpu":
+            raise RuntimeError(f"--kv-source device writes from GPU arrays into a mapped GPU pool; this server's pool "
+                               f"is {backend}: use --kv-source host (or auto)")
+        self.device_kv = cfg.kv_source == "device" or (cfg.kv_source == "auto" and backend == "gpu")
         self.active: list[Request] = []
         self.deferred: list[int] = []  # request indices to start (again) first: admission.py
         self.hold_admission = False  # after a preemption, until a request completes
@@ -65,6 +76,10 @@ class WorkerBase:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- plumbing
+    def stopping(self) -> bool:
+        """The driver asked the workers to stop, or is gone (a worker is never left loading the server alone)."""
+        return (self._stop is not None and self._stop.is_set()) or os.getppid() != self._parent
+
     def timed(self, name: str, fn: Any, *args: Any) -> Any:
         start = time.perf_counter()
         try:
@@ -83,6 +98,8 @@ class WorkerBase:
             except ResourceExhaustedError as error:
                 self.counts["exhausted_retries"] += 1
                 self.counts["quota_refusals"] += isinstance(error, QuotaExceededError)
+                if self.stopping():
+                    raise Stopped from None
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.005)
@@ -107,9 +124,13 @@ class WorkerBase:
             self.claim.value = index + 1
             return index
 
-    def write_kv(self, slots: np.ndarray, data: np.ndarray) -> None:
+    def write_kv(self, slots: np.ndarray, data: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
         """Write token KV into ``slots``: from host arrays, or (``--kv-source device``) from device arrays through
-        the client's scatter kernel, then wait for it (other processes and the server read these slots next)."""
+        the client's scatter kernel, then wait for it (other processes and the server read these slots next).
+        ``runs``: the same tokens as ``(seq_id, start, num_tokens)``, for WriteKV when the pool is not mapped."""
+        if self.pool is None:
+            write_over_grpc(self.client, runs, data)
+            return
         if not self.device_kv:
             self.pool.write_slots(slots, data)
             return

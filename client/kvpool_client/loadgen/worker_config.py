@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool_client.credentials import Credentials
+
 EXHAUSTED_WAIT_S = 30.0  # how long a step waits for other processes to free blocks before it gives up
 
 
@@ -42,3 +44,5 @@ class WorkerConfig:
     turn_tokens: int = 64
     no_prefix_cache: bool = False
     fast_path: bool = True  # register/append/fork/free over the session's shared-memory channel when local
+    credentials: Credentials | None = None  # TLS material of every connection (credentials.py); the token is above
+    kv_path: str = "auto"  # "attach" (the mapped pool), "grpc" (WriteKV/ReadKV), "auto" (kv_path.py)

@@ -457,8 +457,10 @@ class ListSequencesResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("resume",)
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    resume: bool
+    def __init__(self, resume: _Optional[bool] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("num_sessions", "num_sequences")

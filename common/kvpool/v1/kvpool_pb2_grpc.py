@@ -267,7 +267,8 @@ class KVPoolServiceServicer:
     def Drain(self, request, context):
         """Drain puts the server into draining for maintenance without stopping it: health says NOT_SERVING (so load
         balancers and routers send new work elsewhere), new sessions and sequences are refused with UNAVAILABLE, and
-        the live sessions go on until they end. Idempotent; the reply says what is still live.
+        the live sessions go on until they end. Idempotent; the reply says what is still live. With resume, it undoes
+        a drain: health says SERVING again and new sessions are taken (not after a shutdown has begun).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

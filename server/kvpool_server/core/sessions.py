@@ -119,10 +119,10 @@ class SessionTable:
         epoch = session_id >> 32
         if epoch != self.server_epoch and 0 < epoch < 2**32:
             raise ServerRestartedError(
-                f"session {session_id} was opened on an earlier start of kvpool-server (epoch {epoch}; this start "
-                f"is epoch {self.server_epoch}): a restart loses every session and sequence"
+                f"session {session_id:#x} was opened on an earlier start of kvpool-server (epoch {epoch:#x}; this "
+                f"start is epoch {self.server_epoch:#x}): a restart loses every session and sequence"
             )
-        raise SessionNotFoundError(f"session {session_id} is not live (never opened, closed, or its lease expired)")
+        raise SessionNotFoundError(f"session {session_id:#x} is not live (never opened, closed, or its lease expired)")
 
     def renew(self, session_id: int, tenant: int | None = None) -> Session:
         """Push the lease deadline a full TTL ahead (a heartbeat, or any call naming the session)."""

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvpool_server.grpc_api.bind_errors import why_bind_failed
+
 if TYPE_CHECKING:
     from kvpool_server.config import ServerConfig
 
@@ -70,10 +72,10 @@ def _add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCre
             port = server.add_insecure_port(address)
         else:
             port = server.add_secure_port(address, credentials)
-    except RuntimeError as exc:  # grpcio raises when the bind fails
-        raise startup_error(f"cannot listen on {address}: {exc} (address in use? another kvpool-server?)") from exc
+    except RuntimeError as exc:  # grpcio raises when the bind fails; its message names no cause
+        raise startup_error(f"cannot listen on {address}: {why_bind_failed(address)}") from exc
     if port == 0 and not address.startswith("unix:"):
-        raise startup_error(f"cannot listen on {address} (address in use? another kvpool-server?)")
+        raise startup_error(f"cannot listen on {address}: {why_bind_failed(address)}")
     return port
 
 

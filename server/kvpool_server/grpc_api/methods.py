@@ -163,6 +163,6 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
             next_page_token=a[1])),
     "OpenFastPath": open_fast_path(None),  # build_server's method_handlers gives it the server's FastPathServer
     "Drain": Unary(
-        pb.DrainRequest, lambda s, call, r: s.drain(call),
+        pb.DrainRequest, lambda s, call, r: s.drain(call, r.resume),
         lambda s, a: pb.DrainResponse(num_sessions=a[0], num_sequences=a[1])),
 }

@@ -149,11 +149,12 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
     ]
 
 
-def _not_serving_soon(health_servicer: Any) -> None:
-    """Health NOT_SERVING for everything, from a call on the loop (the Drain RPC)."""
+def _health_soon(health_servicer: Any, draining: bool) -> None:
+    """Health NOT_SERVING (a drain) or SERVING again (its undoing) for everything, from a call on the loop (the
+    Drain RPC). After a shutdown began the servicer keeps NOT_SERVING (its graceful shutdown ignores ``set``)."""
+    status = health_pb2.HealthCheckResponse.NOT_SERVING if draining else health_pb2.HealthCheckResponse.SERVING
     for service in ("", SERVICE_NAME):
-        asyncio.get_running_loop().create_task(
-            health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING))
+        asyncio.get_running_loop().create_task(health_servicer.set(service, status))
 
 
 def method_handlers(service: KVPoolService, scope: CallScope, executor: Executor, streams: OpenStreams,
@@ -182,7 +183,7 @@ def build_server(config: ServerConfig) -> ServerHandle:
     made or an address cannot be bound."""
     health_servicer = health.aio.HealthServicer()
     metrics = KVPoolMetrics() if config.metrics_address else None
-    service, admission = build_service(config, metrics=metrics, on_drain=lambda: _not_serving_soon(health_servicer))
+    service, admission = build_service(config, metrics=metrics, on_drain=lambda draining: _health_soon(health_servicer, draining))
     loop = LoopThread()
     try:
         return loop.run(_build(config, service, admission, health_servicer, metrics, loop))

@@ -126,7 +126,7 @@ def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: Bid
         entry: OpenStream | None = None
         loop = asyncio.get_running_loop()
         headers = MetadataHeaders(context)
-        stream_call = scope.call(rpc, headers, admit=False)  # the whole stream: latency observed at its end
+        stream_call = scope.call(rpc, headers, admit=False, stream=True)  # the whole stream: its life, at its end
         try:
             with stream_call:
                 try:
@@ -185,7 +185,7 @@ def server_stream_handler(service: KVPoolService, scope: CallScope, rpc: str,
     admission = scope.admission
 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> None:
-        call = scope.call(rpc, MetadataHeaders(context), admit=False)
+        call = scope.call(rpc, MetadataHeaders(context), admit=False, stream=True)
         task = asyncio.current_task()
         try:
             with call:

@@ -156,6 +156,11 @@ def main(argv: list[str] | None = None) -> None:
         print(hash_token(token))
     elif args[:1] == ["hash"]:
         token = args[1] if len(args) > 1 else sys.stdin.readline().strip()
+        if not token or len(token.split()) != 1:
+            what = "an empty token" if not token else "a token with spaces in it"
+            print(f"kvpool-token hash: {what}: give the token as the argument or on stdin's first line (the digest "
+                  "of an empty string would match no client's token)", file=sys.stderr)
+            sys.exit(2)
         print(hash_token(token))
     else:
         print("usage: kvpool-token hash TOKEN | kvpool-token new", file=sys.stderr)

@@ -26,7 +26,7 @@ class StartupError(RuntimeError):
 
 
 def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
-                  on_drain: Callable[[], None] = lambda: None) -> tuple[KVPoolService, Admission]:
+                  on_drain: Callable[[bool], None] = lambda draining: None) -> tuple[KVPoolService, Admission]:
     """Allocate the pool and build the core and the service over it, and the admission every transport's calls
     pass. Raises StartupError, with nothing left allocated, if the pool cannot be made or the configuration does
     not fit it."""

@@ -203,9 +203,9 @@ class KVPoolService:
     def check_invariants(self, call: Call) -> Offload:
         return self.invariants.request(self.guard.lock)
 
-    def drain(self, call: Call) -> tuple[int, int]:
-        """The Drain RPC (maintenance, ``kvctl drain``): see ``SessionService.drain``."""
-        return self.sessions.drain()
+    def drain(self, call: Call, resume: bool = False) -> tuple[int, int]:
+        """The Drain RPC (maintenance, ``kvctl drain [--resume]``): see ``SessionService.drain``."""
+        return self.sessions.drain(resume)
 
     # ---------------------------------------------------------------- KV data
     def write_kv(self, call: Call, seq_id: int, start_position: int, data: bytes | memoryview,

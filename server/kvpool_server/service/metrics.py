@@ -14,13 +14,22 @@ Wiring: ``grpc_server.build_server`` (``--metrics-address`` is in config.py; doc
 
 from __future__ import annotations
 
+import errno
 import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -29,6 +38,9 @@ from kvpool_server.core.types import PoolStats
 KVPOOL_SERVICE = "kvpool.v1.KVPoolService"
 # RPC latency buckets: 50 us .. 10 s. A decode step over a unix socket takes ~0.1-1 ms; a big ReadKV, tens of ms.
 RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+# A stream's life (AppendTokenStream, KeepAlive, SubscribeEvents): 10 ms .. 1 day; its own histogram, so that
+# minutes-long streams do not sit among the unary calls' milliseconds.
+STREAM_BUCKETS = (0.01, 0.1, 1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 # Reclamation latency (a session's end -> its blocks back on the free list): the sweep runs every few 100 ms.
 RECLAIM_BUCKETS = (1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Why a session ended, as label values; SessionTable's end_reason strings map onto these.
@@ -46,6 +58,20 @@ class SessionGauges:
     num_blocks_held_by_ended: int
     # (tenant name, blocks its sequences hold, its live sequences) for every tenant, with --auth-tokens
     tenants: tuple[tuple[str, int, int], ...] = ()
+
+
+def build_info() -> dict[str, str]:
+    """kvpool_build_info's labels: the server's version, Python's, gRPC's."""
+    import platform  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "unknown"
+
+    return {"version": of("kvpool-server"), "python": platform.python_version(), "grpcio": of("grpcio")}
 
 
 def locked_stats(manager: Any, lock: threading.Lock) -> Callable[[], PoolStats]:
@@ -150,8 +176,14 @@ class KVPoolMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.rpc_duration = Histogram("kvpool_rpc_duration_seconds", "Time to serve an RPC (a stream: its whole life)",
+        self.rpc_duration = Histogram("kvpool_rpc_duration_seconds", "Time to serve a unary RPC",
                                       ["method", "code"], buckets=RPC_BUCKETS, registry=r)
+        self.stream_duration = Histogram("kvpool_stream_duration_seconds", "A stream's life, from its start to "
+                                         "its end (CANCELLED: the client ended it)", ["method", "code"],
+                                         buckets=STREAM_BUCKETS, registry=r)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, open fds, start time
+        PlatformCollector(registry=r)  # python_info
+        Info("kvpool_build", "The server's version and what it runs on (value 1)", registry=r).info(build_info())
         self.append_calls = Counter("kvpool_append_calls", "AppendToken calls and AppendTokenStream messages served",
                                     registry=r)
         self.appended_tokens = Counter("kvpool_appended_tokens", "Tokens appended (slots handed out)", registry=r)
@@ -184,9 +216,10 @@ class KVPoolMetrics:
         return self.pool_collector
 
     # ------------------------------------------------------------------ hooks
-    def observe_rpc(self, method: str, code_name: str, seconds: float) -> None:
-        """One RPC served: ``method`` "AppendToken", ``code_name`` "OK" / "NOT_FOUND" / ..., wall seconds."""
-        self.rpc_duration.labels(method, code_name).observe(seconds)
+    def observe_rpc(self, method: str, code_name: str, seconds: float, *, stream: bool = False) -> None:
+        """One RPC served: ``method`` "AppendToken", ``code_name`` "OK" / "NOT_FOUND" / ..., wall seconds;
+        ``stream``: a whole stream ended (its life goes to kvpool_stream_duration_seconds)."""
+        (self.stream_duration if stream else self.rpc_duration).labels(method, code_name).observe(seconds)
 
     def count_append(self, num_calls: int, num_tokens: int) -> None:
         """``num_calls`` AppendToken calls (or stream messages) that handed out ``num_tokens`` slots, all applied."""
@@ -247,5 +280,7 @@ def start_metrics_server(address: str, registry: CollectorRegistry) -> MetricsHT
     try:
         server, thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=registry)
     except OSError as exc:
-        raise OSError(exc.errno, f"cannot serve metrics on {address}: {exc.strerror} (address in use?)") from exc
+        hint = {errno.EADDRINUSE: ": another process listens there", errno.EADDRNOTAVAIL: ": not an address of "
+                "this host"}.get(exc.errno or 0, "")
+        raise OSError(exc.errno, f"cannot serve metrics on {address}: {exc.strerror}{hint}") from exc
     return MetricsHTTPServer(server, thread)

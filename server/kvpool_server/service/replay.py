@@ -102,7 +102,7 @@ class ReplyCache:
         if hit is None:
             return None
         if hit[0] != request_fingerprint:
-            where = f"session {session_id}" if session_id else "your session-less calls"
+            where = f"session {session_id:#x}" if session_id else "your session-less calls"
             raise InvalidArgumentError(
                 f"request_id {request_id} was already used in {where} for a different request; "
                 "a request id names one request (reuse it only to retry that same request)"

@@ -78,8 +78,10 @@ class CallScope:
         self.auth = auth
         self.metrics = metrics
 
-    def call(self, rpc: str, headers: Headers = NO_HEADERS, *, admit: bool = True, observe: bool = True) -> Call:
-        return Call(self, rpc, headers, admit, observe)
+    def call(self, rpc: str, headers: Headers = NO_HEADERS, *, admit: bool = True, observe: bool = True,
+             stream: bool = False) -> Call:
+        """``stream``: the call is a whole stream (its latency is its life: observed apart from unary calls')."""
+        return Call(self, rpc, headers, admit, observe, stream)
 
     def failed(self, call: Call, exc: BaseException) -> Status:
         """The status of a call that raised ``exc``: counted and logged the first time a scope sees it."""
@@ -98,9 +100,10 @@ class Call:
     """One call (or stream message) inside the scope: who calls (``caller``), its headers, how it ended
     (``status``, once it has)."""
 
-    __slots__ = ("scope", "rpc", "headers", "caller", "status", "_admit", "_observe", "_started")
+    __slots__ = ("scope", "rpc", "headers", "caller", "status", "_admit", "_observe", "_started", "_stream")
 
-    def __init__(self, scope: CallScope, rpc: str, headers: Headers, admit: bool, observe: bool) -> None:
+    def __init__(self, scope: CallScope, rpc: str, headers: Headers, admit: bool, observe: bool,
+                 stream: bool = False) -> None:
         self.scope = scope
         self.rpc = rpc
         self.headers = headers
@@ -109,6 +112,7 @@ class Call:
         self._admit = admit
         self._observe = observe and scope.metrics is not None
         self._started = time.perf_counter() if self._observe else 0.0
+        self._stream = stream
 
     def __enter__(self) -> Call:
         scope = self.scope
@@ -130,4 +134,4 @@ class Call:
             self.status = scope.failed(self, exc)
         if self._observe:
             scope.metrics.observe_rpc(  # type: ignore[union-attr]
-                self.rpc, self.status.code.name, time.perf_counter() - self._started)
+                self.rpc, self.status.code.name, time.perf_counter() - self._started, stream=self._stream)

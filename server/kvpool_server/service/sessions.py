@@ -54,13 +54,13 @@ class SessionService:
     tenant's ``max_sessions`` quota comes on top), a ``client_name`` of at most ``paging.MAX_CLIENT_NAME_BYTES``,
     and listings in pages that fit ``max_message_bytes`` (``paging``)."""
 
-    def __init__(self, guard: CoreGuard, metrics: KVPoolMetrics | None, on_drain: Callable[[], None], *,
+    def __init__(self, guard: CoreGuard, metrics: KVPoolMetrics | None, on_drain: Callable[[bool], None], *,
                  max_sessions: int = 4096, max_message_bytes: int = 64 << 20) -> None:
         self.guard = guard
         self.table = guard.sessions
         self.metrics = metrics
-        self.on_drain = on_drain  # the Drain RPC's first call: health NOT_SERVING
-        self.draining = False  # set by the Drain RPC, never unset (restart the server to serve again)
+        self.on_drain = on_drain  # on_drain(True) at a drain: health NOT_SERVING; on_drain(False) at a resume: SERVING
+        self.draining = False  # set by the Drain RPC, unset by Drain(resume=True)
         self.max_sessions = max_sessions  # --max-sessions
         self.max_message_bytes = max_message_bytes
 
@@ -107,7 +107,7 @@ class SessionService:
             if self.metrics is not None:
                 latency = time.monotonic() - since if since is not None else 0.0
                 self.metrics.session_reclaimed(reason, latency, len(seq_ids), num_blocks)
-            logger.info("session %d (%s) ended, %s: %d sequences, %d blocks freed", session_id,
+            logger.info("session %#x (%s) ended, %s: %d sequences, %d blocks freed", session_id,
                         session.client_name, reason, len(seq_ids), num_blocks)
 
         if isinstance(freed, int):
@@ -122,7 +122,7 @@ class SessionService:
         with self.guard.lock:
             expired = self.table.expired()
             for session in expired:
-                self.end(session.session_id, "lease expired", since=session.deadline)
+                self.end(session.session_id, "lease_expired", since=session.deadline)
         return len(expired)
 
     # ---------------------------------------------------------------- drain (maintenance)
@@ -133,11 +133,16 @@ class SessionService:
                 "sequences; live sessions go on until they end"
             )
 
-    def drain(self) -> tuple[int, int]:
-        """Start draining (once); returns what is still live: (sessions, sequences)."""
-        if not self.draining:
+    def drain(self, resume: bool = False) -> tuple[int, int]:
+        """Start draining (once), or with ``resume`` stop draining; returns what is still live: (sessions,
+        sequences)."""
+        if resume and self.draining:
+            self.draining = False
+            self.on_drain(False)
+            logger.warning("drain undone: serving new sessions again")
+        elif not resume and not self.draining:
             self.draining = True
-            self.on_drain()
+            self.on_drain(True)
             logger.warning("draining: no new sessions; %d live sessions go on", len(self.table))
         with self.guard.lock:
             return len(self.table), self.guard.manager.num_sequences
@@ -169,7 +174,7 @@ class SessionService:
         try:
             with self.guard.lock:
                 if self.table.stream_closed(session):
-                    self.end(session.session_id, "keep-alive broken", since=since)
+                    self.end(session.session_id, "stream_broken", since=since)
         except Exception:
             logger.exception("ending the session of a closed KeepAlive stream failed")
 
