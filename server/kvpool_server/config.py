@@ -65,6 +65,10 @@ class ServerConfig:
     gpu_memory_fraction: float | None = setting(
         None, "pool size as a fraction of free GPU memory (host backend: of free /dev/shm) (instead of --pool-bytes)",
         min=0, max=1, open_min=True)
+    host_tier_bytes: int = setting(
+        0, "the prefix cache's host tier: evicted cached blocks are kept in this much host memory (pinned with a "
+        "GPU pool, allocated in the background; 0: none) and restored on a prompt's hit (docs/prefix-caching.md)",
+        min=0, size=True)
     backend: str = setting("auto", "where the pool lives: auto (GPU if present, else host), gpu, host",
                            choices=BACKENDS)
     # Layout (KVLayout's fields); the default is the seed's: 16 tokens a block, 128 float32 (512 bytes) a token.

@@ -44,18 +44,20 @@ class HostTier:
         pool evicts block 7 (h1)  ->  staged [(7, 3)], pending {h1: 3}  ->  copy  ->  commit([3]): slot_of_hash {h1: 3}
 
     Invariants (``check_invariants``):
-      - every slot is exactly one of free (``free``), pending (an offload not confirmed: ``pending_hashes``) or
+      - every ready slot (below ``num_ready``) is exactly one of free (``free``), pending (an offload not confirmed: ``pending_hashes``) or
         committed (``slot_of_hash``); ``entries`` holds the pending and committed slots' content;
       - a hash is in at most one slot (committed or pending), and every entry's hash matches its content chain;
       - ``lru`` and ``pinned`` split the committed slots (disjoint);
       - ``staged`` is empty between calls (the service runs every offload before the call returns).
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, num_ready: int | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
         self.num_slots: int = num_slots
-        self.free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 first
+        self.num_ready: int = 0  # slots whose memory is there (the tier is allocated in the background)
+        self.free: list[int] = []  # a stack: the lowest slot on top
+        self.make_ready(num_slots if num_ready is None else num_ready)
         self.entries: dict[int, CachedBlock] = {}  # slot -> content (pending or committed)
         self.slot_of_hash: dict[bytes, int] = {}  # committed slots: matchable
         self.pending_hashes: dict[bytes, int] = {}  # slots whose offload is not confirmed yet
@@ -69,6 +71,13 @@ class HostTier:
         self.num_restored: int = 0  # blocks restored into the pool
         self.num_restore_failed: int = 0
         self.num_dropped: int = 0  # slots dropped by the host LRU
+
+    def make_ready(self, num_ready: int) -> None:
+        """Slots ``[0, num_ready)`` have their memory now: the new ones join the free slots."""
+        num_ready = min(num_ready, self.num_slots)
+        if num_ready > self.num_ready:
+            self.free[:0] = range(num_ready - 1, self.num_ready - 1, -1)
+            self.num_ready = num_ready
 
     @property
     def num_committed(self) -> int:
@@ -186,8 +195,8 @@ class HostTier:
         free = set(self.free)
         if len(free) != len(self.free) or free & committed or free & pending or committed & pending:
             raise InvariantViolationError("a host slot is in two of free, pending and committed")
-        if len(free) + len(committed) + len(pending) != self.num_slots:
-            raise InvariantViolationError("a host slot is neither free, pending nor committed")
+        if len(free) + len(committed) + len(pending) != self.num_ready or (free and max(free) >= self.num_ready):
+            raise InvariantViolationError("a ready host slot is neither free, pending nor committed")
         if set(self.entries) != committed | pending:
             raise InvariantViolationError("the host tier's entries are not exactly its pending and committed slots")
         for h, slot in [*self.slot_of_hash.items(), *self.pending_hashes.items()]:

@@ -73,6 +73,7 @@ class KVCacheManager:
         max_num_seqs: int = 4096,
         tenancy: bool = False,
         host_tier_blocks: int = 0,
+        host_tier_ready: int | None = None,
     ) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
@@ -95,7 +96,8 @@ class KVCacheManager:
         self.detached_rows: set[int] = set()  # rows of freed sequences whose blocks are not released yet (detach)
         # The host tier (docs/prefix-caching.md): evicted cached blocks spill into it; a register's prompt is
         # restored from it (``stage_restore`` / ``finish_restore``, around ``register``). None: no tier.
-        self.host_tier: HostTier | None = HostTier(host_tier_blocks) if host_tier_blocks else None
+        # ``host_tier_ready``: slots usable at once (None: all); more join as the service allocates them.
+        self.host_tier: HostTier | None = HostTier(host_tier_blocks, host_tier_ready) if host_tier_blocks else None
         if self.host_tier is not None:
             self.allocator.cache.attach_tier(self.host_tier)
         self.prefix_host_hit_tokens: int = 0  # prompt tokens restored from the host tier (counted as hits too)

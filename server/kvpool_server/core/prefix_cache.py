@@ -9,7 +9,7 @@ import numpy as np
 from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.host_tier import HostTier
-from kvpool_server.core.kv_event_types import BlockRemoved, CachedBlock
+from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
 
 __all__ = ["CachedBlock", "PrefixCache"]
 
@@ -51,7 +51,7 @@ class PrefixCache:
         self.num_evicted: int = 0
         # A KVEventLog's ``pending`` list when one is attached (kv_events.py, a bounded list): the entries stored,
         # BlockRemoved.
-        self.events: list[CachedBlock | BlockRemoved] | None = None
+        self.events: list[CachedBlock | BlockRemoved | BlockStored] | None = None
         self.tier: HostTier | None = None  # the host tier evicted blocks spill into (``attach_tier``), if any
 
     def attach_tier(self, tier: HostTier) -> None:

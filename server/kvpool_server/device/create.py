@@ -4,10 +4,12 @@ apart from pool.py, which the backends import: the factory imports them, never t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from kvpool.layout import KVLayout
 from kvpool_server.device import pool as base
 from kvpool_server.device.pool import BACKENDS, KVPool, resolve_num_blocks
+from kvpool_server.device.tier_pool import DEFAULT_CHUNK_BYTES, HostTierPool, TierPool
 
 
 def create_pool(
@@ -41,3 +43,19 @@ def create_pool(
 def _free_shm_bytes() -> int:
     st = os.statvfs("/dev/shm")
     return st.f_bavail * st.f_frsize
+
+
+def create_tier_pool(pool: KVPool, num_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                     on_ready: Callable[[int], None] = lambda n: None) -> TierPool:
+    """The host tier of ``pool``'s backend (``tier_pool.py``), started (allocating in the background) and closed
+    with the pool."""
+    tier: TierPool
+    if pool.backend == "gpu":
+        from kvpool_server.device.gpu_tier_pool import GpuTierPool
+
+        tier = GpuTierPool(pool, num_slots, chunk_bytes, on_ready)
+    else:
+        tier = HostTierPool(pool, num_slots, chunk_bytes, on_ready)
+    pool.tier = tier
+    tier.start()
+    return tier

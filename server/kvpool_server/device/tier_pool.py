@@ -1,0 +1,189 @@
+"""TierPool: the host tier's memory -- block-sized host rows the pool's evicted blocks are copied into and back.
+
+    tier = create_tier_pool(pool, num_slots, on_ready=...)   # (device/create.py) allocates in chunks, in the background
+    tier.offload_blocks(pairs)    # int32 [n, 2] (pool block, host slot): done when it returns, or raises
+    tier.restore_blocks(pairs)    # int32 [n, 2] (host slot, pool block): done when it returns, or raises
+
+A host slot holds one block whole: its ``2L`` segments (layer, K/V) one after another, ``block_bytes`` in all,
+whatever the pool's order -- one contiguous row per block, so a run of blocks of a block-major pool is one copy.
+
+Serving starts at once: the memory is allocated ``chunk_bytes`` at a time by a background thread (pinning 64 GiB
+takes tens of seconds); ``ready_slots`` grows chunk by chunk and ``on_ready(ready_slots)`` is called after each
+(the service hands the new slots to the core's ``HostTier``). A slot is used only once its chunk is there.
+
+Two backends, one logic: ``HostTierPool`` (NumPy copies from a ``HostPool``; what CI runs) and ``GpuTierPool``
+(``gpu_tier_pool.py``: pinned memory, ``cudaMemcpyAsync`` on one stream per direction). A copy that raises (a
+CUDA error, or the test hook ``inject_failures``) may have moved part of its pairs: the caller treats every pair
+as failed (the core aborts the offloads, fences the restored slots), so nothing half-copied is ever matchable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvpool_server.device.pool import KVPool
+
+logger = logging.getLogger(__name__)
+DEFAULT_CHUNK_BYTES = 1 << 30  # the host tier is allocated (pinned) this much at a time
+
+
+class InjectedCopyError(OSError):
+    """A copy failure made by the test hook ``TierPool.inject_failures``."""
+
+
+class TierPool:
+    """``num_slots`` host rows of ``block_bytes`` beside ``pool``, allocated in chunks of ``chunk_slots`` rows.
+
+    Invariants: ``ready_slots`` only grows, up to ``num_slots``; slots below it have their memory; a copy names
+    only ready slots and blocks of the pool (``_checked``); copies are serialised (``_lock``).
+    """
+
+    backend = ""
+
+    def __init__(self, pool: KVPool, num_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 on_ready: Callable[[int], None] = lambda n: None) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one block, got {num_slots}")
+        self.pool: Any = pool  # a backend's pool: HostPool (segments) or GpuPool (device, base pointer)
+        self.layout = pool.layout
+        self.num_slots = int(num_slots)
+        self.slot_bytes = pool.layout.block_bytes
+        self.chunk_slots = max(1, min(self.num_slots, chunk_bytes // self.slot_bytes))
+        self.chunks: list[Any] = []  # [chunk_slots or fewer, 2L, segment_bytes] uint8 each (NumPy views)
+        self.ready_slots = 0
+        self.on_ready = on_ready
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._failures = {True: 0, False: 0}  # the test hook: offloads (True) and restores (False) left to fail
+        self._thread: threading.Thread | None = None
+        self.bytes_offloaded = 0
+        self.bytes_restored = 0
+
+    @property
+    def tier_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def start(self) -> None:
+        """Allocate the chunks on a background thread (``wait_ready`` waits for all of them)."""
+        self._thread = threading.Thread(target=self._allocate_all, name="kvpool-host-tier", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.ready_slots == self.num_slots
+
+    def _allocate_all(self) -> None:
+        spans = 2 * self.layout.num_layers
+        while self.ready_slots < self.num_slots and not self._closed.is_set():
+            n = min(self.chunk_slots, self.num_slots - self.ready_slots)
+            try:
+                raw = self._allocate_chunk(n * self.slot_bytes)
+            except Exception:  # out of (pinnable) memory: the tier stays the size it has reached
+                logger.exception("the host tier stops at %d of %d blocks", self.ready_slots, self.num_slots)
+                return
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                self.chunks.append(raw.reshape(n, spans, self.layout.segment_bytes))
+                self.ready_slots += n
+            self.on_ready(self.ready_slots)
+
+    def inject_failures(self, count: int = 1, offloads: bool = True, restores: bool = True) -> None:
+        """Test hook: the next ``count`` offloads and/or restores move half their pairs, then raise
+        InjectedCopyError."""
+        self._failures = {True: count if offloads else 0, False: count if restores else 0}
+
+    def offload_blocks(self, pairs: Any) -> int:
+        """Copy pool blocks into host slots, ``pairs`` int32 [n, 2] (pool block, host slot); done when it returns."""
+        pairs = self._checked(pairs, block_col=0)
+        with self._lock:
+            self._check_open()
+            self._copy(pairs, to_host=True)
+            self.bytes_offloaded += len(pairs) * self.slot_bytes
+        return len(pairs)
+
+    def restore_blocks(self, pairs: Any) -> int:
+        """Copy host slots into pool blocks, ``pairs`` int32 [n, 2] (host slot, pool block); done when it returns."""
+        pairs = self._checked(pairs, block_col=1)
+        with self._lock:
+            self._check_open()
+            self._copy(pairs[:, ::-1], to_host=False)
+            self.bytes_restored += len(pairs) * self.slot_bytes
+        return len(pairs)
+
+    def _copy(self, pairs: np.ndarray, to_host: bool) -> None:
+        """``pairs`` as (pool block, host slot), either direction; the hook cuts it short."""
+        if self._failures[to_host]:
+            self._failures[to_host] -= 1
+            half = pairs[: len(pairs) // 2]
+            if len(half):
+                self._move(half, to_host)
+            raise InjectedCopyError(f"injected failure of a host-tier copy of {len(pairs)} blocks")
+        self._move(pairs, to_host)
+
+    def slot_rows(self, slots: np.ndarray) -> list[tuple[Any, np.ndarray, np.ndarray]]:
+        """The slots grouped by chunk: (chunk, positions in ``slots``, rows in the chunk)."""
+        chunk_of, row = np.divmod(slots, self.chunk_slots)
+        groups = []
+        for c in np.unique(chunk_of).tolist():
+            where = np.flatnonzero(chunk_of == c)
+            groups.append((self.chunks[c], where, row[where]))
+        return groups
+
+    def _checked(self, pairs: Any, block_col: int) -> np.ndarray:
+        arr = np.asarray(pairs)
+        if arr.size == 0:
+            return np.zeros((0, 2), dtype=np.int64)
+        if arr.ndim != 2 or arr.shape[1] != 2 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"pairs must be an int array of shape [n, 2], got {arr.dtype} {arr.shape}")
+        blocks, slots = arr[:, block_col], arr[:, 1 - block_col]
+        if blocks.min() < 0 or blocks.max() >= self.pool.num_blocks:
+            raise ValueError(f"pairs name pool blocks outside [0, {self.pool.num_blocks})")
+        if slots.min() < 0 or slots.max() >= self.ready_slots:
+            raise ValueError(f"pairs name host slots outside the {self.ready_slots} ready ones")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise RuntimeError("the host tier is closed")
+
+    def close(self) -> None:
+        """Stop allocating, release the memory; idempotent."""
+        self._closed.set()
+        with self._lock:
+            self.chunks = []
+            self._release()
+
+    # --- backend hooks
+    def _allocate_chunk(self, nbytes: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _move(self, pairs: np.ndarray, to_host: bool) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        pass
+
+
+class HostTierPool(TierPool):
+    """The host backend's tier: anonymous memory beside a ``HostPool``, NumPy copies through its segments view."""
+
+    backend = "host"
+
+    def _allocate_chunk(self, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes, dtype=np.uint8)  # zeros: the pages are touched now, not on the first offload
+
+    def _move(self, pairs: np.ndarray, to_host: bool) -> None:
+        segments = self.pool.segments  # [num_blocks, 2L, segment_bytes]
+        for chunk, where, rows in self.slot_rows(pairs[:, 1]):
+            blocks = pairs[where, 0]
+            if to_host:
+                chunk[rows] = segments[blocks]
+            else:
+                segments[blocks] = chunk[rows]

@@ -1,0 +1,140 @@
+"""The host tier through the service, on the host backend (docs/prefix-caching.md, "The host tier"): a prompt evicted
+from the pool hits in the tier and reads back the same KV after the restore; injected copy failures (offload or
+restore, cut short halfway) fall back to a miss and never serve wrong KV; the hit rate is higher with the tier."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvpool_server.config import ServerConfig
+from kvpool_server.service.build import build_service
+from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.service.scope import CallScope
+from tests.service.service_helpers import BLOCK_SIZE, TOKEN_BYTES, token_kv
+
+NUM_BLOCKS = 16
+PROMPT_BLOCKS = 3
+
+
+def prompt_of(i: int) -> list[int]:
+    return [(1000 * i + t) % 50_000 for t in range(PROMPT_BLOCKS * BLOCK_SIZE + 5)]
+
+
+def make(tier_blocks: int) -> tuple[KVPoolService, CallScope]:
+    config = ServerConfig(backend="host", num_blocks=NUM_BLOCKS, host_tier_bytes=tier_blocks * BLOCK_SIZE * TOKEN_BYTES)
+    svc, admission = build_service(config)
+    if svc.tier is not None:
+        assert svc.tier.memory.wait_ready(30)
+    return svc, CallScope(admission, None, None)
+
+
+@pytest.fixture
+def tiered() -> Iterator[tuple[KVPoolService, CallScope]]:
+    svc, scope = make(64)
+    try:
+        yield svc, scope
+    finally:
+        svc.guard.pool.close()
+
+
+def prefill(svc: KVPoolService, scope: CallScope, prompt: list[int], tag: int) -> tuple[int, int]:
+    """Register, append what was not cached (with ids), write its KV (tagged ``tag``), seal with one decode step.
+    Returns (seq_id, num_cached_tokens)."""
+    with scope.call("RegisterSequence") as call:
+        seq, cached = svc.register(call, prompt_token_ids=prompt)
+    with scope.call("AppendToken") as call:
+        svc.append(call, [seq], [len(prompt) - cached], prompt[cached:])
+    with scope.call("WriteKV") as call:
+        svc.write_kv(call, seq, cached, token_kv(tag, range(cached, len(prompt))).tobytes())
+    with scope.call("AppendToken") as call:
+        svc.append(call, [seq], [1], [1])
+    return seq, cached
+
+
+def read(svc: KVPoolService, scope: CallScope, seq: int, num_tokens: int) -> bytes:
+    with scope.call("ReadKV") as call:
+        data = svc.read_kv(call, seq, 0, num_tokens)
+    assert isinstance(data, bytes)
+    return data
+
+
+def free(svc: KVPoolService, scope: CallScope, seq: int) -> None:
+    with scope.call("Free") as call:
+        svc.free(call, [seq])
+
+
+def evict_everything(svc: KVPoolService, scope: CallScope, first: int = 1) -> None:
+    """Prefill and free other prompts until the pool has been turned over (the earlier prompts are evicted)."""
+    for i in range(first, first + NUM_BLOCKS // PROMPT_BLOCKS + 2):
+        seq, _ = prefill(svc, scope, prompt_of(i), tag=i)
+        free(svc, scope, seq)
+
+
+def check(svc: KVPoolService) -> None:
+    with svc.guard.lock:
+        svc.guard.manager.check_invariants()
+
+
+def test_an_evicted_prompt_hits_in_the_tier_and_reads_back_the_same_kv(tiered) -> None:
+    svc, scope = tiered
+    full = PROMPT_BLOCKS * BLOCK_SIZE
+    seq, _ = prefill(svc, scope, prompt_of(0), tag=0)
+    first_kv = read(svc, scope, seq, full)
+    free(svc, scope, seq)
+    evict_everything(svc, scope)
+    tier = svc.guard.manager.host_tier
+    assert tier is not None and tier.num_offloaded >= PROMPT_BLOCKS
+    seq, cached = prefill(svc, scope, prompt_of(0), tag=99)  # tag 99: a recompute would write other bytes
+    assert cached == full
+    assert read(svc, scope, seq, full) == first_kv
+    assert svc.guard.manager.prefix_host_hit_tokens == full
+    check(svc)
+
+
+@pytest.mark.parametrize("where", ["restore", "offload"])
+def test_a_failed_copy_is_a_miss_never_wrong_kv(tiered, where: str) -> None:
+    svc, scope = tiered
+    full = PROMPT_BLOCKS * BLOCK_SIZE
+    seq, _ = prefill(svc, scope, prompt_of(0), tag=0)
+    free(svc, scope, seq)
+    assert svc.tier is not None
+    if where == "offload":
+        svc.tier.memory.inject_failures(1, restores=False)  # the first offload (the first prompt's blocks): half copied, then raises
+    evict_everything(svc, scope)
+    if where == "restore":
+        svc.tier.memory.inject_failures(1, offloads=False)  # the restore: half its blocks copied, then it raises
+    seq, cached = prefill(svc, scope, prompt_of(0), tag=99)
+    assert cached < full  # a miss where the copy failed
+    expected = token_kv(99, range(cached, len(prompt_of(0)))).tobytes()
+    assert read(svc, scope, seq, len(prompt_of(0)))[cached * TOKEN_BYTES:] == expected  # what this writer wrote
+    check(svc)
+    if where == "restore":  # the fenced slots are gone: the next register is a plain miss, with no failure
+        seq2, cached2 = prefill(svc, scope, prompt_of(0), tag=7)
+        assert cached2 == full  # the recomputed blocks (tag 99) were sealed and are cached in the pool now
+        assert read(svc, scope, seq2, full) == read(svc, scope, seq, full)
+
+
+def test_the_hit_rate_is_higher_with_the_tier() -> None:
+    rates = []
+    for tier_blocks in (0, 64):
+        svc, scope = make(tier_blocks)
+        try:
+            rng = np.random.default_rng(0)
+            for i in rng.integers(0, 10, size=60).tolist():  # 10 prompts of 4 blocks: 2.5x the pool
+                seq, _ = prefill(svc, scope, prompt_of(i), tag=i)
+                free(svc, scope, seq)
+            check(svc)
+            stats, _ = svc.stats(scope_call(scope))
+            rates.append(stats.prefix_hit_tokens / stats.prefix_query_tokens)
+        finally:
+            svc.guard.pool.close()
+    print(f"token hit rate without the tier {rates[0]:.2f}, with it {rates[1]:.2f}")
+    assert rates[1] > rates[0]
+
+
+def scope_call(scope: CallScope):  # type: ignore[no-untyped-def]
+    with scope.call("Stats") as call:
+        return call
