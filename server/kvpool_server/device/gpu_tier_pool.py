@@ -18,20 +18,9 @@ from typing import Any
 import cupy
 import numpy as np
 
-from kvpool_server.device.tier_pool import TierPool
+from kvpool_server.device.tier_pool import TierPool, copy_runs
 
 _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
-
-
-def copy_runs(blocks: np.ndarray, slots: np.ndarray, chunk_slots: int) -> list[tuple[int, int, int]]:
-    """(first block, first slot, length) of each run of ``blocks`` (sorted) whose slots follow one another inside
-    one chunk."""
-    order = np.argsort(blocks, kind="stable")
-    b, s = blocks[order], slots[order]
-    brk = (np.diff(b) != 1) | (np.diff(s) != 1) | (s[1:] // chunk_slots != s[:-1] // chunk_slots)
-    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
-    ends = np.concatenate((starts[1:], [len(b)]))
-    return [(int(b[i]), int(s[i]), int(j - i)) for i, j in zip(starts.tolist(), ends.tolist())]
 
 
 class GpuTierPool(TierPool):

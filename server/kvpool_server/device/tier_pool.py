@@ -32,6 +32,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1 << 30  # the host tier is allocated (pinned) this much at a time
 
 
+def copy_runs(blocks: np.ndarray, slots: np.ndarray, chunk_slots: int) -> list[tuple[int, int, int]]:
+    """(first block, first slot, length) of each run of ``blocks`` (taken in ascending order) whose slots follow
+    one another inside one chunk: each run is one copy (block-major) or one per span (layer-major)."""
+    order = np.argsort(blocks, kind="stable")
+    b, s = blocks[order], slots[order]
+    brk = (np.diff(b) != 1) | (np.diff(s) != 1) | (s[1:] // chunk_slots != s[:-1] // chunk_slots)
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    ends = np.concatenate((starts[1:], [len(b)]))
+    return [(int(b[i]), int(s[i]), int(j - i)) for i, j in zip(starts.tolist(), ends.tolist())]
+
+
 class InjectedCopyError(OSError):
     """A copy failure made by the test hook ``TierPool.inject_failures``."""
 
