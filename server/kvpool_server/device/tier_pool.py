@@ -71,6 +71,8 @@ class TierPool:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._failures = {True: 0, False: 0}  # the test hook: offloads (True) and restores (False) left to fail
+        self._fail_every = 0  # the test hook: every n-th copy fails (0: none)
+        self._num_copies = 0
         self._thread: threading.Thread | None = None
         self.bytes_offloaded = 0
         self.bytes_restored = 0
@@ -110,6 +112,11 @@ class TierPool:
         InjectedCopyError."""
         self._failures = {True: count if offloads else 0, False: count if restores else 0}
 
+    def fail_every(self, n: int) -> None:
+        """Test hook: from now on every ``n``-th copy (offload or restore; 0: none) moves half its pairs, then
+        raises InjectedCopyError."""
+        self._fail_every = n
+
     def offload_blocks(self, pairs: Any) -> int:
         """Copy pool blocks into host slots, ``pairs`` int32 [n, 2] (pool block, host slot); done when it returns."""
         pairs = self._checked(pairs, block_col=0)
@@ -130,8 +137,10 @@ class TierPool:
 
     def _copy(self, pairs: np.ndarray, to_host: bool) -> None:
         """``pairs`` as (pool block, host slot), either direction; the hook cuts it short."""
-        if self._failures[to_host]:
-            self._failures[to_host] -= 1
+        self._num_copies += 1
+        every = self._fail_every
+        if self._failures[to_host] or (every and self._num_copies % every == 0):
+            self._failures[to_host] = max(0, self._failures[to_host] - 1)
             half = pairs[: len(pairs) // 2]
             if len(half):
                 self._move(half, to_host)
