@@ -173,3 +173,41 @@ def test_check_invariants_catches_a_broken_tier() -> None:
     tier.staged.append((0, slot))
     with pytest.raises(InvariantViolationError, match="staged"):
         manager.check_invariants()
+
+
+def test_tenants_salts_and_public_prefixes_hold_across_the_tier() -> None:
+    """With tenancy and quotas: a tenant's blocks restored from the tier are its own (another tenant's prompt does
+    not match them), a public prefix restored is adopted by any tenant and charged as usual."""
+    from kvpool_server.core.tenants import TenantLimits
+
+    manager = KVCacheManager(num_blocks=12, block_size=BS, tenancy=True, host_tier_blocks=32)
+    a, b = manager.tenants.tenant_id("a"), manager.tenants.tenant_id("b")
+    manager.tenants.set_limits(a, TenantLimits(max_blocks=10))
+    system = list(range(200, 208))  # two full blocks, public
+    prompt = [*system, 1, 2, 3, 4, 5]
+
+    def prefill_as(tenant: int) -> tuple[int, int]:
+        staged = manager.stage_restore(tenant, prompt, len(system))
+        commit_offloads(manager)
+        if staged is not None:
+            manager.finish_restore(staged, True)
+        seq = manager.register(tenant=tenant, prompt_token_ids=prompt, public_prefix_len=len(system))
+        cached = manager.num_tokens(seq, tenant)
+        manager.append(seq, len(prompt) - cached, tenant=tenant, token_ids=prompt[cached:])
+        manager.append(seq, 1, tenant=tenant, token_ids=[9])
+        commit_offloads(manager)
+        return seq, cached
+
+    seq, _ = prefill_as(a)
+    manager.free(seq, tenant=a)
+    hog = manager.register(tenant=b)
+    manager.append(hog, 12 * BS, tenant=b)  # every block: a's prompt goes to the tier
+    commit_offloads(manager)
+    manager.free(hog, tenant=b)
+    assert manager.allocator.cache.num_cached == 0 and manager.host_tier is not None
+    assert manager.host_tier.num_committed == 3
+    seq_b, cached_b = prefill_as(b)
+    assert cached_b == len(system)  # the public blocks only, restored; a's own block is a's
+    seq_a, cached_a = prefill_as(a)
+    assert cached_a == 3 * BS
+    manager.check_invariants()
