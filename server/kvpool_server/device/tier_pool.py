@@ -200,10 +200,11 @@ class HostTierPool(TierPool):
         return np.zeros(nbytes, dtype=np.uint8)  # zeros: the pages are touched now, not on the first offload
 
     def _move(self, pairs: np.ndarray, to_host: bool) -> None:
-        segments = self.pool.segments  # [num_blocks, 2L, segment_bytes]
-        for chunk, where, rows in self.slot_rows(pairs[:, 1]):
-            blocks = pairs[where, 0]
+        # One slice assignment per run (no temporary, unlike a fancy-indexed gather), as the GPU backend copies.
+        segments, per_chunk = self.pool.segments, self.chunk_slots  # segments: [num_blocks, 2L, segment_bytes]
+        for block, slot, n in copy_runs(pairs[:, 0], pairs[:, 1], per_chunk):
+            rows = self.chunks[slot // per_chunk][slot % per_chunk : slot % per_chunk + n]
             if to_host:
-                chunk[rows] = segments[blocks]
+                rows[...] = segments[block : block + n]
             else:
-                segments[blocks] = chunk[rows]
+                segments[block : block + n] = rows
