@@ -69,6 +69,10 @@ class ServerConfig:
         0, "the prefix cache's host tier: evicted cached blocks are kept in this much host memory (pinned with a "
         "GPU pool, allocated in the background; 0: none) and restored on a prompt's hit (docs/prefix-caching.md)",
         min=0, size=True)
+    host_tier_writeback_blocks: int = setting(
+        64, "with --host-tier-bytes: a background thread copies up to this many of the pool's next-to-evict "
+        "blocks into the host tier ahead of need, so that allocations rarely copy (0: offload only on eviction)",
+        min=0)
     backend: str = setting("auto", "where the pool lives: auto (GPU if present, else host), gpu, host",
                            choices=BACKENDS)
     # Layout (KVLayout's fields); the default is the seed's: 16 tokens a block, 128 float32 (512 bytes) a token.

@@ -1,6 +1,7 @@
 """The model-based test of test_stateful.py with a host tier (docs/prefix-caching.md, "The host tier"): evicted
 cached blocks are offloaded into a small tier (so its own LRU drops blocks too), prompts are restored from it before
-``register``, and copies fail on demand (an offload aborted, a restore cut short halfway and fenced). Every step
+``register``, blocks are written back ahead (their copy running later, or when an eviction waits for it), and
+copies fail on demand (an offload aborted, a restore cut short halfway and fenced). Every step
 still checks that each sequence reads back exactly its own tokens, the invariants (the tier's included), and that an
 event consumer's index equals what the two tiers hold."""
 
@@ -34,11 +35,15 @@ class TieredMachine(ManagerMachine):
         self.host = np.full((TIER_SLOTS, BLOCK_SIZE), -1, dtype=np.int64)  # the tier's memory: tags
         self.host_model: dict[int, int] = {}  # slot -> the model block whose content it holds
         self.fail_next = False
+        self.writebacks: list[np.ndarray] = []  # planned write-backs whose copy has not run yet (in flight)
 
     # The service's part (service/tier_copies.py): offloads before anything writes into the evicted blocks.
     def flush(self) -> None:
         tier = self.manager.host_tier
         assert tier is not None
+        if tier.must_wait:  # an evicted block's write-back must be copied before anything writes into it
+            self.finish_writebacks()
+            tier.must_wait = False
         pairs = tier.take_staged()
         if not len(pairs):
             return
@@ -56,6 +61,35 @@ class TieredMachine(ManagerMachine):
     def execute(self, plan) -> None:
         self.flush()
         super().execute(plan)
+
+    def finish_writebacks(self) -> None:
+        """The in-flight write-backs' copies run now (the copy engine reads the blocks as they are now)."""
+        tier = self.manager.host_tier
+        assert tier is not None
+        for pairs in self.writebacks:
+            ok = not self.fail_next
+            self.fail_next = False
+            for block, slot in (pairs if ok else pairs[: len(pairs) // 2]).tolist():
+                self.host[slot] = self.memory[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
+                self.host_model[slot] = self.model_block[block]
+            tier.finish_writeback(pairs, ok)
+        self.writebacks = []
+
+    @rule(max_blocks=st.integers(1, 4))
+    def start_writeback(self, max_blocks):
+        """The background write-back plans a batch; its copy runs later (``complete_writebacks``, or an eviction's
+        wait)."""
+        tier = self.manager.host_tier
+        assert tier is not None
+        if not self.writebacks:
+            cache = self.manager.allocator.cache
+            pairs = tier.plan_writeback(cache.evictable, cache.entries, max_blocks)
+            if len(pairs):
+                self.writebacks.append(pairs)
+
+    @rule()
+    def complete_writebacks(self):
+        self.finish_writebacks()
 
     @rule()
     def fail_the_next_copy(self):

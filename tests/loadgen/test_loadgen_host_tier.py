@@ -52,5 +52,6 @@ def test_injected_copy_failures_never_serve_wrong_kv(tmp_path) -> None:
     core_tier = handle.service.guard.manager.host_tier
     assert core_tier is not None
     print("prefix:", prefix, "offloads failed:", core_tier.num_offload_failed,
-          "restores failed:", core_tier.num_restore_failed, "restored:", core_tier.num_restored)
+          "restores failed:", core_tier.num_restore_failed, "restored:", core_tier.num_restored,
+          "written back ahead:", core_tier.num_written_back)
     assert core_tier.num_offload_failed > 0 and core_tier.num_restore_failed > 0 and core_tier.num_restored > 0

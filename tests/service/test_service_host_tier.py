@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvpool_server.config import ServerConfig
+from kvpool_server.device.tier_pool import CopyTicket, TierPool
 from kvpool_server.service.build import build_service
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
@@ -24,7 +25,9 @@ def prompt_of(i: int) -> list[int]:
 
 
 def make(tier_blocks: int) -> tuple[KVPoolService, CallScope]:
-    config = ServerConfig(backend="host", num_blocks=NUM_BLOCKS, host_tier_bytes=tier_blocks * BLOCK_SIZE * TOKEN_BYTES)
+    """A service whose tier offloads on eviction only (no write-back thread: the tests drive write-backs)."""
+    config = ServerConfig(backend="host", num_blocks=NUM_BLOCKS, host_tier_bytes=tier_blocks * BLOCK_SIZE * TOKEN_BYTES,
+                          host_tier_writeback_blocks=0)
     svc, admission = build_service(config)
     if svc.tier is not None:
         assert svc.tier.memory.wait_ready(30)
@@ -138,3 +141,51 @@ def test_the_hit_rate_is_higher_with_the_tier() -> None:
 def scope_call(scope: CallScope):  # type: ignore[no-untyped-def]
     with scope.call("Stats") as call:
         return call
+
+
+class InFlight(CopyTicket):
+    """A write-back still in flight: its copy happens only when it is waited for (as a copy engine that has not
+    read the block yet), so a block written before the wait would be copied with the wrong bytes."""
+
+    def __init__(self, memory: TierPool, pairs: np.ndarray) -> None:
+        super().__init__()
+        self.memory, self.pairs, self.ran = memory, pairs, False
+
+    def done(self) -> bool:
+        return self.ran
+
+    def wait(self) -> bool:
+        if not self.ran:
+            self.memory.offload_blocks(self.pairs)
+            self.ran = True
+        return True
+
+
+def test_a_write_back_makes_eviction_free_and_an_eviction_waits_for_one_in_flight(tiered) -> None:
+    svc, scope = tiered
+    assert svc.tier is not None
+    tier, full = svc.tier.tier, PROMPT_BLOCKS * BLOCK_SIZE
+    seq, _ = prefill(svc, scope, prompt_of(0), tag=0)
+    first_kv = read(svc, scope, seq, full)
+    free(svc, scope, seq)
+    assert svc.tier.writeback_once(svc.guard.lock, 64) == PROMPT_BLOCKS  # written back ahead, still in the pool
+    assert tier.num_written_back == PROMPT_BLOCKS and svc.guard.manager.allocator.cache.num_evictable == PROMPT_BLOCKS
+    seq, _ = prefill(svc, scope, prompt_of(1), tag=1)
+    free(svc, scope, seq)
+    with svc.guard.lock:  # prompt 1's blocks: a write-back queued but not copied yet
+        cache = svc.guard.manager.allocator.cache
+        pairs = tier.plan_writeback(cache.evictable, cache.entries, 64)
+        assert len(pairs) == PROMPT_BLOCKS
+        svc.tier.writebacks.append((InFlight(svc.tier.memory, pairs), pairs))
+    offloads_before = tier.num_offloaded
+    evict_everything(svc, scope, first=2)  # evicts prompts 0 and 1: no copy for 0, a wait for 1's write-back
+    with svc.guard.lock:
+        svc.tier.finish_writebacks(wait=True)  # what the write-back thread does next (nothing left, if it waited)
+    assert tier.num_offloaded > offloads_before
+    for i, tag in ((0, 0), (1, 1)):
+        seq, cached = prefill(svc, scope, prompt_of(i), tag=99)
+        assert cached == full
+        expected = first_kv if i == 0 else token_kv(tag, range(full)).tobytes()
+        assert read(svc, scope, seq, full) == expected
+        free(svc, scope, seq)
+    check(svc)

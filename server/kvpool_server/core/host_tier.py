@@ -6,8 +6,9 @@ Pure bookkeeping, as ``PrefixCache`` is: it names host slots (block-sized rows o
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from array import array
+from collections import OrderedDict
+from itertools import islice
 
 import numpy as np
 
@@ -30,6 +31,12 @@ class HostTier:
     matchable) or ``abort`` (it failed: the slot is free again, the content lost). A slot is matchable only once
     committed: no request is ever served from a slot whose bytes are not all there.
 
+    Write-back (``plan_writeback``, from the service's background thread): the pool's evictable blocks next in
+    line are copied ahead, off any call's path, and committed when the copy completed (``finish_writeback``); an
+    eviction then finds their hash in the tier and costs no copy. A block being written back stays evictable: if
+    an allocation evicts it, ``spill`` sets ``must_wait`` and the service waits for that copy before anything
+    writes into the block.
+
     A restore (``tier_restore.stage``) ``pin``-s the committed slots it reads (off the LRU, so the evictions its
     own allocation causes cannot take them), and ``unpin``-s them after the copy; a failed restore ``fence``-s
     them (dropped: their content is not trusted any more).
@@ -48,7 +55,9 @@ class HostTier:
         committed (``slot_of_hash``); ``entries`` holds the pending and committed slots' content;
       - a hash is in at most one slot (committed or pending), and every entry's hash matches its content chain;
       - ``lru`` and ``pinned`` split the committed slots (disjoint);
-      - ``staged`` is empty between calls (the service runs every offload before the call returns).
+      - ``staged`` is empty between calls (the service runs every offload before the call returns), and so is
+        ``must_wait``; between calls the pending slots are exactly the in-flight write-backs' (``inflight``), each
+        of a block still cached in the pool under its slot's hash (an eviction of one waits for its copy).
     """
 
     def __init__(self, num_slots: int, num_ready: int | None = None) -> None:
@@ -64,6 +73,9 @@ class HostTier:
         self.lru: OrderedDict[int, None] = OrderedDict()  # committed, unpinned slots, oldest first
         self.pinned: set[int] = set()  # committed slots a restore reads
         self.staged: list[tuple[int, int]] = []  # (pool block, host slot) offloads to run
+        self.inflight: dict[int, int] = {}  # pool block -> host slot: a write-back copying it (the slot pending)
+        self.must_wait: bool = False  # a block of an in-flight write-back was evicted: wait for it before writing
+        self.num_written_back: int = 0
         self.gpu_index: dict[bytes, int] = {}  # the pool's prefix cache's block_of_hash (PrefixCache.attach_tier)
         self.events: list | None = None  # the cache's pending event list, when a KVEventLog is attached
         self.num_offloaded: int = 0  # committed offloads
@@ -89,18 +101,22 @@ class HostTier:
         does not hold. Returns the hashes that no tier keeps (those the tier had no slot for)."""
         gone: list[bytes] = []
         dropped: list[bytes] = []
+        for entry in entries:  # the tier's slots of this batch's hashes are dropped last (their content is here)
+            slot = self.slot_of_hash.get(entry.block_hash)
+            if slot is not None and slot in self.lru:
+                self.lru.move_to_end(slot)
         for block_id, entry in zip(block_ids, entries):
             h = entry.block_hash
-            slot = self.slot_of_hash.get(h)
-            if slot is not None:
-                if slot in self.lru:
-                    self.lru.move_to_end(slot)
+            if h in self.slot_of_hash:
                 continue
             if h in self.pending_hashes:
+                if block_id in self.inflight:  # its write-back reads it: it must complete before anyone writes
+                    self.must_wait = True
                 continue
             slot = self._take_slot(dropped)
             if slot is None:
-                gone.append(h)
+                if h not in dropped:  # a slot of it dropped above (the pool evicts it in this batch too) said it
+                    gone.append(h)
                 continue
             self.entries[slot] = entry
             self.pending_hashes[h] = slot
@@ -157,6 +173,46 @@ class HostTier:
             self.events.append(BlockRemoved(tuple(gone)))
         self.num_offload_failed += len(slots)
 
+    # ------------------------------------------------------------------ write-back
+    def plan_writeback(self, evictable: OrderedDict[int, None], entries: dict[int, CachedBlock],
+                       max_blocks: int) -> np.ndarray:
+        """Copy ahead (off any call's path): up to ``max_blocks`` of the pool's evictable blocks next in line for
+        eviction (the LRU's oldest, scanning at most ``8 * max_blocks``) whose hash no slot holds get a slot (free,
+        else the host LRU's oldest). They stay in the pool, matchable and evictable; ``inflight`` says a copy reads
+        them, so that an eviction of one makes the service wait for it (``must_wait``) before anything writes into
+        it. Returns the pairs (pool block, host slot) to copy; ``finish_writeback`` settles them."""
+        pairs: list[tuple[int, int]] = []
+        dropped: list[bytes] = []
+        for block_id in islice(evictable, 8 * max_blocks):
+            if len(pairs) >= max_blocks:
+                break
+            entry = entries[block_id]
+            h = entry.block_hash
+            if block_id in self.inflight or h in self.slot_of_hash or h in self.pending_hashes:
+                continue
+            slot = self._take_slot(dropped)
+            if slot is None:
+                break
+            self.entries[slot] = entry
+            self.pending_hashes[h] = slot
+            self.inflight[block_id] = slot
+            pairs.append((block_id, slot))
+        if dropped and self.events is not None:
+            self.events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
+        return np.array(pairs, dtype=np.int32).reshape(-1, 2)
+
+    def finish_writeback(self, pairs: np.ndarray, ok: bool) -> None:
+        """The write-back of ``pairs`` completed (``ok``: its slots are committed) or failed (aborted)."""
+        slots = []
+        for block_id, slot in pairs.tolist():
+            del self.inflight[block_id]
+            slots.append(slot)
+        if ok:
+            self.commit(slots)
+            self.num_written_back += len(slots)
+        else:
+            self.abort(slots)
+
     # ------------------------------------------------------------------ restore
     def pin(self, slots: list[int]) -> None:
         """Committed ``slots`` a restore reads: off the LRU until ``unpin``."""
@@ -207,8 +263,13 @@ class HostTier:
                 raise InvariantViolationError(f"host slot {slot}'s hash does not match its content chain")
         if set(self.lru) & self.pinned or set(self.lru) | self.pinned != committed:
             raise InvariantViolationError("the host LRU and the pinned slots do not split the committed slots")
-        if self.staged:
-            raise InvariantViolationError(f"{len(self.staged)} offloads are staged between calls")
+        if self.staged or self.must_wait:
+            raise InvariantViolationError(f"{len(self.staged)} offloads are staged between calls (or one is waited for)")
+        if set(self.inflight.values()) != pending:
+            raise InvariantViolationError("between calls, the pending slots are not exactly the in-flight write-backs'")
+        for block_id, slot in self.inflight.items():
+            if self.gpu_index.get(self.entries[slot].block_hash) != block_id:
+                raise InvariantViolationError(f"in-flight write-back of block {block_id} no longer cached in the pool")
 
 
 def host_stored(entry: CachedBlock) -> BlockStored:

@@ -47,6 +47,20 @@ class InjectedCopyError(OSError):
     """A copy failure made by the test hook ``TierPool.inject_failures``."""
 
 
+class CopyTicket:
+    """A copy started by ``TierPool.start_offload``: ``wait()`` returns True once it completed, False if it failed
+    (then none of its pairs may be trusted)."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.ok = ok
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return self.ok
+
+
 class TierPool:
     """``num_slots`` host rows of ``block_bytes`` beside ``pool``, allocated in chunks of ``chunk_slots`` rows.
 
@@ -126,6 +140,23 @@ class TierPool:
             self.bytes_offloaded += len(pairs) * self.slot_bytes
         return len(pairs)
 
+    def start_offload(self, pairs: Any) -> CopyTicket:
+        """Start copying pool blocks into host slots (a write-back, off the core's lock); the ticket says when it
+        completed. The host backend copies at once; the GPU queues the copies on the D2H stream."""
+        pairs = self._checked(pairs, block_col=0)
+        with self._lock:
+            self._check_open()
+            self.bytes_offloaded += len(pairs) * self.slot_bytes
+            return self._start(pairs)
+
+    def _start(self, pairs: np.ndarray) -> CopyTicket:
+        try:
+            self._copy(pairs, to_host=True)
+        except Exception:
+            logger.exception("host tier: a write-back of %d blocks failed", len(pairs))
+            return CopyTicket(ok=False)
+        return CopyTicket()
+
     def restore_blocks(self, pairs: Any) -> int:
         """Copy host slots into pool blocks, ``pairs`` int32 [n, 2] (host slot, pool block); done when it returns."""
         pairs = self._checked(pairs, block_col=1)
@@ -137,15 +168,24 @@ class TierPool:
 
     def _copy(self, pairs: np.ndarray, to_host: bool) -> None:
         """``pairs`` as (pool block, host slot), either direction; the hook cuts it short."""
+        if self._should_fail(to_host):
+            self._fail_halfway(pairs, to_host)
+        self._move(pairs, to_host)
+
+    def _should_fail(self, to_host: bool) -> bool:
+        """The test hook's verdict on the next copy in this direction (counts it)."""
         self._num_copies += 1
         every = self._fail_every
         if self._failures[to_host] or (every and self._num_copies % every == 0):
             self._failures[to_host] = max(0, self._failures[to_host] - 1)
-            half = pairs[: len(pairs) // 2]
-            if len(half):
-                self._move(half, to_host)
-            raise InjectedCopyError(f"injected failure of a host-tier copy of {len(pairs)} blocks")
-        self._move(pairs, to_host)
+            return True
+        return False
+
+    def _fail_halfway(self, pairs: np.ndarray, to_host: bool) -> None:
+        half = pairs[: len(pairs) // 2]
+        if len(half):
+            self._move(half, to_host)
+        raise InjectedCopyError(f"injected failure of a host-tier copy of {len(pairs)} blocks")
 
     def slot_rows(self, slots: np.ndarray) -> list[tuple[Any, np.ndarray, np.ndarray]]:
         """The slots grouped by chunk: (chunk, positions in ``slots``, rows in the chunk)."""
@@ -168,6 +208,10 @@ class TierPool:
         if slots.min() < 0 or slots.max() >= self.ready_slots:
             raise ValueError(f"pairs name host slots outside the {self.ready_slots} ready ones")
         return np.ascontiguousarray(arr, dtype=np.int64)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     def _check_open(self) -> None:
         if self._closed.is_set():

@@ -62,6 +62,8 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         if tier is not None:
             with guard.lock:
                 tier.make_ready(tier.memory.ready_slots)  # chunks made before the guard was there
+            if config.host_tier_writeback_blocks:
+                tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
         sessions_service = SessionService(guard, metrics, on_drain, max_sessions=config.max_sessions,
                                           max_message_bytes=config.max_message_bytes)
         service = KVPoolService(

@@ -11,21 +11,29 @@ The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
   short) fences its slots and leaves the fresh blocks free: the register that follows finds a miss there.
 - a restore's own allocation may evict: those offloads run first (they read the blocks the restore then writes).
 
-The lock is held across the copies (each completes before its call returns): correctness first. With 2 MiB blocks
-an offload of one block costs ~50 us at host-link speed; moving offloads to a background committer (commit on the
-copy's event, the evicted block pinned until then) is the next step.
+Write-back (``start_writeback``, ``--host-tier-writeback-blocks``): a background thread copies the pool's
+evictable blocks next in line into the tier ahead of need, at most that many blocks a batch, one batch in flight:
+under the lock it plans (``HostTier.plan_writeback``) and queues the copy; it waits for the copy *outside* the
+lock; under the lock again it commits. An allocation then evicts blocks whose content the tier already holds, and
+its call copies nothing. If a call evicts a block whose write-back is still in flight, ``flush`` waits for that
+copy (under the lock: rare, the allocation overtook the write-back) before anything writes into the block. The
+events of a write-back (BlockStored "CPU", a BlockRemoved of a dropped slot) are published with the next call's
+batch. Offloads a call must make itself (no write-back got there first) hold the lock across their copy: with
+2 MiB blocks ~50 us a block at host-link speed.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from kvpool_server.core import KVCacheManager
 from kvpool_server.core.host_tier import HostTier
-from kvpool_server.device.tier_pool import TierPool
+from kvpool_server.device.tier_pool import CopyTicket, TierPool
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +46,17 @@ class TierCopies:
         self.manager = manager
         self.tier: HostTier = manager.host_tier
         self.memory = memory
+        self.writebacks: list[tuple[CopyTicket, np.ndarray]] = []  # in flight (at most one batch), under the lock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def flush(self) -> None:
-        """Run the staged offloads; commit them when they completed, abort them when the copy raised."""
+        """Run the staged offloads; commit them when they completed, abort them when the copy raised. First, if
+        the call evicted a block a write-back is copying, wait for that copy."""
         tier = self.tier
+        if tier.must_wait:
+            self.finish_writebacks(wait=True)
+            tier.must_wait = False
         if not tier.staged:
             return
         pairs = tier.take_staged()
@@ -70,6 +85,61 @@ class TierCopies:
             return 0
         self.manager.finish_restore(staged, ok=True)
         return len(staged.pairs)
+
+    # ------------------------------------------------------------------ write-back
+    def start_writeback(self, lock: AbstractContextManager, max_blocks: int, idle_s: float = 0.02) -> None:
+        """Start the background write-back thread (``lock``: the guard's; ``max_blocks`` a batch)."""
+        self._thread = threading.Thread(target=self._writeback_loop, args=(lock, max_blocks, idle_s),
+                                        name="kvpool-tier-writeback", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def writeback_once(self, lock: AbstractContextManager, max_blocks: int) -> int:
+        """One write-back batch: plan and queue it under ``lock``, wait for it outside, commit it under ``lock``.
+        Returns its blocks (0: nothing to write back)."""
+        with lock:
+            self.finish_writebacks(wait=False)
+            if self.writebacks or self.memory.closed:
+                return 0
+            pairs = self.tier.plan_writeback(self.manager.allocator.cache.evictable,
+                                             self.manager.allocator.cache.entries, max_blocks)
+            if not len(pairs):
+                return 0
+            try:
+                ticket = self.memory.start_offload(pairs)
+            except Exception as exc:  # closed, or the copy could not be queued
+                logger.warning("host tier: a write-back of %d blocks could not start (%s)", len(pairs), exc)
+                self.tier.finish_writeback(pairs, ok=False)
+                return 0
+            self.writebacks.append((ticket, pairs))
+        ticket.wait()  # outside the lock: calls go on while the copy engines work
+        with lock:
+            self.finish_writebacks(wait=False)
+        return len(pairs)
+
+    def finish_writebacks(self, wait: bool) -> None:
+        """Settle the write-backs that completed (all of them, waiting, with ``wait``); under the lock."""
+        for ticket, pairs in list(self.writebacks):
+            if wait or ticket.done():
+                ok = ticket.wait()
+                if not ok:
+                    logger.warning("host tier: a write-back of %d blocks failed: they are not kept", len(pairs))
+                self.tier.finish_writeback(pairs, ok)
+                self.writebacks.remove((ticket, pairs))
+
+    def _writeback_loop(self, lock: AbstractContextManager, max_blocks: int, idle_s: float) -> None:
+        while not self._stop.is_set() and not self.memory.closed:
+            try:
+                moved = self.writeback_once(lock, max_blocks)
+            except Exception:
+                logger.exception("host tier: the write-back thread failed; it stops")
+                return
+            if not moved:
+                self._stop.wait(idle_s)
 
     def make_ready(self, num_ready: int) -> None:
         """More of the tier's memory is there (called under the guard's lock)."""
