@@ -196,6 +196,9 @@ class ServerConfig:
             raise ConfigError(f"give one of {', '.join(sizings)}, not several")
         if self.layout.token_bytes > self.max_message_bytes // 2:
             raise ConfigError(f"one token's KV ({self.layout.token_bytes} bytes) does not fit --max-message-bytes")
+        if 0 < self.host_tier_bytes < self.layout.block_bytes:
+            raise ConfigError(f"--host-tier-bytes {self.host_tier_bytes} is less than one block "
+                              f"({self.layout.block_bytes} bytes): give 0 (no host tier) or at least a block")
         self.cpu_set()  # raises ConfigError on a bad list
         try:
             check_transport(self)

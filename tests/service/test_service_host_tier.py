@@ -4,6 +4,7 @@ restore, cut short halfway) fall back to a miss and never serve wrong KV; the hi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -189,3 +190,21 @@ def test_a_write_back_makes_eviction_free_and_an_eviction_waits_for_one_in_fligh
         assert read(svc, scope, seq, full) == expected
         free(svc, scope, seq)
     check(svc)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"host_tier_bytes": 100}, "--host-tier-bytes 100 is less than one block (8192 bytes)"),
+    ({"host_tier_bytes": -1}, "--host-tier-bytes must be >= 0"),
+    ({"host_tier_writeback_blocks": -1}, "--host-tier-writeback-blocks must be >= 0"),
+])
+def test_the_tier_settings_are_checked(changes: dict, message: str) -> None:
+    from kvpool_server.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ServerConfig(**changes).validate()
+
+
+def test_stats_say_how_much_of_the_tier_is_ready(tiered) -> None:
+    svc, scope = tiered
+    stats, _ = svc.stats(scope_call(scope))
+    assert stats.host_tier_blocks_total == stats.host_tier_blocks_ready == 64 and stats.host_tier_blocks_cached == 0

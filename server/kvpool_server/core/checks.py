@@ -184,6 +184,7 @@ def stats(manager: KVCacheManager) -> PoolStats:
         prefix_query_tokens=manager.prefix_query_tokens,
         prefix_hit_tokens=manager.prefix_hit_tokens,
         host_tier_blocks_total=tier.num_slots if tier is not None else 0,
+        host_tier_blocks_ready=tier.num_ready if tier is not None else 0,
         host_tier_blocks_cached=tier.num_committed if tier is not None else 0,
         prefix_host_hit_tokens=manager.prefix_host_hit_tokens,
     )

@@ -13,7 +13,7 @@ from itertools import islice
 import numpy as np
 
 from kvpool_server.core.block_hash import NONE_HASH, block_hash
-from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
 
 HOST_MEDIUM = "CPU"  # the events' medium of the host tier
@@ -62,7 +62,7 @@ class HostTier:
 
     def __init__(self, num_slots: int, num_ready: int | None = None) -> None:
         if num_slots < 1:
-            raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
+            raise InvalidArgumentError(f"the host tier needs at least one block, got {num_slots}")
         self.num_slots: int = num_slots
         self.num_ready: int = 0  # slots whose memory is there (the tier is allocated in the background)
         self.free: list[int] = []  # a stack: the lowest slot on top

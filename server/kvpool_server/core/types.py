@@ -60,6 +60,7 @@ class PoolStats:
     prefix_query_tokens: int = 0  # prompt tokens registered with their ids since start
     prefix_hit_tokens: int = 0  # of those, tokens found cached (the frontend skips computing them)
     host_tier_blocks_total: int = 0  # the host tier's slots (0: no tier)
+    host_tier_blocks_ready: int = 0  # of those, allocated (pinned) so far: the tier is allocated in the background
     host_tier_blocks_cached: int = 0  # of those, holding a matchable block
     prefix_host_hit_tokens: int = 0  # of the hit tokens, those restored from the host tier
 
