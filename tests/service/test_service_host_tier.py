@@ -208,3 +208,17 @@ def test_stats_say_how_much_of_the_tier_is_ready(tiered) -> None:
     svc, scope = tiered
     stats, _ = svc.stats(scope_call(scope))
     assert stats.host_tier_blocks_total == stats.host_tier_blocks_ready == 64 and stats.host_tier_blocks_cached == 0
+
+
+def test_the_wire_carries_the_tiers_medium() -> None:
+    """A GPU pool's events say "GPU"; the host tier's say "CPU" (on the host backend both are "CPU")."""
+    from array import array
+
+    from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored
+    from kvpool_server.core.kv_events import EventBatch
+    from kvpool_server.grpc_api.messages import batch_message
+
+    events = (BlockStored((b"h" * 32,), None, array("I", [1] * 16), 16), BlockStored((b"c" * 32,), None,
+              array("I", [2] * 16), 16, b"", "CPU"), BlockRemoved((b"h" * 32,)), BlockRemoved((b"c" * 32,), "CPU"))
+    message = batch_message(EventBatch(1, 1, events), 0, medium="GPU")
+    assert [e.block_stored.medium or e.block_removed.medium for e in message.events] == ["GPU", "CPU", "GPU", "CPU"]
