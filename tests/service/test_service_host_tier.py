@@ -25,12 +25,12 @@ def prompt_of(i: int) -> list[int]:
     return [(1000 * i + t) % 50_000 for t in range(PROMPT_BLOCKS * BLOCK_SIZE + 5)]
 
 
-def make(tier_blocks: int) -> tuple[KVPoolService, CallScope]:
+def make(tier_blocks: int, wait: bool = True) -> tuple[KVPoolService, CallScope]:
     """A service whose tier offloads on eviction only (no write-back thread: the tests drive write-backs)."""
     config = ServerConfig(backend="host", num_blocks=NUM_BLOCKS, host_tier_bytes=tier_blocks * BLOCK_SIZE * TOKEN_BYTES,
                           host_tier_writeback_blocks=0)
     svc, admission = build_service(config)
-    if svc.tier is not None:
+    if svc.tier is not None and wait:
         assert svc.tier.memory.wait_ready(30)
     return svc, CallScope(admission, None, None)
 
@@ -222,3 +222,36 @@ def test_the_wire_carries_the_tiers_medium() -> None:
               array("I", [2] * 16), 16, b"", "CPU"), BlockRemoved((b"h" * 32,)), BlockRemoved((b"c" * 32,), "CPU"))
     message = batch_message(EventBatch(1, 1, events), 0, medium="GPU")
     assert [e.block_stored.medium or e.block_removed.medium for e in message.events] == ["GPU", "CPU", "GPU", "CPU"]
+
+
+def test_the_pool_serves_while_the_tier_is_being_allocated(monkeypatch) -> None:
+    """The tier's memory comes chunk by chunk from a background thread: calls are served before any of it is
+    there (evictions then simply forget), and the slots join as their chunk arrives."""
+    import threading
+
+    from kvpool_server.device.tier_pool import HostTierPool
+
+    gate = threading.Event()
+    allocate = HostTierPool._allocate_chunk
+
+    def slow_chunk(self: HostTierPool, nbytes: int) -> np.ndarray:
+        assert gate.wait(30)
+        return allocate(self, nbytes)
+
+    monkeypatch.setattr(HostTierPool, "_allocate_chunk", slow_chunk)
+    svc, scope = make(64, wait=False)  # the gate is shut: no chunk yet
+    try:
+        assert svc.tier is not None and svc.tier.memory.ready_slots == 0
+        evict_everything(svc, scope, first=0)  # served, evicting, with no slot ready
+        stats, _ = svc.stats(scope_call(scope))
+        assert stats.host_tier_blocks_ready == 0 and stats.host_tier_blocks_cached == 0
+        check(svc)
+        gate.set()
+        assert svc.tier.memory.wait_ready(30)
+        evict_everything(svc, scope, first=10)
+        stats, _ = svc.stats(scope_call(scope))
+        assert stats.host_tier_blocks_ready == 64 and stats.host_tier_blocks_cached > 0
+        check(svc)
+    finally:
+        gate.set()
+        svc.guard.pool.close()

@@ -7,8 +7,8 @@
 A host slot holds one block whole: its ``2L`` segments (layer, K/V) one after another, ``block_bytes`` in all,
 whatever the pool's order -- one contiguous row per block, so a run of blocks of a block-major pool is one copy.
 
-Serving starts at once: the memory is allocated ``chunk_bytes`` at a time by a background thread (pinning 64 GiB
-takes tens of seconds); ``ready_slots`` grows chunk by chunk and ``on_ready(ready_slots)`` is called after each
+Serving starts at once: the memory is allocated ``chunk_bytes`` (256 MiB) at a time by a background thread
+(pinning 64 GiB takes tens of seconds); ``ready_slots`` grows chunk by chunk and ``on_ready(ready_slots)`` is called after each
 (the service hands the new slots to the core's ``HostTier``). A slot is used only once its chunk is there.
 
 Two backends, one logic: ``HostTierPool`` (NumPy copies from a ``HostPool``; what CI runs) and ``GpuTierPool``
@@ -29,7 +29,9 @@ import numpy as np
 from kvpool_server.device.pool import KVPool
 
 logger = logging.getLogger(__name__)
-DEFAULT_CHUNK_BYTES = 1 << 30  # the host tier is allocated (pinned) this much at a time
+# The host tier is allocated (pinned) this much at a time, by a background thread: whatever one allocation stalls
+# (cudaHostAlloc of 256 MiB: tens of ms) is bounded by it; a run of copies never crosses a chunk (128 2-MiB blocks).
+DEFAULT_CHUNK_BYTES = 256 << 20
 
 
 def copy_runs(blocks: np.ndarray, slots: np.ndarray, chunk_slots: int) -> list[tuple[int, int, int]]:
@@ -241,7 +243,7 @@ class HostTierPool(TierPool):
     backend = "host"
 
     def _allocate_chunk(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes, dtype=np.uint8)  # zeros: the pages are touched now, not on the first offload
+        return np.zeros(nbytes, dtype=np.uint8)  # calloc: the pages come on first use
 
     def _move(self, pairs: np.ndarray, to_host: bool) -> None:
         # One slice assignment per run (no temporary, unlike a fancy-indexed gather), as the GPU backend copies.
