@@ -187,4 +187,7 @@ def stats(manager: KVCacheManager) -> PoolStats:
         host_tier_blocks_ready=tier.num_ready if tier is not None else 0,
         host_tier_blocks_cached=tier.num_committed if tier is not None else 0,
         prefix_host_hit_tokens=manager.prefix_host_hit_tokens,
+        host_tier_blocks_offloaded=tier.num_offloaded if tier is not None else 0,
+        host_tier_blocks_restored=tier.num_restored if tier is not None else 0,
+        host_tier_copy_failures=tier.num_offload_failed + tier.num_restore_failed if tier is not None else 0,
     )
