@@ -63,9 +63,10 @@ if [ "$only" = prefix ]; then  # issue 13: prefix caching on GPU memory, KV even
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = tier ]; then  # issue 23: the prefix cache's host tier (pinned host memory) on the H200
-    step "GPU tests of the host tier (GpuTierPool round trips, both orders, across chunks; failure hook)" \
-        bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs \
-            tests/device/test_tier_pool.py 2>&1 | tee $OUT/tier_tests.log"
+    step "GPU tests of the host tier (GpuTierPool round trips, write-back tickets, failure hook; the service's and the
+          loadgen's tier tests over a GPU pool: restores read back the same KV, failed copies are misses)" \
+        bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs -s \
+            tests/device/test_tier_pool.py tests/service/test_service_host_tier.py tests/loadgen/test_loadgen_host_tier.py 2>&1 | tee $OUT/tier_tests.log"
     step "offload / restore GB/s against a plain pinned memcpy, Llama-3-8B layout (2 MiB blocks), + hit rates" \
         bash -c "set -o pipefail; timeout ${T_BENCH:-300} python3 benchmarks/bench_tier.py --backend gpu 2>&1 | tee $OUT/bench_tier.log"
     tier_loadgen() {  # name, server args: a GPU server (8 MiB pool: 1,024 blocks of 16 tokens), loadgen over CUDA IPC,

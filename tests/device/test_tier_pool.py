@@ -67,3 +67,21 @@ def test_an_injected_failure_moves_part_then_raises_and_bad_pairs_are_refused(ba
                 tier.offload_blocks(np.array(bad))
     with pytest.raises(RuntimeError):
         tier.offload_blocks(pairs)  # closed with the pool
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_write_back_completes_by_its_ticket(backend: str) -> None:
+    rng = np.random.default_rng(5)
+    with create_pool(LAYOUT, backend=backend, num_blocks=NUM_BLOCKS) as pool:
+        fill_random(pool, rng)
+        tier = create_tier_pool(pool, NUM_SLOTS)
+        assert tier.wait_ready(30)
+        src, slots = np.arange(0, 20, 2), np.arange(10)
+        before = block_bytes(pool, src)
+        ticket = tier.start_offload(np.stack([src, slots], axis=1).astype(np.int32))
+        assert ticket.wait() and ticket.done()
+        pool.zero_blocks(src)
+        tier.restore_blocks(np.stack([slots, src], axis=1).astype(np.int32))
+        assert block_bytes(pool, src) == before
+        tier.inject_failures(1, restores=False)
+        assert not tier.start_offload(np.stack([src, slots], axis=1).astype(np.int32)).wait()

@@ -5,13 +5,17 @@ halfway) cost hits, never correctness."""
 
 from __future__ import annotations
 
+import os
+
 from kvpool_server.config import ServerConfig
 from kvpool_server.grpc_api.server import build_server
 
 from .test_loadgen_e2e import loadgen
 
 # 128 B blocks (head_dim 1, float32, 16 tokens); 16 prompts of 160 shared tokens = 160 blocks, twice the pool
-POOL = ("--backend", "host", "--head-dim", "1", "--block-size", "16", "--num-blocks", "80")
+# KVPOOL_TEST_BACKEND=gpu (scripts/gpu_check.sh tier): a GPU pool, its tier pinned, the loadgen attached by CUDA IPC
+BACKEND = "gpu" if os.environ.get("KVPOOL_TEST_BACKEND") == "gpu" else "host"
+POOL = ("--backend", BACKEND, "--head-dim", "1", "--block-size", "16", "--num-blocks", "80")
 WORKLOAD = ("--workload", "shared-prefix", "--num-prompts", "16", "--shared-tokens", "160", "--unique-tokens", "16",
             "--processes", "2", "--concurrency", "2", "--completions", "96", "--max-len", "40", "--seed", "3",
             "--verify", "both")
@@ -37,7 +41,7 @@ def test_the_tier_raises_the_hit_rate_and_the_kv_checks_pass(server_factory, tmp
 
 def test_injected_copy_failures_never_serve_wrong_kv(tmp_path) -> None:
     """In-process, so that the test reaches the tier's failure hook while two loadgen processes run."""
-    config = ServerConfig(address="127.0.0.1:0", backend="host", head_dim=1, block_size=16, num_blocks=80,
+    config = ServerConfig(address="127.0.0.1:0", backend=BACKEND, head_dim=1, block_size=16, num_blocks=80,
                           host_tier_bytes=64 << 10).validate()
     handle = build_server(config)
     handle.start()

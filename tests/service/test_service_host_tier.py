@@ -4,6 +4,7 @@ restore, cut short halfway) fall back to a miss and never serve wrong KV; the hi
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 
@@ -19,6 +20,8 @@ from tests.service.service_helpers import BLOCK_SIZE, TOKEN_BYTES, token_kv
 
 NUM_BLOCKS = 16
 PROMPT_BLOCKS = 3
+# KVPOOL_TEST_BACKEND=gpu (scripts/gpu_check.sh tier): the same tests over a GPU pool and its pinned tier
+BACKEND = "gpu" if os.environ.get("KVPOOL_TEST_BACKEND") == "gpu" else "host"
 
 
 def prompt_of(i: int) -> list[int]:
@@ -27,7 +30,7 @@ def prompt_of(i: int) -> list[int]:
 
 def make(tier_blocks: int, wait: bool = True) -> tuple[KVPoolService, CallScope]:
     """A service whose tier offloads on eviction only (no write-back thread: the tests drive write-backs)."""
-    config = ServerConfig(backend="host", num_blocks=NUM_BLOCKS, host_tier_bytes=tier_blocks * BLOCK_SIZE * TOKEN_BYTES,
+    config = ServerConfig(backend=BACKEND, num_blocks=NUM_BLOCKS, host_tier_bytes=tier_blocks * BLOCK_SIZE * TOKEN_BYTES,
                           host_tier_writeback_blocks=0)
     svc, admission = build_service(config)
     if svc.tier is not None and wait:
@@ -231,14 +234,19 @@ def test_the_pool_serves_while_the_tier_is_being_allocated(monkeypatch) -> None:
 
     from kvpool_server.device.tier_pool import HostTierPool
 
-    gate = threading.Event()
-    allocate = HostTierPool._allocate_chunk
+    backend_class: type[TierPool] = HostTierPool
+    if BACKEND == "gpu":
+        from kvpool_server.device.gpu_tier_pool import GpuTierPool
 
-    def slow_chunk(self: HostTierPool, nbytes: int) -> np.ndarray:
+        backend_class = GpuTierPool
+    gate = threading.Event()
+    allocate = backend_class._allocate_chunk
+
+    def slow_chunk(self: TierPool, nbytes: int) -> np.ndarray:
         assert gate.wait(30)
         return allocate(self, nbytes)
 
-    monkeypatch.setattr(HostTierPool, "_allocate_chunk", slow_chunk)
+    monkeypatch.setattr(backend_class, "_allocate_chunk", slow_chunk)
     svc, scope = make(64, wait=False)  # the gate is shut: no chunk yet
     try:
         assert svc.tier is not None and svc.tier.memory.ready_slots == 0
