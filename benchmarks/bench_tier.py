@@ -13,6 +13,11 @@ same bytes in the same direction (host backend: one NumPy copy), ``ratio`` (ours
 and ``submit us/1k``: the CPU time of the call per 1,000 blocks (``time.thread_time``; on the GPU it includes the
 wait on the completion event). Medians of ``--repeats`` calls.
 
+``append``: the decode step's latency (AppendToken of ``--decode-seqs`` sequences, one token each, in-process
+through the service) while another thread churns prompts with token ids through the same pool, so that cached
+blocks are evicted all the time: with the host tier (offloads and write-backs running flat out) against the same
+churn without it. p50 / p99 of each; the target is p99 with the tier <= 1.1x without.
+
 ``hitrate``: the core alone (no copies): a shared-prefix workload whose prompts need ``--pressure`` times the pool
 (prompts of ``--prompt-blocks`` blocks drawn uniformly from ``--num-prompts``), the token hit rate of a pool of
 that size without a tier, with a tier big enough for every prompt, and of a pool big enough for everything.
@@ -101,6 +106,74 @@ def bench_copies(backend: str, layout: KVLayout, repeats: int) -> None:
                           f"{gbs / base_gbs:>6.2f} {statistics.median(cpus) / n * 1e9:>13.0f}")
 
 
+def append_latency(backend: str, layout: KVLayout, tier_blocks: int, args: argparse.Namespace) -> tuple[float, float, int]:
+    """(p50 us, p99 us, blocks offloaded) of the decode step under churn (see the module docstring)."""
+    import threading
+
+    from kvpool_server.config import ServerConfig
+    from kvpool_server.service.build import build_service
+    from kvpool_server.service.scope import CallScope
+
+    decode_blocks = args.decode_seqs * (args.decode_steps // layout.block_size + 2)
+    config = ServerConfig(backend=backend, num_blocks=decode_blocks + 16 * args.prompt_blocks,
+                          num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                          block_size=layout.block_size, dtype=layout.dtype, kv_layout=layout.kv_layout,
+                          max_seq_len=args.decode_steps + 4 * layout.block_size + args.prompt_blocks * layout.block_size,
+                          host_tier_bytes=tier_blocks * layout.block_bytes, max_message_bytes=256 << 20)
+    svc, admission = build_service(config)
+    scope = CallScope(admission, None, None)
+    try:
+        if svc.tier is not None:
+            assert svc.tier.memory.wait_ready(600)
+        ids = []
+        for _ in range(args.decode_seqs):
+            with scope.call("RegisterSequence") as call:
+                ids.append(svc.register(call).seq_id)
+        stop = threading.Event()
+
+        def churn() -> None:
+            bs, n = layout.block_size, 0
+            while not stop.is_set():
+                prompt = [(n * 7919 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
+                n += 1
+                with scope.call("RegisterSequence") as call:
+                    seq, cached = svc.register(call, prompt_token_ids=prompt)
+                with scope.call("AppendToken") as call:
+                    svc.append(call, [seq], [len(prompt) - cached], prompt[cached:])
+                with scope.call("AppendToken") as call:
+                    svc.append(call, [seq], [1], [1])
+                with scope.call("Free") as call:
+                    svc.free(call, [seq])
+
+        churner = threading.Thread(target=churn, daemon=True)
+        churner.start()
+        times = []
+        for _ in range(args.decode_steps):
+            t0 = time.perf_counter()
+            with scope.call("AppendToken") as call:
+                svc.append(call, ids, [1])
+            times.append(time.perf_counter() - t0)
+        stop.set()
+        churner.join()
+        with scope.call("Stats") as call:
+            stats, _ = svc.stats(call)
+        return (float(np.percentile(times, 50)) * 1e6, float(np.percentile(times, 99)) * 1e6,
+                stats.host_tier_blocks_offloaded)
+    finally:
+        svc.guard.pool.close()
+
+
+def bench_append(backend: str, layout: KVLayout, args: argparse.Namespace) -> None:
+    print(f"\n[append under churn] {args.decode_seqs} sequences x {args.decode_steps} steps, {backend} pool, "
+          f"prompts of {args.prompt_blocks} blocks churned beside them")
+    results = {}
+    for name, tier_blocks in (("without the tier", 0), ("with the tier", 64 * args.prompt_blocks)):
+        results[name] = append_latency(backend, layout, tier_blocks, args)
+        p50, p99, offloaded = results[name]
+        print(f"  {name:<17} p50 {p50:8.1f} us   p99 {p99:8.1f} us   blocks offloaded {offloaded}")
+    print(f"  p99 with / without: {results['with the tier'][1] / results['without the tier'][1]:.2f} (target <= 1.1)")
+
+
 def hit_rate(pool_blocks: int, tier_blocks: int, args: argparse.Namespace) -> float:
     bs = 16
     manager = KVCacheManager(pool_blocks, bs, max_seq_len=(args.prompt_blocks + 2) * bs, host_tier_blocks=tier_blocks)
@@ -141,17 +214,21 @@ def bench_hit_rate(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="host", choices=("host", "gpu"))
-    parser.add_argument("--sections", default="copies,hitrate")
+    parser.add_argument("--sections", default="copies,append,hitrate")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-blocks", type=int, default=32)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--pressure", type=float, default=4.0)
+    parser.add_argument("--decode-seqs", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=500)
     args = parser.parse_args()
     layout = LLAMA if args.backend == "gpu" else SMALL
     if "copies" in args.sections:
         for kv_layout in ("block-major", "layer-major"):
             bench_copies(args.backend, dataclasses.replace(layout, kv_layout=kv_layout), args.repeats)
+    if "append" in args.sections:
+        bench_append(args.backend, layout, args)
     if "hitrate" in args.sections:
         bench_hit_rate(args)
 
