@@ -16,6 +16,7 @@ only=${1:-all}  # "device": only the first step (copy kernel); "validate": every
                 # "prefix": issue 13; "layers": issues 19 and 20 (service layer before/after, clearing blocks);
                 # "engine": issue 22 (torch ops, the decode engine on the pool, bench_engine.py)
                 # "tp": issue 26 (tensor-parallel shards: GPU tests, loadgen, decode step, copy bandwidth)
+                # "tier": issue 23 (the host tier: GPU tests, offload/restore vs pinned memcpy, hit rates)
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -61,6 +62,27 @@ if [ "$only" = prefix ]; then  # issue 13: prefix caching on GPU memory, KV even
                 --kinds echo-aio,kvpool,kvpool-stream --before .gpuwork/before --transport unix --pin=6,7 2>&1 | tee $OUT/bench_service_before_after.log"
     fi
     grep -h "token hit rate\|resident copies\|KV verification\|result:\|beam over" $OUT/*_gpu.log
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = tier ]; then  # issue 23: the prefix cache's host tier (pinned host memory) on the H200
+    step "GPU tests of the host tier (GpuTierPool round trips, write-back tickets, failure hook; the service's and the
+          loadgen's tier tests over a GPU pool: restores read back the same KV, failed copies are misses)" \
+        bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs -s \
+            tests/device/test_tier_pool.py tests/service/test_service_host_tier.py tests/loadgen/test_loadgen_host_tier.py 2>&1 | tee $OUT/tier_tests.log"
+    step "offload / restore GB/s against a plain pinned memcpy, Llama-3-8B layout (2 MiB blocks); AppendToken p50/p99 under churn with / without the tier; hit rates" \
+        bash -c "set -o pipefail; timeout ${T_BENCH:-300} python3 benchmarks/bench_tier.py --backend gpu 2>&1 | tee $OUT/bench_tier.log"
+    tier_loadgen() {  # name, server args: a GPU server (8 MiB pool: 1,024 blocks of 16 tokens), loadgen over CUDA IPC,
+                      # KV verified; 32 shared prompts of 2,000 tokens = 4,000 blocks, 4x the pool
+        name=$1; shift; sock=/tmp/kvp-tier-$name.sock; rm -f $sock
+        python3 -m kvpool_server --backend gpu --pool-bytes 8MiB --unix-socket $sock --address "" --log-level WARNING "$@" & spid=$!
+        for _ in $(seq 100); do [ -S $sock ] && break; sleep 0.2; done
+        timeout ${T_LOADGEN:-150} python3 -m kvpool_client.loadgen.main --target unix:$sock --no-progress --json $OUT/$name.json \
+            --workload shared-prefix --num-prompts 32 --shared-tokens 2000 --unique-tokens 100 -p 2 -c 4 -n ${N_SP:-400} 2>&1 | tee $OUT/$name.log
+        rc=$?; kill $spid; wait $spid; return $rc
+    }
+    step "shared prompts 4x the GPU pool, GPU pool only" tier_loadgen tier_off
+    step "the same with a 64 MiB host tier (every prompt fits)" tier_loadgen tier_on --host-tier-bytes 64MiB
+    grep -h "token hit rate\|KV verification" $OUT/tier_off.log $OUT/tier_on.log
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = layers ]; then  # issues 19 + 20: the service layer before/after, clearing blocks, the GPU tests

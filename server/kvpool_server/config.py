@@ -66,6 +66,14 @@ class ServerConfig:
     gpu_memory_fraction: float | None = setting(
         None, "pool size as a fraction of free GPU memory (host backend: of free /dev/shm) (instead of --pool-bytes)",
         min=0, max=1, open_min=True)
+    host_tier_bytes: int = setting(
+        0, "the prefix cache's host tier: evicted cached blocks are kept in this much host memory (pinned with a "
+        "GPU pool, allocated in the background; 0: none) and restored on a prompt's hit (docs/prefix-caching.md)",
+        min=0, size=True)
+    host_tier_writeback_blocks: int = setting(
+        64, "with --host-tier-bytes: a background thread copies up to this many of the pool's next-to-evict "
+        "blocks into the host tier ahead of need, so that allocations rarely copy (0: offload only on eviction)",
+        min=0)
     backend: str = setting("auto", "where the pool lives: auto (GPU if present, else host), gpu, host",
                            choices=BACKENDS)
     # Tensor parallelism (docs/device.md, "A pool for a tensor-parallel group"): N pools split by KV heads.
@@ -289,6 +297,9 @@ class ServerConfig:
             raise ConfigError(f"give one of {', '.join(sizings)}, not several")
         if self.layout.token_bytes > self.max_message_bytes // 2:
             raise ConfigError(f"one token's KV ({self.layout.token_bytes} bytes) does not fit --max-message-bytes")
+        if 0 < self.host_tier_bytes < self.layout.block_bytes:
+            raise ConfigError(f"--host-tier-bytes {self.host_tier_bytes} is less than one block "
+                              f"({self.layout.block_bytes} bytes): give 0 (no host tier) or at least a block")
         self.cpu_set()  # raises ConfigError on a bad list
         self.check_kv_events()
         try:

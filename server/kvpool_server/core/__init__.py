@@ -11,6 +11,7 @@ the floors below take plain arguments (rows, counts, a budget, arrays) and retur
     5  call_args.py        the calls' plain arguments checked (counts, token ids, register's prompt), pure functions
        tenant_ids.py       TenantIds: with tenancy on, each tenant's own id namespace -> row (-> seq_index)
        tenants.py          TenantLedger: tenant of each row, blocks held, quotas -> budgets, public-block references
+       tier_restore.py     stage / finish: a prompt's host-tier blocks brought back into the pool (-> allocator)
        token_chains.py     TokenChains: tracked rows' token ids and hashes; sealing (-> prefix_cache.insert)
        kv_events.py        KVEventLog: the cache's pending events -> numbered batches, bounded in bytes
     4  seq_index.py        SequenceIndex: seq_id -> row, scalar and vectorised
@@ -18,8 +19,11 @@ the floors below take plain arguments (rows, counts, a budget, arrays) and retur
                            taking blocks within the budget it is passed (-> allocator)
        length_lookups.py   LengthLookups: per-length arrays the planners gather through (read by block_tables)
     3  allocator.py        BlockAllocator: free list and reference counts; evicts (-> prefix_cache)
-    2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable LRU; records events into a pending list
-    1  block_hash.py       chain hashes of token blocks (sha256)
+    2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable LRU; records events into a pending list;
+                           evicted blocks spill into the host tier (-> host_tier)
+    1  host_tier.py        HostTier: hash -> host slot, the host LRU, staged offloads (commit / abort), pins
+                           (its checks hash with block_hash)
+       block_hash.py       chain hashes of token blocks (sha256)
     0  types.py            AppendPlan, PoolStats, UNLIMITED (results, immutable)
        kv_event_types.py   BlockStored, BlockRemoved, AllBlocksCleared (records)
        errors.py           the exception tree

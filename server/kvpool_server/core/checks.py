@@ -10,6 +10,7 @@ import numpy as np
 from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import UNSET, BlockTables
 from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.host_tier import HostTier
 from kvpool_server.core.seq_index import SequenceIndex
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import TenantLedger
@@ -34,6 +35,8 @@ class KVCacheManager(Protocol):
     seqs_of_session: dict[int, set[int]]
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    host_tier: HostTier | None
+    prefix_host_hit_tokens: int
 
 
 def check_invariants(manager: KVCacheManager) -> None:
@@ -55,6 +58,8 @@ def check_invariants(manager: KVCacheManager) -> None:
     if manager.tenancy:
         manager.tenant_ids.check_invariants(live, manager.tenants.tenant_of_row)  # detached rows are unnamed
     check_chains(manager)
+    if manager.host_tier is not None:
+        manager.host_tier.check_invariants()
 
 
 def check_chains(manager: KVCacheManager) -> None:
@@ -159,7 +164,7 @@ def check_block_tables(tables: BlockTables) -> None:
 
 def stats(manager: KVCacheManager) -> PoolStats:
     """A snapshot of the pool's occupancy (see PoolStats)."""
-    tables, allocator, bs = manager.tables, manager.allocator, manager.block_size
+    tables, allocator, bs, tier = manager.tables, manager.allocator, manager.block_size, manager.host_tier
     rows = manager.index.live_rows()
     lengths = tables.num_tokens[rows]
     partial = lengths % bs != 0
@@ -178,4 +183,11 @@ def stats(manager: KVCacheManager) -> PoolStats:
         num_blocks_evictable=allocator.cache.num_evictable,
         prefix_query_tokens=manager.prefix_query_tokens,
         prefix_hit_tokens=manager.prefix_hit_tokens,
+        host_tier_blocks_total=tier.num_slots if tier is not None else 0,
+        host_tier_blocks_ready=tier.num_ready if tier is not None else 0,
+        host_tier_blocks_cached=tier.num_committed if tier is not None else 0,
+        prefix_host_hit_tokens=manager.prefix_host_hit_tokens,
+        host_tier_blocks_offloaded=tier.num_offloaded if tier is not None else 0,
+        host_tier_blocks_restored=tier.num_restored if tier is not None else 0,
+        host_tier_copy_failures=tier.num_offload_failed + tier.num_restore_failed if tier is not None else 0,
     )

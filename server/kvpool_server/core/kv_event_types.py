@@ -5,6 +5,20 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+
+class CachedBlock(NamedTuple):
+    """What a cached block's hash was computed from, kept so that the hash can be checked against its content (the
+    prefix cache's and the host tier's entries; a pending BlockStored until its batch is published)."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: np.ndarray  # uint32 [block_size]
+    salt: bytes  # the tenant's name, or PUBLIC_SALT: the block is public (may be held by several tenants)
+    extra: bytes = b""  # the sequence's extra key
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,11 +29,13 @@ class BlockStored:
     block_size: int
     cache_extra_key: bytes = b""  # the sequence's extra key, in every block's hash
     salt: bytes = b""  # every block's salt (a run has one): its tenant's name, or PUBLIC_SALT (block_hash.py)
+    medium: str = ""  # "CPU": the host tier; "": the pool's own medium (the event feed's)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[bytes, ...]
+    medium: str = ""  # "CPU": the last copy was the host tier's; "": the pool's own medium (the event feed's)
 
 
 @dataclass(frozen=True, slots=True)

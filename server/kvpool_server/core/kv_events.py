@@ -55,8 +55,8 @@ PENDING_BLOCK_OVERHEAD = 320
 
 
 # What the prefix cache records while a call runs: the entries it stored (made into BlockStored runs on publish)
-# and BlockRemoved events.
-PendingEvent = CachedBlock | BlockRemoved
+# and BlockRemoved events; the host tier's BlockStored (medium "CPU"), one block each.
+PendingEvent = CachedBlock | BlockRemoved | BlockStored
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +128,8 @@ class KVEventLog:
     def attach(self, cache: PrefixCache) -> None:
         """Record ``cache``'s stores and evictions into ``pending`` (which the cache only appends to)."""
         cache.events = cast("list[PendingEvent]", self.pending)
+        if cache.tier is not None:
+            cache.tier.events = cache.events
 
     def publish(self) -> EventBatch | None:
         """Close the pending events into the next batch (None when there are none)."""
@@ -167,6 +169,8 @@ class KVEventLog:
     def snapshot(self, cache: PrefixCache) -> EventBatch:
         """The cache's content as one batch, numbered as the last published batch (resume at its seq + 1)."""
         events = (AllBlocksCleared(), *stored_runs(cache.entries.values()))  # entries: in the order stored
+        if cache.tier is not None:  # the host tier's blocks the pool holds no copy of (medium "CPU")
+            events = (*events, *cache.tier.stored_events())
         return EventBatch(self.epoch, self.next_seq - 1, events, snapshot=True)
 
 
@@ -191,7 +195,7 @@ def pending_bytes(item: PendingEvent | EventsLost) -> int:
     if isinstance(item, CachedBlock):
         return (PENDING_BLOCK_OVERHEAD + 2 * (HASH_BYTES + HASH_OVERHEAD) + item.token_ids.size * TOKEN_BYTES
                 + len(item.extra))
-    return event_bytes(item) if isinstance(item, BlockRemoved) else 0
+    return event_bytes(item) if isinstance(item, (BlockRemoved, BlockStored)) else 0
 
 
 def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:

@@ -11,7 +11,9 @@ from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_hash import chain_hashes
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
+from kvpool_server.core import tier_restore
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
+from kvpool_server.core.host_tier import HostTier
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
@@ -70,6 +72,8 @@ class KVCacheManager:
         max_seq_len: int | None = None,
         max_num_seqs: int = 4096,
         tenancy: bool = False,
+        host_tier_blocks: int = 0,
+        host_tier_ready: int | None = None,
     ) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
@@ -90,6 +94,13 @@ class KVCacheManager:
         self.tenant_ids: TenantIds = TenantIds(max_num_seqs, self.index.row_bits)  # used with tenancy on
         self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
         self.detached_rows: set[int] = set()  # rows of freed sequences whose blocks are not released yet (detach)
+        # The host tier (docs/prefix-caching.md): evicted cached blocks spill into it; a register's prompt is
+        # restored from it (``stage_restore`` / ``finish_restore``, around ``register``). None: no tier.
+        # ``host_tier_ready``: slots usable at once (None: all); more join as the service allocates them.
+        self.host_tier: HostTier | None = HostTier(host_tier_blocks, host_tier_ready) if host_tier_blocks else None
+        if self.host_tier is not None:
+            self.allocator.cache.attach_tier(self.host_tier)
+        self.prefix_host_hit_tokens: int = 0  # prompt tokens restored from the host tier (counted as hits too)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -141,10 +152,8 @@ class KVCacheManager:
         token is always left to compute), within the tenant's budget for blocks new to it
         (``TenantLedger.adoptable``), and track it. Its first ``public_prefix_len // block_size`` blocks are public
         (hashed with PUBLIC_SALT)."""
-        salt, bs, cache = self.tenants.names[tenant].encode(), self.block_size, self.allocator.cache
-        num_public = public_prefix_len // bs
-        hashes = chain_hashes(prompt[: max(0, (prompt.size - 1) // bs) * bs], bs, salt, extra=extra,
-                              num_public=num_public)
+        salt, cache, num_public = self.tenants.names[tenant].encode(), self.allocator.cache, public_prefix_len // self.block_size
+        hashes = self._prompt_hashes(salt, prompt, num_public, extra)
         blocks = np.array(cache.match(hashes), dtype=np.int32)
         if blocks.size and self.tenancy:
             ledger = self.tenants
@@ -158,6 +167,30 @@ class KVCacheManager:
         if blocks.size:
             self.tables.adopt(row, blocks)
         self.chains.start(row, salt, hashes[: blocks.size], extra, num_public)
+
+    def _prompt_hashes(self, salt: bytes, prompt: np.ndarray, num_public: int, extra: bytes) -> list[bytes]:
+        """The chain hashes of the prompt's full blocks a register may reuse (all but the last token's)."""
+        bs = self.block_size
+        return chain_hashes(prompt[: max(0, (prompt.size - 1) // bs) * bs], bs, salt, extra=extra, num_public=num_public)
+
+    def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
+                      public_prefix_len: int = 0, cache_extra_key: bytes = b"") -> tier_restore.StagedRestore | None:
+        """Before ``register`` with this prompt: plan bringing back the prompt's blocks found in the host tier
+        (``tier_restore.stage``). The caller runs the tier's staged offloads, then ``staged.pairs`` (host slot ->
+        pool block), then ``finish_restore``; the register's match then finds them. None: nothing to restore."""
+        if self.host_tier is None:
+            return None
+        prompt = np.asarray(prompt_token_ids, dtype=np.uint32)
+        check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
+        tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
+        salt = self.tenants.names[tenant].encode()
+        hashes = self._prompt_hashes(salt, prompt, public_prefix_len // self.block_size, cache_extra_key)
+        return tier_restore.stage(self.allocator, self.host_tier, hashes)
+
+    def finish_restore(self, staged: tier_restore.StagedRestore, ok: bool) -> None:
+        """The restore copies of ``staged`` completed (``ok``) or failed: see ``tier_restore.finish``."""
+        assert self.host_tier is not None
+        self.prefix_host_hit_tokens += tier_restore.finish(self.allocator, self.host_tier, staged, ok) * self.block_size
 
     def append(
         self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1,

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
 
 import numpy as np
 
 from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
 from kvpool_server.core.errors import InvariantViolationError
-from kvpool_server.core.kv_event_types import BlockRemoved
+from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
 
-
-class CachedBlock(NamedTuple):
-    """What a cached block's hash was computed from, kept so that the hash can be checked against its content."""
-
-    block_hash: bytes
-    parent_hash: bytes
-    token_ids: np.ndarray  # uint32 [block_size]
-    salt: bytes  # the tenant's name, or PUBLIC_SALT: the block is public (may be held by several tenants)
-    extra: bytes = b""  # the sequence's cache_extra_key
+__all__ = ["CachedBlock", "PrefixCache"]
 
 
 class PrefixCache:
@@ -59,7 +51,14 @@ class PrefixCache:
         self.num_evicted: int = 0
         # A KVEventLog's ``pending`` list when one is attached (kv_events.py, a bounded list): the entries stored,
         # BlockRemoved.
-        self.events: list[CachedBlock | BlockRemoved] | None = None
+        self.events: list[CachedBlock | BlockRemoved | BlockStored] | None = None
+        self.tier: HostTier | None = None  # the host tier evicted blocks spill into (``attach_tier``), if any
+
+    def attach_tier(self, tier: HostTier) -> None:
+        """Spill evicted blocks into ``tier`` (docs/prefix-caching.md, the host tier) instead of forgetting them."""
+        self.tier = tier
+        tier.gpu_index = self.block_of_hash
+        tier.events = self.events
 
     @property
     def num_cached(self) -> int:
@@ -105,15 +104,22 @@ class PrefixCache:
             del self.evictable[block_id]
 
     def evict(self, num: int) -> np.ndarray:
-        """Forget the ``num`` least recently used evictable blocks (``num`` <= ``num_evictable``); returns them."""
+        """Forget the ``num`` least recently used evictable blocks (``num`` <= ``num_evictable``); returns them. With
+        a host tier, their content spills into it (``HostTier.spill``: offloads staged for the service to run
+        before anyone writes into the returned blocks); only hashes no tier keeps are reported removed."""
         evicted = np.empty(num, dtype=np.int32)
         hashes = []
+        spilled = []
         for i in range(num):
             block_id, _ = self.evictable.popitem(last=False)
-            hashes.append(self.entries.pop(block_id).block_hash)
+            entry = self.entries.pop(block_id)
+            spilled.append(entry)
+            hashes.append(entry.block_hash)
             del self.block_of_hash[hashes[-1]]
             evicted[i] = block_id
-        if self.events is not None:
+        if self.tier is not None:
+            hashes = self.tier.spill(evicted.tolist(), spilled)
+        if self.events is not None and hashes:
             self.events.append(BlockRemoved(tuple(hashes)))
         self.is_cached[evicted] = False
         if self.num_public:

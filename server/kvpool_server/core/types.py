@@ -59,6 +59,13 @@ class PoolStats:
     num_blocks_evictable: int = 0  # cached blocks nobody holds: allocatable (free + evictable), evicted LRU first
     prefix_query_tokens: int = 0  # prompt tokens registered with their ids since start
     prefix_hit_tokens: int = 0  # of those, tokens found cached (the frontend skips computing them)
+    host_tier_blocks_total: int = 0  # the host tier's slots (0: no tier)
+    host_tier_blocks_ready: int = 0  # of those, allocated (pinned) so far: the tier is allocated in the background
+    host_tier_blocks_cached: int = 0  # of those, holding a matchable block
+    prefix_host_hit_tokens: int = 0  # of the hit tokens, those restored from the host tier
+    host_tier_blocks_offloaded: int = 0  # blocks copied into the host tier and committed (write-backs included)
+    host_tier_blocks_restored: int = 0  # blocks copied back into the pool
+    host_tier_copy_failures: int = 0  # blocks of failed offloads and restores (dropped: a miss, never wrong KV)
 
     @property
     def utilization(self) -> float:

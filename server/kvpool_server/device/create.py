@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpool.layout import KVLayout
 from kvpool.tensor_parallel import check_split, group_block_bytes, shard_layout
 from kvpool_server.device import pool as base
 from kvpool_server.device.pool import BACKENDS, KVPool, resolve_num_blocks
+from kvpool_server.device.tier_pool import DEFAULT_CHUNK_BYTES, HostTierPool, TierPool
 
 logger = logging.getLogger("kvpool_server.device")
 
@@ -126,3 +127,19 @@ def _check_blocks(blocks: int, layout: KVLayout) -> None:
 def _free_shm_bytes() -> int:
     st = os.statvfs("/dev/shm")
     return st.f_bavail * st.f_frsize
+
+
+def create_tier_pool(pool: KVPool, num_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                     on_ready: Callable[[int], None] = lambda n: None) -> TierPool:
+    """The host tier of ``pool``'s backend (``tier_pool.py``), started (allocating in the background) and closed
+    with the pool."""
+    tier: TierPool
+    if pool.backend == "gpu":
+        from kvpool_server.device.gpu_tier_pool import GpuTierPool
+
+        tier = GpuTierPool(pool, num_slots, chunk_bytes, on_ready)
+    else:
+        tier = HostTierPool(pool, num_slots, chunk_bytes, on_ready)
+    pool.tier = tier
+    tier.start()
+    return tier

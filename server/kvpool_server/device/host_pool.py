@@ -116,6 +116,12 @@ class HostPool(KVPool):
         # [num_blocks, 2L, segment_bytes]: a block's bytes whatever the order (strided for layer-major)
         self._segments = segments_view(np.frombuffer(self._mmap, dtype=np.uint8), layout, self.num_blocks)
 
+    @property
+    def segments(self) -> np.ndarray:
+        """The pool's bytes as [num_blocks, 2L, segment_bytes] (the host tier copies through it)."""
+        self._check_open()
+        return self._segments
+
     def attach_info(self) -> PoolAttachInfo:
         self._check_open()
         return PoolAttachInfo(backend="host", pool_bytes=self.pool_bytes, shm_name=self.shm_name)

@@ -112,9 +112,10 @@ def batch_message(batch: EventBatch, num_dropped: int, medium: str = "") -> pb.S
             events.append(pb.KVEvent(block_stored=pb.BlockStored(
                 block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash or b"",
                 token_ids=event.token_ids, block_size=event.block_size, cache_extra_key=event.cache_extra_key,
-                medium=medium)))
+                medium=event.medium or medium)))  # "CPU": the host tier's; else the pool's
         elif isinstance(event, BlockRemoved):
-            events.append(pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes, medium=medium)))
+            events.append(pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes,
+                                                                          medium=event.medium or medium)))
         elif isinstance(event, AllBlocksCleared):
             events.append(pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()))
     return pb.SubscribeEventsResponse(epoch=batch.epoch, seq=batch.seq, events=events, snapshot=batch.snapshot,

@@ -11,6 +11,7 @@ from kvpool_server.host_checks import check_environment, check_pool_fits, pool_e
 from kvpool_server.core import KVCacheManager, KVPoolError
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.device import create_pool
+from kvpool_server.device.create import create_tier_pool
 from kvpool_server.service.admission import Admission
 from kvpool_server.service.auth import Authenticator, TokensFileError
 from kvpool_server.service.events import EventFeed
@@ -19,6 +20,7 @@ from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.metrics import KVPoolMetrics
 from kvpool_server.service.replay import ReplyCache
 from kvpool_server.service.sessions import SessionService
+from kvpool_server.service.tier_copies import TierCopies
 
 
 class StartupError(RuntimeError):
@@ -43,9 +45,10 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
     except Exception as exc:
         raise StartupError(pool_error_message(config.backend, exc)) from exc
     try:
+        tier_blocks = config.host_tier_bytes // config.layout.block_bytes
         manager = KVCacheManager(
             pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len, max_num_seqs=config.max_num_seqs,
-            tenancy=bool(config.auth_tokens),
+            tenancy=bool(config.auth_tokens), host_tier_blocks=tier_blocks, host_tier_ready=0,
         )
         auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks) if config.auth_tokens else None
         sessions = SessionTable(new_server_epoch(), default_ttl_s=config.session_ttl_ms / 1000.0,
@@ -53,13 +56,21 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         events = EventFeed(sessions.server_epoch, manager.allocator.cache, config.event_buffer_batches,
                            medium="GPU" if pool.backend == "gpu" else "CPU",
                            max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes)
-        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
+        guards: list[CoreGuard] = []  # the guard, for the host tier's background allocation to lock
+        tier = start_host_tier(manager, pool, guards) if tier_blocks else None
+        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events, tier.flush if tier is not None else None)
+        guards.append(guard)
+        if tier is not None:
+            with guard.lock:
+                tier.make_ready(tier.memory.ready_slots)  # chunks made before the guard was there
+            if config.host_tier_writeback_blocks:
+                tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
         sessions_service = SessionService(guard, metrics, on_drain, max_sessions=config.max_sessions,
                                           max_message_bytes=config.max_message_bytes)
         service = KVPoolService(
             guard, sessions_service, auth=auth, metrics=metrics, max_batch=config.max_batch,
             max_message_bytes=config.max_message_bytes, max_tokens_per_call=config.max_tokens_per_call,
-            max_inflight_bytes=config.max_inflight_bytes,
+            max_inflight_bytes=config.max_inflight_bytes, tier=tier,
         )
         return service, Admission()
     except TokensFileError as exc:
@@ -71,3 +82,16 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
     except BaseException:
         pool.close()
         raise
+
+
+def start_host_tier(manager: KVCacheManager, pool: Any, guards: list[CoreGuard]) -> TierCopies:
+    """The host tier (``--host-tier-bytes``): its memory allocated in the background (serving starts at once), each
+    chunk handed to the core's tier under the guard's lock (once ``guards`` holds the guard) as it is there."""
+    assert manager.host_tier is not None
+
+    def on_ready(num_ready: int) -> None:
+        if guards:
+            with guards[0].lock:
+                manager.host_tier.make_ready(num_ready)  # type: ignore[union-attr]
+
+    return TierCopies(manager, create_tier_pool(pool, manager.host_tier.num_slots, on_ready=on_ready))

@@ -38,13 +38,16 @@ A = TypeVar("A")
 
 class CoreGuard:
     def __init__(self, manager: KVCacheManager, pool: Pool, sessions: SessionTable, replies: ReplyCache,
-                 events: EventFeed) -> None:
+                 events: EventFeed, after_apply: Callable[[], None] | None = None) -> None:
         self.manager = manager
         self.pool = pool
         self.sessions = sessions
         self.replies = replies
         self.events = events
         self.lock = threading.Lock()
+        # Run after every apply, under the lock, even one that raised: the host tier's staged offloads
+        # (``TierCopies.flush``; a call that evicted and then failed leaves none behind). None: no host tier.
+        self.after_apply = after_apply
 
     def fence(self, caller: Identity, session_id: int) -> None:
         """Step 1 alone (under the lock): a write is idempotent, so it is fenced but never replayed."""
@@ -67,6 +70,8 @@ class CoreGuard:
             try:
                 answer = apply()
             finally:
+                if self.after_apply is not None:
+                    self.after_apply()
                 if self.events.log.pending:
                     self.events.publish()
             if request_id:

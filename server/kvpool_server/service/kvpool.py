@@ -45,6 +45,7 @@ from kvpool_server.service.reply_limits import ReplyLimits
 from kvpool_server.service.scope import Call
 from kvpool_server.service.sessions import SessionService
 from kvpool_server.service.tenant_usage import TenantUsage, tenant_usage
+from kvpool_server.service.tier_copies import TierCopies
 
 DEFAULT_MAX_TOKENS_PER_CALL = 1 << 17
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
@@ -77,8 +78,9 @@ class KVPoolService:
     def __init__(self, guard: CoreGuard, sessions: SessionService, *, auth: Authenticator | None,
                  metrics: KVPoolMetrics | None, max_batch: int, max_message_bytes: int,
                  max_tokens_per_call: int = DEFAULT_MAX_TOKENS_PER_CALL,
-                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> None:
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES, tier: TierCopies | None = None) -> None:
         manager, pool = guard.manager, guard.pool
+        self.tier = tier  # the host tier's copies (--host-tier-bytes), or None
         self.guard = guard
         self.sessions = sessions
         self.auth = auth
@@ -107,10 +109,12 @@ class KVPoolService:
         if not session_id:
             self.sessions.refuse_if_drained("RegisterSequence")
         check_may_share_prefixes(call.caller, public_prefix_len)
-        tenant, manager = call.caller.tenant_id, self.guard.manager
+        tenant, manager, tier = call.caller.tenant_id, self.guard.manager, self.tier
         prompt = prompt_token_ids if len(prompt_token_ids) else None
 
         def apply() -> Registered:
+            if tier is not None and prompt is not None:  # the prompt's host-tier blocks, back before the match
+                tier.restore(tenant, prompt, public_prefix_len, cache_extra_key)
             new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key)
             return Registered(new_id, manager.num_tokens(new_id, tenant) if prompt is not None else 0)
 
@@ -125,10 +129,12 @@ class KVPoolService:
         counts = arguments.append_counts(num_tokens, ids.size)
         token_id_list = token_ids if len(token_ids) else None  # prefix caching; None: no per-token work
         self.limits.check_append(ids.size, counts, rpc, call.headers)
-        manager, pool, tenant = self.guard.manager, self.guard.pool, call.caller.tenant_id
+        manager, pool, tenant, tier = self.guard.manager, self.guard.pool, call.caller.tenant_id, self.tier
 
         def apply() -> AppendPlan:
             plan = manager.append(ids, cast(Any, counts), tenant, token_id_list)
+            if tier is not None:  # evicted blocks go to the host tier before anything below writes into them
+                tier.flush()
             if plan.copies.shape[0]:
                 pool.copy_blocks(plan.copies)
             if plan.zero_block_ids.shape[0]:  # blocks that change hands never show their old owner's bytes

@@ -1,0 +1,83 @@
+"""A prompt's blocks found in the host tier brought back into the pool: ``stage`` plans, ``finish`` settles.
+
+    staged = stage(allocator, tier, hashes)      # fresh pool blocks, the restore pairs (host slot, pool block)
+    ... the service runs the tier's staged offloads, then the restores ...
+    finish(allocator, tier, staged, ok)          # ok: the blocks enter the prefix cache; else they go, fenced
+
+Between the two, the restored blocks are held (ref count 1) by nobody's table and are not in the prefix cache: no
+match can reach them before their bytes are there. ``finish`` drops the staging's references, so a register's
+plain prefix match (``KVCacheManager._reuse_prefix``) right after adopts them like any cached block -- the register
+path itself is unchanged, and a failed restore leaves exactly a miss.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from kvpool_server.core.allocator import BlockAllocator
+from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.kv_event_types import CachedBlock
+
+
+class StagedRestore(NamedTuple):
+    pairs: np.ndarray  # int32 [n, 2]: (host slot, fresh pool block), the copies to run
+    entries: list[CachedBlock]  # the content of each restored block, in ``pairs`` order
+    chain: np.ndarray  # int32: every pool block of the matched run, in chain order (held ones and fresh ones)
+
+
+def stage(allocator: BlockAllocator, tier: HostTier, hashes: list[bytes]) -> StagedRestore | None:
+    """Walk ``hashes`` (a prompt's chain) while each is in the pool's cache or committed in the tier; for the
+    tier's, take fresh pool blocks (as many as can be allocated) and pin their slots. The pool's blocks of the run
+    get one more reference, so that the staging's own allocation (which may evict, and stage offloads) cannot take
+    them. None when the run holds no tier block (nothing to restore, nothing taken)."""
+    cache = allocator.cache
+    in_pool, in_tier = cache.block_of_hash, tier.slot_of_hash
+    walk: list[tuple[bool, int]] = []  # (from the tier, pool block or host slot)
+    num_idle = 0  # pool blocks of the run nobody holds: holding them takes them off the allocatable count
+    budget = allocator.num_allocatable
+    num_host = 0
+    for h in hashes:
+        block_id = in_pool.get(h)
+        if block_id is not None:
+            num_idle += allocator.ref_count.item(block_id) == 0
+            walk.append((False, block_id))
+            continue
+        slot = in_tier.get(h)
+        if slot is None or num_host + 1 > budget - num_idle:
+            break
+        walk.append((True, slot))
+        num_host += 1
+    while walk and not walk[-1][0]:  # the run's tail of pool blocks: a plain match finds them anyway
+        walk.pop()
+    if not num_host:
+        return None
+    held = np.array([i for from_tier, i in walk if not from_tier], dtype=np.int32)
+    slots = [i for from_tier, i in walk if from_tier]
+    if held.size:
+        allocator.reuse(held)
+    tier.pin(slots)
+    fresh = allocator.allocate(len(slots))  # may evict: the tier stages offloads (never of a pinned slot)
+    chain = np.empty(len(walk), dtype=np.int32)
+    is_fresh = np.array([from_tier for from_tier, _ in walk], dtype=bool)
+    chain[is_fresh] = fresh
+    chain[~is_fresh] = held
+    pairs = np.stack([np.array(slots, dtype=np.int32), fresh.astype(np.int32)], axis=1)
+    return StagedRestore(pairs, [tier.entries[s] for s in slots], chain)
+
+
+def finish(allocator: BlockAllocator, tier: HostTier, staged: StagedRestore, ok: bool) -> int:
+    """The restore copies completed (``ok``: the blocks enter the prefix cache, matchable) or failed (the slots
+    are fenced: dropped from the tier; the fresh blocks go back to the free list). Either way the staging's
+    references go: idle cached blocks park on the LRU. Returns how many blocks were restored."""
+    slots = staged.pairs[:, 0].tolist()
+    if ok:
+        for block_id, entry in zip(staged.pairs[:, 1].tolist(), staged.entries):
+            allocator.cache.insert(block_id, entry)
+        tier.unpin(slots)
+        tier.num_restored += len(slots)
+    else:
+        tier.fence(slots)
+    allocator.decref(staged.chain)
+    return len(slots) if ok else 0

@@ -1,0 +1,256 @@
+"""TierPool: the host tier's memory -- block-sized host rows the pool's evicted blocks are copied into and back.
+
+    tier = create_tier_pool(pool, num_slots, on_ready=...)   # (device/create.py) allocates in chunks, in the background
+    tier.offload_blocks(pairs)    # int32 [n, 2] (pool block, host slot): done when it returns, or raises
+    tier.restore_blocks(pairs)    # int32 [n, 2] (host slot, pool block): done when it returns, or raises
+
+A host slot holds one block whole: its ``2L`` segments (layer, K/V) one after another, ``block_bytes`` in all,
+whatever the pool's order -- one contiguous row per block, so a run of blocks of a block-major pool is one copy.
+
+Serving starts at once: the memory is allocated ``chunk_bytes`` (256 MiB) at a time by a background thread
+(pinning 64 GiB takes tens of seconds); ``ready_slots`` grows chunk by chunk and ``on_ready(ready_slots)`` is called after each
+(the service hands the new slots to the core's ``HostTier``). A slot is used only once its chunk is there.
+
+Two backends, one logic: ``HostTierPool`` (NumPy copies from a ``HostPool``; what CI runs) and ``GpuTierPool``
+(``gpu_tier_pool.py``: pinned memory, ``cudaMemcpyAsync`` on one stream per direction). A copy that raises (a
+CUDA error, or the test hook ``inject_failures``) may have moved part of its pairs: the caller treats every pair
+as failed (the core aborts the offloads, fences the restored slots), so nothing half-copied is ever matchable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvpool_server.device.pool import KVPool
+
+logger = logging.getLogger(__name__)
+# The host tier is allocated (pinned) this much at a time, by a background thread: whatever one allocation stalls
+# (cudaHostAlloc of 256 MiB: tens of ms) is bounded by it; a run of copies never crosses a chunk (128 2-MiB blocks).
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def copy_runs(blocks: np.ndarray, slots: np.ndarray, chunk_slots: int) -> list[tuple[int, int, int]]:
+    """(first block, first slot, length) of each run of ``blocks`` (taken in ascending order) whose slots follow
+    one another inside one chunk: each run is one copy (block-major) or one per span (layer-major)."""
+    order = np.argsort(blocks, kind="stable")
+    b, s = blocks[order], slots[order]
+    brk = (np.diff(b) != 1) | (np.diff(s) != 1) | (s[1:] // chunk_slots != s[:-1] // chunk_slots)
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    ends = np.concatenate((starts[1:], [len(b)]))
+    return [(int(b[i]), int(s[i]), int(j - i)) for i, j in zip(starts.tolist(), ends.tolist())]
+
+
+class InjectedCopyError(OSError):
+    """A copy failure made by the test hook ``TierPool.inject_failures``."""
+
+
+class CopyTicket:
+    """A copy started by ``TierPool.start_offload``: ``wait()`` returns True once it completed, False if it failed
+    (then none of its pairs may be trusted)."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.ok = ok
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return self.ok
+
+
+class TierPool:
+    """``num_slots`` host rows of ``block_bytes`` beside ``pool``, allocated in chunks of ``chunk_slots`` rows.
+
+    Invariants: ``ready_slots`` only grows, up to ``num_slots``; slots below it have their memory; a copy names
+    only ready slots and blocks of the pool (``_checked``); copies are serialised (``_lock``).
+    """
+
+    backend = ""
+
+    def __init__(self, pool: KVPool, num_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 on_ready: Callable[[int], None] = lambda n: None) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one block, got {num_slots}")
+        self.pool: Any = pool  # a backend's pool: HostPool (segments) or GpuPool (device, base pointer)
+        self.layout = pool.layout
+        self.num_slots = int(num_slots)
+        self.slot_bytes = pool.layout.block_bytes
+        self.chunk_slots = max(1, min(self.num_slots, chunk_bytes // self.slot_bytes))
+        self.chunks: list[Any] = []  # [chunk_slots or fewer, 2L, segment_bytes] uint8 each (NumPy views)
+        self.ready_slots = 0
+        self.on_ready = on_ready
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._failures = {True: 0, False: 0}  # the test hook: offloads (True) and restores (False) left to fail
+        self._fail_every = 0  # the test hook: every n-th copy fails (0: none)
+        self._num_copies = 0
+        self._thread: threading.Thread | None = None
+        self.bytes_offloaded = 0
+        self.bytes_restored = 0
+
+    @property
+    def tier_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def start(self) -> None:
+        """Allocate the chunks on a background thread (``wait_ready`` waits for all of them)."""
+        self._thread = threading.Thread(target=self._allocate_all, name="kvpool-host-tier", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.ready_slots == self.num_slots
+
+    def _allocate_all(self) -> None:
+        spans = 2 * self.layout.num_layers
+        while self.ready_slots < self.num_slots and not self._closed.is_set():
+            n = min(self.chunk_slots, self.num_slots - self.ready_slots)
+            try:
+                raw = self._allocate_chunk(n * self.slot_bytes)
+            except Exception:  # out of (pinnable) memory: the tier stays the size it has reached
+                logger.exception("the host tier stops at %d of %d blocks", self.ready_slots, self.num_slots)
+                return
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                self.chunks.append(raw.reshape(n, spans, self.layout.segment_bytes))
+                self.ready_slots += n
+            self.on_ready(self.ready_slots)
+
+    def inject_failures(self, count: int = 1, offloads: bool = True, restores: bool = True) -> None:
+        """Test hook: the next ``count`` offloads and/or restores move half their pairs, then raise
+        InjectedCopyError."""
+        self._failures = {True: count if offloads else 0, False: count if restores else 0}
+
+    def fail_every(self, n: int) -> None:
+        """Test hook: from now on every ``n``-th copy (offload or restore; 0: none) moves half its pairs, then
+        raises InjectedCopyError."""
+        self._fail_every = n
+
+    def offload_blocks(self, pairs: Any) -> int:
+        """Copy pool blocks into host slots, ``pairs`` int32 [n, 2] (pool block, host slot); done when it returns."""
+        pairs = self._checked(pairs, block_col=0)
+        with self._lock:
+            self._check_open()
+            self._copy(pairs, to_host=True)
+            self.bytes_offloaded += len(pairs) * self.slot_bytes
+        return len(pairs)
+
+    def start_offload(self, pairs: Any) -> CopyTicket:
+        """Start copying pool blocks into host slots (a write-back, off the core's lock); the ticket says when it
+        completed. The host backend copies at once; the GPU queues the copies on the D2H stream."""
+        pairs = self._checked(pairs, block_col=0)
+        with self._lock:
+            self._check_open()
+            self.bytes_offloaded += len(pairs) * self.slot_bytes
+            return self._start(pairs)
+
+    def _start(self, pairs: np.ndarray) -> CopyTicket:
+        try:
+            self._copy(pairs, to_host=True)
+        except Exception:
+            logger.exception("host tier: a write-back of %d blocks failed", len(pairs))
+            return CopyTicket(ok=False)
+        return CopyTicket()
+
+    def restore_blocks(self, pairs: Any) -> int:
+        """Copy host slots into pool blocks, ``pairs`` int32 [n, 2] (host slot, pool block); done when it returns."""
+        pairs = self._checked(pairs, block_col=1)
+        with self._lock:
+            self._check_open()
+            self._copy(pairs[:, ::-1], to_host=False)
+            self.bytes_restored += len(pairs) * self.slot_bytes
+        return len(pairs)
+
+    def _copy(self, pairs: np.ndarray, to_host: bool) -> None:
+        """``pairs`` as (pool block, host slot), either direction; the hook cuts it short."""
+        if self._should_fail(to_host):
+            self._fail_halfway(pairs, to_host)
+        self._move(pairs, to_host)
+
+    def _should_fail(self, to_host: bool) -> bool:
+        """The test hook's verdict on the next copy in this direction (counts it)."""
+        self._num_copies += 1
+        every = self._fail_every
+        if self._failures[to_host] or (every and self._num_copies % every == 0):
+            self._failures[to_host] = max(0, self._failures[to_host] - 1)
+            return True
+        return False
+
+    def _fail_halfway(self, pairs: np.ndarray, to_host: bool) -> None:
+        half = pairs[: len(pairs) // 2]
+        if len(half):
+            self._move(half, to_host)
+        raise InjectedCopyError(f"injected failure of a host-tier copy of {len(pairs)} blocks")
+
+    def slot_rows(self, slots: np.ndarray) -> list[tuple[Any, np.ndarray, np.ndarray]]:
+        """The slots grouped by chunk: (chunk, positions in ``slots``, rows in the chunk)."""
+        chunk_of, row = np.divmod(slots, self.chunk_slots)
+        groups = []
+        for c in np.unique(chunk_of).tolist():
+            where = np.flatnonzero(chunk_of == c)
+            groups.append((self.chunks[c], where, row[where]))
+        return groups
+
+    def _checked(self, pairs: Any, block_col: int) -> np.ndarray:
+        arr = np.asarray(pairs)
+        if arr.size == 0:
+            return np.zeros((0, 2), dtype=np.int64)
+        if arr.ndim != 2 or arr.shape[1] != 2 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"pairs must be an int array of shape [n, 2], got {arr.dtype} {arr.shape}")
+        blocks, slots = arr[:, block_col], arr[:, 1 - block_col]
+        if blocks.min() < 0 or blocks.max() >= self.pool.num_blocks:
+            raise ValueError(f"pairs name pool blocks outside [0, {self.pool.num_blocks})")
+        if slots.min() < 0 or slots.max() >= self.ready_slots:
+            raise ValueError(f"pairs name host slots outside the {self.ready_slots} ready ones")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise RuntimeError("the host tier is closed")
+
+    def close(self) -> None:
+        """Stop allocating, release the memory; idempotent."""
+        self._closed.set()
+        with self._lock:
+            self.chunks = []
+            self._release()
+
+    # --- backend hooks
+    def _allocate_chunk(self, nbytes: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _move(self, pairs: np.ndarray, to_host: bool) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        pass
+
+
+class HostTierPool(TierPool):
+    """The host backend's tier: anonymous memory beside a ``HostPool``, NumPy copies through its segments view."""
+
+    backend = "host"
+
+    def _allocate_chunk(self, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes, dtype=np.uint8)  # calloc: the pages come on first use
+
+    def _move(self, pairs: np.ndarray, to_host: bool) -> None:
+        # One slice assignment per run (no temporary, unlike a fancy-indexed gather), as the GPU backend copies.
+        segments, per_chunk = self.pool.segments, self.chunk_slots  # segments: [num_blocks, 2L, segment_bytes]
+        for block, slot, n in copy_runs(pairs[:, 0], pairs[:, 1], per_chunk):
+            rows = self.chunks[slot // per_chunk][slot % per_chunk : slot % per_chunk + n]
+            if to_host:
+                rows[...] = segments[block : block + n]
+            else:
+                segments[block : block + n] = rows

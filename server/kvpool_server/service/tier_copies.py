@@ -1,0 +1,146 @@
+"""TierCopies: the host tier's copies, run under the guard's lock in the order the core's plans need them.
+
+    tier.flush()                                  # every mutation that may evict: the staged offloads, then commit
+    tier.restore(tenant, prompt, public, extra)   # a register with a prompt, before the core's register
+
+The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
+- an evicted block is copied out *before* anything writes into it: ``flush`` runs right after the core's call and
+  before the plan's clearing and copy-on-write copies (``KVPoolService.append``), and the copy has completed when
+  ``offload_blocks`` returns; only then is the slot committed (matchable). A copy that raises aborts its slots.
+- a restore's blocks enter the prefix cache only after ``restore_blocks`` returned; one that raises (or is cut
+  short) fences its slots and leaves the fresh blocks free: the register that follows finds a miss there.
+- a restore's own allocation may evict: those offloads run first (they read the blocks the restore then writes).
+
+Write-back (``start_writeback``, ``--host-tier-writeback-blocks``): a background thread copies the pool's
+evictable blocks next in line into the tier ahead of need, at most that many blocks a batch, one batch in flight:
+under the lock it plans (``HostTier.plan_writeback``) and queues the copy; it waits for the copy *outside* the
+lock; under the lock again it commits. An allocation then evicts blocks whose content the tier already holds, and
+its call copies nothing. If a call evicts a block whose write-back is still in flight, ``flush`` waits for that
+copy (under the lock: rare, the allocation overtook the write-back) before anything writes into the block. The
+events of a write-back (BlockStored "CPU", a BlockRemoved of a dropped slot) are published with the next call's
+batch. Offloads a call must make itself (no write-back got there first) hold the lock across their copy: with
+2 MiB blocks ~50 us a block at host-link speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+
+import numpy as np
+
+from kvpool_server.core import KVCacheManager
+from kvpool_server.core.host_tier import HostTier
+from kvpool_server.device.tier_pool import CopyTicket, TierPool
+
+logger = logging.getLogger(__name__)
+
+
+class TierCopies:
+    """The core's host tier (``manager.host_tier``) and its memory (``memory``), driven together."""
+
+    def __init__(self, manager: KVCacheManager, memory: TierPool) -> None:
+        assert manager.host_tier is not None
+        self.manager = manager
+        self.tier: HostTier = manager.host_tier
+        self.memory = memory
+        self.writebacks: list[tuple[CopyTicket, np.ndarray]] = []  # in flight (at most one batch), under the lock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def flush(self) -> None:
+        """Run the staged offloads; commit them when they completed, abort them when the copy raised. First, if
+        the call evicted a block a write-back is copying, wait for that copy."""
+        tier = self.tier
+        if tier.must_wait:
+            self.finish_writebacks(wait=True)
+            tier.must_wait = False
+        if not tier.staged:
+            return
+        pairs = tier.take_staged()
+        slots = pairs[:, 1].tolist()
+        try:
+            self.memory.offload_blocks(pairs)
+        except Exception as exc:
+            logger.warning("host tier: an offload of %d blocks failed (%s): they are dropped", len(slots), exc)
+            tier.abort(slots)
+            return
+        tier.commit(slots)
+
+    def restore(self, tenant: int | None, prompt: Sequence[int] | np.ndarray, public_prefix_len: int = 0,
+                cache_extra_key: bytes = b"") -> int:
+        """Bring the prompt's host-tier blocks back into the pool before the core's register (whose match then
+        finds them). Returns how many blocks were restored (0 on a failure: a miss)."""
+        staged = self.manager.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key)
+        self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
+        if staged is None:
+            return 0
+        try:
+            self.memory.restore_blocks(staged.pairs)
+        except Exception as exc:
+            logger.warning("host tier: a restore of %d blocks failed (%s): a miss", len(staged.pairs), exc)
+            self.manager.finish_restore(staged, ok=False)
+            return 0
+        self.manager.finish_restore(staged, ok=True)
+        return len(staged.pairs)
+
+    # ------------------------------------------------------------------ write-back
+    def start_writeback(self, lock: AbstractContextManager, max_blocks: int, idle_s: float = 0.02) -> None:
+        """Start the background write-back thread (``lock``: the guard's; ``max_blocks`` a batch)."""
+        self._thread = threading.Thread(target=self._writeback_loop, args=(lock, max_blocks, idle_s),
+                                        name="kvpool-tier-writeback", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def writeback_once(self, lock: AbstractContextManager, max_blocks: int) -> int:
+        """One write-back batch: plan and queue it under ``lock``, wait for it outside, commit it under ``lock``.
+        Returns its blocks (0: nothing to write back)."""
+        with lock:
+            self.finish_writebacks(wait=False)
+            if self.writebacks or self.memory.closed:
+                return 0
+            pairs = self.tier.plan_writeback(self.manager.allocator.cache.evictable,
+                                             self.manager.allocator.cache.entries, max_blocks)
+            if not len(pairs):
+                return 0
+            try:
+                ticket = self.memory.start_offload(pairs)
+            except Exception as exc:  # closed, or the copy could not be queued
+                logger.warning("host tier: a write-back of %d blocks could not start (%s)", len(pairs), exc)
+                self.tier.finish_writeback(pairs, ok=False)
+                return 0
+            self.writebacks.append((ticket, pairs))
+        ticket.wait()  # outside the lock: calls go on while the copy engines work
+        with lock:
+            self.finish_writebacks(wait=False)
+        return len(pairs)
+
+    def finish_writebacks(self, wait: bool) -> None:
+        """Settle the write-backs that completed (all of them, waiting, with ``wait``); under the lock."""
+        for ticket, pairs in list(self.writebacks):
+            if wait or ticket.done():
+                ok = ticket.wait()
+                if not ok:
+                    logger.warning("host tier: a write-back of %d blocks failed: they are not kept", len(pairs))
+                self.tier.finish_writeback(pairs, ok)
+                self.writebacks.remove((ticket, pairs))
+
+    def _writeback_loop(self, lock: AbstractContextManager, max_blocks: int, idle_s: float) -> None:
+        while not self._stop.is_set() and not self.memory.closed:
+            try:
+                moved = self.writeback_once(lock, max_blocks)
+            except Exception:
+                logger.exception("host tier: the write-back thread failed; it stops")
+                return
+            if not moved:
+                self._stop.wait(idle_s)
+
+    def make_ready(self, num_ready: int) -> None:
+        """More of the tier's memory is there (called under the guard's lock)."""
+        self.tier.make_ready(num_ready)
