@@ -222,7 +222,7 @@ def test_the_wire_carries_the_tiers_medium() -> None:
     from kvpool_server.grpc_api.messages import batch_message
 
     events = (BlockStored((b"h" * 32,), None, array("I", [1] * 16), 16), BlockStored((b"c" * 32,), None,
-              array("I", [2] * 16), 16, b"", "CPU"), BlockRemoved((b"h" * 32,)), BlockRemoved((b"c" * 32,), "CPU"))
+              array("I", [2] * 16), 16, b"", medium="CPU"), BlockRemoved((b"h" * 32,)), BlockRemoved((b"c" * 32,), "CPU"))
     message = batch_message(EventBatch(1, 1, events), 0, medium="GPU")
     assert [e.block_stored.medium or e.block_removed.medium for e in message.events] == ["GPU", "CPU", "GPU", "CPU"]
 
