@@ -1,5 +1,5 @@
 """KV events on vLLM's ZMQ wire (--kv-events-publish): block events/s reaching a ZMQ subscriber process, whether any
-were lost, and what the publisher costs AppendToken (docs/routing.md).
+were lost, and what the publisher costs AppendToken (docs/scale-out.md).
 
 A real ``kvpool-server`` process (host pool, unix socket, 16-token blocks, ``--kv-events-publish ipc://...``) and:
 

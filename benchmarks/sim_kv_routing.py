@@ -1,4 +1,4 @@
-"""KV-aware routing across kvpool hosts from the published events alone, against round-robin (docs/routing.md).
+"""KV-aware routing across kvpool hosts from the published events alone, against round-robin (docs/scale-out.md).
 
 K real ``kvpool-server`` processes (host pools, ``--kv-events-publish ipc://...``), and in this process a router
 written to the contract, not to kvpool's code: one ZMQ SUB socket per server, each message decoded as llm-d decodes

@@ -1,5 +1,5 @@
 """``kvctl events --zmq ENDPOINT``: follow a server's KV events on vLLM's ZMQ wire (--kv-events-publish,
-docs/routing.md) for debugging, as a router sees them: one line per event, or (``--json``) one JSON object per
+docs/scale-out.md) for debugging, as a router sees them: one line per event, or (``--json``) one JSON object per
 message. ``--replay ENDPOINT`` with ``--from-seq N`` first asks the ROUTER socket for the kept messages from N.
 Decodes both msgpack layouts (array and map). Needs pyzmq and msgpack (imported only here)."""
 

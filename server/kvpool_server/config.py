@@ -120,7 +120,7 @@ class ServerConfig:
     max_event_subscribers: int = setting(
         64, "most open SubscribeEvents streams (they are not counted by --max-streams); more are refused with "
         "RESOURCE_EXHAUSTED", min=1)
-    # KV events on vLLM's ZMQ wire, for llm-d's indexer and Dynamo's router (docs/routing.md; zmq_events/).
+    # KV events on vLLM's ZMQ wire, for llm-d's indexer and Dynamo's router (docs/scale-out.md; zmq_events/).
     kv_events_publish: str = setting(
         "", "publish KV events on vLLM's ZMQ wire: a PUB socket bound to this endpoint, e.g. tcp://127.0.0.1:5557 "
         "or ipc:///run/kvpool/events (empty: off; needs pyzmq and msgpack). A non-loopback endpoint needs --insecure")
@@ -394,7 +394,7 @@ def check_transport(config: ServerConfig) -> None:
             raise TransportError(
                 f"KV event endpoint {endpoint} is reachable from other hosts, and KV events have no "
                 "authentication: anyone there could read every published block's token ids. Use 127.0.0.1 or an "
-                "ipc:// path, or pass --insecure to accept that (docs/routing.md)")
+                "ipc:// path, or pass --insecure to accept that (docs/scale-out.md)")
     if exposed_metrics(config):
         raise TransportError(
             f"--metrics-address {config.metrics_address} is reachable from other hosts, and metrics have no "

@@ -1,4 +1,4 @@
-"""A consumer of kvpool's KV events written to vLLM's contract, not to kvpool's code (docs/routing.md).
+"""A consumer of kvpool's KV events written to vLLM's contract, not to kvpool's code (docs/scale-out.md).
 
 Two decoders of the payload:
 

@@ -1,4 +1,4 @@
-"""KV events on vLLM's ZMQ wire (--kv-events-publish), for llm-d's indexer and Dynamo's router (docs/routing.md).
+"""KV events on vLLM's ZMQ wire (--kv-events-publish), for llm-d's indexer and Dynamo's router (docs/scale-out.md).
 
 A transport-side adapter of the event feed (service/events.py): ``start_publisher(config, guard)`` after the
 service is built, ``publisher.stop()`` at shutdown. pyzmq and msgpack are imported only when the flag is given.

@@ -1,4 +1,4 @@
-"""vLLM's KV-event wire: what kvpool's events become on a ZMQ PUB socket (docs/routing.md).
+"""vLLM's KV-event wire: what kvpool's events become on a ZMQ PUB socket (docs/scale-out.md).
 
 Each message is three frames, as vllm/distributed/kv_events.py's ZmqEventPublisher sends them::
 
