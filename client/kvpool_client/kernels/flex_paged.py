@@ -67,11 +67,14 @@ def paged_block_mask(block_tables: torch.Tensor, seq_lens: torch.Tensor, q_len: 
     q_offset = lens - q_len  # query i sits at position q_offset + i
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        blk = torch.clamp(kv_idx // per_block, max=num_blocks - 1)  # rows past the pool (tile padding): masked
-        off = kv_idx - blk * per_block
+        # int64 throughout: the compiled kernel's indices are int32, the tables int64, and Triton refuses a ternary
+        # (the clamp) whose branches differ ("inconsistent types int64 and int32")
+        kv, q = kv_idx.to(torch.int64), q_idx.to(torch.int64)
+        blk = torch.clamp(kv // per_block, max=num_blocks - 1)  # rows past the pool (tile padding): masked
+        off = kv - blk * per_block
         logical = to_logical[b, blk]
         pos = logical * block_size + off
-        return (off < block_size) & (logical >= 0) & (pos <= q_offset[b] + q_idx)
+        return (off < block_size) & (logical >= 0) & (pos <= q_offset[b] + q)
 
     # the KV tiles that hold any of a sequence's pages (a page may straddle two tiles), sorted, without repeats
     sentinel = (rows + kv_tile - 1) // kv_tile
