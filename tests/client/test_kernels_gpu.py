@@ -61,6 +61,12 @@ def test_kernels_match_the_reference(server_factory, dtype, block_size, dim, kv_
         host_data = _random(rng, (2, *layout.token_shape), dtype)
         pool.write_slots(np.array([3, 4]), host_data)  # host data: pinned staging, synchronous
         assert np.array_equal(pool.read_slots([3, 4]), host_data)
+        wide = _random(rng, (2, layout.num_layers, 2, 2 * layout.num_kv_heads, dim), dtype)
+        pool.write_slots(np.array([5, 6]), wide[:, :, :, ::2])  # host data of any strides: copied, as on a host pool
+        assert np.array_equal(pool.read_slots([5, 6]), wide[:, :, :, ::2])
+        into = np.zeros_like(wide)
+        pool.read_slots([5, 6], out=into[:, :, :, 1::2])  # and into a host ``out`` of any strides
+        assert np.array_equal(into[:, :, :, 1::2], wide[:, :, :, ::2]) and not into[:, :, :, ::2].any()
         pool.check_slot_errors()
 
 

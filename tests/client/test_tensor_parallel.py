@@ -84,7 +84,7 @@ def test_writekv_readkv_and_each_ranks_view(server_factory, n):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 4, 8])  # 8 ranks, 4 heads: each head on two ranks
 def test_ranks_write_their_heads_and_readkv_joins_them(server_factory, n, backend):
     server = tp_server(server_factory, n, backend)
     with KVPoolClient(server.address) as client:
@@ -97,9 +97,13 @@ def test_ranks_write_their_heads_and_readkv_joins_them(server_factory, n, backen
         assert isinstance(group, RankGroup)
         for rank, shard in enumerate(client.describe_pool().shards):  # each rank writes its own heads, nothing more
             assert group.ranks[rank].layout == shard.layout
+            # its heads as a NumPy view (not contiguous): host data of any strides is copied, on either backend
             group.ranks[rank].write_slots(result.slot_mapping, kv[:, :, :, shard.heads.start:shard.heads.stop])
         assert np.array_equal(client.read_kv(seq), kv)
         assert np.array_equal(group.read_slots(result.slot_mapping), kv)
+        for rank, shard in enumerate(client.describe_pool().shards):  # every replica of a head holds it
+            got = group.ranks[rank].read_slots(result.slot_mapping)
+            assert np.array_equal(got, kv[:, :, :, shard.heads.start:shard.heads.stop])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -64,12 +64,16 @@ def test_write_read_round_trip_equals_one_pool(backend: str, layout: KVLayout, n
         assert isinstance(sharded, ShardedPool) and isinstance(sharded, Pool) and sharded.tensor_parallel == n
         assert not isinstance(one, ShardedPool) and one.tensor_parallel == 1
         for pool in (one, sharded):
+            # A new pool holds what its allocation held (zeros in fresh shared memory; after cudaMalloc anything:
+            # an earlier pool's bytes, NaNs): blocks are cleared when they are handed out, as here, not at creation.
+            pool.zero_blocks(np.arange(NUM_BLOCKS))
             pool.write_slots(slots, data)
         assert same(sharded.read_slots(slots), data)
-        assert same(full_pool_tokens(sharded), full_pool_tokens(one))
-        for rank in range(n):  # each rank's own memory holds its heads of every token, nothing else
+        assert same(full_pool_tokens(sharded), full_pool_tokens(one))  # the written slots and nothing else
+        for rank in range(n):  # each rank's own memory holds its heads of every token (both replicas when N > H)
             heads = sharded.rank_shards()[rank].heads
             assert same(shard_tokens(sharded, rank), full_pool_tokens(one)[:, :, :, heads.start:heads.stop])
+            assert same(shard_tokens(sharded, rank)[slots], data[:, :, :, heads.start:heads.stop])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

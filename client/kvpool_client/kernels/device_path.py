@@ -24,7 +24,7 @@ import numpy as np
 from kvpool.layout import KVLayout
 from kvpool_client.errors import InvalidArgumentError
 from kvpool_client.kernels import slot_kernels
-from kvpool_client.kernels.arrays import ACCEPTED_DTYPES, ArrayInfo, describe, is_torch
+from kvpool_client.kernels.arrays import ACCEPTED_DTYPES, ArrayInfo, describe, is_torch, to_numpy
 
 _H2D, _D2H = 1, 2
 
@@ -161,7 +161,9 @@ class DevicePath:
                                        f"{self.layout.dtype} pool, got {info.dtype}")
         if info.device is not None and info.device != self.device:
             raise InvalidArgumentError(f"{name} is on cuda:{info.device}, the pool on cuda:{self.device}")
-        if shape[0] and not info.inner_contiguous(inner):
+        # Device arrays are read in place by the kernel: rows must be contiguous. Host data is copied into pinned
+        # staging anyway, so any strides do (as on a host pool); a host ``out`` is checked in _host_tokens.
+        if shape[0] and info.device is not None and not info.inner_contiguous(inner):
             raise InvalidArgumentError(f"{name}'s last {inner} dimensions must be contiguous (strides "
                                        f"{info.strides}); the first may have any stride")
 
@@ -184,8 +186,6 @@ class DevicePath:
         return self._slots.device.ptr, "int64"
 
     def checked_host_slots(self, slots: Any) -> np.ndarray:
-        from kvpool_client.kernels.arrays import to_numpy  # noqa: PLC0415
-
         arr = to_numpy(slots).reshape(-1)
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
             raise InvalidArgumentError(f"slots must be integers, got {arr.dtype}")
@@ -195,18 +195,15 @@ class DevicePath:
         return arr
 
     def _host_tokens(self, slots: Any, info: ArrayInfo, n: int, to_pool: bool, stream: Any) -> None:
-        """NumPy data <-> pool through pinned staging; synchronous."""
-        data = info.obj
-        if to_pool:
-            data = np.ascontiguousarray(data)
-        elif not data.flags.c_contiguous:
-            raise InvalidArgumentError("a host output array must be C-contiguous")
+        """Host data <-> pool through pinned staging; synchronous. The host array may have any strides: it is
+        copied into (out of) the pinned buffer element-wise, as a host pool's NumPy indexing copies it."""
+        data = to_numpy(info.obj)  # a PyTorch CPU tensor shares its memory (bfloat16 as its uint16 bits)
         nbytes = n * self.layout.token_bytes
         slots_ptr, slot_dtype = self._device_slots(slots, stream)
         self._data.reserve(nbytes)
         staging = self._data.device.ptr
         if to_pool:
-            self._data.host_array(nbytes)[:] = data.reshape(-1).view(np.uint8)
+            self._data.host_array(nbytes).view(data.dtype).reshape(data.shape)[...] = data
             cupy.cuda.runtime.memcpyAsync(staging, self._data.host.ptr, nbytes, _H2D, stream.ptr)
         tb = self.layout.token_bytes
         self._launch(slots_ptr, slot_dtype, n, 2 * self.layout.num_layers, staging, staging + self.row_bytes, tb, tb,
@@ -215,4 +212,4 @@ class DevicePath:
             cupy.cuda.runtime.memcpyAsync(self._data.host.ptr, staging, nbytes, _D2H, stream.ptr)
         stream.synchronize()
         if not to_pool:
-            data.reshape(-1).view(np.uint8)[:] = self._data.host_array(nbytes)
+            data[...] = self._data.host_array(nbytes).view(data.dtype).reshape(data.shape)
