@@ -17,7 +17,7 @@
 #    "stopped" line; 5. removes the containers and the volume (the images stay: KVPOOL_SMOKE_RMI=1 removes them).
 # Every container is on the host network (or none): no traffic goes to the Docker bridge's addresses.
 # Logs and summaries go to KVPOOL_SMOKE_OUT (default out/image-smoke). Settings: KVPOOL_SMOKE_TAG (image tag,
-# default smoke), KVPOOL_SMOKE_BACKEND (host), KVPOOL_SMOKE_POOL_BYTES (64MiB), KVPOOL_SMOKE_COMPLETIONS (100),
+# default smoke), KVPOOL_SMOKE_BACKEND (host), KVPOOL_SMOKE_POOL_BYTES (64MiB, within KVPOOL_SMOKE_SHM_SIZE, 512m), KVPOOL_SMOKE_COMPLETIONS (100),
 # KVPOOL_SMOKE_BUILDKIT (0: the classic builder, which needs no `# syntax=` frontend image from a registry),
 # KVPOOL_SMOKE_NO_BUILD=1 (use the images already tagged).
 set -uo pipefail
@@ -30,6 +30,7 @@ backend=${KVPOOL_SMOKE_BACKEND:-host}
 pool_bytes=${KVPOOL_SMOKE_POOL_BYTES:-64MiB}
 completions=${KVPOOL_SMOKE_COMPLETIONS:-100}
 port=${KVPOOL_SMOKE_PORT:-}
+shm_size=${KVPOOL_SMOKE_SHM_SIZE:-512m}
 name=kvpool-smoke-$$
 server=$name-server
 volume=$name-socket
@@ -72,7 +73,7 @@ address=""
 target=unix:$socket
 if [ -n "$port" ]; then address=127.0.0.1:$port; target=$address; fi
 say "starting $server: backend $backend, pool $pool_bytes, unix:$socket${address:+ and $address}"
-docker run -d --name "$server" --network host --ipc shareable --shm-size 512m --init \
+docker run -d --name "$server" --network host --ipc shareable --shm-size "$shm_size" --init \
     -v "$volume:/run/kvpool" -e "KVPOOL_ADDRESS=$address" -e "KVPOOL_UNIX_SOCKET=$socket" \
     -e "KVPOOL_BACKEND=$backend" -e "KVPOOL_POOL_BYTES=$pool_bytes" "kvpool-server:$tag" > /dev/null \
     || fail "docker run $server"
