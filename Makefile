@@ -18,7 +18,7 @@ BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
 .PHONY: help setup test run bench bench-service bench-engine bench-events soak experiments experiments-prefix experiments-quick proto lint lint-proto buf-breaking \
-	compose-check docker-up docker-down monitoring-up clean
+	compose-check docker-up docker-down monitoring-up image-base image-smoke clean
 
 help:
 	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
@@ -41,6 +41,8 @@ help:
 	@echo "make docker-up          server and load generator under docker compose (GPU host)"
 	@echo "make monitoring-up      the same plus Prometheus and Grafana (--profile monitoring; docs/ops.md)"
 	@echo "make docker-down        stop and remove the compose services and volumes"
+	@echo "make image-base         a local Debian base image (debootstrap + docker import, root) where no registry is reachable"
+	@echo "make image-smoke BASE=  build the images from BASE, run server + load generators (host pool, KV verified), SIGTERM"
 	@echo "make clean              remove .venv and caches"
 
 $(RUN_STAMP): $(RUN_REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
@@ -132,6 +134,15 @@ monitoring-up:
 
 docker-down:
 	COMPOSE_PROFILES=monitoring docker compose -f docker/compose.yaml down -v
+
+# The images built and run for real, outside `make test` (docs/docker.md "Smoke test"). BASE stands in for both of
+# the Dockerfile's bases; empty: its own bases, pulled from Docker Hub. image-base makes IMAGE_BASE with debootstrap.
+IMAGE_BASE ?= local/kvpool-base:bookworm
+image-base:
+	bash scripts/image_base.sh $(IMAGE_BASE)
+
+image-smoke:
+	bash scripts/image_smoke.sh $(BASE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache .mypy_cache
