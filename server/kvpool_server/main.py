@@ -22,7 +22,7 @@ from kvpool_server.log_setup import configure_logging, fatal_line, requested_log
 from kvpool_server.grpc_api.server import ServerHandle, build_server
 from kvpool_server.service.build import StartupError
 from kvpool_server.process import freeze_startup_heap, pin_threads
-from kvpool_server.config import exposed_endpoint, exposed_metrics
+from kvpool_server.config import exposed_endpoint, exposed_metrics, is_loopback
 from kvpool_server.settings import unknown_variables
 from kvpool_server.zmq_events import start_publisher
 
@@ -63,7 +63,7 @@ def serve(config: ServerConfig) -> int:
     # thread: the main thread may hold the core's lock (shutdown), and nothing raised there may end the server.
     signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(
         target=handle.service.reload_tokens, name="kvpool-sighup", daemon=True).start())
-    if config.insecure and config.address:
+    if config.insecure and config.address and not is_loopback(config.address.rsplit(":", 1)[0]):
         logger.warning("--insecure: %s takes calls from other hosts%s", config.address,
                        "" if config.auth_tokens or config.tls_cert else " with no authentication and no TLS")
     if config.insecure and any(map(exposed_endpoint, (config.kv_events_publish, config.kv_events_replay))):
