@@ -217,6 +217,43 @@ def test_a_dead_server_raises_server_gone_at_once(server_factory):
     client._fast_channel.close()
 
 
+def test_a_restarted_server_refuses_the_old_channel_and_its_session(server_factory):
+    """A server restarted on the same socket: the old channel is gone with the old server (ServerGoneError at
+    once), and the old session is refused as an earlier start's (ServerRestartedError) -- nothing of it is applied
+    on the new server."""
+    import tempfile
+
+    from kvpool_client import ServerRestartedError, UnavailableError
+
+    path = os.path.join(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"), "kvpool.sock")
+    first = server_factory(*POOL, "--unix-socket", path)
+    client = KVPoolClient(f"unix:{path}", timeout=30.0)
+    seq = client.register()
+    client.append(seq, 3)
+    assert client.fast_path_open
+    first.kill()
+    server_factory(*POOL, "--unix-socket", path)
+    with pytest.raises(ServerGoneError):
+        client.append(seq, 1)  # the old channel: its server is gone
+    deadline = time.monotonic() + 20
+    while True:  # then over gRPC to the new server, once the channel reconnects: the session is an earlier start's
+        try:
+            client.append(seq, 1)
+            raise AssertionError("the old session's append was applied on the restarted server")
+        except ServerRestartedError:
+            break
+        except UnavailableError:  # gRPC's reconnect backoff after the old server died
+            assert time.monotonic() < deadline, "the client never reached the restarted server"
+            time.sleep(0.2)
+    with KVPoolClient(f"unix:{path}", fast_path=False) as observer:
+        assert observer.stats().num_sequences == 0 and observer.stats().num_tokens == 0
+    assert not client.fast_path_open  # the dead channel was dropped; later calls went over gRPC
+    try:
+        client.close()
+    except KVPoolClientError:  # closing a session of the earlier start: refused, as anything of it is
+        pass
+
+
 def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
