@@ -100,6 +100,8 @@ if [ "$only" = layers ]; then  # issues 19 + 20: the service layer before/after,
             bash -c "for i in 1 2 3; do env $BEFORE taskset -c 2 python3 benchmarks/servicer_step.py --backend $backend; \
                 taskset -c 2 python3 benchmarks/servicer_step.py --backend $backend; done 2>&1 | tee $OUT/servicer_step_$backend.log"
     done
+    step "the fast path's tests on the H200 host (hostile records, crash cases, idle CPU, the 4-process KV-verified run)" \
+        bash -c "set -o pipefail; timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/fastpath 2>&1 | tee $OUT/fastpath_tests.log"
     step "zero_blocks on the H200 (default and Llama-3-8B layouts)" \
         bash -c "set -o pipefail; timeout 120 python3 benchmarks/bench_zero.py --backend gpu 2>&1 | tee $OUT/bench_zero.log"
     step "AppendToken / AppendTokenStream end to end, GPU pool: this tree against the tree before (unix, pinned)" \
