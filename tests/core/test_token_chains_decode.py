@@ -167,3 +167,16 @@ def test_check_invariants_catches_a_corrupted_decode_state(corrupt: str) -> None
         chains.chains[row].header = b""
     with pytest.raises(InvariantViolationError):
         manager.check_invariants()
+
+
+def test_the_partial_array_grows_as_higher_rows_are_tracked() -> None:
+    manager = KVCacheManager(num_blocks=1024, block_size=BS, max_num_seqs=1000)
+    assert manager.chains.partial.shape == (64, BS)  # not max_num_seqs x block_size up front
+    seqs = [manager.register(prompt_token_ids=[i, i]) for i in range(70)]
+    manager.append(seqs, 2, token_ids=[i for i in range(70) for _ in range(2)])
+    children = manager.fork(seqs[-1], 100)
+    manager.append([*seqs, *children], 1, token_ids=list(range(170)))
+    manager.check_invariants()
+    assert manager.chains.partial.shape == (256, BS)
+    assert [manager.chains.partial_tokens(manager.index.row(s)).tolist() for s in (seqs[0], children[-1])] == \
+        [[0, 0, 0], [69, 69, 169]]
