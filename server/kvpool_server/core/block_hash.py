@@ -33,13 +33,18 @@ _U32 = struct.Struct("<I")
 def block_hash(parent_hash: bytes, token_ids: Sequence[int] | np.ndarray, salt: bytes = b"", extra: bytes = b"") -> bytes:
     """The 32-byte hash of one full block whose predecessor hashed to ``parent_hash`` (NONE_HASH for the first)."""
     tokens = np.asarray(token_ids, dtype="<u4")
-    digest = hashlib.sha256(DOMAIN)
-    digest.update(parent_hash)
-    digest.update(_U32.pack(len(salt)) + salt)
-    digest.update(_U32.pack(len(extra)) + extra)
-    digest.update(_U32.pack(tokens.size))
-    digest.update(tokens.tobytes())
-    return digest.digest()
+    return hash_encoded(parent_hash, block_header(salt, extra, tokens.size), tokens.tobytes())
+
+
+def block_header(salt: bytes, extra: bytes, num_tokens: int) -> bytes:
+    """The encoding's bytes between the parent hash and the token ids: salt, extra key, token count (the same for
+    every block of a sequence but its public ones: a hot loop computes them once)."""
+    return _U32.pack(len(salt)) + salt + _U32.pack(len(extra)) + extra + _U32.pack(num_tokens)
+
+
+def hash_encoded(parent_hash: bytes, header: bytes, token_bytes: bytes) -> bytes:
+    """``block_hash`` given the block's ``block_header`` and its token ids as u32le bytes."""
+    return hashlib.sha256(DOMAIN + parent_hash + header + token_bytes).digest()
 
 
 def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: bytes = b"",

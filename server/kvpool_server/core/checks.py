@@ -63,18 +63,8 @@ def check_invariants(manager: KVCacheManager) -> None:
 
 
 def check_chains(manager: KVCacheManager) -> None:
-    """TokenChains' invariants: ``tracked`` marks exactly the chains' rows, all live; a tracked row of n tokens
-    has n // block_size hashes and n % block_size partial tokens."""
-    chains, tables = manager.chains, manager.tables
-    if set(np.flatnonzero(chains.tracked).tolist()) != set(chains.chains):
-        raise InvariantViolationError("TokenChains.tracked does not mark exactly the tracked rows")
-    live = set(tables.rows_in_use().tolist())
-    for row, chain in chains.chains.items():
-        n = tables.num_tokens.item(row)
-        if row not in live or chain.num_hashes != n // tables.block_size or chain.partial.size != n % tables.block_size:
-            raise InvariantViolationError(f"row {row}'s token chain disagrees with its {n} tokens")
-        if len(chain.pending.tokens) != len(chain.pending.hashes):
-            raise InvariantViolationError(f"row {row}'s pending blocks and hashes disagree")
+    """TokenChains' invariants (its class docstring), against the tables."""
+    manager.chains.check_invariants(manager.tables.num_tokens, manager.tables.rows_in_use())
 
 
 def check_tenants(manager: KVCacheManager) -> None:

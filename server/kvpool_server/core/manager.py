@@ -245,21 +245,27 @@ class KVCacheManager:
         """``append`` when token ids are given or some rows are tracked: the plan, then the chains
         (``TokenChains.after_append``: seal the rows' pending blocks, hash their new full ones)."""
         row_array = np.atleast_1d(np.asarray(rows, dtype=np.intp))
-        counts = np.broadcast_to(np.asarray(num_new_tokens, dtype=np.int64), row_array.shape)
-        ids = None if token_ids is None else append_token_ids(token_ids, int(counts.sum()))
+        if token_ids is None:
+            ids = None
+        else:  # one count for all (an int: no array to sum on the decode step), or one per row
+            total = num_new_tokens * row_array.size if num_new_tokens.__class__ is int else int(num_new_tokens.sum())  # type: ignore[union-attr]
+            ids = append_token_ids(token_ids, total)
         lengths = self.tables.num_tokens.take(row_array)
         if self.tenancy:
             plan = self._plan_as(seq_ids, rows, num_new_tokens, tenant)
         else:
             plan = self.tables.plan_append(rows, num_new_tokens)
         ledger = self.tenants
-        salts = [] if ids is None else [ledger.names[t].encode() for t in ledger.tenant_of_row.take(row_array).tolist()]
-        sealed_public = self.chains.after_append(row_array, counts, lengths, ids, self.tables.table,
-                                                 self.allocator.cache, salts)
+        sealed_public = self.chains.after_append(row_array, num_new_tokens, lengths, ids, self.tables.table,
+                                                 self.allocator.cache, self._salt_of_row)
         if self.tenancy:
             for row, block_id in sealed_public:
                 ledger.seal_public(ledger.tenant_of_row.item(row), block_id, self.allocator.ref_count.item(block_id))
         return plan
+
+    def _salt_of_row(self, row: int) -> bytes:
+        """The salt of the blocks of ``row``'s sequence: its tenant's name, UTF-8."""
+        return self.tenants.names[self.tenants.tenant_of_row.item(row)].encode()
 
     def _row(self, seq_id: int, tenant: int | None) -> int:
         """The row of the caller's (``tenant``'s) sequence ``seq_id``, named in its namespace with tenancy on;

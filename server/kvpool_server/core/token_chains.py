@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, block_hash, salt_of
+from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded
+from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 
-EMPTY_TOKENS = np.zeros(0, dtype=np.uint32)
+INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
 
 
-@dataclass(eq=False)  # one object shared by sharers: identity, not value
+@dataclass(eq=False, slots=True)  # one object shared by sharers: identity, not value
 class PendingBlocks:
     """Full blocks hashed but not sealed yet: their hashes and token ids (logical order), and whether they have been
     sealed. A fork's children share their parent's (the same blocks: a full block is never copied on write), so the
@@ -28,21 +30,22 @@ NO_PENDING = PendingBlocks(sealed=True)  # shared by every chain with nothing pe
 
 @dataclass
 class Chain:
-    """One tracked row: how many of its full blocks are sealed and the hash of the last of them (``sealed_hash``,
-    the parent of the next; NONE_HASH when none), its full blocks not yet sealed (``pending``, which its fork's
-    children share), and the token ids of its partly filled last block. Its first ``num_public`` blocks are hashed
-    with PUBLIC_SALT, the others with ``salt`` (the tenant's); all with ``extra`` (the sequence's cache_extra_key).
-    A fork's children copy it: they inherit both. The sealed blocks' own hashes live in the prefix cache (the chain
-    needs only the last), so a copy costs the same at 32,768 tokens as at 16 (a Fork of 4,095 children copies
-    4,095 chains)."""
+    """One tracked row's hashes: how many of its full blocks are sealed and the hash of the last of them
+    (``sealed_hash``, the parent of the next; NONE_HASH when none), and its full blocks not yet sealed
+    (``pending``, which its fork's children share). Its first ``num_public`` blocks are hashed with PUBLIC_SALT, the
+    others with ``salt`` (the tenant's); all with ``extra`` (the sequence's cache_extra_key). A fork's children copy
+    it: they inherit both. The sealed blocks' own hashes live in the prefix cache (the chain needs only the last),
+    so a copy costs the same at 32,768 tokens as at 16 (a Fork of 4,095 children copies 4,095 chains). The tokens
+    of its partly filled last block live in ``TokenChains.partial``."""
 
     salt: bytes
     num_sealed: int = 0
     sealed_hash: bytes = NONE_HASH
     pending: PendingBlocks = NO_PENDING
-    partial: np.ndarray = field(default_factory=lambda: EMPTY_TOKENS)
     extra: bytes = b""
     num_public: int = 0
+    header: bytes = b""  # block_header(salt, extra, block_size): every block's but the public ones'
+    public_header: bytes = b""  # block_header(PUBLIC_SALT, extra, block_size)
 
     @property
     def num_hashes(self) -> int:
@@ -51,13 +54,18 @@ class Chain:
 
     def copy(self) -> Chain:
         """A chain of its own that shares ``pending`` (never appended to once shared: ``_extend`` starts a new
-        one) and ``partial`` (never written, only replaced)."""
-        return Chain(self.salt, self.num_sealed, self.sealed_hash, self.pending, self.partial, self.extra,
-                     self.num_public)
+        one)."""
+        return Chain(self.salt, self.num_sealed, self.sealed_hash, self.pending, self.extra, self.num_public,
+                     self.header, self.public_header)
+
+    def header_of(self, block_index: int) -> bytes:
+        """The ``block_header`` of logical block ``block_index`` (its salt: ``salt_of``)."""
+        return self.public_header if block_index < self.num_public else self.header
 
 
 class TokenChains:
-    """Which rows are tracked (every token they hold came with its id) and, for each, its ``Chain``.
+    """Which rows are tracked (every token they hold came with its id) and, for each, its ``Chain`` and the token
+    ids of its partly filled last block.
 
     Sealing: a full block becomes matchable (``PrefixCache.insert``) only with the *next* call of the sequence that
     filled it -- its next append -- because the caller writes a block's KV after the append that allocated it
@@ -68,95 +76,196 @@ class TokenChains:
     still its next call). ``tracked`` is a bool array over rows so that an append without token ids costs one gather
     and one count while some rows are tracked, and nothing while none are (``num_tracked == 0``).
 
-    Invariants: ``tracked`` marks exactly the rows of ``chains``; a chain of a row with n tokens has hashed
-    ``n // block_size`` blocks (``num_hashes``) and holds ``n % block_size`` partial tokens; it holds the token ids
-    of each pending block (``checks.check_chains``).
+    Arrays, so that a decode step (one token for each of many rows) is a few NumPy calls: ``partial[row, :fill[row]]``
+    holds the row's partial tokens (uint32; ``partial`` has at most max_rows x block_size x 4 bytes: 256 KiB at 4,096
+    rows of 16, grown by doubling as higher rows are tracked), and ``has_pending`` marks the rows whose chain has
+    pending blocks. The step writes every row's token with one fancy-indexed assignment; only the rows that have
+    pending blocks to seal, or whose block it filled (1 in 16 on average), go through Python, one by one -- hashing
+    is per block. An append of several tokens to a row goes through Python too (a prompt: its blocks are hashed).
+
+    Invariants (``check_invariants``): ``tracked`` marks exactly the rows of ``chains``, all live; a tracked row with
+    n tokens has hashed ``n // block_size`` blocks (``num_hashes``) and holds ``fill[row] == n % block_size`` partial
+    tokens; ``has_pending[row]`` is whether its chain has pending blocks; an untracked row has ``fill`` 0 and
+    ``has_pending`` false; a chain holds the token ids of each of its pending blocks, and its ``header`` (and
+    ``public_header``, with a public prefix) is the ``block_header`` of its salt (PUBLIC_SALT) and extra key.
     """
 
     def __init__(self, block_size: int, max_rows: int) -> None:
         self.block_size: int = block_size
+        self.max_rows: int = max_rows
         self.tracked: np.ndarray = np.zeros(max_rows, dtype=bool)
+        self.has_pending: np.ndarray = np.zeros(max_rows, dtype=bool)
+        rows = min(INITIAL_ROWS, max_rows)
+        self.partial: np.ndarray = np.zeros((rows, block_size), dtype=np.uint32)
+        self.fill: np.ndarray = np.zeros(rows, dtype=np.intp)
         self.chains: dict[int, Chain] = {}
 
     @property
     def num_tracked(self) -> int:
         return len(self.chains)
 
+    def partial_tokens(self, row: int) -> np.ndarray:
+        """A copy of the tracked row's partial tokens."""
+        return self.partial[row, : self.fill.item(row)].copy()
+
     def start(self, row: int, salt: bytes, hashes: list[bytes], extra: bytes = b"", num_public: int = 0) -> None:
         """Track ``row``, whose first ``len(hashes)`` full blocks are sealed cached blocks with those hashes."""
+        self._reserve(row + 1)
+        bs = self.block_size
         self.chains[row] = Chain(salt, len(hashes), hashes[-1] if hashes else NONE_HASH, extra=extra,
-                                 num_public=num_public)
+                                 num_public=num_public, header=block_header(salt, extra, bs),
+                                 public_header=block_header(PUBLIC_SALT, extra, bs) if num_public else b"")
         self.tracked[row] = True
 
     def drop(self, rows: list[int]) -> None:
         if self.chains:
             for row in rows:
                 if self.chains.pop(row, None) is not None:
-                    self.tracked[row] = False
+                    self.tracked[row] = self.has_pending[row] = False
+                    self.fill[row] = 0
 
     def fork(self, parent_row: int, child_rows: list[int]) -> None:
         chain = self.chains.get(parent_row)
         if chain is not None:
+            self._reserve(max(child_rows) + 1)
             self.chains.update({row: chain.copy() for row in child_rows})
             self.tracked[child_rows] = True
+            self.has_pending[child_rows] = self.has_pending[parent_row]
+            self.partial[child_rows] = self.partial[parent_row]
+            self.fill[child_rows] = self.fill[parent_row]
 
-    def after_append(self, rows: np.ndarray, counts: np.ndarray, lengths_before: np.ndarray,
+    def after_append(self, rows: np.ndarray, counts: int | np.ndarray, lengths_before: np.ndarray,
                      token_ids: np.ndarray | None, table: np.ndarray, cache: PrefixCache,
-                     salts: list[bytes]) -> list[tuple[int, int]]:
-        """After a successful append to ``rows`` (``counts`` tokens each, ``token_ids`` all of them concatenated in
-        row order, or None): seal the rows' pending blocks, then extend (or start, for an empty row; ``salts`` is
-        each row's salt) or stop tracking them. Returns the (row, block) of each public block it sealed."""
+                     salt_of_row: Callable[[int], bytes]) -> list[tuple[int, int]]:
+        """After a successful append to ``rows`` (``counts`` tokens each: one int for all, or one per row;
+        ``token_ids`` all of them concatenated in row order, or None): seal the rows' pending blocks (in the order
+        of ``rows``), then extend (or start, for an empty row, with the salt ``salt_of_row(row)``) or stop tracking
+        them. Returns the (row, block) of each public block it sealed."""
         public: list[tuple[int, int]] = []
         if token_ids is None:
-            for row in rows[self.tracked.take(rows)].tolist():
-                self._seal(row, table, cache, public)
-                self.drop([row])
+            if self.chains:
+                self._seal(rows[self.has_pending.take(rows)].tolist(), table, cache, public)
+                self.drop(rows[self.tracked.take(rows)].tolist())
             return public
-        ends = np.cumsum(counts)
-        for i, row in enumerate(rows.tolist()):
-            chain = self.chains.get(row)
-            if chain is not None:
-                self._seal(row, table, cache, public)
-            elif lengths_before[i] == 0:
-                chain = self.chains[row] = Chain(salts[i])
-                self.tracked[row] = True
-            else:
-                continue
-            self._extend(chain, token_ids[ends[i] - counts[i] : ends[i]])
+        tracked = self.tracked.take(rows)
+        all_tracked = np.count_nonzero(tracked) == rows.size
+        if not all_tracked:  # start the empty rows; the others stay untracked
+            starting = ~tracked & (lengths_before == 0)
+            for row in rows[starting].tolist():
+                self.start(row, salt_of_row(row), [])
+            tracked |= starting
+        self._seal(rows[self.has_pending.take(rows)].tolist(), table, cache, public)  # untracked rows have none
+        if token_ids.size == rows.size:  # one token per row (every count is >= 1): the decode step
+            if not all_tracked:
+                rows, token_ids = rows[tracked], token_ids[tracked]
+            fill = self.fill.take(rows)
+            self.partial[rows, fill] = token_ids
+            fill += 1
+            self.fill[rows] = fill
+            filled = rows[fill == self.block_size]
+            if filled.size:
+                self.fill[filled] = 0
+                self._hash_filled(filled)
+            return public
+        sizes = np.broadcast_to(counts, rows.shape)
+        ends = np.cumsum(sizes).tolist()
+        for i, (row, is_tracked) in enumerate(zip(rows.tolist(), tracked.tolist())):
+            if is_tracked:
+                self._extend(row, token_ids[ends[i] - sizes.item(i) : ends[i]])
         return public
 
-    def _seal(self, row: int, table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
-        """Insert the row's pending full blocks in the cache; append (row, block) to ``public`` for each public one
-        inserted (the ledger starts counting its references per tenant)."""
-        chain = self.chains[row]
-        pending = chain.pending
-        if not pending.hashes:
-            return
-        parent, first = chain.sealed_hash, chain.num_sealed
-        if not pending.sealed:  # else a sharer (fork parent or child) sealed the same blocks already
-            for k, block_hash_k in enumerate(pending.hashes):
-                i = first + k
-                block_id = int(table[row, i])
-                entry = CachedBlock(block_hash_k, parent, pending.tokens[k], salt_of(i, chain.num_public, chain.salt),
-                                    chain.extra)
-                if cache.insert(block_id, entry) and i < chain.num_public:
-                    public.append((row, block_id))
-                parent = block_hash_k
-            pending.sealed = True
-        chain.num_sealed, chain.sealed_hash = chain.num_hashes, pending.hashes[-1]
-        chain.pending = NO_PENDING
+    def _seal(self, rows: list[int], table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
+        """Insert the pending full blocks of ``rows`` (each has some) in the cache, in order; append (row, block) to
+        ``public`` for each public one inserted (the ledger starts counting its references per tenant)."""
+        chains = self.chains
+        for row in rows:
+            chain = chains[row]
+            pending = chain.pending
+            if not pending.sealed:  # else a sharer (fork parent or child) sealed the same blocks already
+                parent, i, num_public = chain.sealed_hash, chain.num_sealed, chain.num_public
+                for block_hash_i, tokens in zip(pending.hashes, pending.tokens):
+                    block_id = table.item(row, i)
+                    entry = CachedBlock(block_hash_i, parent, tokens, PUBLIC_SALT if i < num_public else chain.salt,
+                                        chain.extra)
+                    if cache.insert(block_id, entry) and i < num_public:
+                        public.append((row, block_id))
+                    parent, i = block_hash_i, i + 1
+                pending.sealed = True
+            chain.num_sealed += len(pending.hashes)
+            chain.sealed_hash = pending.hashes[-1]
+            chain.pending = NO_PENDING
+        if rows:
+            self.has_pending[rows] = False
 
-    def _extend(self, chain: Chain, token_ids: np.ndarray) -> None:
-        """Add ``token_ids`` to the (sealed: nothing pending) chain: its new full blocks become a new ``pending``."""
-        tokens = np.concatenate([chain.partial, token_ids]) if chain.partial.size else token_ids
-        bs, start = self.block_size, 0
-        if tokens.size >= bs:
-            pending, last, i = PendingBlocks(), chain.sealed_hash, chain.num_sealed  # NONE_HASH for block 0
-            while tokens.size - start >= bs:
-                block = tokens[start : start + bs].copy()
-                last = block_hash(last, block, salt_of(i, chain.num_public, chain.salt), chain.extra)
-                pending.hashes.append(last)
-                pending.tokens.append(block)
-                start, i = start + bs, i + 1
-            chain.pending = pending
-        chain.partial = tokens[start:].copy()
+    def _extend(self, row: int, token_ids: np.ndarray) -> None:
+        """Add ``token_ids`` to the (sealed: nothing pending) chain of ``row``: its new full blocks become a new
+        ``pending``, the rest its partial tokens."""
+        bs, fill = self.block_size, self.fill.item(row)
+        if fill + token_ids.size < bs:
+            self.partial[row, fill : fill + token_ids.size] = token_ids
+            self.fill[row] = fill + token_ids.size
+            return
+        tokens = np.concatenate([self.partial[row, :fill], token_ids]) if fill else token_ids
+        num_full = tokens.size // bs
+        self._hash_blocks(row, self.chains[row], tokens[: num_full * bs].reshape(num_full, bs))
+        rest = tokens[num_full * bs :]
+        self.partial[row, : rest.size] = rest
+        self.fill[row] = rest.size
+
+    def _hash_filled(self, rows: np.ndarray) -> None:
+        """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0): one
+        block each, in a tight loop."""
+        chains, partial = self.chains, self.partial
+        for row in rows.tolist():
+            chain = chains[row]
+            block = partial[row].copy()  # the pending block owns its tokens: ``partial`` is overwritten
+            i = chain.num_sealed
+            header = chain.public_header if i < chain.num_public else chain.header
+            chain.pending = PendingBlocks([hash_encoded(chain.sealed_hash, header, block.tobytes())], [block])
+        self.has_pending[rows] = True
+
+    def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray) -> None:
+        """Hash new full blocks (``blocks``: their tokens, one row of block_size each) of the sealed chain of ``row``:
+        they become its ``pending``, each block with a copy of its tokens (its own: a view would keep alive the
+        whole prompt)."""
+        pending, last, i = PendingBlocks(), chain.sealed_hash, chain.num_sealed  # NONE_HASH for block 0
+        for view in blocks:
+            block = view.copy()
+            last = hash_encoded(last, chain.header_of(i), block.tobytes())
+            pending.hashes.append(last)
+            pending.tokens.append(block)
+            i += 1
+        chain.pending = pending
+        self.has_pending[row] = True
+
+    def _reserve(self, num_rows: int) -> None:
+        """Make ``partial`` and ``fill`` hold ``num_rows`` rows at least: double them (max_rows at most)."""
+        old = new = self.fill.size
+        if num_rows <= old:
+            return
+        while new < num_rows:
+            new *= 2
+        new = min(new, self.max_rows)
+        partial, fill = np.zeros((new, self.block_size), dtype=np.uint32), np.zeros(new, dtype=np.intp)
+        partial[:old], fill[:old] = self.partial, self.fill
+        self.partial, self.fill = partial, fill
+
+    def check_invariants(self, num_tokens: np.ndarray, live_rows: np.ndarray) -> None:
+        """The class docstring's invariants, given the tables' token counts and the rows in use."""
+        if set(np.flatnonzero(self.tracked).tolist()) != set(self.chains):
+            raise InvariantViolationError("TokenChains.tracked does not mark exactly the tracked rows")
+        untracked = np.flatnonzero(~self.tracked)
+        if self.has_pending[untracked].any() or self.fill[untracked[untracked < self.fill.size]].any():
+            raise InvariantViolationError("an untracked row has pending blocks or partial tokens")
+        live, bs = set(live_rows.tolist()), self.block_size
+        for row, chain in self.chains.items():
+            n = num_tokens.item(row)
+            if row not in live or chain.num_hashes != n // bs or self.fill.item(row) != n % bs:
+                raise InvariantViolationError(f"row {row}'s token chain disagrees with its {n} tokens")
+            if self.has_pending.item(row) != bool(chain.pending.hashes):  # not ``is NO_PENDING``: a deep copy's check
+                raise InvariantViolationError(f"row {row}'s has_pending disagrees with its chain")
+            if len(chain.pending.tokens) != len(chain.pending.hashes):
+                raise InvariantViolationError(f"row {row}'s pending blocks and hashes disagree")
+            if chain.header != block_header(chain.salt, chain.extra, bs) or (
+                    chain.num_public and chain.public_header != block_header(PUBLIC_SALT, chain.extra, bs)):
+                raise InvariantViolationError(f"row {row}'s block headers disagree with its salt and extra key")
