@@ -37,9 +37,16 @@ class HostTier:
     an allocation evicts it, ``spill`` sets ``must_wait`` and the service waits for that copy before anything
     writes into the block.
 
+    Offload on eviction (``offload_on_evict``, the default): what ``spill`` stages is copied by the evicting call,
+    under the service's lock. With a write-back thread the service turns it off: an eviction of a block whose hash
+    the tier does not hold (no write-back got there first) drops it from the tier (a later miss) instead of
+    copying it under the lock; ``spill`` then stages nothing.
+
     A restore (``tier_restore.stage``) ``pin``-s the committed slots it reads (off the LRU, so the evictions its
     own allocation causes cannot take them), and ``unpin``-s them after the copy; a failed restore ``fence``-s
-    them (dropped: their content is not trusted any more).
+    them (dropped: their content is not trusted any more). The copy runs with the service's lock released:
+    ``restoring`` holds each staged restore's pool references (its chain) until ``tier_restore.finish``; a pinned
+    slot is never staged by a second restore (that one stops its walk there: a miss).
 
     Events (into the cache's pending list, ``events``): BlockStored(medium "CPU") when a slot is committed;
     BlockRemoved only when the last copy of a hash goes -- medium "CPU" when a slot is dropped while the pool holds
@@ -54,7 +61,8 @@ class HostTier:
       - every ready slot (below ``num_ready``) is exactly one of free (``free``), pending (an offload not confirmed: ``pending_hashes``) or
         committed (``slot_of_hash``); ``entries`` holds the pending and committed slots' content;
       - a hash is in at most one slot (committed or pending), and every entry's hash matches its content chain;
-      - ``lru`` and ``pinned`` split the committed slots (disjoint);
+      - ``lru`` and ``pinned`` split the committed slots (disjoint); the pinned slots are exactly those of the
+        restores in flight (``restoring``), each pinned by one of them;
       - ``staged`` is empty between calls (the service runs every offload before the call returns), and so is
         ``must_wait``; between calls the pending slots are exactly the in-flight write-backs' (``inflight``), each
         of a block still cached in the pool under its slot's hash (an eviction of one waits for its copy).
@@ -72,6 +80,10 @@ class HostTier:
         self.pending_hashes: dict[bytes, int] = {}  # slots whose offload is not confirmed yet
         self.lru: OrderedDict[int, None] = OrderedDict()  # committed, unpinned slots, oldest first
         self.pinned: set[int] = set()  # committed slots a restore reads
+        self.offload_on_evict: bool = True  # False: an eviction the tier holds no copy of drops it (no copy)
+        # key -> (its pinned slots, its pool references: the chain) of each restore staged and not finished
+        self.restoring: dict[int, tuple[list[int], np.ndarray]] = {}
+        self.next_restore_key: int = 0
         self.staged: list[tuple[int, int]] = []  # (pool block, host slot) offloads to run
         self.inflight: dict[int, int] = {}  # pool block -> host slot: a write-back copying it (the slot pending)
         self.must_wait: bool = False  # a block of an in-flight write-back was evicted: wait for it before writing
@@ -112,6 +124,9 @@ class HostTier:
             if h in self.pending_hashes:
                 if block_id in self.inflight:  # its write-back reads it: it must complete before anyone writes
                     self.must_wait = True
+                continue
+            if not self.offload_on_evict:  # no copy on the evicting call's path: the tier does not keep it
+                gone.append(h)
                 continue
             slot = self._take_slot(dropped)
             if slot is None:
@@ -263,6 +278,9 @@ class HostTier:
                 raise InvariantViolationError(f"host slot {slot}'s hash does not match its content chain")
         if set(self.lru) & self.pinned or set(self.lru) | self.pinned != committed:
             raise InvariantViolationError("the host LRU and the pinned slots do not split the committed slots")
+        restoring = [slot for slots, _ in self.restoring.values() for slot in slots]
+        if len(restoring) != len(set(restoring)) or set(restoring) != self.pinned:
+            raise InvariantViolationError("the pinned slots are not exactly the in-flight restores', each once")
         if self.staged or self.must_wait:
             raise InvariantViolationError(f"{len(self.staged)} offloads are staged between calls (or one is waited for)")
         if set(self.inflight.values()) != pending:
