@@ -16,7 +16,9 @@ wait on the completion event). Medians of ``--repeats`` calls.
 ``append``: the decode step's latency (AppendToken of ``--decode-seqs`` sequences, one token each, in-process
 through the service) while another thread churns prompts with token ids through the same pool, so that cached
 blocks are evicted all the time: with the host tier (offloads and write-backs running flat out) against the same
-churn without it. p50 / p99 of each; the target is p99 with the tier <= 1.1x without.
+churn without it. p50 / p99 of each; the target is p99 with the tier <= 1.1x without. ``--churn-prompts N``: the
+churn cycles over N prompts (recurring: they come back from the tier, so restores run beside the offloads; 0, the
+default: every prompt is new).
 
 ``hitrate``: the core alone (no copies): a shared-prefix workload whose prompts need ``--pressure`` times the pool
 (prompts of ``--prompt-blocks`` blocks drawn uniformly from ``--num-prompts``), the token hit rate of a pool of
@@ -106,8 +108,9 @@ def bench_copies(backend: str, layout: KVLayout, repeats: int) -> None:
                           f"{gbs / base_gbs:>6.2f} {statistics.median(cpus) / n * 1e9:>13.0f}")
 
 
-def append_latency(backend: str, layout: KVLayout, tier_blocks: int, args: argparse.Namespace) -> tuple[float, float, int]:
-    """(p50 us, p99 us, blocks offloaded) of the decode step under churn (see the module docstring)."""
+def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
+                   args: argparse.Namespace) -> tuple[float, float, int, int]:
+    """(p50 us, p99 us, blocks offloaded, blocks restored) of the decode step under churn (see the module docstring)."""
     import threading
 
     from kvpool_server.config import ServerConfig
@@ -134,7 +137,8 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int, args: argpa
         def churn() -> None:
             bs, n = layout.block_size, 0
             while not stop.is_set():
-                prompt = [(n * 7919 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
+                k = n % args.churn_prompts if args.churn_prompts else n
+                prompt = [(k * 7919 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
                 n += 1
                 with scope.call("RegisterSequence") as call:
                     seq, cached = svc.register(call, prompt_token_ids=prompt)
@@ -158,7 +162,7 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int, args: argpa
         with scope.call("Stats") as call:
             stats, _ = svc.stats(call)
         return (float(np.percentile(times, 50)) * 1e6, float(np.percentile(times, 99)) * 1e6,
-                stats.host_tier_blocks_offloaded)
+                stats.host_tier_blocks_offloaded, stats.host_tier_blocks_restored)
     finally:
         svc.guard.pool.close()
 
@@ -169,8 +173,8 @@ def bench_append(backend: str, layout: KVLayout, args: argparse.Namespace) -> No
     results = {}
     for name, tier_blocks in (("without the tier", 0), ("with the tier", 64 * args.prompt_blocks)):
         results[name] = append_latency(backend, layout, tier_blocks, args)
-        p50, p99, offloaded = results[name]
-        print(f"  {name:<17} p50 {p50:8.1f} us   p99 {p99:8.1f} us   blocks offloaded {offloaded}")
+        p50, p99, offloaded, restored = results[name]
+        print(f"  {name:<17} p50 {p50:8.1f} us   p99 {p99:8.1f} us   blocks offloaded {offloaded}   restored {restored}")
     print(f"  p99 with / without: {results['with the tier'][1] / results['without the tier'][1]:.2f} (target <= 1.1)")
 
 
@@ -222,6 +226,7 @@ def main() -> None:
     parser.add_argument("--pressure", type=float, default=4.0)
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=500)
+    parser.add_argument("--churn-prompts", type=int, default=0)
     args = parser.parse_args()
     layout = LLAMA if args.backend == "gpu" else SMALL
     if "copies" in args.sections:

@@ -17,6 +17,7 @@ from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
 from tests.service.service_helpers import BLOCK_SIZE
 from tests.service.test_service_host_tier import (
+    InFlight,
     PROMPT_BLOCKS,
     check,
     evict_everything,
@@ -137,3 +138,35 @@ def test_a_register_refused_after_its_restore_still_settles_it(tiered) -> None:
     assert len(manager.allocator.cache.match(hashes_of(svc, 0))) == PROMPT_BLOCKS  # restored, settled: cached
     seq, cached = prefill(svc, scope, prompt_of(0), tag=99)
     assert cached == FULL and read(svc, scope, seq, FULL) == first_kv
+
+
+def test_with_the_write_back_on_an_eviction_never_waits_and_never_copies_under_the_lock(tiered) -> None:
+    """An eviction the write-back did not reach drops the block (a miss later); one of a block whose write-back is
+    in flight does not wait for it: that slot is torn, aborted when the write-back settles, never matchable."""
+    svc, scope = tiered
+    assert svc.tier is not None
+    tier = svc.tier.tier
+    tier.offload_on_evict = False  # what start_writeback sets (the thread itself is not started: the test drives it)
+    seq, _ = prefill(svc, scope, prompt_of(0), tag=0)
+    free(svc, scope, seq)
+    seq, _ = prefill(svc, scope, prompt_of(1), tag=1)
+    free(svc, scope, seq)
+    with svc.guard.lock:  # prompt 0's and 1's blocks: a write-back queued, its copy not run yet
+        cache = svc.guard.manager.allocator.cache
+        pairs = tier.plan_writeback(cache.evictable, cache.entries, PROMPT_BLOCKS)
+        assert len(pairs) == PROMPT_BLOCKS
+        svc.tier.writebacks.append((InFlight(svc.tier.memory, pairs), pairs))
+    copies = []
+    offload = svc.tier.memory.offload_blocks
+    svc.tier.memory.offload_blocks = lambda p: copies.append(p) or offload(p)  # type: ignore[method-assign]
+    evict_everything(svc, scope, first=2)  # evicts prompts 0 and 1 (and more): no copy, no wait
+    assert not copies and tier.torn == set(pairs[:, 1].tolist())
+    check(svc)  # between calls: the torn slots are pending, their blocks gone from the pool
+    with svc.guard.lock:
+        svc.tier.finish_writebacks(wait=True)  # the write-back settles: its copy (of overwritten blocks) is dropped
+    assert not tier.torn and tier.num_offloaded == 0 and tier.num_offload_failed == 0
+    for i in (0, 1):
+        seq, cached = prefill(svc, scope, prompt_of(i), tag=99)
+        assert cached == 0  # a miss: neither the evicted blocks nor the torn copies are ever served
+        free(svc, scope, seq)
+    check(svc)
