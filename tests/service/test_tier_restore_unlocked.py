@@ -170,3 +170,25 @@ def test_with_the_write_back_on_an_eviction_never_waits_and_never_copies_under_t
         assert cached == 0  # a miss: neither the evicted blocks nor the torn copies are ever served
         free(svc, scope, seq)
     check(svc)
+
+
+def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(tiered) -> None:
+    """The guard's before_apply (``TierCopies.settle``) commits a completed write-back before the call's own
+    evictions: its blocks are kept (not torn) and come back with their KV."""
+    svc, scope = tiered
+    assert svc.tier is not None
+    tier, full = svc.tier.tier, PROMPT_BLOCKS * BLOCK_SIZE
+    tier.offload_on_evict = False
+    seq, _ = prefill(svc, scope, prompt_of(0), tag=0)
+    first_kv = read(svc, scope, seq, full)
+    free(svc, scope, seq)
+    with svc.guard.lock:  # a write-back whose copy completed, not settled yet (its thread has not re-taken the lock)
+        cache = svc.guard.manager.allocator.cache
+        pairs = tier.plan_writeback(cache.evictable, cache.entries, PROMPT_BLOCKS)
+        svc.tier.writebacks.append((svc.tier.memory.start_offload(pairs), pairs))
+    assert svc.guard.before_apply == svc.tier.settle  # before every guarded call; a restore's staging settles too
+    evict_everything(svc, scope)
+    assert tier.num_torn == 0 and tier.num_written_back == PROMPT_BLOCKS
+    seq, cached = prefill(svc, scope, prompt_of(0), tag=99)
+    assert cached == full and read(svc, scope, seq, full) == first_kv
+    check(svc)

@@ -92,6 +92,7 @@ class HostTier:
         self.must_wait: bool = False  # a block of an in-flight write-back was evicted: wait for it before writing
         self.torn: set[int] = set()  # slots of in-flight write-backs whose block was evicted meanwhile: to abort
         self.num_written_back: int = 0
+        self.num_torn: int = 0  # write-back blocks an eviction overtook (aborted, not a failure)
         self.gpu_index: dict[bytes, int] = {}  # the pool's prefix cache's block_of_hash (PrefixCache.attach_tier)
         self.events: list | None = None  # the cache's pending event list, when a KVEventLog is attached
         self.num_offloaded: int = 0  # committed offloads
@@ -233,6 +234,7 @@ class HostTier:
             (torn if slot in self.torn else slots).append(slot)
         self.torn.difference_update(torn)
         if torn:
+            self.num_torn += len(torn)
             self.abort(torn, failed=False)  # their block was evicted while the copy read it: the bytes may be torn
         if ok:
             self.commit(slots)

@@ -23,9 +23,10 @@ evictable blocks next in line into the tier ahead of need, at most that many blo
 under the lock it plans (``HostTier.plan_writeback``) and queues the copy; it waits for the copy *outside* the
 lock; under the lock again it commits. An allocation then evicts blocks whose content the tier already holds, and
 its call copies nothing. With the write-back on, an eviction the write-back did not reach first is dropped from the
-tier (``HostTier.offload_on_evict`` off: a later miss) rather than copied under the lock. If a call evicts a block
-whose write-back is still in flight, ``flush`` waits for that copy (under the lock: rare, the allocation overtook
-the write-back) before anything writes into the block. The events of a write-back (BlockStored "CPU", a
+tier (``HostTier.offload_on_evict`` off: a later miss) rather than copied under the lock, and an eviction of a
+block whose write-back is still in flight tears that slot (aborted when the batch settles) rather than wait;
+``settle`` (the guard's ``before_apply``) commits the completed write-backs before each call, so that few are torn.
+With offload on eviction (write-back driven by hand), ``flush`` waits for such a copy instead. The events of a write-back (BlockStored "CPU", a
 BlockRemoved of a dropped slot) are published with the next call's batch. Without the write-back (0), offloads run
 on eviction and hold the lock across their copy: with 2 MiB blocks ~50 us a block at host-link speed.
 """
@@ -97,6 +98,7 @@ class TierCopies:
         lock, in the hold of the register whose match then finds the blocks. None: nothing to restore."""
         with guard.lock:
             guard.fence(caller, session_id)
+            self.settle()
             staged = self.manager.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key)
             self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
         if staged is None:
@@ -155,6 +157,12 @@ class TierCopies:
         with lock:
             self.finish_writebacks(wait=False)
         return len(pairs)
+
+    def settle(self) -> None:
+        """Before a call that may evict (the guard's ``before_apply``; under the lock): commit the write-backs
+        whose copy completed, so that an eviction finds their blocks in the tier (not torn: a torn slot is lost)."""
+        if self.writebacks:
+            self.finish_writebacks(wait=False)
 
     def finish_writebacks(self, wait: bool) -> None:
         """Settle the write-backs that completed (all of them, waiting, with ``wait``); under the lock."""
