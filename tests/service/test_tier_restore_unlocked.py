@@ -185,7 +185,9 @@ def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(
     with svc.guard.lock:  # a write-back whose copy completed, not settled yet (its thread has not re-taken the lock)
         cache = svc.guard.manager.allocator.cache
         pairs = tier.plan_writeback(cache.evictable, cache.entries, PROMPT_BLOCKS)
-        svc.tier.writebacks.append((svc.tier.memory.start_offload(pairs), pairs))
+        ticket = svc.tier.memory.start_offload(pairs)
+        assert ticket.wait()  # the copy completed (what the write-back thread waits for, outside the lock)
+        svc.tier.writebacks.append((ticket, pairs))
     assert svc.guard.before_apply == svc.tier.settle  # before every guarded call; a restore's staging settles too
     evict_everything(svc, scope)
     assert tier.num_torn == 0 and tier.num_written_back == PROMPT_BLOCKS
