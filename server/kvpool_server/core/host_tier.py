@@ -132,6 +132,8 @@ class HostTier:
                         self.must_wait = True
                     else:  # or, rather than wait under the lock, its slot is never trusted
                         self.torn.add(self.inflight[block_id])
+                if self.pending_hashes[h] in self.torn:  # never to be committed: the pool's copy was the last
+                    gone.append(h)
                 continue
             if not self.offload_on_evict:  # no copy on the evicting call's path: the tier does not keep it
                 gone.append(h)
@@ -183,8 +185,9 @@ class HostTier:
         self.num_offloaded += len(slots)
 
     def abort(self, slots: list[int], failed: bool = True) -> None:
-        """The offloads into ``slots`` failed (or, not ``failed``, were overtaken by an eviction): the slots are
-        free, their content lost (BlockRemoved, the pool's medium, for each hash the pool no longer holds)."""
+        """The offloads into ``slots`` failed: the slots are free, their content lost (BlockRemoved, the pool's
+        medium, for each hash the pool no longer holds). Not ``failed``: torn write-backs, whose hashes' removal
+        ``spill`` said already (as the eviction's)."""
         gone = []
         for slot in slots:
             h = self.entries.pop(slot).block_hash
@@ -192,7 +195,7 @@ class HostTier:
             self.free.append(slot)
             if h not in self.gpu_index:
                 gone.append(h)
-        if gone and self.events is not None:
+        if gone and failed and self.events is not None:
             self.events.append(BlockRemoved(tuple(gone)))
         if failed:
             self.num_offload_failed += len(slots)
