@@ -109,6 +109,10 @@ class TierCopies:
             restoring.ok = True
         except Exception as exc:
             logger.warning("host tier: a restore of %d blocks failed (%s): a miss", len(staged.pairs), exc)
+        except BaseException:  # interrupted: nothing may stay staged
+            with guard.lock:
+                self.finish_restore(restoring)
+            raise
         return restoring
 
     def finish_restore(self, restoring: Restoring | None) -> int:
