@@ -16,7 +16,11 @@ wait on the completion event). Medians of ``--repeats`` calls.
 ``append``: the decode step's latency (AppendToken of ``--decode-seqs`` sequences, one token each, in-process
 through the service) while another thread churns prompts with token ids through the same pool, so that cached
 blocks are evicted all the time: with the host tier (offloads and write-backs running flat out) against the same
-churn without it. p50 / p99 of each; the target is p99 with the tier <= 1.1x without.
+churn without it. p50 / p99 of each; the target is p99 with the tier <= 1.1x without. ``--churn-prompts N``: the
+churn cycles over N prompts (recurring: they come back from the tier, so restores run beside the offloads; 0, the
+default: every prompt is new). Beside them, for the run with the tier: the guard's lock holds (p99 and max, every
+thread's), how many write-back blocks an eviction overtook (dropped), and how many blocks a call copied (offloaded or restored) while holding the lock (the write-back's copies
+are not counted: on the GPU they are only queued under the lock; the host backend copies them at once).
 
 ``hitrate``: the core alone (no copies): a shared-prefix workload whose prompts need ``--pressure`` times the pool
 (prompts of ``--prompt-blocks`` blocks drawn uniformly from ``--num-prompts``), the token hit rate of a pool of
@@ -106,8 +110,43 @@ def bench_copies(backend: str, layout: KVLayout, repeats: int) -> None:
                           f"{gbs / base_gbs:>6.2f} {statistics.median(cpus) / n * 1e9:>13.0f}")
 
 
-def append_latency(backend: str, layout: KVLayout, tier_blocks: int, args: argparse.Namespace) -> tuple[float, float, int]:
-    """(p50 us, p99 us, blocks offloaded) of the decode step under churn (see the module docstring)."""
+class TimedLock:
+    """The guard's lock, instrumented: how long each hold lasted, and which thread holds it now."""
+
+    def __init__(self, lock) -> None:  # type: ignore[no-untyped-def]
+        self.lock, self.owner, self.holds, self.t0 = lock, 0, [], 0.0
+
+    def __enter__(self) -> TimedLock:
+        import threading
+
+        self.lock.acquire()
+        self.owner, self.t0 = threading.get_ident(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.holds.append(time.perf_counter() - self.t0)
+        self.owner = 0
+        self.lock.release()
+
+
+def count_locked_copies(memory, lock: TimedLock, counted: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Wrap the tier's copies: ``counted[0]`` += the blocks each copies while its thread holds ``lock``."""
+    import threading
+
+    for name in ("offload_blocks", "restore_blocks"):  # a write-back's start_offload only queues its copy (GPU)
+        copy = getattr(memory, name)
+
+        def counting(pairs, copy=copy):  # type: ignore[no-untyped-def]
+            if lock.owner == threading.get_ident():
+                counted[0] += len(pairs)
+            return copy(pairs)
+
+        setattr(memory, name, counting)
+
+
+def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
+                   args: argparse.Namespace) -> tuple[float, float, int, int, list[float], int, int]:
+    """(p50 us, p99 us, blocks offloaded, blocks restored, lock holds s, blocks copied under the lock) of the decode step under churn (see the module docstring)."""
     import threading
 
     from kvpool_server.config import ServerConfig
@@ -123,8 +162,15 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int, args: argpa
     svc, admission = build_service(config)
     scope = CallScope(admission, None, None)
     try:
+        lock, copied_locked = TimedLock(svc.guard.lock), [0]
+        svc.guard.lock = lock  # type: ignore[assignment]
         if svc.tier is not None:
             assert svc.tier.memory.wait_ready(600)
+            svc.tier.stop()  # restarted with the instrumented lock
+            svc.tier._stop.clear()
+            if config.host_tier_writeback_blocks:
+                svc.tier.start_writeback(lock, config.host_tier_writeback_blocks)
+            count_locked_copies(svc.tier.memory, lock, copied_locked)
         ids = []
         for _ in range(args.decode_seqs):
             with scope.call("RegisterSequence") as call:
@@ -134,7 +180,8 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int, args: argpa
         def churn() -> None:
             bs, n = layout.block_size, 0
             while not stop.is_set():
-                prompt = [(n * 7919 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
+                k = n % args.churn_prompts if args.churn_prompts else n
+                prompt = [(k * 7919 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
                 n += 1
                 with scope.call("RegisterSequence") as call:
                     seq, cached = svc.register(call, prompt_token_ids=prompt)
@@ -158,7 +205,8 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int, args: argpa
         with scope.call("Stats") as call:
             stats, _ = svc.stats(call)
         return (float(np.percentile(times, 50)) * 1e6, float(np.percentile(times, 99)) * 1e6,
-                stats.host_tier_blocks_offloaded)
+                stats.host_tier_blocks_offloaded, stats.host_tier_blocks_restored, lock.holds, copied_locked[0],
+                getattr(svc.guard.manager.host_tier, "num_torn", 0))
     finally:
         svc.guard.pool.close()
 
@@ -169,8 +217,10 @@ def bench_append(backend: str, layout: KVLayout, args: argparse.Namespace) -> No
     results = {}
     for name, tier_blocks in (("without the tier", 0), ("with the tier", 64 * args.prompt_blocks)):
         results[name] = append_latency(backend, layout, tier_blocks, args)
-        p50, p99, offloaded = results[name]
-        print(f"  {name:<17} p50 {p50:8.1f} us   p99 {p99:8.1f} us   blocks offloaded {offloaded}")
+        p50, p99, offloaded, restored, holds, locked, torn = results[name]
+        print(f"  {name:<17} p50 {p50:8.1f} us   p99 {p99:8.1f} us   blocks offloaded {offloaded}   restored {restored}")
+        print(f"  {'':<17} lock holds p99 {np.percentile(holds, 99) * 1e6:8.1f} us   max {max(holds) * 1e6:8.1f} us   "
+              f"blocks copied under the lock {locked}   write-backs overtaken {torn}")
     print(f"  p99 with / without: {results['with the tier'][1] / results['without the tier'][1]:.2f} (target <= 1.1)")
 
 
@@ -222,6 +272,7 @@ def main() -> None:
     parser.add_argument("--pressure", type=float, default=4.0)
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=500)
+    parser.add_argument("--churn-prompts", type=int, default=0)
     args = parser.parse_args()
     layout = LLAMA if args.backend == "gpu" else SMALL
     if "copies" in args.sections:

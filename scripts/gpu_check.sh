@@ -68,9 +68,12 @@ if [ "$only" = tier ]; then  # issue 23: the prefix cache's host tier (pinned ho
     step "GPU tests of the host tier (GpuTierPool round trips, write-back tickets, failure hook; the service's and the
           loadgen's tier tests over a GPU pool: restores read back the same KV, failed copies are misses)" \
         bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs -s \
-            tests/device/test_tier_pool.py tests/service/test_service_host_tier.py tests/loadgen/test_loadgen_host_tier.py 2>&1 | tee $OUT/tier_tests.log"
+            tests/device/test_tier_pool.py tests/service/test_service_host_tier.py tests/service/test_tier_restore_unlocked.py \
+            tests/loadgen/test_loadgen_host_tier.py 2>&1 | tee $OUT/tier_tests.log"
     step "offload / restore GB/s against a plain pinned memcpy, Llama-3-8B layout (2 MiB blocks); AppendToken p50/p99 under churn with / without the tier; hit rates" \
         bash -c "set -o pipefail; timeout ${T_BENCH:-300} python3 benchmarks/bench_tier.py --backend gpu 2>&1 | tee $OUT/bench_tier.log"
+    step "AppendToken p50/p99 under churn of 24 recurring prompts (restores from the tier beside the offloads)" \
+        bash -c "set -o pipefail; timeout ${T_BENCH:-300} python3 benchmarks/bench_tier.py --backend gpu --sections append --churn-prompts 24 2>&1 | tee $OUT/bench_tier_restores.log"
     tier_loadgen() {  # name, server args: a GPU server (8 MiB pool: 1,024 blocks of 16 tokens), loadgen over CUDA IPC,
                       # KV verified; 32 shared prompts of 2,000 tokens = 4,000 blocks, 4x the pool
         name=$1; shift; sock=/tmp/kvp-tier-$name.sock; rm -f $sock

@@ -1,7 +1,10 @@
 """The model-based test of test_stateful.py with a host tier (docs/prefix-caching.md, "The host tier"): evicted
 cached blocks are offloaded into a small tier (so its own LRU drops blocks too), prompts are restored from it before
 ``register``, blocks are written back ahead (their copy running later, or when an eviction waits for it), and
-copies fail on demand (an offload aborted, a restore cut short halfway and fenced). Every step
+copies fail on demand (an offload aborted, a restore cut short halfway and fenced). The service may turn offload
+on eviction off (its write-back thread: an eviction drops the block, or tears an in-flight write-back's slot), and
+a restore's copy runs with the lock released: between its staging and its finish, write-backs run, a second
+staging of the same prompt takes nothing, and the invariants hold (the staging's references counted). Every step
 still checks that each sequence reads back exactly its own tokens, the invariants (the tier's included), and that an
 event consumer's index equals what the two tiers hold."""
 
@@ -41,6 +44,7 @@ class TieredMachine(ManagerMachine):
     def flush(self) -> None:
         tier = self.manager.host_tier
         assert tier is not None
+        assert tier.offload_on_evict or not (tier.must_wait or tier.staged)  # no copy on an eviction's path
         if tier.must_wait:  # an evicted block's write-back must be copied before anything writes into it
             self.finish_writebacks()
             tier.must_wait = False
@@ -92,6 +96,13 @@ class TieredMachine(ManagerMachine):
         self.finish_writebacks()
 
     @rule()
+    def stop_offloading_on_eviction(self):
+        """The service's write-back thread starts: evictions copy nothing any more."""
+        tier = self.manager.host_tier
+        assert tier is not None
+        tier.offload_on_evict = False
+
+    @rule()
     def fail_the_next_copy(self):
         self.fail_next = True
 
@@ -116,14 +127,21 @@ class TieredMachine(ManagerMachine):
             self.model.free(s)
         self.freed.extend(new)
 
-    @rule(data=st.data(), variant=st.integers(0, 1), length=st.integers(1, 14))
-    def register_with_prefix(self, data, variant, length):
-        """Restore the prompt's tier blocks (or fail halfway), then register and append as the plain machine."""
+    @rule(data=st.data(), variant=st.integers(0, 1), length=st.integers(1, 14), meanwhile=st.booleans())
+    def register_with_prefix(self, data, variant, length, meanwhile=False):
+        """Restore the prompt's tier blocks (or fail halfway), then register and append as the plain machine.
+        ``meanwhile``: while the restore copies (the lock released), a write-back batch runs and the same prompt's
+        staging is tried again."""
         if len(self.model.tags) >= 12:
             return
         prompt = [p if p < 6 else 100 * variant + p for p in range(length)]
         staged = self.manager.stage_restore(None, prompt)
         self.flush()
+        if staged is not None and meanwhile:
+            self.manager.check_invariants()  # the staging's references and pinned slots are accounted for
+            assert self.manager.stage_restore(None, prompt) is None  # its slots are pinned: nothing taken
+            self.start_writeback(2)
+            self.finish_writebacks()
         if staged is not None:
             ok = not self.fail_next
             self.fail_next = False

@@ -43,7 +43,8 @@ def check_invariants(manager: KVCacheManager) -> None:
     """Raise InvariantViolationError naming the first broken invariant of the manager, its index, its tables or
     their allocator (each written in the docstring of the class that keeps it)."""
     manager.index.check_invariants()
-    check_block_tables(manager.tables)
+    tier = manager.host_tier
+    check_block_tables(manager.tables, [chain for _, chain in tier.restoring.values()] if tier is not None else [])
     live = manager.index.live_rows()
     detached = np.array(sorted(manager.detached_rows), dtype=live.dtype)
     indexed = np.sort(np.concatenate([live, detached]))
@@ -108,9 +109,9 @@ def check_ownership(manager: KVCacheManager) -> None:
         raise InvariantViolationError(f"sequences {dead[:8]} belong to a session but are not live")
 
 
-def check_block_tables(tables: BlockTables) -> None:
+def check_block_tables(tables: BlockTables, held_elsewhere: list[np.ndarray] | None = None) -> None:
     """Raise InvariantViolationError naming the first broken invariant of the tables or their allocator (see the
-    BlockTables docstring)."""
+    BlockTables docstring). ``held_elsewhere``: references no table holds (the host tier's restores in flight)."""
     tables.allocator.check_invariants()
     free, bs = tables.free_rows(), tables.block_size
     if len(set(free)) != len(free):
@@ -137,6 +138,8 @@ def check_block_tables(tables: BlockTables) -> None:
         bad = rows[partial][tables.next_slot[rows[partial]] != expected_next][:8]
         raise InvariantViolationError(f"next_slot disagrees with the block table at rows {bad.tolist()}")
     counted, stored = np.bincount(sub[held], minlength=tables.allocator.num_blocks), tables.allocator.ref_count
+    for chain in held_elsewhere or []:
+        counted += np.bincount(chain, minlength=tables.allocator.num_blocks)
     if not np.array_equal(counted, stored):
         bad = np.flatnonzero(counted != stored)[:8]
         raise InvariantViolationError(

@@ -37,9 +37,18 @@ class HostTier:
     an allocation evicts it, ``spill`` sets ``must_wait`` and the service waits for that copy before anything
     writes into the block.
 
+    Offload on eviction (``offload_on_evict``, the default): what ``spill`` stages is copied by the evicting call,
+    under the service's lock. With a write-back thread the service turns it off: an eviction of a block whose hash
+    the tier does not hold (no write-back got there first) drops it from the tier (a later miss) instead of
+    copying it under the lock; ``spill`` then stages nothing, and an eviction of a block whose write-back is still
+    in flight does not wait for that copy either: its slot is ``torn`` (the block may be written while the copy
+    reads it), and ``finish_writeback`` aborts it instead of committing it.
+
     A restore (``tier_restore.stage``) ``pin``-s the committed slots it reads (off the LRU, so the evictions its
     own allocation causes cannot take them), and ``unpin``-s them after the copy; a failed restore ``fence``-s
-    them (dropped: their content is not trusted any more).
+    them (dropped: their content is not trusted any more). The copy runs with the service's lock released:
+    ``restoring`` holds each staged restore's pool references (its chain) until ``tier_restore.finish``; a pinned
+    slot is never staged by a second restore (that one stops its walk there: a miss).
 
     Events (into the cache's pending list, ``events``): BlockStored(medium "CPU") when a slot is committed;
     BlockRemoved only when the last copy of a hash goes -- medium "CPU" when a slot is dropped while the pool holds
@@ -54,10 +63,12 @@ class HostTier:
       - every ready slot (below ``num_ready``) is exactly one of free (``free``), pending (an offload not confirmed: ``pending_hashes``) or
         committed (``slot_of_hash``); ``entries`` holds the pending and committed slots' content;
       - a hash is in at most one slot (committed or pending), and every entry's hash matches its content chain;
-      - ``lru`` and ``pinned`` split the committed slots (disjoint);
+      - ``lru`` and ``pinned`` split the committed slots (disjoint); the pinned slots are exactly those of the
+        restores in flight (``restoring``), each pinned by one of them;
       - ``staged`` is empty between calls (the service runs every offload before the call returns), and so is
         ``must_wait``; between calls the pending slots are exactly the in-flight write-backs' (``inflight``), each
-        of a block still cached in the pool under its slot's hash (an eviction of one waits for its copy).
+        of a block still cached in the pool under its slot's hash (an eviction of one waits for its copy), or
+        ``torn`` (evicted without waiting: never committed).
     """
 
     def __init__(self, num_slots: int, num_ready: int | None = None) -> None:
@@ -72,10 +83,16 @@ class HostTier:
         self.pending_hashes: dict[bytes, int] = {}  # slots whose offload is not confirmed yet
         self.lru: OrderedDict[int, None] = OrderedDict()  # committed, unpinned slots, oldest first
         self.pinned: set[int] = set()  # committed slots a restore reads
+        self.offload_on_evict: bool = True  # False: an eviction the tier holds no copy of drops it (no copy)
+        # key -> (its pinned slots, its pool references: the chain) of each restore staged and not finished
+        self.restoring: dict[int, tuple[list[int], np.ndarray]] = {}
+        self.next_restore_key: int = 0
         self.staged: list[tuple[int, int]] = []  # (pool block, host slot) offloads to run
         self.inflight: dict[int, int] = {}  # pool block -> host slot: a write-back copying it (the slot pending)
         self.must_wait: bool = False  # a block of an in-flight write-back was evicted: wait for it before writing
+        self.torn: set[int] = set()  # slots of in-flight write-backs whose block was evicted meanwhile: to abort
         self.num_written_back: int = 0
+        self.num_torn: int = 0  # write-back blocks an eviction overtook (aborted, not a failure)
         self.gpu_index: dict[bytes, int] = {}  # the pool's prefix cache's block_of_hash (PrefixCache.attach_tier)
         self.events: list | None = None  # the cache's pending event list, when a KVEventLog is attached
         self.num_offloaded: int = 0  # committed offloads
@@ -110,8 +127,16 @@ class HostTier:
             if h in self.slot_of_hash:
                 continue
             if h in self.pending_hashes:
-                if block_id in self.inflight:  # its write-back reads it: it must complete before anyone writes
-                    self.must_wait = True
+                if block_id in self.inflight:  # its write-back reads it: it must complete before anyone writes,
+                    if self.offload_on_evict:
+                        self.must_wait = True
+                    else:  # or, rather than wait under the lock, its slot is never trusted
+                        self.torn.add(self.inflight[block_id])
+                if self.pending_hashes[h] in self.torn:  # never to be committed: the pool's copy was the last
+                    gone.append(h)
+                continue
+            if not self.offload_on_evict:  # no copy on the evicting call's path: the tier does not keep it
+                gone.append(h)
                 continue
             slot = self._take_slot(dropped)
             if slot is None:
@@ -159,9 +184,10 @@ class HostTier:
                 self.events.append(host_stored(entry))
         self.num_offloaded += len(slots)
 
-    def abort(self, slots: list[int]) -> None:
+    def abort(self, slots: list[int], failed: bool = True) -> None:
         """The offloads into ``slots`` failed: the slots are free, their content lost (BlockRemoved, the pool's
-        medium, for each hash the pool no longer holds)."""
+        medium, for each hash the pool no longer holds). Not ``failed``: torn write-backs, whose hashes' removal
+        ``spill`` said already (as the eviction's)."""
         gone = []
         for slot in slots:
             h = self.entries.pop(slot).block_hash
@@ -169,9 +195,10 @@ class HostTier:
             self.free.append(slot)
             if h not in self.gpu_index:
                 gone.append(h)
-        if gone and self.events is not None:
+        if gone and failed and self.events is not None:
             self.events.append(BlockRemoved(tuple(gone)))
-        self.num_offload_failed += len(slots)
+        if failed:
+            self.num_offload_failed += len(slots)
 
     # ------------------------------------------------------------------ write-back
     def plan_writeback(self, evictable: OrderedDict[int, None], entries: dict[int, CachedBlock],
@@ -203,10 +230,15 @@ class HostTier:
 
     def finish_writeback(self, pairs: np.ndarray, ok: bool) -> None:
         """The write-back of ``pairs`` completed (``ok``: its slots are committed) or failed (aborted)."""
-        slots = []
+        slots: list[int] = []
+        torn: list[int] = []
         for block_id, slot in pairs.tolist():
             del self.inflight[block_id]
-            slots.append(slot)
+            (torn if slot in self.torn else slots).append(slot)
+        self.torn.difference_update(torn)
+        if torn:
+            self.num_torn += len(torn)
+            self.abort(torn, failed=False)  # their block was evicted while the copy read it: the bytes may be torn
         if ok:
             self.commit(slots)
             self.num_written_back += len(slots)
@@ -263,12 +295,17 @@ class HostTier:
                 raise InvariantViolationError(f"host slot {slot}'s hash does not match its content chain")
         if set(self.lru) & self.pinned or set(self.lru) | self.pinned != committed:
             raise InvariantViolationError("the host LRU and the pinned slots do not split the committed slots")
+        restoring = [slot for slots, _ in self.restoring.values() for slot in slots]
+        if len(restoring) != len(set(restoring)) or set(restoring) != self.pinned:
+            raise InvariantViolationError("the pinned slots are not exactly the in-flight restores', each once")
         if self.staged or self.must_wait:
             raise InvariantViolationError(f"{len(self.staged)} offloads are staged between calls (or one is waited for)")
         if set(self.inflight.values()) != pending:
             raise InvariantViolationError("between calls, the pending slots are not exactly the in-flight write-backs'")
+        if not self.torn <= pending:
+            raise InvariantViolationError("a torn slot is not an in-flight write-back's")
         for block_id, slot in self.inflight.items():
-            if self.gpu_index.get(self.entries[slot].block_hash) != block_id:
+            if slot not in self.torn and self.gpu_index.get(self.entries[slot].block_hash) != block_id:
                 raise InvariantViolationError(f"in-flight write-back of block {block_id} no longer cached in the pool")
 
 

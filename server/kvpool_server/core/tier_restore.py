@@ -5,9 +5,11 @@
     finish(allocator, tier, staged, ok)          # ok: the blocks enter the prefix cache; else they go, fenced
 
 Between the two, the restored blocks are held (ref count 1) by nobody's table and are not in the prefix cache: no
-match can reach them before their bytes are there. ``finish`` drops the staging's references, so a register's
-plain prefix match (``KVCacheManager._reuse_prefix``) right after adopts them like any cached block -- the register
-path itself is unchanged, and a failed restore leaves exactly a miss.
+match can reach them before their bytes are there, and no other sequence can read them. The service copies with its
+lock released (other calls run meanwhile); ``HostTier.restoring`` holds the staging's references and pinned slots
+until ``finish``, which drops them, so a register's plain prefix match (``KVCacheManager._reuse_prefix``) right
+after, in the same lock hold, adopts them like any cached block -- the register path itself is unchanged, and a
+failed restore leaves exactly a miss.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvpool_server.core.kv_event_types import CachedBlock
 
 
 class StagedRestore(NamedTuple):
+    key: int  # its entry in ``HostTier.restoring`` until ``finish``
     pairs: np.ndarray  # int32 [n, 2]: (host slot, fresh pool block), the copies to run
     entries: list[CachedBlock]  # the content of each restored block, in ``pairs`` order
     chain: np.ndarray  # int32: every pool block of the matched run, in chain order (held ones and fresh ones)
@@ -45,8 +48,8 @@ def stage(allocator: BlockAllocator, tier: HostTier, hashes: list[bytes]) -> Sta
             walk.append((False, block_id))
             continue
         slot = in_tier.get(h)
-        if slot is None or num_host + 1 > budget - num_idle:
-            break
+        if slot is None or slot in tier.pinned or num_host + 1 > budget - num_idle:
+            break  # a pinned slot: another restore is copying it (not done yet): a miss from here
         walk.append((True, slot))
         num_host += 1
     while walk and not walk[-1][0]:  # the run's tail of pool blocks: a plain match finds them anyway
@@ -64,7 +67,10 @@ def stage(allocator: BlockAllocator, tier: HostTier, hashes: list[bytes]) -> Sta
     chain[is_fresh] = fresh
     chain[~is_fresh] = held
     pairs = np.stack([np.array(slots, dtype=np.int32), fresh.astype(np.int32)], axis=1)
-    return StagedRestore(pairs, [tier.entries[s] for s in slots], chain)
+    key = tier.next_restore_key
+    tier.next_restore_key += 1
+    tier.restoring[key] = (slots, chain)
+    return StagedRestore(key, pairs, [tier.entries[s] for s in slots], chain)
 
 
 def finish(allocator: BlockAllocator, tier: HostTier, staged: StagedRestore, ok: bool) -> int:
@@ -72,6 +78,7 @@ def finish(allocator: BlockAllocator, tier: HostTier, staged: StagedRestore, ok:
     are fenced: dropped from the tier; the fresh blocks go back to the free list). Either way the staging's
     references go: idle cached blocks park on the LRU. Returns how many blocks were restored."""
     slots = staged.pairs[:, 0].tolist()
+    del tier.restoring[staged.key]
     if ok:
         for block_id, entry in zip(staged.pairs[:, 1].tolist(), staged.entries):
             allocator.cache.insert(block_id, entry)

@@ -58,7 +58,8 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
                            max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes)
         guards: list[CoreGuard] = []  # the guard, for the host tier's background allocation to lock
         tier = start_host_tier(manager, pool, guards) if tier_blocks else None
-        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events, tier.flush if tier is not None else None)
+        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events, tier.flush if tier is not None else None,
+                          tier.settle if tier is not None else None)
         guards.append(guard)
         if tier is not None:
             with guard.lock:

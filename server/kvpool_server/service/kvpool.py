@@ -112,14 +112,25 @@ class KVPoolService:
         tenant, manager, tier = call.caller.tenant_id, self.guard.manager, self.tier
         prompt = prompt_token_ids if len(prompt_token_ids) else None
 
+        restoring = None  # the prompt's host-tier blocks, copied back with the lock released, before the match
+        if tier is not None and prompt is not None:
+            restoring = tier.start_restore(self.guard, call.caller, session_id, tenant, prompt, public_prefix_len,
+                                           cache_extra_key)
+
         def apply() -> Registered:
-            if tier is not None and prompt is not None:  # the prompt's host-tier blocks, back before the match
-                tier.restore(tenant, prompt, public_prefix_len, cache_extra_key)
+            if tier is not None:
+                tier.finish_restore(restoring)  # in this hold: the match below finds the restored blocks
             new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key)
             return Registered(new_id, manager.num_tokens(new_id, tenant) if prompt is not None else 0)
 
-        return self.guard.mutate(call.caller, session_id, request_id,
-                                 ("register", seq_id, prompt_token_ids, public_prefix_len, cache_extra_key), apply)
+        try:
+            return self.guard.mutate(call.caller, session_id, request_id,
+                                     ("register", seq_id, prompt_token_ids, public_prefix_len, cache_extra_key),
+                                     apply)
+        finally:
+            if restoring is not None and not restoring.finished:  # refused or replayed before apply: settle it
+                with self.guard.lock:
+                    tier.finish_restore(restoring)  # type: ignore[union-attr]
 
     def append(self, call: Call, seq_ids: Sequence[int], num_tokens: Sequence[int] = (),
                token_ids: Sequence[int] = (), session_id: int = 0, request_id: int = 0) -> AppendPlan:

@@ -1,25 +1,34 @@
-"""TierCopies: the host tier's copies, run under the guard's lock in the order the core's plans need them.
+"""TierCopies: the host tier's copies, in the order the core's plans need them, none of them (but the rare waits
+below) while the guard's lock is held.
 
-    tier.flush()                                  # every mutation that may evict: the staged offloads, then commit
-    tier.restore(tenant, prompt, public, extra)   # a register with a prompt, before the core's register
+    tier.flush()                                    # under the lock, after every mutation that may evict
+    restoring = tier.start_restore(guard, caller, session_id, tenant, prompt, public, extra)   # a register, unlocked
+    ... under the lock, in the register's hold: tier.finish_restore(restoring), then the core's register ...
 
 The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
 - an evicted block is copied out *before* anything writes into it: ``flush`` runs right after the core's call and
   before the plan's clearing and copy-on-write copies (``KVPoolService.append``), and the copy has completed when
   ``offload_blocks`` returns; only then is the slot committed (matchable). A copy that raises aborts its slots.
-- a restore's blocks enter the prefix cache only after ``restore_blocks`` returned; one that raises (or is cut
-  short) fences its slots and leaves the fresh blocks free: the register that follows finds a miss there.
+- a restore is staged under the lock (fresh pool blocks held by nobody's table and not in the prefix cache, its host
+  slots pinned), copied with the lock released (other calls go on: a decode step never waits behind a restore's
+  megabytes), and settled under the lock again, in the same hold as the register that adopts it
+  (``finish_restore``): its blocks enter the prefix cache only after ``restore_blocks`` returned; one that raises
+  fences its slots and leaves the fresh blocks free: the register finds a miss there. Nobody else can see the
+  blocks half-copied: they are not matchable, no other sequence holds them, and a concurrent register of the same
+  prompt stops its own restore at a pinned slot (a miss).
 - a restore's own allocation may evict: those offloads run first (they read the blocks the restore then writes).
 
 Write-back (``start_writeback``, ``--host-tier-writeback-blocks``): a background thread copies the pool's
 evictable blocks next in line into the tier ahead of need, at most that many blocks a batch, one batch in flight:
 under the lock it plans (``HostTier.plan_writeback``) and queues the copy; it waits for the copy *outside* the
 lock; under the lock again it commits. An allocation then evicts blocks whose content the tier already holds, and
-its call copies nothing. If a call evicts a block whose write-back is still in flight, ``flush`` waits for that
-copy (under the lock: rare, the allocation overtook the write-back) before anything writes into the block. The
-events of a write-back (BlockStored "CPU", a BlockRemoved of a dropped slot) are published with the next call's
-batch. Offloads a call must make itself (no write-back got there first) hold the lock across their copy: with
-2 MiB blocks ~50 us a block at host-link speed.
+its call copies nothing. With the write-back on, an eviction the write-back did not reach first is dropped from the
+tier (``HostTier.offload_on_evict`` off: a later miss) rather than copied under the lock, and an eviction of a
+block whose write-back is still in flight tears that slot (aborted when the batch settles) rather than wait;
+``settle`` (the guard's ``before_apply``) commits the completed write-backs before each call, so that few are torn.
+With offload on eviction (write-back driven by hand), ``flush`` waits for such a copy instead. The events of a write-back (BlockStored "CPU", a
+BlockRemoved of a dropped slot) are published with the next call's batch. Without the write-back (0), offloads run
+on eviction and hold the lock across their copy: with 2 MiB blocks ~50 us a block at host-link speed.
 """
 
 from __future__ import annotations
@@ -33,9 +42,21 @@ import numpy as np
 
 from kvpool_server.core import KVCacheManager
 from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.tier_restore import StagedRestore
 from kvpool_server.device.tier_pool import CopyTicket, TierPool
+from kvpool_server.service.auth import Identity
+from kvpool_server.service.guard import CoreGuard
 
 logger = logging.getLogger(__name__)
+
+
+class Restoring:
+    """A restore staged and copied (``ok``: the copy completed), to settle with ``TierCopies.finish_restore``."""
+
+    def __init__(self, staged: StagedRestore) -> None:
+        self.staged = staged
+        self.ok = False
+        self.finished = False
 
 
 class TierCopies:
@@ -69,26 +90,46 @@ class TierCopies:
             return
         tier.commit(slots)
 
-    def restore(self, tenant: int | None, prompt: Sequence[int] | np.ndarray, public_prefix_len: int = 0,
-                cache_extra_key: bytes = b"") -> int:
-        """Bring the prompt's host-tier blocks back into the pool before the core's register (whose match then
-        finds them). Returns how many blocks were restored (0 on a failure: a miss)."""
-        staged = self.manager.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key)
-        self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
+    def start_restore(self, guard: CoreGuard, caller: Identity, session_id: int, tenant: int | None,
+                      prompt: Sequence[int] | np.ndarray, public_prefix_len: int = 0,
+                      cache_extra_key: bytes = b"") -> Restoring | None:
+        """Bring the prompt's host-tier blocks back into the pool, for a register: stage under the guard's lock
+        (after its fencing), copy with the lock released, and return what ``finish_restore`` settles -- under the
+        lock, in the hold of the register whose match then finds the blocks. None: nothing to restore."""
+        with guard.lock:
+            guard.fence(caller, session_id)
+            self.settle()
+            staged = self.manager.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key)
+            self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
         if staged is None:
-            return 0
+            return None
+        restoring = Restoring(staged)
         try:
-            self.memory.restore_blocks(staged.pairs)
+            self.memory.restore_blocks(staged.pairs)  # the lock is free: other calls run meanwhile
+            restoring.ok = True
         except Exception as exc:
             logger.warning("host tier: a restore of %d blocks failed (%s): a miss", len(staged.pairs), exc)
-            self.manager.finish_restore(staged, ok=False)
+        except BaseException:  # interrupted: nothing may stay staged
+            with guard.lock:
+                self.finish_restore(restoring)
+            raise
+        return restoring
+
+    def finish_restore(self, restoring: Restoring | None) -> int:
+        """Settle a restore (under the guard's lock; once, later calls do nothing): its blocks enter the prefix
+        cache when the copy completed, else its slots are fenced. Returns how many blocks were restored."""
+        if restoring is None or restoring.finished:
             return 0
-        self.manager.finish_restore(staged, ok=True)
-        return len(staged.pairs)
+        restoring.finished = True
+        self.manager.finish_restore(restoring.staged, restoring.ok)
+        return len(restoring.staged.pairs) if restoring.ok else 0
 
     # ------------------------------------------------------------------ write-back
     def start_writeback(self, lock: AbstractContextManager, max_blocks: int, idle_s: float = 0.02) -> None:
-        """Start the background write-back thread (``lock``: the guard's; ``max_blocks`` a batch)."""
+        """Start the background write-back thread (``lock``: the guard's; ``max_blocks`` a batch). From now on an
+        eviction the write-back did not reach first is dropped from the tier, never copied under the lock."""
+        with lock:
+            self.tier.offload_on_evict = False
         self._thread = threading.Thread(target=self._writeback_loop, args=(lock, max_blocks, idle_s),
                                         name="kvpool-tier-writeback", daemon=True)
         self._thread.start()
@@ -120,6 +161,12 @@ class TierCopies:
         with lock:
             self.finish_writebacks(wait=False)
         return len(pairs)
+
+    def settle(self) -> None:
+        """Before a call that may evict (the guard's ``before_apply``; under the lock): commit the write-backs
+        whose copy completed, so that an eviction finds their blocks in the tier (not torn: a torn slot is lost)."""
+        if self.writebacks:
+            self.finish_writebacks(wait=False)
 
     def finish_writebacks(self, wait: bool) -> None:
         """Settle the write-backs that completed (all of them, waiting, with ``wait``); under the lock."""
