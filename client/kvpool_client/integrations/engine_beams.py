@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvpool_client.integrations.engine import DecodeEngine
+from kvpool_client.integrations.hf_llama import continue_beams
 
 
 class EngineBeams:
@@ -22,17 +23,7 @@ class EngineBeams:
 
     def step(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
         """Beam i continues beam ``parents[i]`` with ``tokens[i]``; logits [W, V] (a copy)."""
-        uses: dict[int, list[int]] = {}
-        for i, p in enumerate(parents):
-            uses.setdefault(p, []).append(i)
-        new = [0] * len(parents)
-        unused = [s for j, s in enumerate(self.seqs) if j not in uses]
-        for p, beams in uses.items():
-            children = self.engine.fork(self.seqs[p], len(beams) - 1)
-            for i, seq in zip(beams, [self.seqs[p], *children]):
-                new[i] = seq
-        self.engine.free(unused)
-        self.seqs = new
+        new = self.seqs = continue_beams(self.seqs, parents, self.engine.fork, self.engine.free)
         return self.engine.decode(new, tokens).clone()
 
     def close(self) -> None:

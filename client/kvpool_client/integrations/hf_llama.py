@@ -31,6 +31,23 @@ from kvpool_client.kernels.paged_attention import paged_decode_attention, paged_
 ATTN_NAME = "kvpool"
 
 
+def continue_beams(seqs: list[int], parents: list[int], fork: Callable[[int, int], list[int]],
+                   free: Callable[[list[int]], Any]) -> list[int]:
+    """The sequences of the next beams: beam i continues ``seqs[parents[i]]`` -- the first beam of a parent keeps
+    its sequence, the others are forks of it (copy-on-write), and parents no beam continues are freed."""
+    uses: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        uses.setdefault(p, []).append(i)
+    new = [0] * len(parents)
+    unused = [s for j, s in enumerate(seqs) if j not in uses]
+    for p, beams in uses.items():
+        children = fork(seqs[p], len(beams) - 1)
+        for i, seq in zip(beams, [seqs[p], *children]):
+            new[i] = seq
+    free(unused)
+    return new
+
+
 @dataclass
 class _Step:
     """What one forward's attention layers need: where the new tokens go and every sequence's context."""
@@ -194,17 +211,7 @@ class PagedBeams:
 
     def step(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
         """New beams: beam i continues beam ``parents[i]`` with ``tokens[i]``. Returns logits [W, V]."""
-        uses: dict[int, list[int]] = {}
-        for i, p in enumerate(parents):
-            uses.setdefault(p, []).append(i)
-        new = [0] * len(parents)
-        unused = [s for j, s in enumerate(self.seqs) if j not in uses]
-        for p, beams in uses.items():
-            children = self.runner.fork(self.seqs[p], len(beams) - 1)
-            for i, seq in zip(beams, [self.seqs[p], *children]):
-                new[i] = seq
-        self.runner.free(unused)
-        self.seqs = new
+        new = self.seqs = continue_beams(self.seqs, parents, self.runner.fork, self.runner.free)
         ids = torch.tensor(tokens, dtype=torch.long)[:, None]
         return self.runner.forward(new, ids)[:, -1]
 
