@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.tensor_parallel import group_block_bytes
 from kvpool_server.settings import ConfigError, format_bytes
-from kvpool_server.config import TransportError, check_transport_files
+from kvpool_server.exposure import TransportError, check_transport_files
 
 if TYPE_CHECKING:
     from kvpool_server.config import ServerConfig

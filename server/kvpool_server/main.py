@@ -22,7 +22,7 @@ from kvpool_server.log_setup import configure_logging, fatal_line, requested_log
 from kvpool_server.grpc_api.server import ServerHandle, build_server
 from kvpool_server.service.build import StartupError
 from kvpool_server.process import freeze_startup_heap, pin_threads
-from kvpool_server.config import exposed_endpoint, exposed_metrics, is_loopback
+from kvpool_server.exposure import exposed_endpoint, exposed_metrics, is_loopback
 from kvpool_server.settings import unknown_variables
 from kvpool_server.zmq_events import start_publisher
 
