@@ -71,27 +71,30 @@ class SessionCommands:
     def list_sessions(self, *, timeout: float | None = None) -> Plan[list[SessionInfo]]:
         """The server's live sessions, by id: id, name, since when, lease left, sequences and blocks held (every page
         of ListSessions)."""
-        request = pb.ListSessionsRequest()
-        sessions: list[SessionInfo] = []
-        while True:
-            response = yield from self._call(rpcs.LIST_SESSIONS, request, timeout)
-            sessions.extend(convert.session_info(s) for s in response.sessions)
-            if not response.next_page_token or response.next_page_token == request.page_token:
-                return sessions
-            request.page_token = response.next_page_token
+        rows = yield from self._all_pages(rpcs.LIST_SESSIONS, pb.ListSessionsRequest(), "sessions", timeout)
+        return [convert.session_info(s) for s in rows]
 
     @command
     def list_sequences(self, session_id: int | None = None, *, timeout: float | None = None) -> Plan[list[SequenceInfo]]:
         """The live sequences, by id, of one session (``session_id``) or of all (None) (every page of
         ListSequences)."""
-        request = pb.ListSequencesRequest(session_id=session_id or 0)
-        sequences: list[SequenceInfo] = []
+        rows = yield from self._all_pages(rpcs.LIST_SEQUENCES, pb.ListSequencesRequest(session_id=session_id or 0),
+                                          "sequences", timeout)
+        return [convert.sequence_info(s) for s in rows]
+
+    def _all_pages(self, rpc: Any, request: Any, field: str, timeout: float | None) -> Plan[list[Any]]:
+        """Every row of a paged listing: ask again with ``page_token`` = the reply's ``next_page_token`` until it is
+        empty (or repeats: a server that repeated a token would loop forever) -- pages.all_pages, as a plan."""
+        rows: list[Any] = []
+        seen: set[str] = set()
         while True:
-            response = yield from self._call(rpcs.LIST_SEQUENCES, request, timeout)
-            sequences.extend(convert.sequence_info(s) for s in response.sequences)
-            if not response.next_page_token or response.next_page_token == request.page_token:
-                return sequences
-            request.page_token = response.next_page_token
+            response = yield from self._call(rpc, request, timeout)
+            rows.extend(getattr(response, field))
+            token = response.next_page_token
+            if not token or token in seen:
+                return rows
+            seen.add(token)
+            request.page_token = token
 
     def _close_session(self) -> Plan[None]:
         """End this client's session (the server frees its sequences); nothing when none is open or it is lost."""
