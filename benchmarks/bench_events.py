@@ -95,14 +95,19 @@ def drive(stub: pb_grpc.KVPoolServiceStub, seconds: float, num_seqs: int, tokens
     return {"calls_per_s": calls / elapsed, "tokens_per_s": tokens / elapsed, "calls": calls, "elapsed_s": elapsed}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def driver_arguments(parser: argparse.ArgumentParser) -> None:
+    """The driver's flags (this benchmark's and bench_zmq_events.py's)."""
     parser.add_argument("--seconds", type=float, default=10.0, help="how long the driver appends")
     parser.add_argument("--seqs", type=int, default=64, help="sequences appended to in each call")
     parser.add_argument("--tokens-per-call", type=int, default=256, help="tokens added to each sequence a call")
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--num-blocks", type=int, default=32768, help="pool size (fills, then evicts)")
     parser.add_argument("--block-size", type=int, default=16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    driver_arguments(parser)
     args = parser.parse_args()
 
     server = Server("kvpool", ["--num-blocks", str(args.num_blocks), "--max-seq-len", str(args.max_seq_len),

@@ -32,7 +32,7 @@ import numpy as np
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 
-from bench_events import OPTIONS, drive  # this directory
+from bench_events import OPTIONS, drive, driver_arguments  # this directory
 from bench_service_servers import Server
 
 MODEL = "bench-model"
@@ -150,12 +150,7 @@ def latency(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=10.0, help="how long the driver appends")
-    parser.add_argument("--seqs", type=int, default=64, help="sequences appended to in each call")
-    parser.add_argument("--tokens-per-call", type=int, default=256, help="tokens added to each sequence a call")
-    parser.add_argument("--max-seq-len", type=int, default=4096)
-    parser.add_argument("--num-blocks", type=int, default=32768, help="pool size (fills, then evicts)")
-    parser.add_argument("--block-size", type=int, default=16)
+    driver_arguments(parser)
     parser.add_argument("--latency-seqs", type=int, default=64)
     parser.add_argument("--latency-steps", type=int, default=2000, help="AppendToken calls timed per server")
     args = parser.parse_args()
