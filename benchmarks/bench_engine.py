@@ -7,8 +7,9 @@
 
 A random-weight Llama (transformers ``LlamaForCausalLM``; full: Llama-3-8B's config, 32 layers, 32 query / 8 KV
 heads, head_dim 128, vocab 128256, fp16) runs in ``DecodeEngine`` twice: ``on_pool`` (a kvpool server process,
-its pool attached by CUDA IPC, appends on one ``AppendTokenStream`` of ``KVPoolClient``, ``--unary``: unary
-AppendToken calls) and ``in_process`` (``LocalBlockCache`` over a
+its pool attached by CUDA IPC, control calls over ``KVPoolClient``'s shared-memory fast path (``--control
+fast``, the default: the server is on this host), one ``AppendTokenStream`` (``stream``) or unary gRPC calls
+(``unary``)) and ``in_process`` (``LocalBlockCache`` over a
 ``torch.zeros`` cache of the same shape and layout). Same kernels, same graphs, same batches.
 
 For each context (~512, ~2048) and batch (1, 16, 64, 256): B sequences get the context appended without compute
@@ -192,8 +193,8 @@ def main() -> None:
     p.add_argument("--kv-layout", default="block-major", choices=["block-major", "layer-major"])
     p.add_argument("--no-compile", action="store_true", help="the elementwise helpers eager (default: compiled "
                    "on CUDA, ``PagedLlama``)")
-    p.add_argument("--unary", action="store_true", help="kvpool's appends as unary AppendToken calls (default: one "
-                   "AppendTokenStream)")
+    p.add_argument("--control", default="fast", choices=["fast", "stream", "unary"],
+                   help="kvpool's control path: the fast path (default), one AppendTokenStream, unary gRPC calls")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.dtype = "float16" if args.device == "cuda" else "float32"
@@ -214,8 +215,11 @@ def main() -> None:
         print(f"context {context}: pool of {num_blocks} blocks of {layout.block_bytes >> 10} KiB", flush=True)
         proc, address = start_server(args, layout, num_blocks)
         try:
-            with KVPoolClient(address) as client:
-                run_variant("kvpool", lambda **kw: DecodeEngine.on_pool(model, client, append_stream=not args.unary,
+            with KVPoolClient(address, fast_path=args.control == "fast") as client:
+                if args.control == "fast" and not client.fast_path_enabled:
+                    raise SystemExit(f"the fast path is off for {address}")
+                run_variant("kvpool", lambda **kw: DecodeEngine.on_pool(model, client,
+                                                                         append_stream=args.control == "stream",
                                                                          **kw), args, results, context)
         finally:
             proc.terminate()

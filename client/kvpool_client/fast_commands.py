@@ -56,6 +56,12 @@ class FastPathCommands(KVPoolCommands):
         self._fast_reply_limit = declared if declared >= 0 else 1 << 62
 
     @property
+    def fast_path_enabled(self) -> bool:
+        """True when the four steady-state calls go over the fast path (opened by the first of them): the server is
+        on this host, sessions are on, and ``fast_path`` did not turn it off."""
+        return not self._fast_off
+
+    @property
     def fast_path_open(self) -> bool:
         """True while this client's calls go over a fast-path channel."""
         return self._fast_channel is not None and not self._fast_off

@@ -84,9 +84,10 @@ class DecodeEngine:
     # --- the two variants ---------------------------------------------------------------------------------------
 
     @classmethod
-    def on_pool(cls, model: Any, client: Any, append_stream: bool = True, **kwargs: Any) -> DecodeEngine:
-        """KV in the pool of ``client``'s server (attached here), control calls through ``client``: appends on one
-        ``AppendTokenStream`` (``append_stream``, the client's fastest path) or unary, the rest unary."""
+    def on_pool(cls, model: Any, client: Any, append_stream: bool | None = None, **kwargs: Any) -> DecodeEngine:
+        """KV in the pool of ``client``'s server (attached here), control calls through ``client``'s fastest path:
+        its shared-memory fast path when the server is on this host (``append_stream=None``, the default), else
+        appends on one ``AppendTokenStream``; ``append_stream=True``/``False`` forces the stream / plain calls."""
         from kvpool_client.integrations.hf_llama import layout_for  # noqa: PLC0415
 
         pool = client.attach()
@@ -94,6 +95,8 @@ class DecodeEngine:
         expected = layout_for(model.config, layout.block_size, layout.dtype, layout.kv_layout)
         if expected != layout:
             raise ValueError(f"the server's layout {layout} does not hold this model's KV ({expected})")
+        if append_stream is None:
+            append_stream = not getattr(client, "fast_path_enabled", False)
         control = StreamedAppends(client) if append_stream else client
         return cls(model, control, torch_views.blocks(pool), live_check=lambda: pool._check_server(), pool=pool,
                    **kwargs)
