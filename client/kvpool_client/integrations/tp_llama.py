@@ -27,6 +27,7 @@ peer copies (stream-ordered by PyTorch) and the engine runs eagerly. The element
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,12 @@ class TPLlama:
                                                               m.up_proj.weight[mlp_rows]])))
                 rank.down.append(self._to(rank, m.down_proj.weight[:, mlp_rows]))
             self.ranks.append(rank)
+        self.several_devices = len({rank.device for rank in self.ranks}) > 1
+
+    def _on(self, rank: Rank) -> AbstractContextManager[Any]:
+        """Rank ``rank``'s device made current while its work is enqueued (Triton and the slot kernels launch on
+        the current device); nothing when every rank shares one device (nothing to switch; graph capture)."""
+        return torch.cuda.device(rank.device) if self.several_devices and rank.device.type == "cuda" else nullcontext()
 
     def _rows(self, weight: torch.Tensor, heads: range) -> torch.Tensor:
         return weight[heads.start * self.head_dim:heads.stop * self.head_dim]
@@ -142,18 +149,20 @@ class TPLlama:
             partial: torch.Tensor | None = None
             for r, (rank, (rank_slots, c, s, err)) in enumerate(zip(self.ranks, inputs)):
                 hq, hkv = len(rank.q_heads), len(rank.kv_heads)
-                q, k, v = torch.nn.functional.linear(x.to(rank.device), rank.qkv[i]).split(
-                    [hq * d, hkv * d, hkv * d], -1)
-                q, k = f["rope"](q.view(t, hq, d), k.view(t, hkv, d), c, s)
-                torch.ops.kvpool.write_layer(rank.blocks, i, rank_slots, k, v.view(t, hkv, d), err)
-                o = torch.nn.functional.linear(attend(r, i, q).reshape(t, hq * d), rank.o[i]).to(self.home)
+                with self._on(rank):
+                    q, k, v = torch.nn.functional.linear(x.to(rank.device), rank.qkv[i]).split(
+                        [hq * d, hkv * d, hkv * d], -1)
+                    q, k = f["rope"](q.view(t, hq, d), k.view(t, hkv, d), c, s)
+                    torch.ops.kvpool.write_layer(rank.blocks, i, rank_slots, k, v.view(t, hkv, d), err)
+                    o = torch.nn.functional.linear(attend(r, i, q).reshape(t, hq * d), rank.o[i]).to(self.home)
                 partial = o if partial is None else partial + o  # the all-reduce, in rank order
             assert partial is not None
             h, x = f["add_rms_norm"](partial, h, layer.post_attention_layernorm.weight, eps)
             partial = None
             for rank in self.ranks:
-                gate, up = torch.nn.functional.linear(x.to(rank.device), rank.gate_up[i]).chunk(2, -1)
-                y = torch.nn.functional.linear(f["silu_mul"](gate, up), rank.down[i]).to(self.home)
+                with self._on(rank):
+                    gate, up = torch.nn.functional.linear(x.to(rank.device), rank.gate_up[i]).chunk(2, -1)
+                    y = torch.nn.functional.linear(f["silu_mul"](gate, up), rank.down[i]).to(self.home)
                 partial = y if partial is None else partial + y
             assert partial is not None
             last = i + 1 == len(self.layers)
