@@ -15,7 +15,7 @@ only=${1:-all}  # "device": only the first step (copy kernel); "validate": every
                 # "bench": only the benchmarks; "client": demo, beam, attach; "datapath": issue 14;
                 # "prefix": issue 13; "layers": issues 19 and 20 (service layer before/after, clearing blocks);
                 # "engine": issue 22 (torch ops, the decode engine on the pool, bench_engine.py)
-                # "tp": issue 26 (tensor-parallel shards: GPU tests, loadgen, decode step, copy bandwidth)
+                # "tp": issue 26 (tensor-parallel shards: GPU tests, the TP engine, loadgen, decode step, copy bandwidth)
                 # "tier": issue 23 (the host tier: GPU tests, offload/restore vs pinned memcpy, hit rates)
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
@@ -123,7 +123,7 @@ if [ "$only" = engine ]; then  # issue 22: KV ops as torch custom ops, the decod
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N shards; one GPU: all on device 0)
-    # carry=[".whl"]. Under ~3 minutes: the GPU tests, one GPU load-generator run, then the two benchmarks.
+    # carry=[".whl"]. Under ~5 minutes: the GPU tests, the TP engine's, one GPU load-generator run, the two benchmarks.
     # Rank r on device r % GPUs when there are several (N = 8 on 4 GPUs: two shards a device); one GPU: all on 0.
     ndev=$(nvidia-smi -L | wc -l); TPDEV=""
     [ "$ndev" -gt 1 ] && TPDEV="--tp-devices $(for r in 0 1 2 3 4 5 6 7; do printf '%s' "$((r % ndev))"; [ $r -lt 7 ] && printf ','; done)"
@@ -132,6 +132,9 @@ if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N sha
         bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider -rs \
             tests/device/test_sharded_pool.py tests/device/test_stateful_pool.py tests/client/test_tensor_parallel.py 2>&1 \
             | tee $OUT/tp_tests.log"
+    step "GPU tests: the tensor-parallel decode engine (N = 2, 4, replicated heads; every shard on device 0, CUDA graphs; with 2+ GPUs also rank r on GPU r % 2, eager) vs transformers and the 1-shard engine" \
+        bash -c "set -o pipefail; timeout ${T_ENGINE_TP:-300} python3 -m pytest -q -s -p no:cacheprovider -rs \
+            tests/client/test_engine_tp.py -k 'not cpu' 2>&1 | tee $OUT/tp_engine_tests.log"
     tp_loadgen() {  # a GPU server of 4 shards (Llama-like heads), 2 loadgen processes writing every rank by CUDA IPC
         sock=/tmp/kvp-tp.sock; rm -f $sock
         python3 -m kvpool_server --backend gpu --pool-bytes 512MiB --num-kv-heads 8 --head-dim 16 --tensor-parallel 4 \

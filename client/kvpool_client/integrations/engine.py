@@ -53,7 +53,7 @@ class DecodeEngine:
                  compile_helpers: bool | None = None) -> None:
         if compile_helpers is None:  # default: on CUDA, unless KVPOOL_ENGINE_COMPILE=0
             compile_helpers = blocks.device.type == "cuda" and os.environ.get("KVPOOL_ENGINE_COMPILE", "1") != "0"
-        self.model = PagedLlama(model, compile_helpers)
+        self.model = self._paged_model(model, compile_helpers)
         self.control, self.blocks, self.pool = control, blocks, pool
         self.live_check = live_check or (lambda: None)
         self.device = blocks.device
@@ -80,6 +80,9 @@ class DecodeEngine:
         self.graph_sizes = sorted(graph_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch])
         if dev.type == "cuda" and graph_sizes != []:
             self.capture()
+
+    def _paged_model(self, model: Any, compiled: bool) -> Any:  # the forward (tp_engine: TPLlama's)
+        return PagedLlama(model, compiled)
 
     # --- the two variants ---------------------------------------------------------------------------------------
 
