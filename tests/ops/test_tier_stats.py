@@ -217,3 +217,23 @@ def test_write_backs_overtaken_by_an_eviction_count_as_torn(in_process) -> None:
     # the new prompts' evicted blocks: no write-back had copied them, so the tier did not keep them
     assert tier_stats.num_evictions_unkept == NUM_PROMPTS * PROMPT_BLOCKS - stats.num_blocks_evictable
     assert np.isclose(tier_stats.offload_seconds, 0.0)
+
+
+def test_the_write_back_threads_copies_are_counted(server_factory) -> None:
+    """With the write-back on (the default), every offload is a write-back, counted when its batch settles."""
+    server = server_factory("--num-blocks", str(POOL_BLOCKS), "--host-tier-bytes", str(TIER_BLOCKS * 8192))
+    with KVPoolClient(server.address, session=False) as kv:
+        wait_tier_ready(kv)
+        churn(kv, range(NUM_PROMPTS))
+        deadline, previous = time.monotonic() + 30, None
+        while time.monotonic() < deadline:  # until the write-back has copied every cached block and rests
+            stats = kv.stats()
+            tier = stats.host_tier
+            assert tier is not None
+            if stats == previous and tier.num_blocks_cached >= stats.num_blocks_evictable:
+                break
+            previous = stats
+            time.sleep(0.1)
+    assert tier.num_blocks_written_back == tier.num_blocks_offloaded > 0
+    assert tier.bytes_offloaded == (tier.num_blocks_offloaded + tier.num_blocks_torn) * stats.block_bytes
+    assert tier.offload_seconds > 0 and tier.num_offload_failures == 0
