@@ -30,6 +30,7 @@ from kvpool_client.stream import AppendStream
 from kvpool_client.types import (
     AppendResult,
     BlockTable,
+    HostTierStats,
     InvariantReport,
     PoolDescription,
     PoolShard,
@@ -52,6 +53,7 @@ __all__ = [
     "EventGapError",
     "EventIndex",
     "FailedPreconditionError",
+    "HostTierStats",
     "IndexedBlock",
     "InternalError",
     "InvalidArgumentError",

@@ -19,6 +19,7 @@ from kvpool.layout import KVLayout
 from kvpool_client.types import (
     AppendResult,
     BlockTable,
+    HostTierStats,
     InvariantReport,
     PoolDescription,
     PoolShard,
@@ -143,8 +144,10 @@ def sequence_info(r: pb.SequenceInfo) -> SequenceInfo:
 # ---------------------------------------------------------------- reads
 def pool_stats(r: pb.StatsResponse) -> PoolStats:
     tenants = tuple(TenantUsage(**{f.name: getattr(t, f.name) for f in fields(TenantUsage)}) for t in r.tenants)
-    return PoolStats(**{f.name: getattr(r, f.name) for f in fields(PoolStats) if f.name != "tenants"},
-                     tenants=tenants)
+    tier = HostTierStats(**{f.name: getattr(r.host_tier, f.name) for f in fields(HostTierStats)}) \
+        if r.HasField("host_tier") else None
+    return PoolStats(**{f.name: getattr(r, f.name) for f in fields(PoolStats) if f.name not in ("tenants", "host_tier")},
+                     tenants=tenants, host_tier=tier)
 
 
 def block_table(r: pb.GetBlockTableResponse) -> BlockTable:

@@ -1,7 +1,8 @@
 """kvctl: look at (and, where the server allows, steer) a running kvpool-server.
 
     kvctl stats                       pool occupancy: blocks (used + free + evictable = total), usage, tokens,
-                                      fragmentation, sharing, copies
+                                      fragmentation, sharing, copies; prefix hits by tier; the host tier's blocks,
+                                      copies, bandwidth and losses (kvctl_tier.py)
     kvctl sessions                    live sessions (ListSessions)
     kvctl sequences [--session S]     live sequences, of one session or all (ListSequences)
     kvctl block-table SEQ             one sequence's page table
@@ -45,6 +46,7 @@ from kvpool_client import credentials, diagnose, kvctl_drain
 from kvpool_client.client import KVPoolClient
 from kvpool_client.credentials import Credentials, CredentialsError
 from kvpool_client.errors import KVPoolClientError, PermissionDeniedError, UnauthenticatedError, from_rpc_error
+from kvpool_client.kvctl_tier import prefix_and_tier_rows
 from kvpool_client.pages import all_pages
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_AVAILABLE, EXIT_NO_SERVER = 0, 1, 2, 3, 4
@@ -112,6 +114,7 @@ def cmd_stats(ctl: Ctl, args: argparse.Namespace) -> tuple[dict, str]:
         ("internal fragmentation", f"{100 * stats.internal_fragmentation:.2f}%  ({stats.num_slots_unused:,} slots)"),
         ("shared blocks", f"{stats.num_blocks_shared:,}"),
         ("copy-on-write copies", f"{stats.num_copies:,}"),
+        *prefix_and_tier_rows(stats),
     ]
     return data, _table(rows)
 

@@ -78,6 +78,40 @@ class TenantUsage:
 
 
 @dataclass(frozen=True)
+class HostTierStats:
+    """The host tier's figures, as StatsResponse.host_tier reports them (see the proto for each field): blocks of
+    the pool's size; counts, bytes and seconds since the server started."""
+
+    num_blocks: int
+    bytes_total: int
+    num_blocks_ready: int  # allocated (pinned) so far: the tier is allocated in the background
+    bytes_ready: int
+    num_blocks_used: int
+    num_blocks_cached: int  # matchable
+    num_blocks_offloaded: int
+    num_blocks_written_back: int
+    num_blocks_restored: int
+    bytes_offloaded: int
+    offload_seconds: float
+    bytes_restored: int
+    restore_seconds: float
+    num_offload_failures: int
+    num_blocks_fenced: int  # restores that failed: slots dropped, a miss
+    num_blocks_torn: int  # write-backs overtaken by an eviction: aborted
+    num_blocks_dropped: int  # dropped by the host LRU
+    num_evictions_unkept: int  # evicted pool blocks the tier did not keep
+
+    @property
+    def offload_bytes_per_s(self) -> float:
+        """The offloads' bandwidth since start (0 before any)."""
+        return self.bytes_offloaded / self.offload_seconds if self.offload_seconds > 0 else 0.0
+
+    @property
+    def restore_bytes_per_s(self) -> float:
+        return self.bytes_restored / self.restore_seconds if self.restore_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class PoolStats:
     """Pool occupancy, as StatsResponse reports it (see the proto for each field)."""
 
@@ -96,6 +130,10 @@ class PoolStats:
     # The caller's own tenant (a frontend token) or every tenant (admin); empty on a server without --auth-tokens
     tenants: tuple[TenantUsage, ...] = ()
     num_blocks_evictable: int = 0  # cached blocks no sequence holds (prefix caching)
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache since start
+    prefix_hit_tokens: int = 0  # of those, found cached (either tier)
+    prefix_host_hit_tokens: int = 0  # of the hits, restored from the host tier
+    host_tier: HostTierStats | None = None  # None: the server has no host tier (or predates it)
 
     @property
     def bytes_used(self) -> int:

@@ -157,7 +157,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "utilization", "num_tokens", "num_slots_unused", "internal_fragmentation", "num_blocks_shared", "num_copies", "num_sequences", "block_size", "block_bytes", "tenants", "num_blocks_evictable")
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "utilization", "num_tokens", "num_slots_unused", "internal_fragmentation", "num_blocks_shared", "num_copies", "num_sequences", "block_size", "block_bytes", "tenants", "num_blocks_evictable", "prefix_query_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens", "host_tier")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,10 @@ class StatsResponse(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_free: int
     num_blocks_used: int
@@ -186,7 +190,51 @@ class StatsResponse(_message.Message):
     block_bytes: int
     tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
     num_blocks_evictable: int
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., utilization: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_slots_unused: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., num_blocks_shared: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., num_blocks_evictable: _Optional[int] = ...) -> None: ...
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_host_hit_tokens: int
+    host_tier: HostTierStats
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., utilization: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_slots_unused: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., num_blocks_shared: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., num_blocks_evictable: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., host_tier: _Optional[_Union[HostTierStats, _Mapping]] = ...) -> None: ...
+
+class HostTierStats(_message.Message):
+    __slots__ = ("num_blocks", "bytes_total", "num_blocks_ready", "bytes_ready", "num_blocks_used", "num_blocks_cached", "num_blocks_offloaded", "num_blocks_written_back", "num_blocks_restored", "bytes_offloaded", "offload_seconds", "bytes_restored", "restore_seconds", "num_offload_failures", "num_blocks_fenced", "num_blocks_torn", "num_blocks_dropped", "num_evictions_unkept")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_READY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_WRITTEN_BACK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FENCED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_TORN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_UNKEPT_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    bytes_total: int
+    num_blocks_ready: int
+    bytes_ready: int
+    num_blocks_used: int
+    num_blocks_cached: int
+    num_blocks_offloaded: int
+    num_blocks_written_back: int
+    num_blocks_restored: int
+    bytes_offloaded: int
+    offload_seconds: float
+    bytes_restored: int
+    restore_seconds: float
+    num_offload_failures: int
+    num_blocks_fenced: int
+    num_blocks_torn: int
+    num_blocks_dropped: int
+    num_evictions_unkept: int
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes_total: _Optional[int] = ..., num_blocks_ready: _Optional[int] = ..., bytes_ready: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached: _Optional[int] = ..., num_blocks_offloaded: _Optional[int] = ..., num_blocks_written_back: _Optional[int] = ..., num_blocks_restored: _Optional[int] = ..., bytes_offloaded: _Optional[int] = ..., offload_seconds: _Optional[float] = ..., bytes_restored: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., num_offload_failures: _Optional[int] = ..., num_blocks_fenced: _Optional[int] = ..., num_blocks_torn: _Optional[int] = ..., num_blocks_dropped: _Optional[int] = ..., num_evictions_unkept: _Optional[int] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
     __slots__ = ("tenant", "num_sequences", "num_blocks", "num_sessions", "max_blocks", "max_sequences", "max_sessions", "reserved_blocks")

@@ -176,11 +176,25 @@ def stats(manager: KVCacheManager) -> PoolStats:
         num_blocks_evictable=allocator.cache.num_evictable,
         prefix_query_tokens=manager.prefix_query_tokens,
         prefix_hit_tokens=manager.prefix_hit_tokens,
-        host_tier_blocks_total=tier.num_slots if tier is not None else 0,
-        host_tier_blocks_ready=tier.num_ready if tier is not None else 0,
-        host_tier_blocks_cached=tier.num_committed if tier is not None else 0,
         prefix_host_hit_tokens=manager.prefix_host_hit_tokens,
-        host_tier_blocks_offloaded=tier.num_offloaded if tier is not None else 0,
-        host_tier_blocks_restored=tier.num_restored if tier is not None else 0,
-        host_tier_copy_failures=tier.num_offload_failed + tier.num_restore_failed if tier is not None else 0,
+        **(tier_stats(tier) if tier is not None else {}),
+    )
+
+
+def tier_stats(tier: HostTier) -> dict[str, int]:
+    """The host tier's fields of PoolStats."""
+    return dict(
+        host_tier_blocks_total=tier.num_slots,
+        host_tier_blocks_ready=tier.num_ready,
+        host_tier_blocks_cached=tier.num_committed,
+        host_tier_blocks_offloaded=tier.num_offloaded,
+        host_tier_blocks_restored=tier.num_restored,
+        host_tier_copy_failures=tier.num_offload_failed + tier.num_restore_failed,
+        host_tier_blocks_used=tier.num_used,
+        host_tier_blocks_written_back=tier.num_written_back,
+        host_tier_offload_failures=tier.num_offload_failed,
+        host_tier_blocks_fenced=tier.num_restore_failed,
+        host_tier_blocks_torn=tier.num_torn,
+        host_tier_blocks_dropped=tier.num_dropped,
+        host_tier_evictions_unkept=tier.num_unkept,
     )

@@ -55,6 +55,9 @@ class HostTier:
     no block of that hash, medium "" (the pool's) when an offload fails (the pool's copy is gone already). The
     pool's own eviction of a block the tier keeps is no event (``spill`` returns only the hashes that are gone).
 
+    Counters (``num_*``, since start; ``checks.tier_stats`` puts them in PoolStats, Stats.host_tier): offloaded
+    (of them written back), restored, offload and restore failures (the latter fenced), torn, dropped, unkept.
+
     ::
 
         pool evicts block 7 (h1)  ->  staged [(7, 3)], pending {h1: 3}  ->  copy  ->  commit([3]): slot_of_hash {h1: 3}
@@ -100,6 +103,7 @@ class HostTier:
         self.num_restored: int = 0  # blocks restored into the pool
         self.num_restore_failed: int = 0
         self.num_dropped: int = 0  # slots dropped by the host LRU
+        self.num_unkept: int = 0  # evicted pool blocks the tier did not keep (no copy on eviction, or no slot)
 
     def make_ready(self, num_ready: int) -> None:
         """Slots ``[0, num_ready)`` have their memory now: the new ones join the free slots."""
@@ -111,6 +115,11 @@ class HostTier:
     @property
     def num_committed(self) -> int:
         return len(self.slot_of_hash)
+
+    @property
+    def num_used(self) -> int:
+        """Ready slots holding a block: committed or pending."""
+        return self.num_ready - len(self.free)
 
     # ------------------------------------------------------------------ offload
     def spill(self, block_ids: list[int], entries: list[CachedBlock]) -> list[bytes]:
@@ -137,9 +146,11 @@ class HostTier:
                 continue
             if not self.offload_on_evict:  # no copy on the evicting call's path: the tier does not keep it
                 gone.append(h)
+                self.num_unkept += 1
                 continue
             slot = self._take_slot(dropped)
             if slot is None:
+                self.num_unkept += 1
                 if h not in dropped:  # a slot of it dropped above (the pool evicts it in this batch too) said it
                     gone.append(h)
                 continue

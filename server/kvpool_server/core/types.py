@@ -66,6 +66,13 @@ class PoolStats:
     host_tier_blocks_offloaded: int = 0  # blocks copied into the host tier and committed (write-backs included)
     host_tier_blocks_restored: int = 0  # blocks copied back into the pool
     host_tier_copy_failures: int = 0  # blocks of failed offloads and restores (dropped: a miss, never wrong KV)
+    host_tier_blocks_used: int = 0  # ready slots holding a block (cached, or being written back)
+    host_tier_blocks_written_back: int = 0  # of the offloaded blocks, those copied ahead by the write-back
+    host_tier_offload_failures: int = 0  # of the copy failures, the offloads' (aborted)
+    host_tier_blocks_fenced: int = 0  # of the copy failures, the restores' (their slots fenced: dropped)
+    host_tier_blocks_torn: int = 0  # write-backs whose block was evicted during the copy (aborted, no failure)
+    host_tier_blocks_dropped: int = 0  # cached slots the host LRU dropped to make room
+    host_tier_evictions_unkept: int = 0  # evicted pool blocks the tier did not keep (not copied ahead, or no slot)
 
     @property
     def utilization(self) -> float:

@@ -24,11 +24,19 @@ _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 
 
 class GpuTicket(CopyTicket):
-    """A write-back queued on the D2H stream: done when its event has completed."""
+    """A write-back queued on the D2H stream: done when its event has completed; ``seconds()`` is the stream's
+    time between the events recorded before and after its copies (not the time it queued behind others)."""
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, started: Any) -> None:
         super().__init__()
         self.event = event
+        self.started = started
+
+    def seconds(self) -> float:
+        try:
+            return float(cupy.cuda.get_elapsed_time(self.started, self.event)) / 1000.0
+        except Exception:  # a figure only: never let it fail the write-back's settling
+            return 0.0
 
     def done(self) -> bool:
         return bool(self.event.done)
@@ -73,13 +81,15 @@ class GpuTierPool(TierPool):
             except InjectedCopyError:
                 return CopyTicket(ok=False)
         with self.pool.device:
+            started = cupy.cuda.Event()  # timing on: the ticket's seconds()
+            started.record(self._d2h)
             try:
                 stream = self._issue(pairs, to_host=True)
             except Exception:
                 return CopyTicket(ok=False)
-            event = cupy.cuda.Event(disable_timing=True)
+            event = cupy.cuda.Event()
             event.record(stream)
-        return GpuTicket(event)
+        return GpuTicket(event, started)
 
     def _issue(self, pairs: np.ndarray, to_host: bool) -> Any:
         """Queue the copies of ``pairs`` (pool block, host slot) on the direction's stream; returns the stream."""

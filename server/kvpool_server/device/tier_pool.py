@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,12 +50,24 @@ class InjectedCopyError(OSError):
     """A copy failure made by the test hook ``TierPool.inject_failures``."""
 
 
+class CopyTotals(NamedTuple):
+    """What the tier's completed copies moved since start, each way, and the seconds they took: bytes / seconds is
+    the copy bandwidth. A copy that raised (or a write-back that failed) counts in neither."""
+
+    bytes_offloaded: int = 0
+    offload_seconds: float = 0.0
+    bytes_restored: int = 0
+    restore_seconds: float = 0.0
+
+
 class CopyTicket:
     """A copy started by ``TierPool.start_offload``: ``wait()`` returns True once it completed, False if it failed
-    (then none of its pairs may be trusted)."""
+    (then none of its pairs may be trusted). ``seconds()``: how long the copy took, once completed."""
 
-    def __init__(self, ok: bool = True) -> None:
+    def __init__(self, ok: bool = True, seconds: float = 0.0) -> None:
         self.ok = ok
+        self.nbytes = 0  # set by ``start_offload``
+        self._seconds = seconds
 
     def done(self) -> bool:
         return True
@@ -62,12 +75,17 @@ class CopyTicket:
     def wait(self) -> bool:
         return self.ok
 
+    def seconds(self) -> float:
+        return self._seconds
+
 
 class TierPool:
     """``num_slots`` host rows of ``block_bytes`` beside ``pool``, allocated in chunks of ``chunk_slots`` rows.
 
     Invariants: ``ready_slots`` only grows, up to ``num_slots``; slots below it have their memory; a copy names
-    only ready slots and blocks of the pool (``_checked``); copies are serialised (``_lock``).
+    only ready slots and blocks of the pool (``_checked``); copies are serialised (``_lock``); ``copy_totals``
+    counts each completed copy once (a write-back when ``settle_writeback`` settles its ticket), under its own
+    ``_totals_lock``, so that reading them never waits for a copy.
     """
 
     backend = ""
@@ -90,12 +108,36 @@ class TierPool:
         self._fail_every = 0  # the test hook: every n-th copy fails (0: none)
         self._num_copies = 0
         self._thread: threading.Thread | None = None
-        self.bytes_offloaded = 0
-        self.bytes_restored = 0
+        self._totals = CopyTotals()
+        self._totals_lock = threading.Lock()
 
     @property
     def tier_bytes(self) -> int:
         return self.num_slots * self.slot_bytes
+
+    @property
+    def bytes_offloaded(self) -> int:
+        return self._totals.bytes_offloaded
+
+    @property
+    def bytes_restored(self) -> int:
+        return self._totals.bytes_restored
+
+    def copy_totals(self) -> CopyTotals:
+        """A snapshot of the completed copies' bytes and seconds."""
+        with self._totals_lock:
+            return self._totals
+
+    def _count(self, to_host: bool, nbytes: int, seconds: float) -> None:
+        """A completed copy of ``nbytes`` that took ``seconds``."""
+        with self._totals_lock:
+            t = self._totals
+            if to_host:
+                self._totals = t._replace(bytes_offloaded=t.bytes_offloaded + nbytes,
+                                          offload_seconds=t.offload_seconds + seconds)
+            else:
+                self._totals = t._replace(bytes_restored=t.bytes_restored + nbytes,
+                                          restore_seconds=t.restore_seconds + seconds)
 
     def start(self) -> None:
         """Allocate the chunks on a background thread (``wait_ready`` waits for all of them)."""
@@ -138,34 +180,46 @@ class TierPool:
         pairs = self._checked(pairs, block_col=0)
         with self._lock:
             self._check_open()
+            start = time.perf_counter()
             self._copy(pairs, to_host=True)
-            self.bytes_offloaded += len(pairs) * self.slot_bytes
+            self._count(True, len(pairs) * self.slot_bytes, time.perf_counter() - start)
         return len(pairs)
 
     def start_offload(self, pairs: Any) -> CopyTicket:
         """Start copying pool blocks into host slots (a write-back, off the core's lock); the ticket says when it
-        completed. The host backend copies at once; the GPU queues the copies on the D2H stream."""
+        completed. The host backend copies at once; the GPU queues the copies on the D2H stream. Settle the
+        ticket with ``settle_writeback``."""
         pairs = self._checked(pairs, block_col=0)
         with self._lock:
             self._check_open()
-            self.bytes_offloaded += len(pairs) * self.slot_bytes
-            return self._start(pairs)
+            ticket = self._start(pairs)
+        ticket.nbytes = len(pairs) * self.slot_bytes
+        return ticket
+
+    def settle_writeback(self, ticket: CopyTicket) -> bool:
+        """Wait for a write-back's ticket (once per ticket); True: it completed (its bytes and seconds counted)."""
+        ok = ticket.wait()
+        if ok:
+            self._count(True, ticket.nbytes, ticket.seconds())
+        return ok
 
     def _start(self, pairs: np.ndarray) -> CopyTicket:
+        start = time.perf_counter()
         try:
             self._copy(pairs, to_host=True)
         except Exception:
             logger.exception("host tier: a write-back of %d blocks failed", len(pairs))
             return CopyTicket(ok=False)
-        return CopyTicket()
+        return CopyTicket(seconds=time.perf_counter() - start)
 
     def restore_blocks(self, pairs: Any) -> int:
         """Copy host slots into pool blocks, ``pairs`` int32 [n, 2] (host slot, pool block); done when it returns."""
         pairs = self._checked(pairs, block_col=1)
         with self._lock:
             self._check_open()
+            start = time.perf_counter()
             self._copy(pairs[:, ::-1], to_host=False)
-            self.bytes_restored += len(pairs) * self.slot_bytes
+            self._count(False, len(pairs) * self.slot_bytes, time.perf_counter() - start)
         return len(pairs)
 
     def _copy(self, pairs: np.ndarray, to_host: bool) -> None:

@@ -9,6 +9,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core import AppendPlan, PoolStats
 from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvpool_server.core.sessions import Session
+from kvpool_server.device.tier_pool import CopyTotals
 from kvpool_server.service.kvpool import PoolDescription, RankShard
 from kvpool_server.service.tenant_usage import TenantUsage
 
@@ -26,8 +27,9 @@ def append_response(plan: AppendPlan, response_cls: type[R]) -> R:
     return response
 
 
-def stats_response(stats: PoolStats, block_bytes: int) -> pb.StatsResponse:
-    return pb.StatsResponse(
+def stats_response(stats: PoolStats, block_bytes: int, copies: CopyTotals | None = None) -> pb.StatsResponse:
+    """The pool's stats; ``host_tier`` set when the pool has a host tier (``copies``: its copy totals)."""
+    response = pb.StatsResponse(
         num_blocks_total=stats.num_blocks_total,
         num_blocks_free=stats.num_blocks_free,
         num_blocks_used=stats.num_blocks_used,
@@ -41,12 +43,34 @@ def stats_response(stats: PoolStats, block_bytes: int) -> pb.StatsResponse:
         block_size=stats.block_size,
         block_bytes=block_bytes,
         num_blocks_evictable=stats.num_blocks_evictable,
+        prefix_query_tokens=stats.prefix_query_tokens,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        prefix_host_hit_tokens=stats.prefix_host_hit_tokens,
+    )
+    if stats.host_tier_blocks_total:
+        response.host_tier.CopyFrom(host_tier_stats(stats, block_bytes, copies or CopyTotals()))
+    return response
+
+
+def host_tier_stats(s: PoolStats, block_bytes: int, copies: CopyTotals) -> pb.HostTierStats:
+    return pb.HostTierStats(
+        num_blocks=s.host_tier_blocks_total, bytes_total=s.host_tier_blocks_total * block_bytes,
+        num_blocks_ready=s.host_tier_blocks_ready, bytes_ready=s.host_tier_blocks_ready * block_bytes,
+        num_blocks_used=s.host_tier_blocks_used, num_blocks_cached=s.host_tier_blocks_cached,
+        num_blocks_offloaded=s.host_tier_blocks_offloaded, num_blocks_written_back=s.host_tier_blocks_written_back,
+        num_blocks_restored=s.host_tier_blocks_restored,
+        bytes_offloaded=copies.bytes_offloaded, offload_seconds=copies.offload_seconds,
+        bytes_restored=copies.bytes_restored, restore_seconds=copies.restore_seconds,
+        num_offload_failures=s.host_tier_offload_failures, num_blocks_fenced=s.host_tier_blocks_fenced,
+        num_blocks_torn=s.host_tier_blocks_torn, num_blocks_dropped=s.host_tier_blocks_dropped,
+        num_evictions_unkept=s.host_tier_evictions_unkept,
     )
 
 
-def stats_with_tenants(answer: tuple[PoolStats, list[TenantUsage]], block_bytes: int) -> pb.StatsResponse:
+def stats_with_tenants(answer: tuple[PoolStats, list[TenantUsage]], block_bytes: int,
+                       copies: CopyTotals | None = None) -> pb.StatsResponse:
     stats, usage = answer
-    response = stats_response(stats, block_bytes)
+    response = stats_response(stats, block_bytes, copies)
     response.tenants.extend(pb.TenantUsage(
         tenant=u.tenant, num_sequences=u.num_sequences, num_blocks=u.num_blocks, num_sessions=u.num_sessions,
         max_blocks=u.max_blocks, max_sequences=u.max_sequences, max_sessions=u.max_sessions,

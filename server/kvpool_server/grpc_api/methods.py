@@ -119,7 +119,7 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
         lambda s, n: pb.FreeResponse(num_blocks_freed=n)),
     "Stats": Unary(
         pb.StatsRequest, lambda s, call, r: s.stats(call),
-        lambda s, a: messages.stats_with_tenants(a, s.guard.pool.layout.block_bytes)),
+        lambda s, a: messages.stats_with_tenants(a, s.guard.pool.layout.block_bytes, s.tier_copies())),
     "GetBlockTable": Unary(
         pb.GetBlockTableRequest, lambda s, call, r: s.block_table(call, r.seq_id),
         lambda s, t: pb.GetBlockTableResponse(block_ids=t.block_ids.tolist(), num_tokens=t.num_tokens,

@@ -88,7 +88,8 @@ class ServerHandle:
         if self.metrics is not None:
             guard = self.service.guard
             self.metrics.watch_pool(locked_stats(guard.manager, guard.lock), self.service.sessions.gauges,
-                                    block_bytes=self.pool.layout.block_bytes)
+                                    block_bytes=self.pool.layout.block_bytes,
+                                    read_tier_copies=self.service.tier_copies)
             try:
                 self.metrics_http = start_metrics_server(self.metrics_address, self.metrics.registry)
             except OSError as exc:

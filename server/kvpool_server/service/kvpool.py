@@ -31,6 +31,7 @@ from kvpool_server.core import AppendPlan, PoolStats
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.device import PoolAttachInfo
 from kvpool_server.device.pool import RankShard
+from kvpool_server.device.tier_pool import CopyTotals
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
 from kvpool_server.service.byte_budget import ByteBudget
@@ -199,6 +200,11 @@ class KVPoolService:
             usage = tenant_usage(manager.tenants, self.guard.sessions, None if call.caller.is_admin else
                                  call.caller.tenant_id) if manager.tenancy else []
         return stats, usage
+
+    def tier_copies(self) -> CopyTotals | None:
+        """The host tier's copy totals (bytes and seconds each way; ``TierPool.copy_totals``), None without a tier.
+        Read without the guard's lock: they never wait for a copy."""
+        return self.tier.memory.copy_totals() if self.tier is not None else None
 
     def block_table(self, call: Call, seq_id: int) -> BlockTableView:
         seq_id = arguments.seq_id(seq_id, "GetBlockTable")

@@ -34,6 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpool_server.core.types import PoolStats
+from kvpool_server.device.tier_pool import CopyTotals
+from kvpool_server.service.tier_metrics import tier_families
 
 KVPOOL_SERVICE = "kvpool.v1.KVPoolService"
 # RPC latency buckets: 50 us .. 10 s. A decode step over a unix socket takes ~0.1-1 ms; a big ReadKV, tens of ms.
@@ -99,19 +101,23 @@ class PoolCollector(Collector):
     """The pool's gauges, computed from ``read_stats()`` (and ``read_sessions()``) at every scrape."""
 
     def __init__(self, read_stats: Callable[[], PoolStats], read_sessions: Callable[[], SessionGauges] | None = None,
-                 *, block_bytes: int | None = None) -> None:
+                 *, block_bytes: int | None = None,
+                 read_tier_copies: Callable[[], CopyTotals | None] | None = None) -> None:
         self.read_stats = read_stats
         self.read_sessions = read_sessions
         self.block_bytes = block_bytes
+        self.read_tier_copies = read_tier_copies
 
     def describe(self) -> Iterable[Metric]:
         return self._families(None, None)
 
     def collect(self) -> Iterable[Metric]:
         sessions = self.read_sessions() if self.read_sessions is not None else SessionGauges(0, 0)
-        return self._families(self.read_stats(), sessions)
+        copies = self.read_tier_copies() if self.read_tier_copies is not None else None
+        return self._families(self.read_stats(), sessions, copies or CopyTotals())
 
-    def _families(self, s: PoolStats | None, sessions: SessionGauges | None) -> list[Metric]:
+    def _families(self, s: PoolStats | None, sessions: SessionGauges | None,
+                  copies: CopyTotals | None = None) -> list[Metric]:
         """Every family; without ``s`` (describe) they carry no samples."""
 
         def pool(value: Callable[[PoolStats], float]) -> float | None:
@@ -119,6 +125,9 @@ class PoolCollector(Collector):
 
         def sess(value: Callable[[SessionGauges], float]) -> float | None:
             return None if sessions is None else value(sessions)
+
+        def copied(value: Callable[[CopyTotals], float]) -> float | None:
+            return None if copies is None else value(copies)
 
         def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=value)
@@ -161,6 +170,7 @@ class PoolCollector(Collector):
                                 value=pool(lambda s: s.host_tier_blocks_restored)),
             CounterMetricFamily("kvpool_host_tier_copy_failures", "Blocks of host-tier copies that failed (dropped)",
                                 value=pool(lambda s: s.host_tier_copy_failures)),
+            *tier_families(pool, copied),
             gauge("kvpool_sessions", "Live sessions", sess(lambda g: g.num_live)),
             gauge("kvpool_ended_session_blocks", "Blocks still held by sequences of ended sessions (must be 0)",
                   sess(lambda g: g.num_blocks_held_by_ended)),
@@ -180,6 +190,10 @@ class PoolCollector(Collector):
                 gauge("kvpool_pool_size_bytes", "Bytes of the whole pool",
                       pool(lambda s: s.num_blocks_total * block_bytes)),
                 gauge("kvpool_used_bytes", "Bytes of the used blocks", pool(lambda s: s.num_blocks_used * block_bytes)),
+                gauge("kvpool_host_tier_size_bytes", "Bytes of the host tier (0: none)",
+                      pool(lambda s: s.host_tier_blocks_total * block_bytes)),
+                gauge("kvpool_host_tier_ready_bytes", "Of those, allocated (pinned) so far",
+                      pool(lambda s: s.host_tier_blocks_ready * block_bytes)),
             ]
         return families
 
@@ -221,11 +235,14 @@ class KVPoolMetrics:
         self.pool_collector: PoolCollector | None = None
 
     def watch_pool(self, read_stats: Callable[[], PoolStats], read_sessions: Callable[[], SessionGauges] | None = None,
-                   *, block_bytes: int | None = None) -> PoolCollector:
-        """Export the pool's gauges, read at scrape time from ``read_stats()`` (e.g. ``locked_stats(...)``)."""
+                   *, block_bytes: int | None = None,
+                   read_tier_copies: Callable[[], CopyTotals | None] | None = None) -> PoolCollector:
+        """Export the pool's gauges, read at scrape time from ``read_stats()`` (e.g. ``locked_stats(...)``);
+        ``read_tier_copies``: the host tier's copy totals (``KVPoolService.tier_copies``)."""
         if self.pool_collector is not None:
             raise ValueError("watch_pool() was already called on these metrics")
-        self.pool_collector = PoolCollector(read_stats, read_sessions, block_bytes=block_bytes)
+        self.pool_collector = PoolCollector(read_stats, read_sessions, block_bytes=block_bytes,
+                                            read_tier_copies=read_tier_copies)
         self.registry.register(self.pool_collector)
         return self.pool_collector
 

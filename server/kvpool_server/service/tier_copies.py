@@ -172,7 +172,7 @@ class TierCopies:
         """Settle the write-backs that completed (all of them, waiting, with ``wait``); under the lock."""
         for ticket, pairs in list(self.writebacks):
             if wait or ticket.done():
-                ok = ticket.wait()
+                ok = self.memory.settle_writeback(ticket)
                 if not ok:
                     logger.warning("host tier: a write-back of %d blocks failed: they are not kept", len(pairs))
                 self.tier.finish_writeback(pairs, ok)
