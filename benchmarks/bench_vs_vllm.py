@@ -5,7 +5,8 @@ each prompt prefilled (ceil(prompt / block_size) blocks, its full blocks hashed 
 steps that append one token to every sequence (a new block every block_size tokens, each block hashed and cached as
 it fills), then every sequence freed. Both sides get the same token ids; each keeps its pool across rounds, so later
 rounds evict the blocks cached by earlier ones. Rounds alternate which side runs first; one warm-up round is not
-counted; the figures are medians over --rounds rounds (9).
+counted; the figures are medians over --rounds rounds (9; ``--stat min``: the least
+disturbed round).
 
 - vLLM: its own BlockPool, KVCacheBlock, FreeKVCacheBlockQueue and block hashing (sha256, its default), loaded
   from extracted source files (``--vllm-src DIR``, see ``scripts/extract_vllm_core.sh``), driven the way its
@@ -148,7 +149,9 @@ def main() -> None:
     parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU (as taskset -c)")
     parser.add_argument("--only", choices=("vllm", "batched", "persistent"), action="append",
                         help="run only these sides (repeatable; for profiling)")
-    parser.add_argument("--json", default=None, help="write the medians here")
+    parser.add_argument("--stat", choices=("median", "min"), default="median",
+                        help="the figure of the rounds (min: the least disturbed round, on a busy host)")
+    parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
@@ -189,9 +192,10 @@ def main() -> None:
 
 def report(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[str],
            times: dict[str, list[dict[str, float]]]) -> None:
-    medians = {s: {p: statistics.median(t[p] for t in times[s]) * 1e6 for p in PHASES} for s in sides}
+    stat = statistics.median if args.stat == "median" else min
+    medians = {s: {p: stat(t[p] for t in times[s]) * 1e6 for p in PHASES} for s in sides}
     print(f"{args.num_seqs} sequences, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.decode_steps} decode "
-          f"steps, block size {args.block_size}, pool {num_blocks} blocks, prefix caching on; median of "
+          f"steps, block size {args.block_size}, pool {num_blocks} blocks, prefix caching on; {args.stat} of "
           f"{args.rounds} rounds, us per cycle" + (f"; vLLM from {vllm.origin}" if vllm is not None else ""))
     header = f"{'phase':<18}" + "".join(f"{s:>14}" for s in sides)
     if "vllm" in sides:
@@ -206,7 +210,7 @@ def report(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[str
     print("decode step (all sequences): " + ", ".join(f"{s} {per_step[s]:.1f} us" for s in sides))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "num_blocks": num_blocks, "median_us": medians,
+        Path(args.json).write_text(json.dumps({"args": vars(args), "num_blocks": num_blocks, f"{args.stat}_us": medians,
                                                "vllm": vllm.origin if vllm is not None else None}, indent=1))
 
 
