@@ -18,6 +18,12 @@ disturbed round).
 - kvpool, *persistent*: the same, but the decode steps run ``SequenceBatch.step(token_ids)``
   (``persistent_batch.py``: rows resolved once when the batch is built, at register time).
 
+Where the phases differ in what they hold: vLLM caches a full block when its slot is allocated (the prompt's in
+the prefill), kvpool seals it with the sequence's next append (docs/prefix-caching.md), so the prompt's blocks
+enter kvpool's cache in the first decode step -- that work is in kvpool's decode phase and in vLLM's prefill. The
+cycle holds the same work on both sides. (A block filled by a sequence's last append is hashed but never sealed by
+kvpool, as the sequence is freed next: at most one block a sequence.)
+
 Ratios are vLLM / kvpool: above 1 means kvpool is faster. Without vLLM's files only kvpool's figures are printed.
 
     scripts/extract_vllm_core.sh <vllm git dir | vllm checkout | vllm wheel> .vllm-src   # ignored by git
