@@ -28,7 +28,7 @@ help:
 	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/{core,service,grpc_api}"
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
 	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
-	@echo "make bench              in-process core benchmark"
+	@echo "make bench              in-process core benchmark; the whole cycle vs vLLM's BlockPool with VLLM_SRC=DIR"
 	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
 	@echo "make bench-engine       decode engine on the pool vs in-process cache (needs PyTorch, transformers; CUDA: Llama-3-8B)"
 	@echo "make bench-events       KV events: block events/s to a SubscribeEvents subscriber process, none dropped"
@@ -88,6 +88,7 @@ run: $(RUN_SETUP)
 
 bench: $(SETUP)
 	$(PY) benchmarks/bench_core.py
+	$(PY) benchmarks/bench_vs_vllm.py $(if $(VLLM_SRC),--vllm-src $(VLLM_SRC))
 
 # Pinned (server on CPU 0, clients on CPU 1) where there are two CPUs: steadier figures (docs/service-bench.md).
 bench-service: $(SETUP)

@@ -41,6 +41,18 @@ class SequenceBatch:
         self.seq_ids = np.append(self.seq_ids, np.uint64(seq_id))
         self.rows = np.append(self.rows, row)
 
+    def extend(self, seq_ids: np.ndarray) -> None:
+        """Add many sequences at once (distinct uint64 ids, none in the batch yet): one resolve, one concatenate."""
+        ids = np.asarray(seq_ids, dtype=np.uint64)
+        id_list = ids.tolist()
+        if len(set(id_list)) != len(id_list) or any(s in self._position for s in id_list):
+            raise InvalidArgumentError("a sequence is repeated or already in the batch")
+        rows = np.atleast_1d(np.asarray(self.manager.index.resolve(ids), dtype=np.intp))
+        start = self.seq_ids.size
+        self._position.update(zip(id_list, range(start, start + len(id_list))))
+        self.seq_ids = np.concatenate((self.seq_ids, ids))
+        self.rows = np.concatenate((self.rows, rows))
+
     def replace(self, old_seq_id: int, new_seq_id: int) -> None:
         """Put ``new_seq_id`` in ``old_seq_id``'s place (a finished sequence replaced by a new one)."""
         if new_seq_id in self._position:
@@ -60,11 +72,16 @@ class SequenceBatch:
             self._position[moved] = position
         self.seq_ids, self.rows = self.seq_ids[:last].copy(), self.rows[:last].copy()
 
-    def step(self) -> AppendPlan:
-        """One token for every member; raises (changing nothing) if any member is gone or the pool is full."""
+    def step(self, token_ids: np.ndarray | None = None) -> AppendPlan:
+        """One token for every member; raises (changing nothing) if any member is gone or the pool is full.
+
+        ``token_ids``: the members' tokens, in member order (prefix caching: the tokens join the members' chains,
+        as ``manager.append(members, token_ids=...)`` does); needed once any member is tracked."""
         if not self._position:
             raise InvalidArgumentError("the batch is empty")
         if not self.manager.index.hold(self.rows, self.seq_ids):
             gone = [s for s in self.seq_ids.tolist() if s not in self.manager.index]
             raise SequenceNotFoundError(f"sequence {gone[0]} of the batch is not live (freed?)")
-        return self.manager.tables.plan_append(self.rows, 1)
+        if token_ids is None and not self.manager.chains.chains:
+            return self.manager.tables.plan_append(self.rows, 1)
+        return self.manager._append_tracked(self.seq_ids, self.rows, 1, None, token_ids)

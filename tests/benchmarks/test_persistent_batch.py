@@ -86,3 +86,45 @@ def test_step_out_of_blocks_changes_nothing():
 def test_empty_batch_is_invalid():
     with pytest.raises(InvalidArgumentError):
         SequenceBatch(KVCacheManager(4, 4)).step()
+
+
+def test_step_with_token_ids_caches_as_append_does():
+    # Prefix caching: the batch's steps carry the members' tokens into their chains, exactly as manager.append does,
+    # so that a new sequence with the same prompt and output finds the same blocks cached.
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 1000, size=n, dtype=np.uint32) for n in (3, 4, 9)]
+    outputs = rng.integers(0, 1000, size=(7, 3), dtype=np.uint32)
+    stepped, direct = KVCacheManager(64, 4), KVCacheManager(64, 4)
+    ids = {}
+    for name, manager in (("stepped", stepped), ("direct", direct)):
+        ids[name] = np.array([manager.register(prompt_token_ids=p) for p in prompts], dtype=np.uint64)
+        manager.append(ids[name], [p.size for p in prompts], token_ids=np.concatenate(prompts))
+    batch = SequenceBatch(stepped)
+    batch.extend(ids["stepped"])
+    for tokens in outputs:
+        plan = batch.step(tokens)
+        assert plan.slot_mapping.tolist() == direct.append(ids["direct"], token_ids=tokens).slot_mapping.tolist()
+    for name, manager in (("stepped", stepped), ("direct", direct)):  # the ids differ (server-assigned)
+        ids[name] = [(manager.num_tokens(s), manager.block_table(s).tolist()) for s in ids[name].tolist()]
+    assert ids["stepped"] == ids["direct"]
+    assert np.array_equal(stepped.allocator.ref_count, direct.allocator.ref_count)
+    assert stepped.allocator.cache.block_of_hash == direct.allocator.cache.block_of_hash
+    assert stepped.allocator.cache.num_cached > 0
+    stepped.check_invariants()
+    full = np.concatenate([prompts[2], outputs[:, 2]])  # 16 tokens: 3 full blocks cached, the 4th left to compute
+    again = stepped.register(prompt_token_ids=full)
+    assert stepped.num_tokens(again) == 12
+
+
+def test_extend_adds_members_in_order_and_refuses_repeats():
+    manager = KVCacheManager(64, 4)
+    batch = SequenceBatch(manager)
+    a, b, c = (manager.register() for _ in range(3))
+    batch.add(a)
+    batch.extend(np.array([b, c], dtype=np.uint64))
+    assert batch.seq_ids.tolist() == [a, b, c] and len(batch) == 3
+    assert batch.rows.tolist() == [manager.index.row(s) for s in (a, b, c)]
+    assert batch.step().slot_mapping.tolist() == [*manager.slots(a, 0, 1), *manager.slots(b, 0, 1), *manager.slots(c, 0, 1)]
+    with pytest.raises(InvalidArgumentError):
+        batch.extend(np.array([c], dtype=np.uint64))
+    assert len(batch) == 3
