@@ -35,7 +35,7 @@ import kvpool_client.kernels.torch_ops as ops
 from kvpool_client.integrations.local_cache import LocalBlockCache, zeros_like_pool
 from kvpool_client.integrations.paged_llama import PagedLlama
 from kvpool_client.integrations.seq_tables import SeqTables
-from kvpool_client.integrations.streamed_appends import StreamedAppends
+from kvpool_client.integrations.streamed_appends import StreamedAppends, control_path
 from kvpool_client.kernels import torch_views
 
 
@@ -98,9 +98,7 @@ class DecodeEngine:
         expected = layout_for(model.config, layout.block_size, layout.dtype, layout.kv_layout)
         if expected != layout:
             raise ValueError(f"the server's layout {layout} does not hold this model's KV ({expected})")
-        if append_stream is None:
-            append_stream = not getattr(client, "fast_path_enabled", False)
-        control = StreamedAppends(client) if append_stream else client
+        control = control_path(client, append_stream)
         return cls(model, control, torch_views.blocks(pool), live_check=lambda: pool._check_server(), pool=pool,
                    **kwargs)
 

@@ -18,3 +18,11 @@ class StreamedAppends:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
+
+
+def control_path(client: Any, append_stream: bool | None) -> Any:
+    """An engine's control path over ``client``: the client itself when its fast path is on (``append_stream=None``,
+    the server on this host) or when ``append_stream=False``; else appends on one ``AppendTokenStream``."""
+    if append_stream is None:
+        append_stream = not getattr(client, "fast_path_enabled", False)
+    return StreamedAppends(client) if append_stream else client

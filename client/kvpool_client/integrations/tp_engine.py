@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvpool_client.integrations.engine import DecodeEngine
-from kvpool_client.integrations.streamed_appends import StreamedAppends
+from kvpool_client.integrations.streamed_appends import control_path
 from kvpool_client.integrations.tp_llama import TPLlama
 from kvpool_client.kernels import torch_views
 
@@ -55,7 +55,7 @@ class TPDecodeEngine(DecodeEngine):
         return TPLlama(model, self.shards, self.heads, compiled)
 
     @classmethod
-    def on_pool(cls, model: Any, client: Any, append_stream: bool = True, **kwargs: Any) -> TPDecodeEngine:
+    def on_pool(cls, model: Any, client: Any, append_stream: bool | None = None, **kwargs: Any) -> TPDecodeEngine:
         """Every rank's shard of ``client``'s server mapped here (one ``attach(rank=r)`` each), the control calls
         through ``client`` as for ``DecodeEngine.on_pool``. A pool of one rank is the N = 1 case."""
         from kvpool_client.integrations.hf_llama import layout_for  # noqa: PLC0415
@@ -66,7 +66,7 @@ class TPDecodeEngine(DecodeEngine):
         if expected != layout:
             raise ValueError(f"the server's layout {layout} does not hold this model's KV ({expected})")
         pools = [client.attach(rank=r) for r in range(desc.tensor_parallel)]
-        control = StreamedAppends(client) if append_stream else client
+        control = control_path(client, append_stream)
         return cls(model, control, [torch_views.blocks(p) for p in pools], [s.heads for s in desc.shards],
                    pools=pools, live_check=lambda: pools[0]._check_server(), **kwargs)
 
