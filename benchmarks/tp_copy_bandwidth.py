@@ -1,15 +1,15 @@
 """Copy-on-write copy bandwidth per device with N shards copying at once: ``pool.copy_blocks`` of a ShardedPool,
-which starts every shard's copy kernel (each shard's own stream) before it waits for any, against a plain memcpy of
-the same bytes on each device at once.
+which starts every device's copy (one kernel launch for the shards of a device) before it waits for any, against a
+plain memcpy of the same bytes on each device at once.
 
     python benchmarks/tp_copy_bandwidth.py --backend gpu                 # N shards on device 0
     python benchmarks/tp_copy_bandwidth.py --backend gpu --tp-devices 0,1,2,3,4,5,6,7
 
 Per N: ``--copies`` random (src, dst) pairs of whole blocks (sources in one half of the pool, destinations in the
 other), Llama-3-8B layout (2 MiB blocks over all ranks, 2 MiB / N a shard). Bandwidth counts bytes read + written
-on one device, over the wall time of the call (validation, upload, N launches, N synchronisations: what the server
-pays), median of ``--reps``; memcpy is one ``cudaMemcpyAsync`` D2D of the same bytes per device, all devices
-started before any is waited for. The host backend runs the same code as a smoke test (NumPy copies; memcpy: one
+on one device, over the wall time of the call (validation, upload, a launch and a synchronisation a device: what
+the server pays), median of ``--reps``; memcpy is one ``cudaMemcpyAsync`` D2D of the same bytes per device, all
+devices started before any is waited for. The host backend runs the same code as a smoke test (NumPy copies; memcpy: one
 NumPy copy of the same bytes). Every copy is checked once after the timed runs.
 """
 

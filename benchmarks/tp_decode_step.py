@@ -11,8 +11,9 @@ the AppendToken is timed: the median and the best of ``--steps`` steps per round
     python benchmarks/tp_decode_step.py --backend gpu          # Llama-3-8B layout (32 layers, 8 KV heads, 2 MiB blocks)
     python benchmarks/tp_decode_step.py --backend gpu --tp-devices 0,1,2,3,4,5,6,7   # N=8 on eight GPUs
 
-Without --tp-devices every shard is on device 0 (N shards on one device: the same code, the same launches, the
-devices' work serialised on one GPU) -- said in the output.
+Without --tp-devices every shard is on device 0 (N shards on one device: one upload, launch and synchronisation
+for all of them, as for one shard) -- said in the output. ``--per-shard`` drives every shard on its own instead
+(one launch a shard: the cost before one launch a device), to compare the two in one run.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def build(backend: str, layout: str, n: int, num_blocks: int, devices: str) -> t
     return service, CallScope(admission, None, None), RPCS["AppendToken"]
 
 
-def run(backend: str, layout: str, n: int, steps: int, rounds: int, num_blocks: int, devices: str) -> dict:
+def run(backend: str, layout: str, n: int, steps: int, rounds: int, num_blocks: int, devices: str,
+        per_shard: bool = False) -> dict:
     service, scope, append = build(backend, layout, n, num_blocks, devices)
+    if per_shard and n > 1:  # the launches as before issue 26: one upload, launch and synchronisation a shard
+        service.guard.pool.launch_per_shard()
     rng = np.random.default_rng(0)
     best_round: dict | None = None
     try:
@@ -96,24 +100,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-blocks", type=int, default=8192)
+    parser.add_argument("--per-shard", action="store_true",
+                        help="drive every shard on its own (one launch a shard, the old way) instead of one launch "
+                             "a device, to compare the two")
     parser.add_argument("--json", help="write the rows to this file")
     a = parser.parse_args()
     layout = a.layout or ("llama" if a.backend == "gpu" else "small")
     where = f"devices {a.tp_devices}" if a.tp_devices else "every shard on device 0" if a.backend == "gpu" else \
         "N host pools"
+    launches = "one launch a shard" if a.per_shard else "one launch a device"
+    if a.backend == "host":
+        launches = "a NumPy copy a shard"  # host segments: no launches to group (--per-shard changes nothing)
     print(f"decode step: {BATCH} sequences, AppendToken with ~{FORKS_PER_STEP} forked pairs a step, {a.backend} "
-          f"backend, {layout} layout, {where}; median (best) of {a.steps} steps, best of {a.rounds} rounds")
+          f"backend, {layout} layout, {where}, {launches}; median (best) of {a.steps} steps, best of {a.rounds} "
+          f"rounds")
     rows = []
     for n in (int(x) for x in a.tensor_parallel.split(",")):
         devices = ",".join(a.tp_devices.split(",")[:n]) if a.tp_devices else ""
-        row = {"tensor_parallel": n, **run(a.backend, layout, n, a.steps, a.rounds, a.num_blocks, devices)}
+        row = {"tensor_parallel": n, **run(a.backend, layout, n, a.steps, a.rounds, a.num_blocks, devices, a.per_shard)}
         row["vs_n1"] = row["median_us"] / rows[0]["median_us"] if rows else 1.0
         rows.append(row)
         print(f"  N={n}: {row['median_us']:8.1f} us ({row['best_us']:.1f})  {row['copies_per_step']:.1f} copies/step"
               f"  x{row['vs_n1']:.3f} of N={rows[0]['tensor_parallel']}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"backend": a.backend, "layout": layout, "where": where, "rows": rows}, f, indent=1)
+            json.dump({"backend": a.backend, "layout": layout, "where": where, "launches": launches, "rows": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

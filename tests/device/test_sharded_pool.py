@@ -1,9 +1,11 @@
 """ShardedPool (device/sharded_pool.py): N pools split by KV heads behind one block-id space, on the host backend
-and, where there is a GPU, as N shards on one device (each shard its own stream)."""
+and, where there is a GPU, as N shards on one device (each shard its own memory and stream; a batch's copies or
+clearing one launch for all of them: shard_groups.py, gpu_shard_group.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,14 +15,16 @@ from kvpool.tensor_parallel import check_split, group_block_bytes, rank_heads, s
 from kvpool_server.device import create_pool
 from kvpool_server.device.pool import KVPool
 from kvpool_server.device.protocol import Pool
+from kvpool_server.device.shard_groups import ShardGroup, device_groups
 from kvpool_server.device.sharded_pool import ShardedPool
 
-from .devtest_util import BACKENDS, as_bytes, random_tokens, to_host
+from .devtest_util import BACKENDS, as_bytes, fill_random, random_tokens, to_host
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, dtype="float16")
 LAYER_MAJOR = dataclasses.replace(LAYOUT, kv_layout="layer-major")
 NUM_BLOCKS = 32
 SHARDS = [2, 4, 8]  # 8 > 4 heads: one head a rank, each held by two ranks
+GPU_ONLY = [b for b in BACKENDS if not isinstance(b, str)]
 
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -170,9 +174,11 @@ def test_every_shard_is_started_before_any_is_waited_for(op: str) -> None:
     assert events == [("start", r) for r in range(4)] + [("wait", r) for r in range(4)]
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if not isinstance(b, str)])  # the GPU only
+@pytest.mark.parametrize("backend", GPU_ONLY)
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_gpu_shards_on_one_device_have_their_own_memory_and_stream(backend: str, n: int) -> None:
+    from kvpool_server.device.gpu_shard_group import GpuShardGroup
+
     with create_pool(LAYOUT, backend=backend, num_blocks=NUM_BLOCKS, tensor_parallel=n, devices=[0] * n) as pool:
         shards: list = pool.shards
         assert {shard.device_id for shard in shards} == {0}
@@ -180,6 +186,112 @@ def test_gpu_shards_on_one_device_have_their_own_memory_and_stream(backend: str,
         infos = pool.rank_shards()
         assert len({info.attach.cuda_ipc_handle for info in infos}) == n
         assert all(info.attach.cuda_device == 0 for info in infos)
+        # ... and one device: one group, whose batch is one launch for all n shards
+        [group] = pool.groups
+        assert isinstance(group, GpuShardGroup) and group.shards == shards and group.num_shards == n
+        launches = count_launches(group)
+        pool.copy_blocks(np.array([[0, 1], [2, 3]]))
+        pool.zero_blocks(np.array([9, 4]))  # not one run: the kernel
+        assert launches == [n, n]
+
+
+def count_launches(group: Any) -> list[int]:
+    """Record the shards (``num_shards``) of every launch of ``group``'s copy and zero kernels from now on."""
+    launches: list[int] = []
+    for kernel in (group.copier, group.zeroer):
+        def counted(*args: Any, launch: Any = kernel.launch, **kwargs: Any) -> None:
+            launches.append(kwargs.get("num_shards", 1))
+            launch(*args, **kwargs)
+
+        kernel.launch = counted
+    return launches
+
+
+def test_shards_are_grouped_by_device_in_rank_order() -> None:
+    class OnDevice:
+        def __init__(self, device_id: int) -> None:
+            self.device_id = device_id
+
+    assert device_groups([OnDevice(0), OnDevice(1), OnDevice(0), OnDevice(1)]) == [[0, 2], [1, 3]]  # type: ignore
+    assert device_groups([OnDevice(2), OnDevice(2), OnDevice(0)]) == [[0, 1], [2]]  # type: ignore
+    with create_pool(LAYOUT, backend="host", num_blocks=NUM_BLOCKS, tensor_parallel=4) as pool:
+        [group] = pool.groups  # host segments are one group: each shard's NumPy copy, then each shard's wait
+        assert type(group) is ShardGroup and group.shards == pool.shards
+        pool.launch_per_shard()
+        assert [g.shards for g in pool.groups] == [[shard] for shard in pool.shards]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", [LAYOUT, LAYER_MAJOR], ids=["block-major", "layer-major"])
+@pytest.mark.parametrize("n", SHARDS)
+def test_one_launch_a_device_leaves_the_bytes_of_one_launch_a_shard(backend: str, layout: KVLayout, n: int) -> None:
+    """A decode-like sequence of batches -- copies, then blocks reused (a copy's destination among them) cleared --
+    leaves every shard's memory as the per-shard launches do, bit for bit."""
+    rng = np.random.default_rng(11)
+    slots = np.arange(NUM_BLOCKS * layout.block_size)
+    data = random_tokens(layout, len(slots), rng)
+    with create_pool(layout, backend=backend, num_blocks=NUM_BLOCKS, tensor_parallel=n) as grouped, \
+            create_pool(layout, backend=backend, num_blocks=NUM_BLOCKS, tensor_parallel=n) as per_shard:
+        per_shard.launch_per_shard()
+        assert len(per_shard.groups) == n
+        for pool in (grouped, per_shard):
+            pool.write_slots(slots, data)
+            pool.copy_blocks(np.array([[0, 10], [1, 11], [5, 12], [31, 13]]))
+            pool.zero_blocks(np.array([11, 3, 20]))  # 11: the copy's destination, freed and handed out again
+            pool.copy_blocks(np.array([[12, 3], [13, 20]]))  # the cleared blocks reused at once
+            pool.zero_blocks(np.array([24, 25, 26]))  # one run (memsets for few spans a device, else the kernel)
+            pool.zero_blocks(np.tile(np.array([27, 28]), NUM_BLOCKS))  # longer than num_blocks: in pieces
+        assert same(full_pool_tokens(grouped), full_pool_tokens(per_shard))
+        for rank in range(n):
+            assert same(shard_tokens(grouped, rank), shard_tokens(per_shard, rank))
+        assert not as_bytes(full_pool_tokens(grouped)[11 * layout.block_size:12 * layout.block_size]).any()
+
+
+@pytest.mark.parametrize("backend", GPU_ONLY)
+@pytest.mark.parametrize("layout", [LAYOUT, LAYER_MAJOR], ids=["block-major", "layer-major"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_a_gpu_group_of_k_shards_copies_and_clears_as_each_shard_alone(backend: str, layout: KVLayout, k: int) -> None:
+    """GpuShardGroup directly, k = 1, 2, 4, 8 pools on one device against k twins each driven on its own: the same
+    bytes in every pool after copies and clearings (scattered ids, a run, more ids than blocks), and each batch
+    one launch over all k (a run: memsets instead when a block's spans times k are at most MEMSET_SPANS_MAX)."""
+    from kvpool_server.device.gpu_pool import MEMSET_SPANS_MAX, GpuPool
+    from kvpool_server.device.gpu_shard_group import GpuShardGroup
+
+    part = shard_layout(layout, k) if k > 1 else layout
+    grouped = [GpuPool(part, NUM_BLOCKS) for _ in range(k)]
+    alone = [GpuPool(part, NUM_BLOCKS) for _ in range(k)]
+    group = GpuShardGroup(grouped)
+    try:
+        for rank in range(k):  # the same random bytes in a pool and its twin
+            fill_random(grouped[rank], np.random.default_rng(rank))
+            fill_random(alone[rank], np.random.default_rng(rank))
+        launches = count_launches(group)
+        run = np.array([24, 25, 26], dtype=np.int32)
+        by_memset = group.zeroer.spans_per_block * k <= MEMSET_SPANS_MAX
+        assert group.zeroes_by_memset(run) == by_memset
+        batches = [("copy", [[0, 10], [1, 11], [5, 12], [31, 13]]), ("zero", [11, 3, 20, 7]),
+                   ("copy", [[12, 3], [13, 20]]), ("zero", run), ("zero", np.tile([27, 28], NUM_BLOCKS // 2 + 4))]
+        for op, ids in batches:
+            arr = np.ascontiguousarray(ids, dtype=np.int32)
+            if op == "copy":
+                group.start_copy(arr)
+            else:
+                group.start_zero(arr)
+            group.wait()
+            for pool in alone:
+                if op == "copy":
+                    pool.copy_blocks(arr)
+                else:
+                    pool.zero_blocks(arr)
+        for a, b in zip(grouped, alone):
+            assert same(to_host(a.blocks), to_host(b.blocks))
+            assert not as_bytes(to_host(a.blocks)[[11, 24, 25, 26, 27, 28]]).any()
+        # copy, zero, copy, the run (no launch by memset), the long batch (2 pieces): each launch over all k
+        assert launches == [k] * (3 + (0 if by_memset else 1) + 2)
+    finally:
+        group.close()
+        for pool in grouped + alone:
+            pool.close()
 
 
 def test_a_batch_is_validated_once_whatever_n_is() -> None:

@@ -18,6 +18,10 @@ vector is 16 bytes (``uint4``) when span and strides are multiples of 16; otherw
 
 Pairs live in a device int32 buffer ``[c, 2]``; offsets are computed in 64 bits (pools beyond 4 GiB).
 
+Several pools of the same block shape on one device (the shards of a tensor-parallel group there) take the same
+pairs in ONE launch: ``shard_bases`` is a device array of their base pointers and grid ``y`` picks the pool
+(``gridDim.y`` = the number of pools); without it (null) the kernel copies in ``base0``, grid ``y`` = 1.
+
 The launch shape is the one scripts/gpu_device_check.py chose on the H200 (docs/device.md): of the nine variants
 it explores (threads, unroll, cache hints, persistent grids; scripts/copy_kernel_variants.py) all moved 84-93% of
 memcpy's bandwidth, their order changing between runs (noise ~3%); 256 threads x 4 vectors is among the best in
@@ -39,10 +43,13 @@ typedef {vec} vec_t;
 #define STORE(p, v) (*(p) = (v))
 
 extern "C" __global__ void __launch_bounds__({threads})
-kvpool_copy_blocks(unsigned char* __restrict__ base, const int* __restrict__ pairs, const long long block_stride,
-                   const long long seg_stride, const long long vecs_per_span, const int chunks_per_span,
-                   const int spans_per_block, const int num_items)
+kvpool_copy_blocks(unsigned char* base0, const unsigned long long* __restrict__ shard_bases,
+                   const int* __restrict__ pairs, const long long block_stride, const long long seg_stride,
+                   const long long vecs_per_span, const int chunks_per_span, const int spans_per_block,
+                   const int num_items)
 {{
+    // the pool this CTA copies in: base0, or with shard_bases the base of shard blockIdx.y (one launch, k shards)
+    unsigned char* const base = shard_bases ? reinterpret_cast<unsigned char*>(shard_bases[blockIdx.y]) : base0;
     const int items_per_copy = spans_per_block * chunks_per_span;
     for (long long item = blockIdx.x; item < num_items; item += gridDim.x) {{  // once: the grid covers every item
         const int copy = (int)(item / items_per_copy);
@@ -119,15 +126,18 @@ class BlockCopier:
     def max_copies(self) -> int:
         return (2**31 - 1) // self.items_per_copy
 
-    def launch(self, base_ptr: int, pairs_ptr: int, num_copies: int, stream: cupy.cuda.Stream) -> None:
-        """Enqueue the copy of ``num_copies`` pairs (device int32 [c, 2] at ``pairs_ptr``) on ``stream``."""
+    def launch(self, base_ptr: int, pairs_ptr: int, num_copies: int, stream: cupy.cuda.Stream, *,
+               shard_bases_ptr: int = 0, num_shards: int = 1) -> None:
+        """Enqueue the copy of ``num_copies`` pairs (device int32 [c, 2] at ``pairs_ptr``) on ``stream``: in the
+        pool at ``base_ptr``, or with ``shard_bases_ptr`` (device uint64 [num_shards], one pool base a shard, every
+        pool of this block shape on the stream's device) in each of those pools, all in this one launch."""
         if num_copies <= 0:
             return
         if num_copies > self.max_copies():
             raise ValueError(f"{num_copies} copies exceed one launch's grid ({self.max_copies()})")
         num_items = num_copies * self.items_per_copy
-        args = (cupy.uint64(base_ptr), cupy.uint64(pairs_ptr), cupy.int64(self.block_stride),
-                cupy.int64(self.seg_stride), cupy.int64(self.vecs_per_span), cupy.int32(self.chunks_per_span),
-                cupy.int32(self.spans_per_block), cupy.int32(num_items))
+        args = (cupy.uint64(base_ptr), cupy.uint64(shard_bases_ptr), cupy.uint64(pairs_ptr),
+                cupy.int64(self.block_stride), cupy.int64(self.seg_stride), cupy.int64(self.vecs_per_span),
+                cupy.int32(self.chunks_per_span), cupy.int32(self.spans_per_block), cupy.int32(num_items))
         with stream:
-            self._kernel((num_items,), (THREADS,), args)
+            self._kernel((num_items, num_shards if shard_bases_ptr else 1), (THREADS,), args)

@@ -35,10 +35,18 @@ _H2D = 1  # cudaMemcpyHostToDevice
 MEMSET_SPANS_MAX = 2
 
 
-def _raw_array(n: int, dtype: type) -> cupy.ndarray:
+def raw_array(n: int, dtype: type) -> cupy.ndarray:
     """A device array on its own ``cudaMalloc`` (not CuPy's caching pool), so that closing returns it."""
     itemsize = np.dtype(dtype).itemsize
     return cupy.ndarray((n,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(cupy.cuda.Memory(n * itemsize), 0))
+
+
+def zeroes_by_memset(ids: np.ndarray, memsets_per_run: int) -> bool:
+    """Whether clearing ``ids`` takes cudaMemsetAsync calls (ids one ascending run, at most MEMSET_SPANS_MAX memsets
+    for it: spans of a block, times the pools cleared at once) rather than the zero kernel."""
+    if memsets_per_run > MEMSET_SPANS_MAX:
+        return False
+    return len(ids) == 1 or bool(np.all(np.diff(ids) == 1))
 
 
 def free_gpu_bytes() -> int:
@@ -64,19 +72,24 @@ class GpuPool(KVPool):
         self.blocks = blocks_view(flat, layout, self.num_blocks)
 
         self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._pairs = _raw_array(2 * self.num_blocks, np.int32)
+        self._pairs = raw_array(2 * self.num_blocks, np.int32)
         self._pairs_pinned = cupy.cuda.alloc_pinned_memory(self._pairs.nbytes)
         self._pairs_host = np.frombuffer(self._pairs_pinned, dtype=np.int32, count=2 * self.num_blocks)
-        self._zero_ids = _raw_array(self.num_blocks, np.int32)
+        self._zero_ids = raw_array(self.num_blocks, np.int32)
         self._zero_ids_pinned = cupy.cuda.alloc_pinned_memory(self._zero_ids.nbytes)
         self._zero_ids_host = np.frombuffer(self._zero_ids_pinned, dtype=np.int32, count=self.num_blocks)
         self.staging_tokens = max(1, min(STAGING_MAX_TOKENS, staging_bytes // layout.token_bytes))
-        self._staging = _raw_array(self.staging_tokens * layout.token_bytes, np.uint8)
-        self._slots = _raw_array(self.staging_tokens, np.int64)
+        self._staging = raw_array(self.staging_tokens * layout.token_bytes, np.uint8)
+        self._slots = raw_array(self.staging_tokens, np.int64)
         self.copier = BlockCopier.for_layout(layout, self.num_blocks)
         self._mover = SlotMover(layout, self.num_blocks)
         self.zeroer = BlockZeroer(layout, self.num_blocks)
         self._ipc_handle: bytes | None = None
+
+    @property
+    def base_ptr(self) -> int:
+        """The device address of block 0 (the allocation's base; it never moves)."""
+        return self._base_ptr
 
     def attach_info(self) -> PoolAttachInfo:
         self._check_open()
@@ -135,9 +148,7 @@ class GpuPool(KVPool):
 
     def zeroes_by_memset(self, ids: np.ndarray) -> bool:
         """Whether ``zero_blocks(ids)`` uses cudaMemsetAsync (ids one ascending run, few spans) or the kernel."""
-        if self.zeroer.spans_per_block > MEMSET_SPANS_MAX:
-            return False
-        return len(ids) == 1 or bool(np.all(np.diff(ids) == 1))
+        return zeroes_by_memset(ids, self.zeroer.spans_per_block)
 
     def _write(self, slots: np.ndarray, data: np.ndarray) -> None:
         raw = data.reshape(len(slots), -1).view(np.uint8)  # [n, token_bytes]
