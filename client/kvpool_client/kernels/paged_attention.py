@@ -144,10 +144,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens = seq_lens.to(torch.int32) if seq_lens.dtype != torch.int32 else seq_lens
     out = torch.empty_like(q) if out is None else out
     max_len = block_tables.shape[1] * block_size
-    if num_splits is None:  # enough programs for ~4 waves on the GPU, none shorter than 4 tiles
+    if num_splits is None:  # split the context only while (sequence, KV head) programs leave SMs idle
         programs = batch * num_kv_heads
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = max(1, min(-(-4 * sms // programs), -(-max_len // (4 * block_n))))
+        sms = _multi_processors(q.device)
+        num_splits = 1 if programs >= sms else max(1, min(-(-sms // programs), -(-max_len // block_n)))
     tokens_per_split = -(-max_len // num_splits)
     tokens_per_split = -(-tokens_per_split // block_n) * block_n
     num_splits = -(-max_len // tokens_per_split)
@@ -171,6 +171,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                           NUM_SPLITS=num_splits, SPLITS_P=triton.next_power_of_2(num_splits),
                                           HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
     return out
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _multi_processors(device: torch.device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
