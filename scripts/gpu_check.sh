@@ -146,7 +146,7 @@ if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N sha
     }
     step "load generator, beam search, GPU pool of 4 shards, KV verified through every rank's mapping and ReadKV" tp_loadgen
     step "decode step (256 sequences, AppendToken with copies) at N = 1, 2, 4, 8 shards, in process" \
-        bash -c "set -o pipefail; timeout 120 taskset -c 2 python3 benchmarks/tp_decode_step.py --backend gpu --compare $TPDEV \
+        bash -c "set -o pipefail; timeout 200 taskset -c 2 python3 benchmarks/tp_decode_step.py --backend gpu --compare $TPDEV \
             --json $OUT/tp_decode_step.json 2>&1 | tee $OUT/tp_decode_step.log"
     step "COW copy bandwidth per device, N shards copying at once" \
         bash -c "set -o pipefail; timeout 90 python3 benchmarks/tp_copy_bandwidth.py --backend gpu $TPDEV \
