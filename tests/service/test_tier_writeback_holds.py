@@ -173,3 +173,34 @@ def test_a_hint_never_hides_a_block_the_tier_does_not_hold() -> None:
             held = set(tier.slot_of_hash) | set(tier.pending_hashes)
             for block in list(evictable)[: tier.scan_skip]:
                 assert block in tier.inflight or entries[block].block_hash in held
+
+
+def test_the_write_back_thread_keeps_a_prompt_whose_blocks_are_then_evicted() -> None:
+    """End to end, the thread running (chunks queued with the lock released): a freed prompt is written back, its
+    blocks evicted without a copy on the evicting calls' path, and it hits and reads back the same KV."""
+    import time
+
+    from tests.service.service_helpers import BLOCK_SIZE
+    from tests.service.test_service_host_tier import evict_everything, read
+
+    svc, scope = make(64)
+    try:
+        assert svc.tier is not None
+        svc.tier.start_writeback(svc.guard.lock, 2)  # chunks of at most 2 blocks in flight: several steps a prompt
+        full = PROMPT_BLOCKS * BLOCK_SIZE
+        seq, _ = prefill(svc, scope, prompt_of(0), tag=0)
+        first_kv = read(svc, scope, seq, full)
+        free(svc, scope, seq)
+        deadline = time.monotonic() + 30  # only so that a broken build fails instead of hanging
+        while svc.tier.tier.num_written_back < PROMPT_BLOCKS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert svc.tier.tier.num_written_back >= PROMPT_BLOCKS
+        svc.tier.stop()  # nothing in flight from here: the evictions below find the blocks committed
+        evict_everything(svc, scope)
+        seq, cached = prefill(svc, scope, prompt_of(0), tag=99)
+        assert cached == full and read(svc, scope, seq, full) == first_kv
+        check(svc)
+    finally:
+        if svc.tier is not None:
+            svc.tier.stop()
+        svc.guard.pool.close()
