@@ -204,3 +204,20 @@ def test_the_write_back_thread_keeps_a_prompt_whose_blocks_are_then_evicted() ->
         if svc.tier is not None:
             svc.tier.stop()
         svc.guard.pool.close()
+
+
+def test_a_write_back_whose_copy_cannot_start_is_aborted_and_the_step_idles(threaded) -> None:
+    svc, scope = threaded
+    assert svc.tier is not None
+    parked(svc, scope, 1)
+    tier = svc.tier.tier
+    free_before = len(tier.free)
+
+    def refuse(pairs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the host tier is closed")
+
+    svc.tier.memory.start_offload = refuse  # type: ignore[method-assign]
+    assert svc.tier.writeback_step(svc.guard.lock, 64) == 0  # 0: the thread waits idle_s before trying again
+    assert not svc.tier.writebacks and not tier.inflight and len(tier.free) == free_before
+    assert tier.num_offload_failed == PROMPT_BLOCKS
+    check(svc)

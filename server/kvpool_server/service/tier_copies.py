@@ -177,7 +177,8 @@ class TierCopies:
         """The write-back thread's step. Under ``lock``, one short hold: settle the write-backs that completed and,
         while fewer than ``max_blocks`` blocks are in flight, plan a chunk of at most ``WRITEBACK_CHUNK_BLOCKS``
         (scanning at most ``8 * max_blocks`` of the LRU). Outside it: queue the chunk's copy (its events built
-        there too), or else wait for the oldest copy in flight. Returns the blocks planned or settled (0: idle)."""
+        there too), or else wait for the oldest copy in flight. Returns the blocks planned or settled (0: idle, or the
+        copy could not start)."""
         with lock:
             settled = self.finish_writebacks(wait=False)
             in_flight = sum(len(w[1]) for w in self.writebacks)
@@ -186,9 +187,8 @@ class TierCopies:
                 cache = self.manager.allocator.cache
                 pairs = self.tier.plan_writeback(cache.evictable, cache.entries,
                                                  min(WRITEBACK_CHUNK_BLOCKS, max_blocks - in_flight), 8 * max_blocks)
-        if len(pairs):
-            self._queue(pairs, lock)
-            return len(pairs)
+        if len(pairs):  # a copy that could not start: idle a while (0), as with nothing to do
+            return len(pairs) if self._queue(pairs, lock) is not None else 0
         for ticket, *_ in self.writebacks[:1]:  # the oldest (a settle under the lock may take it meanwhile: harmless)
             ticket.wait()
             return 1
