@@ -19,8 +19,9 @@ blocks are evicted all the time: with the host tier (offloads and write-backs ru
 churn without it. p50 / p99 of each; the target is p99 with the tier <= 1.1x without. ``--churn-prompts N``: the
 churn cycles over N prompts (recurring: they come back from the tier, so restores run beside the offloads; 0, the
 default: every prompt is new). Beside them, for the run with the tier: the guard's lock holds (p99 and max, every
-thread's), how many write-back blocks an eviction overtook (dropped), and how many blocks a call copied (offloaded or restored) while holding the lock (the write-back's copies
-are not counted: on the GPU they are only queued under the lock; the host backend copies them at once).
+thread's; then the write-back thread's alone), how many write-back blocks an eviction overtook (dropped), and how
+many blocks a call copied (offloaded or restored) while holding the lock (the write-back's copies are not counted:
+they are queued, or on the host backend copied, with the lock released).
 
 ``hitrate``: the core alone (no copies): a shared-prefix workload whose prompts need ``--pressure`` times the pool
 (prompts of ``--prompt-blocks`` blocks drawn uniformly from ``--num-prompts``), the token hit rate of a pool of
@@ -115,6 +116,7 @@ class TimedLock:
 
     def __init__(self, lock) -> None:  # type: ignore[no-untyped-def]
         self.lock, self.owner, self.holds, self.t0 = lock, 0, [], 0.0
+        self.writeback_holds: list[float] = []  # those of the tier's write-back thread
 
     def __enter__(self) -> TimedLock:
         import threading
@@ -125,8 +127,16 @@ class TimedLock:
 
     def __exit__(self, *exc: object) -> None:
         self.holds.append(time.perf_counter() - self.t0)
+        if threading_name() == "kvpool-tier-writeback":
+            self.writeback_holds.append(self.holds[-1])
         self.owner = 0
         self.lock.release()
+
+
+def threading_name() -> str:
+    import threading
+
+    return threading.current_thread().name
 
 
 def count_locked_copies(memory, lock: TimedLock, counted: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -145,8 +155,9 @@ def count_locked_copies(memory, lock: TimedLock, counted: list[int]) -> None:  #
 
 
 def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
-                   args: argparse.Namespace) -> tuple[float, float, int, int, list[float], int, int]:
-    """(p50 us, p99 us, blocks offloaded, blocks restored, lock holds s, blocks copied under the lock) of the decode step under churn (see the module docstring)."""
+                   args: argparse.Namespace) -> tuple[float, float, int, int, list[float], int, int, list[float]]:
+    """(p50 us, p99 us, blocks offloaded, blocks restored, lock holds s, blocks copied under the lock, write-backs
+    overtaken, the write-back thread's lock holds s) of the decode step under churn (see the module docstring)."""
     import threading
 
     from kvpool_server.config import ServerConfig
@@ -206,7 +217,7 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
             stats, _ = svc.stats(call)
         return (float(np.percentile(times, 50)) * 1e6, float(np.percentile(times, 99)) * 1e6,
                 stats.host_tier_blocks_offloaded, stats.host_tier_blocks_restored, lock.holds, copied_locked[0],
-                getattr(svc.guard.manager.host_tier, "num_torn", 0))
+                getattr(svc.guard.manager.host_tier, "num_torn", 0), lock.writeback_holds)
     finally:
         svc.guard.pool.close()
 
@@ -217,10 +228,13 @@ def bench_append(backend: str, layout: KVLayout, args: argparse.Namespace) -> No
     results = {}
     for name, tier_blocks in (("without the tier", 0), ("with the tier", 64 * args.prompt_blocks)):
         results[name] = append_latency(backend, layout, tier_blocks, args)
-        p50, p99, offloaded, restored, holds, locked, torn = results[name]
+        p50, p99, offloaded, restored, holds, locked, torn, writeback_holds = results[name]
         print(f"  {name:<17} p50 {p50:8.1f} us   p99 {p99:8.1f} us   blocks offloaded {offloaded}   restored {restored}")
         print(f"  {'':<17} lock holds p99 {np.percentile(holds, 99) * 1e6:8.1f} us   max {max(holds) * 1e6:8.1f} us   "
               f"blocks copied under the lock {locked}   write-backs overtaken {torn}")
+        if writeback_holds:
+            print(f"  {'':<17} of which the write-back thread's: {len(writeback_holds)}, p99 "
+                  f"{np.percentile(writeback_holds, 99) * 1e6:8.1f} us   max {max(writeback_holds) * 1e6:8.1f} us")
     print(f"  p99 with / without: {results['with the tier'][1] / results['without the tier'][1]:.2f} (target <= 1.1)")
 
 

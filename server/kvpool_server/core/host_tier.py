@@ -68,6 +68,8 @@ class HostTier:
       - a hash is in at most one slot (committed or pending), and every entry's hash matches its content chain;
       - ``lru`` and ``pinned`` split the committed slots (disjoint); the pinned slots are exactly those of the
         restores in flight (``restoring``), each pinned by one of them;
+      - the write-back's scan hint: each of the pool's first ``scan_skip`` evictable blocks (when the last of them
+        is still ``scan_mark``) is in flight or has its hash in a slot, committed or pending;
       - ``staged`` is empty between calls (the service runs every offload before the call returns), and so is
         ``must_wait``; between calls the pending slots are exactly the in-flight write-backs' (``inflight``), each
         of a block still cached in the pool under its slot's hash (an eviction of one waits for its copy), or
@@ -96,7 +98,13 @@ class HostTier:
         self.torn: set[int] = set()  # slots of in-flight write-backs whose block was evicted meanwhile: to abort
         self.num_written_back: int = 0
         self.num_torn: int = 0  # write-back blocks an eviction overtook (aborted, not a failure)
+        # The write-back's scan resumes past the LRU's first ``scan_skip`` blocks, each held by the tier or in
+        # flight when last scanned; ``scan_mark`` is the last of them (a hint, checked before use: ``_scan_start``;
+        # -1: reset, a hash the pool holds left the tier).
+        self.scan_skip: int = 0
+        self.scan_mark: int = -1
         self.gpu_index: dict[bytes, int] = {}  # the pool's prefix cache's block_of_hash (PrefixCache.attach_tier)
+        self.gpu_evictable: OrderedDict[int, None] = OrderedDict()  # and its evictable LRU (checks only)
         self.events: list | None = None  # the cache's pending event list, when a KVEventLog is attached
         self.num_offloaded: int = 0  # committed offloads
         self.num_offload_failed: int = 0
@@ -124,27 +132,33 @@ class HostTier:
     # ------------------------------------------------------------------ offload
     def spill(self, block_ids: list[int], entries: list[CachedBlock]) -> list[bytes]:
         """The pool evicts ``block_ids`` (with their ``entries``): stage an offload of each whose hash the tier
-        does not hold. Returns the hashes that no tier keeps (those the tier had no slot for)."""
+        does not hold. Returns the hashes that no tier keeps (those the tier had no slot for). On the eviction's
+        path (under the service's lock): a few dict lookups a block, the names bound once."""
         gone: list[bytes] = []
         dropped: list[bytes] = []
+        self.scan_skip = max(0, self.scan_skip - len(block_ids))  # the evicted blocks were the LRU's first
+        slot_of_hash, pending, lru, inflight, torn = self.slot_of_hash, self.pending_hashes, self.lru, self.inflight, self.torn
         for entry in entries:  # the tier's slots of this batch's hashes are dropped last (their content is here)
-            slot = self.slot_of_hash.get(entry.block_hash)
-            if slot is not None and slot in self.lru:
-                self.lru.move_to_end(slot)
+            slot = slot_of_hash.get(entry.block_hash)
+            if slot is not None and slot in lru:
+                lru.move_to_end(slot)
+        offload = self.offload_on_evict
         for block_id, entry in zip(block_ids, entries):
             h = entry.block_hash
-            if h in self.slot_of_hash:
+            if h in slot_of_hash:
                 continue
-            if h in self.pending_hashes:
-                if block_id in self.inflight:  # its write-back reads it: it must complete before anyone writes,
-                    if self.offload_on_evict:
+            pending_slot = pending.get(h)
+            if pending_slot is not None:
+                writing = inflight.get(block_id)
+                if writing is not None:  # its write-back reads it: it must complete before anyone writes,
+                    if offload:
                         self.must_wait = True
                     else:  # or, rather than wait under the lock, its slot is never trusted
-                        self.torn.add(self.inflight[block_id])
-                if self.pending_hashes[h] in self.torn:  # never to be committed: the pool's copy was the last
+                        torn.add(writing)
+                if pending_slot in torn:  # never to be committed: the pool's copy was the last
                     gone.append(h)
                 continue
-            if not self.offload_on_evict:  # no copy on the evicting call's path: the tier does not keep it
+            if not offload:  # no copy on the evicting call's path: the tier does not keep it
                 gone.append(h)
                 self.num_unkept += 1
                 continue
@@ -155,7 +169,7 @@ class HostTier:
                     gone.append(h)
                 continue
             self.entries[slot] = entry
-            self.pending_hashes[h] = slot
+            pending[h] = slot
             self.staged.append((block_id, slot))
         if dropped and self.events is not None:
             self.events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
@@ -174,6 +188,8 @@ class HostTier:
         self.num_dropped += 1
         if h not in self.gpu_index:
             dropped.append(h)
+        else:  # a pool block of it may lie in the write-back's skipped run: scan it again
+            self.scan_skip = -1
         return slot
 
     def take_staged(self) -> np.ndarray:
@@ -184,15 +200,17 @@ class HostTier:
         self.staged = []
         return pairs
 
-    def commit(self, slots: list[int]) -> None:
-        """The offloads into ``slots`` completed: the slots are matchable (BlockStored, medium "CPU")."""
-        for slot in slots:
-            entry = self.entries[slot]
-            del self.pending_hashes[entry.block_hash]
-            self.slot_of_hash[entry.block_hash] = slot
-            self.lru[slot] = None
-            if self.events is not None:
-                self.events.append(host_stored(entry))
+    def commit(self, slots: list[int], stored: list[BlockStored] | None = None) -> None:
+        """The offloads into ``slots`` completed: the slots are matchable (BlockStored, medium "CPU"; ``stored``:
+        those events, built ahead with ``host_stored`` off the lock, one per slot in order)."""
+        entries, pending, slot_of_hash, lru, events = self.entries, self.pending_hashes, self.slot_of_hash, self.lru, self.events
+        for i, slot in enumerate(slots):
+            h = entries[slot].block_hash
+            del pending[h]
+            slot_of_hash[h] = slot
+            lru[slot] = None
+            if events is not None:
+                events.append(host_stored(entries[slot]) if stored is None else stored[i])
         self.num_offloaded += len(slots)
 
     def abort(self, slots: list[int], failed: bool = True) -> None:
@@ -206,6 +224,8 @@ class HostTier:
             self.free.append(slot)
             if h not in self.gpu_index:
                 gone.append(h)
+            else:
+                self.scan_skip = -1  # (reset)
         if gone and failed and self.events is not None:
             self.events.append(BlockRemoved(tuple(gone)))
         if failed:
@@ -213,45 +233,66 @@ class HostTier:
 
     # ------------------------------------------------------------------ write-back
     def plan_writeback(self, evictable: OrderedDict[int, None], entries: dict[int, CachedBlock],
-                       max_blocks: int) -> np.ndarray:
+                       max_blocks: int, max_scan: int | None = None) -> np.ndarray:
         """Copy ahead (off any call's path): up to ``max_blocks`` of the pool's evictable blocks next in line for
-        eviction (the LRU's oldest, scanning at most ``8 * max_blocks``) whose hash no slot holds get a slot (free,
-        else the host LRU's oldest). They stay in the pool, matchable and evictable; ``inflight`` says a copy reads
-        them, so that an eviction of one makes the service wait for it (``must_wait``) before anything writes into
-        it. Returns the pairs (pool block, host slot) to copy; ``finish_writeback`` settles them."""
+        eviction (the LRU's oldest, scanning at most ``max_scan``, default ``8 * max_blocks``) whose hash no slot
+        holds get a slot (free, else the host LRU's oldest). They stay in the pool, matchable and evictable;
+        ``inflight`` says a copy reads them, so that an eviction of one makes the service wait for it
+        (``must_wait``) or tears its slot before anything writes into it. Returns the pairs (pool block, host slot)
+        to copy, in eviction order; ``finish_writeback`` settles them."""
         pairs: list[tuple[int, int]] = []
         dropped: list[bytes] = []
-        for block_id in islice(evictable, 8 * max_blocks):
-            if len(pairs) >= max_blocks:
+        inflight, slot_of_hash, pending, tier_entries = self.inflight, self.slot_of_hash, self.pending_hashes, self.entries
+        start = self._scan_start(evictable)
+        scanned, mark = 0, self.scan_mark  # the run of blocks held or planned from ``start`` on
+        for block_id in islice(evictable, start, max(start, 8 * max_blocks if max_scan is None else max_scan)):
+            if len(pairs) == max_blocks:
                 break
             entry = entries[block_id]
             h = entry.block_hash
-            if block_id in self.inflight or h in self.slot_of_hash or h in self.pending_hashes:
-                continue
-            slot = self._take_slot(dropped)
-            if slot is None:
-                break
-            self.entries[slot] = entry
-            self.pending_hashes[h] = slot
-            self.inflight[block_id] = slot
-            pairs.append((block_id, slot))
+            if not (block_id in inflight or h in slot_of_hash or h in pending):
+                slot = self._take_slot(dropped)
+                if slot is None:
+                    break
+                tier_entries[slot] = entry
+                pending[h] = slot
+                inflight[block_id] = slot
+                pairs.append((block_id, slot))
+            scanned, mark = scanned + 1, block_id
+        if self.scan_skip == start:  # no drop of a pool-held hash meanwhile (``_take_slot``): the hint holds
+            self.scan_skip, self.scan_mark = start + scanned, mark
         if dropped and self.events is not None:
             self.events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
         return np.array(pairs, dtype=np.int32).reshape(-1, 2)
 
-    def finish_writeback(self, pairs: np.ndarray, ok: bool) -> None:
-        """The write-back of ``pairs`` completed (``ok``: its slots are committed) or failed (aborted)."""
+    def _scan_start(self, evictable: OrderedDict[int, None]) -> int:
+        """Where the write-back's scan resumes: past the first ``scan_skip`` blocks of the LRU if the last of them is
+        still ``scan_mark`` (blocks join the LRU at its end; an eviction from its head is subtracted by ``spill``;
+        a block taken back from inside the run moves the mark), else 0."""
+        skip = self.scan_skip
+        if skip > 0 and next(islice(evictable, skip - 1, skip), None) != self.scan_mark:
+            skip = 0
+        self.scan_skip = max(skip, 0)  # -1: reset (a pool-held hash left the tier) until this plan's scan ends
+        return self.scan_skip
+
+    def finish_writeback(self, pairs: np.ndarray, ok: bool, stored: list[BlockStored] | None = None) -> None:
+        """The write-back of ``pairs`` completed (``ok``: its slots are committed) or failed (aborted).
+        ``stored``: the slots' BlockStored events built ahead (``host_stored``, one per pair in order), if any."""
         slots: list[int] = []
         torn: list[int] = []
+        inflight, torn_slots = self.inflight, self.torn
         for block_id, slot in pairs.tolist():
-            del self.inflight[block_id]
-            (torn if slot in self.torn else slots).append(slot)
-        self.torn.difference_update(torn)
+            del inflight[block_id]
+            (torn if slot in torn_slots else slots).append(slot)
         if torn:
+            torn_slots.difference_update(torn)
             self.num_torn += len(torn)
             self.abort(torn, failed=False)  # their block was evicted while the copy read it: the bytes may be torn
+            if stored is not None:
+                overtaken = set(torn)
+                stored = [event for event, slot in zip(stored, pairs[:, 1].tolist()) if slot not in overtaken]
         if ok:
-            self.commit(slots)
+            self.commit(slots, stored)
             self.num_written_back += len(slots)
         else:
             self.abort(slots)
@@ -279,6 +320,8 @@ class HostTier:
             self.free.append(slot)
             if h not in self.gpu_index:
                 gone.append(h)
+            else:
+                self.scan_skip = -1  # (reset)
         if gone and self.events is not None:
             self.events.append(BlockRemoved(tuple(gone), HOST_MEDIUM))
         self.num_restore_failed += len(slots)
@@ -318,6 +361,12 @@ class HostTier:
         for block_id, slot in self.inflight.items():
             if slot not in self.torn and self.gpu_index.get(self.entries[slot].block_hash) != block_id:
                 raise InvariantViolationError(f"in-flight write-back of block {block_id} no longer cached in the pool")
+        skip = self._scan_start(self.gpu_evictable)  # (normalises the hint only)
+        hash_of = {b: h for h, b in self.gpu_index.items()}
+        for block_id in islice(self.gpu_evictable, skip):
+            h = hash_of[block_id]
+            if block_id not in self.inflight and h not in self.slot_of_hash and h not in self.pending_hashes:
+                raise InvariantViolationError(f"block {block_id} in the write-back's skipped run is not in the tier")
 
 
 def host_stored(entry: CachedBlock) -> BlockStored:

@@ -174,18 +174,27 @@ class KVCacheManager:
         return chain_hashes(prompt[: max(0, (prompt.size - 1) // bs) * bs], bs, salt, extra=extra, num_public=num_public)
 
     def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
-                      public_prefix_len: int = 0, cache_extra_key: bytes = b"") -> tier_restore.StagedRestore | None:
+                      public_prefix_len: int = 0, cache_extra_key: bytes = b"",
+                      hashes: list[bytes] | None = None) -> tier_restore.StagedRestore | None:
         """Before ``register`` with this prompt: plan bringing back the prompt's blocks found in the host tier
         (``tier_restore.stage``). The caller runs the tier's staged offloads, then ``staged.pairs`` (host slot ->
-        pool block), then ``finish_restore``; the register's match then finds them. None: nothing to restore."""
+        pool block), then ``finish_restore``; the register's match then finds them. None: nothing to restore.
+        ``hashes``: the prompt's ``prompt_hashes``, computed beforehand (off the lock), else computed here."""
         if self.host_tier is None:
             return None
+        if hashes is None:
+            hashes = self.prompt_hashes(tenant, prompt_token_ids, public_prefix_len, cache_extra_key)
+        return tier_restore.stage(self.allocator, self.host_tier, hashes)
+
+    def prompt_hashes(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
+                      public_prefix_len: int = 0, cache_extra_key: bytes = b"") -> list[bytes]:
+        """The chain hashes a register of this prompt matches (checked as ``register`` checks it). Reads only the
+        tenant's name (``TenantLedger.names`` only grows): the service may call it without the lock."""
         prompt = np.asarray(prompt_token_ids, dtype=np.uint32)
         check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         salt = self.tenants.names[tenant].encode()
-        hashes = self._prompt_hashes(salt, prompt, public_prefix_len // self.block_size, cache_extra_key)
-        return tier_restore.stage(self.allocator, self.host_tier, hashes)
+        return self._prompt_hashes(salt, prompt, public_prefix_len // self.block_size, cache_extra_key)
 
     def finish_restore(self, staged: tier_restore.StagedRestore, ok: bool) -> None:
         """The restore copies of ``staged`` completed (``ok``) or failed: see ``tier_restore.finish``."""

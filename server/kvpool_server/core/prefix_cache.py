@@ -58,6 +58,7 @@ class PrefixCache:
         """Spill evicted blocks into ``tier`` (docs/prefix-caching.md, the host tier) instead of forgetting them."""
         self.tier = tier
         tier.gpu_index = self.block_of_hash
+        tier.gpu_evictable = self.evictable
         tier.events = self.events
 
     @property

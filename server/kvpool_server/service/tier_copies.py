@@ -19,13 +19,15 @@ The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
 - a restore's own allocation may evict: those offloads run first (they read the blocks the restore then writes).
 
 Write-back (``start_writeback``, ``--host-tier-writeback-blocks``): a background thread copies the pool's
-evictable blocks next in line into the tier ahead of need, at most that many blocks a batch, one batch in flight:
-under the lock it plans (``HostTier.plan_writeback``) and queues the copy; it waits for the copy *outside* the
-lock; under the lock again it commits. An allocation then evicts blocks whose content the tier already holds, and
-its call copies nothing. With the write-back on, an eviction the write-back did not reach first is dropped from the
-tier (``HostTier.offload_on_evict`` off: a later miss) rather than copied under the lock, and an eviction of a
-block whose write-back is still in flight tears that slot (aborted when the batch settles) rather than wait;
-``settle`` (the guard's ``before_apply``) commits the completed write-backs before each call, so that few are torn.
+evictable blocks next in line into the tier ahead of need, at most that many blocks in flight, in chunks of at most
+``WRITEBACK_CHUNK_BLOCKS`` (``writeback_step``): one short hold of the lock settles the chunks whose copy completed
+(oldest first, stopping at the first in flight) and plans the next chunk (``HostTier.plan_writeback``); with the
+lock released it builds the chunk's events and queues its copy, or waits for the oldest copy. An allocation then
+evicts blocks whose content the tier already holds, and its call copies nothing. With the write-back on, an
+eviction the write-back did not reach first is dropped from the tier (``HostTier.offload_on_evict`` off: a later
+miss) rather than copied under the lock, and an eviction of a block whose write-back is in flight (queued or not
+yet) tears that slot (aborted when the chunk settles) rather than wait; ``settle`` (the guard's ``before_apply``)
+commits the oldest chunk if its copy completed before each call, so that few are torn.
 With offload on eviction (write-back driven by hand), ``flush`` waits for such a copy instead. The events of a write-back (BlockStored "CPU", a
 BlockRemoved of a dropped slot) are published with the next call's batch. Without the write-back (0), offloads run
 on eviction and hold the lock across their copy: with 2 MiB blocks ~50 us a block at host-link speed.
@@ -41,13 +43,16 @@ from contextlib import AbstractContextManager
 import numpy as np
 
 from kvpool_server.core import KVCacheManager
-from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.host_tier import NO_PAIRS, HostTier, host_stored
 from kvpool_server.core.tier_restore import StagedRestore
 from kvpool_server.device.tier_pool import CopyTicket, TierPool
 from kvpool_server.service.auth import Identity
 from kvpool_server.service.guard import CoreGuard
 
 logger = logging.getLogger(__name__)
+# The write-back thread plans (and a settle commits) at most this many blocks a lock hold: with 2 MiB blocks, a
+# chunk's copy is ~1.3 ms at host-link speed, and its plan or commit ~30 us of the lock.
+WRITEBACK_CHUNK_BLOCKS = 32
 
 
 class Restoring:
@@ -67,7 +72,9 @@ class TierCopies:
         self.manager = manager
         self.tier: HostTier = manager.host_tier
         self.memory = memory
-        self.writebacks: list[tuple[CopyTicket, np.ndarray]] = []  # in flight (at most one batch), under the lock
+        # In flight, oldest first: (ticket, pairs[, its slots' BlockStored events built ahead]); appended by the
+        # write-back's thread (``_queue``), settled from the front under the lock (``finish_writebacks``).
+        self.writebacks: list[tuple] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -96,10 +103,14 @@ class TierCopies:
         """Bring the prompt's host-tier blocks back into the pool, for a register: stage under the guard's lock
         (after its fencing), copy with the lock released, and return what ``finish_restore`` settles -- under the
         lock, in the hold of the register whose match then finds the blocks. None: nothing to restore."""
+        try:  # hashed before the lock (a bad prompt: refused under it, after the fencing, as without a tier)
+            hashes: list[bytes] | None = self.manager.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
+        except Exception:
+            hashes = None
         with guard.lock:
             guard.fence(caller, session_id)
             self.settle()
-            staged = self.manager.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key)
+            staged = self.manager.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key, hashes)
             self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
         if staged is None:
             return None
@@ -140,8 +151,9 @@ class TierCopies:
             self._thread.join()
 
     def writeback_once(self, lock: AbstractContextManager, max_blocks: int) -> int:
-        """One write-back batch: plan and queue it under ``lock``, wait for it outside, commit it under ``lock``.
-        Returns its blocks (0: nothing to write back)."""
+        """One write-back batch: plan it under ``lock``, queue its copy, wait for it outside, commit it under
+        ``lock``. Returns its blocks (0: nothing to write back). With offload on eviction (no thread) the copy is
+        queued under the lock (an eviction waits for it: it must be in ``writebacks`` first); else outside it."""
         with lock:
             self.finish_writebacks(wait=False)
             if self.writebacks or self.memory.closed:
@@ -150,38 +162,91 @@ class TierCopies:
                                              self.manager.allocator.cache.entries, max_blocks)
             if not len(pairs):
                 return 0
-            try:
-                ticket = self.memory.start_offload(pairs)
-            except Exception as exc:  # closed, or the copy could not be queued
-                logger.warning("host tier: a write-back of %d blocks could not start (%s)", len(pairs), exc)
-                self.tier.finish_writeback(pairs, ok=False)
-                return 0
-            self.writebacks.append((ticket, pairs))
+            locked = self.tier.offload_on_evict
+            ticket = self._queue(pairs, None) if locked else None
+        if not locked:
+            ticket = self._queue(pairs, lock)
+        if ticket is None:
+            return 0
         ticket.wait()  # outside the lock: calls go on while the copy engines work
         with lock:
             self.finish_writebacks(wait=False)
         return len(pairs)
 
-    def settle(self) -> None:
-        """Before a call that may evict (the guard's ``before_apply``; under the lock): commit the write-backs
-        whose copy completed, so that an eviction finds their blocks in the tier (not torn: a torn slot is lost)."""
-        if self.writebacks:
-            self.finish_writebacks(wait=False)
+    def writeback_step(self, lock: AbstractContextManager, max_blocks: int) -> int:
+        """The write-back thread's step. Under ``lock``, one short hold: settle the write-backs that completed and,
+        while fewer than ``max_blocks`` blocks are in flight, plan a chunk of at most ``WRITEBACK_CHUNK_BLOCKS``
+        (scanning at most ``8 * max_blocks`` of the LRU). Outside it: queue the chunk's copy (its events built
+        there too), or else wait for the oldest copy in flight. Returns the blocks planned or settled (0: idle, or the
+        copy could not start)."""
+        with lock:
+            settled = self.finish_writebacks(wait=False)
+            in_flight = sum(len(w[1]) for w in self.writebacks)
+            pairs = NO_PAIRS
+            if in_flight < max_blocks and not self.memory.closed:
+                cache = self.manager.allocator.cache
+                pairs = self.tier.plan_writeback(cache.evictable, cache.entries,
+                                                 min(WRITEBACK_CHUNK_BLOCKS, max_blocks - in_flight), 8 * max_blocks)
+        if len(pairs):  # a copy that could not start: idle a while (0), as with nothing to do
+            return len(pairs) if self._queue(pairs, lock) is not None else 0
+        for ticket, *_ in self.writebacks[:1]:  # the oldest (a settle under the lock may take it meanwhile: harmless)
+            ticket.wait()
+            return 1
+        return settled
 
-    def finish_writebacks(self, wait: bool) -> None:
-        """Settle the write-backs that completed (all of them, waiting, with ``wait``); under the lock."""
-        for ticket, pairs in list(self.writebacks):
-            if wait or ticket.done():
-                ok = self.memory.settle_writeback(ticket)
-                if not ok:
-                    logger.warning("host tier: a write-back of %d blocks failed: they are not kept", len(pairs))
-                self.tier.finish_writeback(pairs, ok)
-                self.writebacks.remove((ticket, pairs))
+    def _queue(self, pairs: np.ndarray, lock: AbstractContextManager | None) -> CopyTicket | None:
+        """Queue the write-back copy of planned ``pairs`` (under the guard's lock when ``lock`` is None, else with
+        it released: then an eviction of one of its blocks tears the slot, as before the copy is queued) and add
+        it to ``writebacks`` (appended last: only the write-back's thread appends; settles take from the front,
+        under the lock). Its slots' BlockStored events are built here, for the commit to append. Returns its ticket;
+        None: the copy could not start, the slots are aborted (under ``lock``)."""
+        tier = self.tier
+        stored = None if tier.events is None else [host_stored(tier.entries[s]) for s in pairs[:, 1].tolist()]
+        try:
+            ticket = self.memory.start_offload(pairs)
+        except Exception as exc:  # closed, or the copy could not be queued
+            logger.warning("host tier: a write-back of %d blocks could not start (%s)", len(pairs), exc)
+            if lock is None:
+                tier.finish_writeback(pairs, ok=False)
+            else:
+                with lock:
+                    tier.finish_writeback(pairs, ok=False)
+            return None
+        self.writebacks.append((ticket, pairs, stored))
+        return ticket
+
+    def settle(self) -> None:
+        """Before a call that may evict (the guard's ``before_apply``; under the lock): commit the oldest
+        write-back if its copy completed, so that an eviction finds its blocks in the tier (not torn: a torn slot
+        is lost). One chunk at most: the write-back thread settles the rest (a call pays for ``WRITEBACK_CHUNK_BLOCKS``
+        commits at most)."""
+        if self.writebacks:
+            self.finish_writebacks(wait=False, max_batches=1)
+
+    def finish_writebacks(self, wait: bool, max_batches: int | None = None) -> int:
+        """Settle the write-backs that completed, oldest first, stopping at the first still in flight (copies
+        complete in the order queued: one stream), or all of them, waiting, with ``wait``; under the lock.
+        O(settled), not O(queued). Returns the blocks settled."""
+        settled, writebacks = 0, self.writebacks
+        while writebacks and (max_batches is None or max_batches > 0):
+            entry = writebacks[0]
+            ticket, pairs = entry[0], entry[1]
+            if not wait and not ticket.done():
+                break
+            ok = self.memory.settle_writeback(ticket)  # waits; its bytes and seconds counted once
+            if not ok:
+                logger.warning("host tier: a write-back of %d blocks failed: they are not kept", len(pairs))
+            self.tier.finish_writeback(pairs, ok, entry[2] if len(entry) > 2 else None)
+            del writebacks[0]
+            settled += len(pairs)
+            if max_batches is not None:
+                max_batches -= 1
+        return settled
 
     def _writeback_loop(self, lock: AbstractContextManager, max_blocks: int, idle_s: float) -> None:
         while not self._stop.is_set() and not self.memory.closed:
             try:
-                moved = self.writeback_once(lock, max_blocks)
+                moved = self.writeback_step(lock, max_blocks)
             except Exception:
                 logger.exception("host tier: the write-back thread failed; it stops")
                 return
