@@ -17,7 +17,7 @@ RUN_SETUP := $(RUN_STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
-.PHONY: help setup test run bench bench-service bench-engine bench-events soak experiments experiments-prefix experiments-quick proto lint lint-proto buf-breaking \
+.PHONY: help setup test run bench bench-service bench-engine bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking \
 	compose-check docker-up docker-down monitoring-up image-base image-smoke clean
 
 help:
@@ -35,6 +35,7 @@ help:
 	@echo "make soak               20 min of load generators SIGKILLed at random: no block left to a dead session"
 	@echo "make experiments        capacity and sharing experiments (about 35 min on 2 cores; docs/experiments.md)"
 	@echo "make experiments-prefix prefix caching: token hit rate against the pool size, JSON + PNG (about 10 min)"
+	@echo "make experiments-tier   the host tier: prompts needing 4x the pool, hit rate with / without the tier (about 5 min)"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
 	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
 	@echo "make compose-check      validate docker/compose.yaml (and --profile monitoring) with compose, no engine needed"
@@ -116,6 +117,12 @@ experiments-prefix: $(SETUP)
 	$(PY) benchmarks/prefix_sweep.py --pool-blocks 700,1000,1500,2000,2500,3000,4000,6000,10000 --num-prompts 4 \
 		--shared-tokens 8000 --unique-tokens 1000 -p 4 -c 8 -n 200 --json out/exp/prefix_sweep.json \
 		--plot out/exp/prefix_sweep.png
+
+# Issue 23: the same sweep with and without a host tier that holds every prompt (docs/experiments.md section 6).
+experiments-tier: $(SETUP)
+	$(PY) benchmarks/prefix_sweep.py --pool-blocks 768,1024,1536,2048,3072,4096,6144,8192 --num-prompts 32 \
+		--shared-tokens 2048 --unique-tokens 128 --max-len 128 -p 4 -c 4 -n 600 --host-tier-bytes 4MiB \
+		--json out/exp/tier_sweep.json --plot out/exp/tier_sweep.png
 
 experiments-quick: $(SETUP)
 	$(PY) benchmarks/experiments.py capacity --requests 200 --pool-blocks 512 --json out/exp-quick/capacity.json

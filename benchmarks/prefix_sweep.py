@@ -11,6 +11,12 @@ and the blocks the shared prompts need marked.
 
 A pool smaller than the requests in flight need makes them wait for blocks (RESOURCE_EXHAUSTED retries); one
 smaller than a single request is refused by the load generator (exit 2, recorded as such).
+
+``--host-tier-bytes N`` (issue 23, ``make experiments-tier``): each size is run twice, the pool alone ("rows", the
+GPU-only curve) and with a host tier of N bytes ("tier_rows"; give one that holds every prompt); the plot gets a
+second line. The reference is the largest size without the tier (give one large enough for everything): the JSON's
+"summary" has each tier run's hit rate over it (the target: >= 0.95 where the prompts need >= 4x the pool) and the
+server's own tier figures (restored blocks, evictions the write-back had not reached, ...).
 """
 
 from __future__ import annotations
@@ -25,12 +31,19 @@ from pathlib import Path
 from typing import Any
 
 from experiments import Server, _script  # benchmarks/experiments.py, beside this file
+from kvpool_client import KVPoolClient
+
+TIER_FIGURES = ("num_blocks", "num_blocks_offloaded", "num_blocks_written_back", "num_blocks_restored",
+                "num_blocks_torn", "num_blocks_dropped", "num_evictions_unkept", "num_blocks_fenced")
 
 
-def run_size(args: argparse.Namespace, num_blocks: int, tmp: Path) -> dict[str, Any]:
+def run_size(args: argparse.Namespace, num_blocks: int, tmp: Path, tier: bool = False) -> dict[str, Any]:
     server_args = ["--backend", "host", "--log-level", "WARNING", "--block-size", str(args.block_size),
                    "--head-dim", str(args.head_dim), "--num-blocks", str(num_blocks)]
-    out = tmp / f"pool-{num_blocks}.json"
+    if tier:
+        server_args += ["--host-tier-bytes", args.host_tier_bytes]
+    out = tmp / f"pool-{num_blocks}{'-tier' if tier else ''}.json"
+    stats = None
     with Server(*server_args) as server:
         cmd = _script("kvpool-loadgen", "kvpool_client.loadgen.main") + [
             "--target", server.target, "--workload", "shared-prefix", "--num-prompts", str(args.num_prompts),
@@ -40,7 +53,13 @@ def run_size(args: argparse.Namespace, num_blocks: int, tmp: Path) -> dict[str, 
             "--verify", "table", "--no-progress", "--json", str(out),
         ]
         rc = subprocess.call(cmd, stdout=subprocess.DEVNULL)
-    row: dict[str, Any] = {"pool_blocks": num_blocks, "rc": rc}
+        if tier:
+            with KVPoolClient(server.target) as client:
+                stats = client.stats()
+    row: dict[str, Any] = {"pool_blocks": num_blocks, "host_tier": tier, "rc": rc}
+    if stats is not None and stats.host_tier is not None:  # the server's own count, the load generator's aside
+        row["prefix_host_hit_tokens"] = stats.prefix_host_hit_tokens
+        row["tier"] = {k: getattr(stats.host_tier, k) for k in TIER_FIGURES}
     if out.exists():
         s = json.loads(out.read_text())
         prefix, events = s["prefix"], s.get("events", {})
@@ -57,16 +76,37 @@ def run_size(args: argparse.Namespace, num_blocks: int, tmp: Path) -> dict[str, 
     return row
 
 
-def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: str) -> None:
+def summary(rows: list[dict[str, Any]], tier_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tier runs against the reference: the largest pool without the tier."""
+    ref = max(rows, key=lambda r: r["pool_blocks"])
+    base = ref.get("token_hit_rate", 0.0)
+    return {
+        "reference_pool_blocks": ref["pool_blocks"], "reference_token_hit_rate": base,
+        "tier_over_reference": {str(r["pool_blocks"]): (r["token_hit_rate"] / base if base else None)
+                                for r in tier_rows if "token_hit_rate" in r},
+        "gpu_only_over_reference": {str(r["pool_blocks"]): (r["token_hit_rate"] / base if base else None)
+                                    for r in rows if "token_hit_rate" in r},
+    }
+
+
+def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: str,
+         tier_rows: list[dict[str, Any]] | None = None) -> None:
     import matplotlib  # noqa: PLC0415  (the loadgen extra)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    tier_rows = tier_rows or []
     done = [r for r in rows if r["rc"] == 0]
     failed = [r for r in rows if r["rc"] != 0]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot([r["pool_blocks"] for r in done], [100 * r["token_hit_rate"] for r in done], "o-", label="token hit rate")
+    label = "pool only (GPU-only)" if tier_rows else "token hit rate"
+    ax.plot([r["pool_blocks"] for r in done], [100 * r["token_hit_rate"] for r in done], "o-", label=label)
+    tier_done = [r for r in tier_rows if r["rc"] == 0]
+    if tier_rows:
+        ax.plot([r["pool_blocks"] for r in tier_done], [100 * r["token_hit_rate"] for r in tier_done], "s-",
+                color="tab:green", label=f"with host tier ({args.host_tier_bytes})")
+        failed += [r for r in tier_rows if r["rc"] != 0]
     if failed:  # too small: the run did not complete (its requests waited for blocks), or one request did not fit
         ax.plot([r["pool_blocks"] for r in failed], [100 * r.get("token_hit_rate", 0.0) for r in failed], "x",
                 color="tab:red", markersize=9, label="run did not complete (pool too small)")
@@ -74,11 +114,17 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: str) -> Non
     ax.axhline(ceiling, color="gray", linestyle="--", label=f"ceiling {ceiling:.1f}% (shared / prompt)")
     prompts_blocks = args.num_prompts * (args.shared_tokens // args.block_size)
     ax.axvline(prompts_blocks, color="tab:red", linestyle=":", label=f"the shared prompts' blocks ({prompts_blocks})")
+    if tier_rows:
+        ax.axvline(prompts_blocks / 4, color="tab:purple", linestyle=":",
+                   label=f"the prompts need 4x the pool ({prompts_blocks // 4})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["pool_blocks"] for r in rows], [str(r["pool_blocks"]) for r in rows])
     ax.set_xlabel("pool size (blocks)")
     ax.set_ylabel("token hit rate (%)")
     ax.set_ylim(0, 100)
     ax.set_title(f"shared-prefix: {args.num_prompts} x {args.shared_tokens} shared + {args.unique_tokens} unique "
-                 f"tokens, {args.processes} processes, {args.concurrency} in flight, {args.completions} requests",
+                 f"tokens, {args.processes} processes, {args.concurrency} in flight, {args.completions} requests"
+                 + (f"\nhost tier {args.host_tier_bytes}, a fresh server per run (host backend)" if tier_rows else ""),
                  fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
@@ -101,23 +147,44 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=1, help="server layout: tiny tokens keep big pools cheap")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-tier-bytes", default="", metavar="N",
+                   help="also run each size with this host tier (e.g. 4MiB): the tier line beside the pool's")
     p.add_argument("--json", metavar="PATH", default="out/exp/prefix_sweep.json")
     p.add_argument("--plot", metavar="PATH", default="out/exp/prefix_sweep.png")
     args = p.parse_args()
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_size(args, int(n), Path(tmp)) for n in args.pool_blocks.split(",")]
+        rows, tier_rows = [], []
+        for n in args.pool_blocks.split(","):
+            rows.append(run_size(args, int(n), Path(tmp)))
+            if args.host_tier_bytes:
+                tier_rows.append(run_size(args, int(n), Path(tmp), tier=True))
+    result: dict[str, Any] = {"config": vars(args), "rows": rows}
+    if args.host_tier_bytes:
+        result.update(tier_rows=tier_rows, summary=summary(rows, tier_rows))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))
-    plot(rows, args, args.plot)
-    print("\n| pool blocks | token hit rate | requests that hit | blocks evicted | KV errors | rc |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        rate = f"{100 * r['token_hit_rate']:.2f}%" if "token_hit_rate" in r else "-"
-        print(f"| {r['pool_blocks']} | {rate} | {r.get('requests_with_hit', '-')} | {r.get('blocks_evicted', '-')} "
-              f"| {r.get('verify_errors', '-')} | {r['rc']} |")
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    plot(rows, args, args.plot, tier_rows)
+    print_table(rows, tier_rows)
+    if args.host_tier_bytes:
+        s = result["summary"]
+        print(f"\nreference: {s['reference_pool_blocks']} blocks without the tier, "
+              f"{100 * s['reference_token_hit_rate']:.2f}%; with the tier / reference: "
+              + ", ".join(f"{k}: {v:.3f}" for k, v in s["tier_over_reference"].items() if v is not None))
     print(f"\nprefix sweep: {len(rows)} pool sizes in {time.monotonic() - started:.0f} s; {args.json}, {args.plot}")
-    return 1 if any(r.get("verify_errors", 0) or r["rc"] not in (0, 2) for r in rows) else 0
+    return 1 if any(r.get("verify_errors", 0) or r["rc"] not in (0, 2) for r in rows + tier_rows) else 0
+
+
+def print_table(rows: list[dict[str, Any]], tier_rows: list[dict[str, Any]]) -> None:
+    print("\n| pool blocks | host tier | token hit rate | requests that hit | blocks evicted | restored from the tier "
+          "| evictions not kept | KV errors | rc |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows + tier_rows, key=lambda r: (r["pool_blocks"], r["host_tier"])):
+        rate = f"{100 * r['token_hit_rate']:.2f}%" if "token_hit_rate" in r else "-"
+        tier = r.get("tier", {})
+        print(f"| {r['pool_blocks']} | {'yes' if r['host_tier'] else 'no'} | {rate} | {r.get('requests_with_hit', '-')} "
+              f"| {r.get('blocks_evicted', '-')} | {tier.get('num_blocks_restored', '-')} "
+              f"| {tier.get('num_evictions_unkept', '-')} | {r.get('verify_errors', '-')} | {r['rc']} |")
 
 
 if __name__ == "__main__":
