@@ -17,6 +17,7 @@ only=${1:-all}  # "device": only the first step (copy kernel); "validate": every
                 # "engine": issue 22 (torch ops, the decode engine on the pool, bench_engine.py)
                 # "tp": issue 26 (tensor-parallel shards: GPU tests, the TP engine, loadgen, decode step, copy bandwidth)
                 # "tier": issue 23 (the host tier: GPU tests, offload/restore vs pinned memcpy, hit rates)
+                # "fast": issue 21 (the fast path's tests and benchmarks, the core against vLLM's BlockPool)
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -68,8 +69,12 @@ if [ "$only" = tier ]; then  # issue 23: the prefix cache's host tier (pinned ho
     step "GPU tests of the host tier (GpuTierPool round trips, write-back tickets, failure hook; the service's and the
           loadgen's tier tests over a GPU pool: restores read back the same KV, failed copies are misses)" \
         bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs -s \
-            tests/device/test_tier_pool.py tests/service/test_service_host_tier.py tests/service/test_tier_restore_unlocked.py \
+            tests/device/test_tier_pool.py tests/device/test_tier_copy_totals.py tests/service/test_service_host_tier.py \
+            tests/service/test_tier_restore_unlocked.py tests/service/test_tier_writeback_holds.py \
             tests/loadgen/test_loadgen_host_tier.py 2>&1 | tee $OUT/tier_tests.log"
+    step "start-up with a 64 GiB host tier: SERVING, then the tier pinned in the background (Stats' bytes ready)" \
+        bash -c "set -o pipefail; timeout ${T_STARTUP:-240} python3 benchmarks/bench_tier_startup.py --backend gpu \
+            --host-tier-bytes ${TIER_STARTUP_BYTES:-64GiB} --json $OUT/tier_startup.json 2>&1 | tee $OUT/tier_startup.log"
     step "offload / restore GB/s against a plain pinned memcpy, Llama-3-8B layout (2 MiB blocks); AppendToken p50/p99 under churn with / without the tier; hit rates" \
         bash -c "set -o pipefail; timeout ${T_BENCH:-300} python3 benchmarks/bench_tier.py --backend gpu 2>&1 | tee $OUT/bench_tier.log"
     step "AppendToken p50/p99 under churn of 24 recurring prompts (restores from the tier beside the offloads)" \
@@ -86,6 +91,26 @@ if [ "$only" = tier ]; then  # issue 23: the prefix cache's host tier (pinned ho
     step "shared prompts 4x the GPU pool, GPU pool only" tier_loadgen tier_off
     step "the same with a 64 MiB host tier (every prompt fits)" tier_loadgen tier_on --host-tier-bytes 64MiB
     grep -h "token hit rate\|KV verification" $OUT/tier_off.log $OUT/tier_on.log
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = fast ]; then  # issue 21: the fast path on the H200 host (tests, the step, scaling, the core vs vLLM)
+    # carry=[".whl", ".vllm-src"]: .vllm-src = `scripts/extract_vllm_core.sh <vllm wheel or git dir> .vllm-src` (the
+    # vLLM comparison is skipped without it). About 4 minutes.
+    step "the fast path's tests on the H200 host (hostile records, crash cases, idle CPU, the 4-process KV-verified run)" \
+        bash -c "set -o pipefail; timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -rs tests/fastpath 2>&1 | tee $OUT/fastpath_tests.log"
+    step "the 256-sequence step: unary, stream, fast path, fast path with token ids (unix, pinned, GPU pool)" \
+        bash -c "set -o pipefail; timeout 200 python3 benchmarks/bench_service.py --pin 2,3 --transport unix --rounds 2 --duration 3 \
+            --no-naive --clients 2 --kinds kvpool,kvpool-stream,kvpool-fast,kvpool-fast-tokens -- --backend gpu 2>&1 | tee $OUT/fast_service.log"
+    step "P frontend processes x 64 sequences over the fast path, Health under load, 64 idle channels" \
+        bash -c "set -o pipefail; timeout 150 python3 benchmarks/bench_fastpath.py --pin 2 --procs 1,4,16 --seqs 64 --duration 4 \
+            --idle 64 --idle-s 10 2>&1 | tee $OUT/fastpath.log"
+    step "the core's decode step, one core (no token ids / token ids)" \
+        bash -c "for f in '' --token-ids; do taskset -c 2 python3 benchmarks/decode_step.py \$f; done 2>&1 | tee $OUT/decode_step.log"
+    if [ -d .vllm-src ]; then
+        step "the core's whole cycle against vLLM v1's BlockPool (register, prefill, decode, free; one core)" \
+            bash -c "for d in 16 128; do taskset -c 2 python3 benchmarks/bench_vs_vllm.py --vllm-src .vllm-src --decode-steps \$d \
+                --json $OUT/vs_vllm_d\$d.json; done 2>&1 | tee $OUT/vs_vllm.log"
+    fi
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = layers ]; then  # issues 19 + 20: the service layer before/after, clearing blocks, the GPU tests
