@@ -74,7 +74,7 @@ if [ "$only" = tier ]; then  # issue 23: the prefix cache's host tier (pinned ho
             tests/loadgen/test_loadgen_host_tier.py 2>&1 | tee $OUT/tier_tests.log"
     step "start-up with a 64 GiB host tier: SERVING, then the tier pinned in the background (Stats' bytes ready)" \
         bash -c "set -o pipefail; timeout ${T_STARTUP:-240} python3 benchmarks/bench_tier_startup.py --backend gpu \
-            --host-tier-bytes ${TIER_STARTUP_BYTES:-64GiB} --json $OUT/tier_startup.json 2>&1 | tee $OUT/tier_startup.log"
+            --host-tier-bytes ${TIER_STARTUP_BYTES:-64GiB} --timeout 200 --json $OUT/tier_startup.json 2>&1 | tee $OUT/tier_startup.log"
     step "offload / restore GB/s against a plain pinned memcpy, Llama-3-8B layout (2 MiB blocks); AppendToken p50/p99 under churn with / without the tier; hit rates" \
         bash -c "set -o pipefail; timeout ${T_BENCH:-300} python3 benchmarks/bench_tier.py --backend gpu 2>&1 | tee $OUT/bench_tier.log"
     step "AppendToken p50/p99 under churn of 24 recurring prompts (restores from the tier beside the offloads)" \
