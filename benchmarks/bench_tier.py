@@ -287,13 +287,19 @@ def main() -> None:
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=500)
     parser.add_argument("--churn-prompts", type=int, default=0)
+    parser.add_argument("--switch-interval", default="",
+                        help="append: comma-separated GIL switch intervals in seconds (sys.setswitchinterval), one "
+                             "run each (default: Python's, 0.005)")
     args = parser.parse_args()
     layout = LLAMA if args.backend == "gpu" else SMALL
     if "copies" in args.sections:
         for kv_layout in ("block-major", "layer-major"):
             bench_copies(args.backend, dataclasses.replace(layout, kv_layout=kv_layout), args.repeats)
     if "append" in args.sections:
-        bench_append(args.backend, layout, args)
+        for interval in [float(x) for x in args.switch_interval.split(",") if x] or [sys.getswitchinterval()]:
+            sys.setswitchinterval(interval)
+            print(f"\nGIL switch interval {interval * 1e3:g} ms", end="")
+            bench_append(args.backend, layout, args)
     if "hitrate" in args.sections:
         bench_hit_rate(args)
 
