@@ -7,8 +7,8 @@
 A host slot holds one block whole: its ``2L`` segments (layer, K/V) one after another, ``block_bytes`` in all,
 whatever the pool's order -- one contiguous row per block, so a run of blocks of a block-major pool is one copy.
 
-Serving starts at once: the memory is allocated ``chunk_bytes`` (256 MiB) at a time by a background thread
-(pinning 64 GiB takes tens of seconds); ``ready_slots`` grows chunk by chunk and ``on_ready(ready_slots)`` is called after each
+Serving starts at once: the memory is allocated ``chunk_bytes`` (64 MiB) at a time by a background thread
+(pinning 64 GiB took 43 s on the H200 host); ``ready_slots`` grows chunk by chunk and ``on_ready(ready_slots)`` is called after each
 (the service hands the new slots to the core's ``HostTier``). A slot is used only once its chunk is there.
 
 Two backends, one logic: ``HostTierPool`` (NumPy copies from a ``HostPool``; what CI runs) and ``GpuTierPool``
@@ -31,8 +31,10 @@ from kvpool_server.device.pool import KVPool
 
 logger = logging.getLogger(__name__)
 # The host tier is allocated (pinned) this much at a time, by a background thread: whatever one allocation stalls
-# (cudaHostAlloc of 256 MiB: tens of ms) is bounded by it; a run of copies never crosses a chunk (128 2-MiB blocks).
-DEFAULT_CHUNK_BYTES = 256 << 20
+# is bounded by it (the H200 host pinned ~1.5 GB/s: ~45 ms a chunk, during which another thread's cudaMalloc may
+# wait: with 256 MiB chunks an AppendToken during the pinning took 130 ms); a run of copies never crosses a chunk (32 2-MiB
+# blocks: 64 MiB a copy, still at the link's speed).
+DEFAULT_CHUNK_BYTES = 64 << 20
 
 
 def copy_runs(blocks: np.ndarray, slots: np.ndarray, chunk_slots: int) -> list[tuple[int, int, int]]:
