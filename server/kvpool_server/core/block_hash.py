@@ -50,12 +50,24 @@ def hash_encoded(parent_hash: bytes, header: bytes, token_bytes: bytes) -> bytes
 def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: bytes = b"",
                  parent_hash: bytes = NONE_HASH, extra: bytes = b"", num_public: int = 0) -> list[bytes]:
     """The hashes of every full block of ``token_ids`` (a partial tail is not hashed), chained from ``parent_hash``:
-    the first ``num_public`` with ``PUBLIC_SALT``, the others with ``salt``; every one with ``extra``."""
+    the first ``num_public`` with ``PUBLIC_SALT``, the others with ``salt``; every one with ``extra``.
+
+    ``block_hash`` per block, unrolled (a register hashes its whole prompt): the token ids made bytes once, each
+    block a slice of them, each of the (at most two) headers encoded once."""
     tokens = np.asarray(token_ids, dtype="<u4")
-    hashes = []
-    for i, start in enumerate(range(0, tokens.size - block_size + 1, block_size)):
-        parent_hash = block_hash(parent_hash, tokens[start : start + block_size], salt_of(i, num_public, salt), extra)
-        hashes.append(parent_hash)
+    step = block_size * 4
+    data = tokens.tobytes()
+    end = len(data) - len(data) % step
+    split = min(num_public * step, end)  # the public blocks' bytes end here
+    hashes: list[bytes] = []
+    sha256, domain = hashlib.sha256, DOMAIN
+    runs = [(split, end, block_header(salt, extra, block_size))]
+    if split:
+        runs.insert(0, (0, split, block_header(PUBLIC_SALT, extra, block_size)))
+    for start, stop, header in runs:
+        for at in range(start, stop, step):
+            parent_hash = sha256(domain + parent_hash + header + data[at : at + step]).digest()
+            hashes.append(parent_hash)
     return hashes
 
 
