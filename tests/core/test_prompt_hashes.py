@@ -5,7 +5,6 @@ exactly those of a manager that keeps nothing."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -229,7 +229,7 @@ class TokenChains:
             chain.pending = PendingBlocks([hash_encoded(chain.sealed_hash, header, block.tobytes())], [block])
         self.has_pending[rows] = True
 
-    def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray, known: list[bytes] = []) -> None:
+    def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray, known: Sequence[bytes] = ()) -> None:
         """Hash new full blocks (``blocks``: their tokens, one row of block_size each) of the sealed chain of ``row``:
         they become its ``pending``, each block with a copy of its tokens (its own: a view would keep alive the
         whole prompt). ``known``: the hashes of the first blocks, computed by the row's register (PromptHashes)."""
