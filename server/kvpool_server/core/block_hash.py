@@ -17,6 +17,7 @@ blocks after it continue the same chain (parent = the last public hash) with the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ DOMAIN = b"kvpool.block.v1\x00"
 NONE_HASH = bytes(32)  # the parent of a sequence's first block
 PUBLIC_SALT = b"\xff"  # the salt of a public prefix's blocks: never valid UTF-8, so never a tenant's name
 MAX_EXTRA_KEY_BYTES = 256  # the longest cache_extra_key (a LoRA adapter's name, a digest of multimodal inputs)
+HEADER_CACHE_SIZE = 1024  # block_header's memo: headers kept (least recently used first out)
 _U32 = struct.Struct("<I")
 
 
@@ -36,9 +38,12 @@ def block_hash(parent_hash: bytes, token_ids: Sequence[int] | np.ndarray, salt: 
     return hash_encoded(parent_hash, block_header(salt, extra, tokens.size), tokens.tobytes())
 
 
+@functools.lru_cache(maxsize=HEADER_CACHE_SIZE)
 def block_header(salt: bytes, extra: bytes, num_tokens: int) -> bytes:
     """The encoding's bytes between the parent hash and the token ids: salt, extra key, token count (the same for
-    every block of a sequence but its public ones: a hot loop computes them once)."""
+    every block of a sequence but its public ones: a hot loop computes them once). Memoized (a register needs one or
+    two; a few tenants and extra keys make most of them): at most HEADER_CACHE_SIZE headers, each kept with its
+    arguments (a tenant's name, an extra key of at most MAX_EXTRA_KEY_BYTES), least recently used out first."""
     return _U32.pack(len(salt)) + salt + _U32.pack(len(extra)) + extra + _U32.pack(num_tokens)
 
 

@@ -19,7 +19,7 @@ from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
-from kvpool_server.core.types import AppendPlan, PoolStats
+from kvpool_server.core.types import EMPTY_BLOCKS, AppendPlan, PoolStats
 
 
 class KVCacheManager:
@@ -158,7 +158,8 @@ class KVCacheManager:
         bs = self.block_size
         num_full = prompt.size // bs
         hashes = chain_hashes(prompt[: num_full * bs], bs, salt, extra=extra, num_public=num_public)
-        blocks = np.array(cache.match(hashes[: max(0, (prompt.size - 1) // bs)]), dtype=np.int32)
+        matched = cache.match(hashes[: max(0, (prompt.size - 1) // bs)])
+        blocks = np.array(matched, dtype=np.int32) if matched else EMPTY_BLOCKS
         if blocks.size and self.tenancy:
             ledger = self.tenants
             public = cache.is_public[blocks] if cache.num_public else None
