@@ -47,6 +47,25 @@ def test_the_prefill_reuses_the_registers_hashes(monkeypatch: pytest.MonkeyPatch
     assert cached_content(manager) == cached_content(reference) and len(cached_content(manager)) == 4
 
 
+def test_a_prefill_in_chunks_reuses_every_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 6 tokens (block size 4: they end mid-block) take the kept hashes a few blocks at a time."""
+    calls = []
+    real = token_chains.hash_encoded
+    monkeypatch.setattr(token_chains, "hash_encoded", lambda *a: calls.append(1) or real(*a))
+    manager, reference = make(True), make(False)
+    prompt = list(range(1, 27))  # 6 full blocks and 2 tokens
+    for m in (manager, reference):
+        seq = m.register(prompt_token_ids=prompt)
+        calls.clear()
+        for at in range(0, len(prompt), 6):
+            m.append(seq, len(prompt[at : at + 6]), token_ids=prompt[at : at + 6])
+            m.check_invariants()
+        assert len(calls) == (0 if m is manager else 6)
+        assert not m.chains.prompts.entries and m.chains.prompts.num_bytes == 0
+        m.append(seq, token_ids=[7])
+    assert cached_content(manager) == cached_content(reference) and len(cached_content(manager)) == 6
+
+
 def test_a_prompt_of_whole_blocks_keeps_its_last_block_too() -> None:
     """A register never matches the prompt's last block (one token is left to compute) but hashes it for the
     prefill: with 8 tokens of block size 4, both blocks are kept."""

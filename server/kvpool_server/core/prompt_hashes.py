@@ -39,12 +39,12 @@ class PromptBlocks(NamedTuple):  # a tuple: the cheapest record to make (one a r
 
 class PromptHashes:
     """Per tracked row, at most one ``PromptBlocks``: kept by ``register`` (``keep``) for the blocks past the run it
-    found cached, taken by the row's next append of several tokens (``TokenChains._extend``: ``take``), whose blocks
-    then reuse those hashes instead of hashing their tokens again -- exactly, for the leading blocks whose token
-    bytes equal the kept ones and only where the chain is still where the register left it (its sealed blocks end
-    at ``first``, with hash ``parent``): a block's hash is a function of its parent's hash, its index's salt, the
-    chain's extra key and its tokens. An entry that cannot be used is dropped at that append; the row's end drops
-    its entry too (``forget``).
+    found cached, taken by the row's next append that fills a block (``TokenChains._extend``: ``take``), whose
+    blocks then reuse those hashes instead of hashing their tokens again -- exactly, for the leading blocks whose
+    token bytes equal the kept ones and only where the chain is still where the register left it (its sealed blocks
+    end at ``first``, with hash ``parent``): a block's hash is a function of its parent's hash, its index's salt,
+    the chain's extra key and its tokens. An append that uses some of them leaves the rest for the next (a prefill
+    in chunks); one that cannot use them drops them; the row's end drops its entry too (``forget``).
 
     Bounded in bytes: the entries hold ``num_bytes`` (their tokens' bytes and 32 bytes a hash) of at most
     ``max_bytes`` (MAX_PROMPT_HASH_BYTES, 64 MiB, by default); a register that would exceed it keeps nothing (its
@@ -69,10 +69,10 @@ class PromptHashes:
             self.num_bytes += size
 
     def take(self, row: int, num_sealed: int, sealed_hash: bytes, token_bytes: bytes) -> list[bytes]:
-        """Drop ``row``'s entry and return the hashes of the leading full blocks of ``token_bytes`` (the next blocks
-        of a chain whose ``num_sealed`` sealed blocks end with ``sealed_hash``, nothing pending) it holds: the
-        entry's first hashes where it starts there and its bytes and ``token_bytes`` agree as far as both go; else
-        none."""
+        """The hashes of the leading full blocks of ``token_bytes`` (whole blocks: the next ones of a chain whose
+        ``num_sealed`` sealed blocks end with ``sealed_hash``, nothing pending) that ``row``'s entry holds: its first
+        hashes where it starts there and its bytes and ``token_bytes`` agree as far as both go; else none. The entry
+        goes, but for the blocks past ``token_bytes`` when they were used (a prefill in chunks: the next chunk's)."""
         entry = self.entries.pop(row, None)
         if entry is None:
             return []
@@ -82,8 +82,12 @@ class PromptHashes:
         kept = entry.token_bytes
         if len(kept) <= len(token_bytes):
             return entry.hashes if token_bytes.startswith(kept) else []
+        if not kept.startswith(token_bytes):
+            return []
         num = len(token_bytes) // self.block_bytes
-        return entry.hashes[:num] if kept.startswith(token_bytes[: num * self.block_bytes]) else []
+        hashes = entry.hashes
+        self.keep(row, PromptBlocks(num_sealed + num, hashes[num - 1], hashes[num:], kept[len(token_bytes) :]))
+        return hashes[:num]
 
     def forget(self, rows: list[int]) -> None:
         if self.entries:
