@@ -33,9 +33,9 @@ Ratios are vLLM / kvpool: above 1 means kvpool is faster. Without vLLM's files o
 Pinning: ``taskset -c N`` (or ``--cpu N``) keeps the process on one core, away from the other work of the host.
 The three files (about 90 KB) are all it reads of vLLM: a host without vLLM or its network gets them with the
 working tree (an ignored folder such as ``.vllm-src/``, carried). The ratio of the whole cycle depends on the mix:
-vLLM's per-request decode loop costs more per token than kvpool's batched step, kvpool's register and prefill more
-per prompt block, so fewer decode steps (``--decode-steps``) weigh kvpool's prefill more; say which mix a figure
-is for.
+kvpool's batched decode step gains most on vLLM's per-request decode loop, its register and prefill (each prompt
+block hashed once, by the register) less, so fewer decode steps (``--decode-steps``) give a lower ratio; say which
+mix a figure is for.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ class BlockAllocator:
         if self.num_shared_blocks == 0:  # every block in use has exactly one reference: ids are distinct
             self.ref_count.put(block_ids, _ZERO)
             if self.cache.num_cached:
-                self._retire(block_ids, block_ids)
+                self._retire_distinct(block_ids)
             else:
                 self._push(block_ids)
             return int(block_ids.size)
@@ -154,6 +154,16 @@ class BlockAllocator:
         reverse = order[::-1]
         unique, first = np.unique(reverse, return_index=True)
         self.cache.park(reverse[np.sort(first[keep[unique]])])
+
+    def _retire_distinct(self, freed: np.ndarray) -> None:
+        """``_retire(freed, freed)`` for distinct ``freed`` (nothing was shared): each block's only position is its
+        last, so the cached ones are parked in the reverse of ``freed`` without the search for last positions."""
+        cached = self.cache.is_cached[freed]
+        num_cached = np.count_nonzero(cached)
+        if num_cached < freed.size:
+            self._push(freed[~cached] if num_cached else freed)
+        if num_cached:
+            self.cache.park(freed[::-1][cached[::-1]] if num_cached < freed.size else freed[::-1])
 
     def _refusal(self, num: int, budget: int, why: str) -> OutOfBlocksError:
         if num > budget and num <= self.num_allocatable:

@@ -17,6 +17,7 @@ blocks after it continue the same chain (parent = the last public hash) with the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ DOMAIN = b"kvpool.block.v1\x00"
 NONE_HASH = bytes(32)  # the parent of a sequence's first block
 PUBLIC_SALT = b"\xff"  # the salt of a public prefix's blocks: never valid UTF-8, so never a tenant's name
 MAX_EXTRA_KEY_BYTES = 256  # the longest cache_extra_key (a LoRA adapter's name, a digest of multimodal inputs)
+HEADER_CACHE_SIZE = 1024  # block_header's memo: headers kept (least recently used first out)
 _U32 = struct.Struct("<I")
 
 
@@ -36,9 +38,12 @@ def block_hash(parent_hash: bytes, token_ids: Sequence[int] | np.ndarray, salt: 
     return hash_encoded(parent_hash, block_header(salt, extra, tokens.size), tokens.tobytes())
 
 
+@functools.lru_cache(maxsize=HEADER_CACHE_SIZE)
 def block_header(salt: bytes, extra: bytes, num_tokens: int) -> bytes:
     """The encoding's bytes between the parent hash and the token ids: salt, extra key, token count (the same for
-    every block of a sequence but its public ones: a hot loop computes them once)."""
+    every block of a sequence but its public ones: a hot loop computes them once). Memoized (a register needs one or
+    two; a few tenants and extra keys make most of them): at most HEADER_CACHE_SIZE headers, each kept with its
+    arguments (a tenant's name, an extra key of at most MAX_EXTRA_KEY_BYTES), least recently used out first."""
     return _U32.pack(len(salt)) + salt + _U32.pack(len(extra)) + extra + _U32.pack(num_tokens)
 
 
@@ -50,12 +55,24 @@ def hash_encoded(parent_hash: bytes, header: bytes, token_bytes: bytes) -> bytes
 def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: bytes = b"",
                  parent_hash: bytes = NONE_HASH, extra: bytes = b"", num_public: int = 0) -> list[bytes]:
     """The hashes of every full block of ``token_ids`` (a partial tail is not hashed), chained from ``parent_hash``:
-    the first ``num_public`` with ``PUBLIC_SALT``, the others with ``salt``; every one with ``extra``."""
+    the first ``num_public`` with ``PUBLIC_SALT``, the others with ``salt``; every one with ``extra``.
+
+    ``block_hash`` per block, unrolled (a register hashes its whole prompt): the token ids made bytes once, each
+    block a slice of them, each of the (at most two) headers encoded once."""
     tokens = np.asarray(token_ids, dtype="<u4")
-    hashes = []
-    for i, start in enumerate(range(0, tokens.size - block_size + 1, block_size)):
-        parent_hash = block_hash(parent_hash, tokens[start : start + block_size], salt_of(i, num_public, salt), extra)
-        hashes.append(parent_hash)
+    step = block_size * 4
+    data = tokens.tobytes()
+    end = len(data) - len(data) % step
+    split = min(num_public * step, end)  # the public blocks' bytes end here
+    hashes: list[bytes] = []
+    sha256, domain = hashlib.sha256, DOMAIN
+    runs = [(split, end, block_header(salt, extra, block_size))]
+    if split:
+        runs.insert(0, (0, split, block_header(PUBLIC_SALT, extra, block_size)))
+    for start, stop, header in runs:
+        for at in range(start, stop, step):
+            parent_hash = sha256(domain + parent_hash + header + data[at : at + step]).digest()
+            hashes.append(parent_hash)
     return hashes
 
 

@@ -140,18 +140,29 @@ class BlockTables:
     def release(self, rows: list[int]) -> int:
         """Drop the distinct ``rows``' references to their blocks and put the rows back on the free list.
 
-        Returns how many blocks were freed (their ref count reached 0).
+        Returns how many blocks were freed (their ref count reached 0). Many rows: their blocks are gathered from
+        the rectangle of their first ``width`` entries (the longest row's blocks) with one mask -- a row's entries
+        past its blocks are UNSET -- unless that rectangle is mostly UNSET (one long row among short ones: a slice
+        per row); only that rectangle is reset (the entries past it are UNSET already).
         """
         table, num_tokens, num_blocks = self.table, self.num_tokens, self.by_length.num_blocks
-        held = [table[row, : num_blocks.item(num_tokens.item(row))] for row in rows]
-        num_freed = self.allocator.decref(held[0] if len(held) == 1 else np.concatenate(held))
         if len(rows) == 1:
             row = rows[0]
-            table[row] = UNSET
+            width = num_blocks.item(num_tokens.item(row))
+            num_freed = self.allocator.decref(table[row, :width])
+            table[row, :width] = UNSET
             num_tokens[row] = 0
             self.next_slot[row] = 0
         else:  # one scatter per array (a free of thousands of forks)
-            table[rows] = UNSET
+            counts = num_blocks.take(num_tokens.take(rows))
+            width = counts.max()
+            if len(rows) * width > 2 * counts.sum() + 64:
+                held = np.concatenate([table[row, :count] for row, count in zip(rows, counts.tolist())])
+            else:
+                rectangle = table[rows, :width]
+                held = rectangle[rectangle != UNSET]
+            num_freed = self.allocator.decref(held)
+            table[rows, :width] = UNSET
             num_tokens[rows] = 0
             self.next_slot[rows] = 0
         self._free_rows.extend(rows)

@@ -8,17 +8,18 @@ import numpy as np
 
 from kvpool_server.core import checks
 from kvpool_server.core.allocator import BlockAllocator
-from kvpool_server.core.block_hash import chain_hashes
+from kvpool_server.core.block_hash import NONE_HASH, chain_hashes
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
 from kvpool_server.core import tier_restore
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.prompt_hashes import PromptBlocks
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
-from kvpool_server.core.types import AppendPlan, PoolStats
+from kvpool_server.core.types import EMPTY_BLOCKS, AppendPlan, PoolStats
 
 
 class KVCacheManager:
@@ -151,10 +152,14 @@ class KVCacheManager:
         """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``: one
         token is always left to compute), within the tenant's budget for blocks new to it
         (``TenantLedger.adoptable``), and track it. Its first ``public_prefix_len // block_size`` blocks are public
-        (hashed with PUBLIC_SALT)."""
+        (hashed with PUBLIC_SALT). The hashes of every full block of the prompt past the run it starts with are kept
+        for its prefill (``TokenChains.prompts``), which then does not hash them again."""
         salt, cache, num_public = self.tenants.names[tenant].encode(), self.allocator.cache, public_prefix_len // self.block_size
-        hashes = self._prompt_hashes(salt, prompt, num_public, extra)
-        blocks = np.array(cache.match(hashes), dtype=np.int32)
+        bs = self.block_size
+        num_full = prompt.size // bs
+        hashes = chain_hashes(prompt[: num_full * bs], bs, salt, extra=extra, num_public=num_public)
+        matched = cache.match(hashes[: max(0, (prompt.size - 1) // bs)])
+        blocks = np.array(matched, dtype=np.int32) if matched else EMPTY_BLOCKS
         if blocks.size and self.tenancy:
             ledger = self.tenants
             public = cache.is_public[blocks] if cache.num_public else None
@@ -166,7 +171,11 @@ class KVCacheManager:
             ledger.charge_adopted(tenant, blocks, revived, public)
         if blocks.size:
             self.tables.adopt(row, blocks)
-        self.chains.start(row, salt, hashes[: blocks.size], extra, num_public)
+        num = blocks.size
+        self.chains.start(row, salt, hashes[:num], extra, num_public)
+        if num < num_full:
+            self.chains.prompts.keep(row, PromptBlocks(num, hashes[num - 1] if num else NONE_HASH, hashes[num:],
+                                                       prompt[num * bs : num_full * bs].tobytes()))
 
     def _prompt_hashes(self, salt: bytes, prompt: np.ndarray, num_public: int, extra: bytes) -> list[bytes]:
         """The chain hashes of the prompt's full blocks a register may reuse (all but the last token's)."""

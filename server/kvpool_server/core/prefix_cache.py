@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 import numpy as np
 
@@ -108,18 +109,17 @@ class PrefixCache:
         """Forget the ``num`` least recently used evictable blocks (``num`` <= ``num_evictable``); returns them. With
         a host tier, their content spills into it (``HostTier.spill``: offloads staged for the service to run
         before anyone writes into the returned blocks); only hashes no tier keeps are reported removed."""
-        evicted = np.empty(num, dtype=np.int32)
-        hashes = []
-        spilled = []
-        for i in range(num):
-            block_id, _ = self.evictable.popitem(last=False)
-            entry = self.entries.pop(block_id)
-            spilled.append(entry)
-            hashes.append(entry.block_hash)
-            del self.block_of_hash[hashes[-1]]
-            evicted[i] = block_id
+        evictable, by_block, block_of_hash = self.evictable, self.entries, self.block_of_hash
+        block_ids = list(islice(evictable, num))  # oldest first
+        for block_id in block_ids:
+            del evictable[block_id]
+        spilled = [by_block.pop(block_id) for block_id in block_ids]
+        hashes = [entry.block_hash for entry in spilled]
+        for block_hash_i in hashes:
+            del block_of_hash[block_hash_i]
+        evicted = np.array(block_ids, dtype=np.int32)
         if self.tier is not None:
-            hashes = self.tier.spill(evicted.tolist(), spilled)
+            hashes = self.tier.spill(block_ids, spilled)
         if self.events is not None and hashes:
             self.events.append(BlockRemoved(tuple(hashes)))
         self.is_cached[evicted] = False

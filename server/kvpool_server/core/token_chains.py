@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,6 +10,7 @@ import numpy as np
 from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
+from kvpool_server.core.prompt_hashes import PromptHashes
 
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
 
@@ -99,6 +100,7 @@ class TokenChains:
         self.partial: np.ndarray = np.zeros((rows, block_size), dtype=np.uint32)
         self.fill: np.ndarray = np.zeros(rows, dtype=np.intp)
         self.chains: dict[int, Chain] = {}
+        self.prompts: PromptHashes = PromptHashes(block_size)  # a register's hashes of its prompt, for its prefill
 
     @property
     def num_tracked(self) -> int:
@@ -119,10 +121,12 @@ class TokenChains:
 
     def drop(self, rows: list[int]) -> None:
         if self.chains:
-            for row in rows:
-                if self.chains.pop(row, None) is not None:
-                    self.tracked[row] = self.has_pending[row] = False
-                    self.fill[row] = 0
+            pop = self.chains.pop
+            dropped = [row for row in rows if pop(row, None) is not None]
+            if dropped:  # one scatter per array (a free of hundreds of rows)
+                self.tracked[dropped] = self.has_pending[dropped] = False
+                self.fill[dropped] = 0
+            self.prompts.forget(rows)
 
     def fork(self, parent_row: int, child_rows: list[int]) -> None:
         chain = self.chains.get(parent_row)
@@ -207,7 +211,9 @@ class TokenChains:
             return
         tokens = np.concatenate([self.partial[row, :fill], token_ids]) if fill else token_ids
         num_full = tokens.size // bs
-        self._hash_blocks(row, self.chains[row], tokens[: num_full * bs].reshape(num_full, bs))
+        chain, full = self.chains[row], tokens[: num_full * bs]
+        known = self.prompts.take(row, chain.num_sealed, chain.sealed_hash, full.tobytes()) if self.prompts.entries else []
+        self._hash_blocks(row, chain, full.reshape(num_full, bs), known)
         rest = tokens[num_full * bs :]
         self.partial[row, : rest.size] = rest
         self.fill[row] = rest.size
@@ -224,14 +230,14 @@ class TokenChains:
             chain.pending = PendingBlocks([hash_encoded(chain.sealed_hash, header, block.tobytes())], [block])
         self.has_pending[rows] = True
 
-    def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray) -> None:
+    def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray, known: Sequence[bytes] = ()) -> None:
         """Hash new full blocks (``blocks``: their tokens, one row of block_size each) of the sealed chain of ``row``:
         they become its ``pending``, each block with a copy of its tokens (its own: a view would keep alive the
-        whole prompt)."""
+        whole prompt). ``known``: the hashes of the first blocks, computed by the row's register (PromptHashes)."""
         pending, last, i = PendingBlocks(), chain.sealed_hash, chain.num_sealed  # NONE_HASH for block 0
-        for view in blocks:
+        for k, view in enumerate(blocks):
             block = view.copy()
-            last = hash_encoded(last, chain.header_of(i), block.tobytes())
+            last = known[k] if k < len(known) else hash_encoded(last, chain.header_of(i), block.tobytes())
             pending.hashes.append(last)
             pending.tokens.append(block)
             i += 1
@@ -258,6 +264,7 @@ class TokenChains:
         if self.has_pending[untracked].any() or self.fill[untracked[untracked < self.fill.size]].any():
             raise InvariantViolationError("an untracked row has pending blocks or partial tokens")
         live, bs = set(live_rows.tolist()), self.block_size
+        self.prompts.check_invariants(self.chains)
         for row, chain in self.chains.items():
             n = num_tokens.item(row)
             if row not in live or chain.num_hashes != n // bs or self.fill.item(row) != n % bs:
