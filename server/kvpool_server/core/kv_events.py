@@ -94,6 +94,19 @@ class PendingEvents(list[PendingEvent | EventsLost]):
             super().append(EVENTS_LOST)
         super().append(item)
 
+    def extend(self, items: Iterable[PendingEvent | EventsLost]) -> None:
+        """``append`` of each item, in order; a batch of stored blocks (a decode step's seals) in one step while it
+        stays within the bound."""
+        items = list(items)
+        if all(item.__class__ is CachedBlock for item in items):
+            size = stored_bytes(cast("list[CachedBlock]", items))
+            if self.num_bytes + size <= self.max_bytes:
+                self.num_bytes += size
+                super().extend(items)
+                return
+        for item in items:
+            self.append(item)
+
     def reset(self) -> None:
         super().clear()
         self.num_bytes, self.lost = 0, False
@@ -198,18 +211,25 @@ def pending_bytes(item: PendingEvent | EventsLost) -> int:
     return event_bytes(item) if isinstance(item, (BlockRemoved, BlockStored)) else 0
 
 
+def stored_bytes(entries: list[CachedBlock]) -> int:
+    """``sum(pending_bytes(e) for e in entries)``, for a batch of stored blocks."""
+    return (len(entries) * (PENDING_BLOCK_OVERHEAD + 2 * (HASH_BYTES + HASH_OVERHEAD))
+            + sum([e.token_ids.size * TOKEN_BYTES + len(e.extra) for e in entries]))
+
+
 def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
     """``items`` in order, each run of consecutive stored entries that chain (with one extra key and one salt)
     made one BlockStored."""
     events: list[KVEvent] = []
     run: list[CachedBlock] = []
     for item in items:
-        if isinstance(item, CachedBlock):
-            if run and (item.parent_hash != run[-1].block_hash or item.extra != run[-1].extra
-                        or item.salt != run[-1].salt):
-                events.append(_stored(run))
-                run = []
-            run.append(item)
+        if item.__class__ is CachedBlock:  # the common item: the cheapest test first
+            if run:
+                last = run[-1]
+                if item.parent_hash != last.block_hash or item.extra != last.extra or item.salt != last.salt:
+                    events.append(_stored(run))
+                    run = []
+            run.append(item)  # type: ignore[arg-type]
         else:
             if run:
                 events.append(_stored(run))
@@ -223,8 +243,11 @@ def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
 def _stored(run: list[CachedBlock]) -> BlockStored:
     first = run[0]
     parent = None if first.parent_hash == NONE_HASH else first.parent_hash
-    tokens = np.concatenate([e.token_ids for e in run]) if len(run) > 1 else first.token_ids
-    token_ids = array("I")
-    token_ids.frombytes(tokens.astype(np.uint32, copy=False).tobytes())
-    return BlockStored(tuple(e.block_hash for e in run), parent, token_ids, int(first.token_ids.size), first.extra,
-                       first.salt)
+    if len(run) == 1:  # a decode step's seal: one block a sequence
+        hashes: tuple[bytes, ...] = (first.block_hash,)
+        tokens = first.token_ids
+    else:
+        hashes = tuple([e.block_hash for e in run])
+        tokens = np.concatenate([e.token_ids for e in run])
+    token_ids = array("I", tokens.astype(np.uint32, copy=False).tobytes())
+    return BlockStored(hashes, parent, token_ids, first.token_ids.size, first.extra, first.salt)
