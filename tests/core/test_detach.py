@@ -70,10 +70,13 @@ def test_children_share_their_parents_pending_blocks_and_the_first_to_append_sea
     chains = [manager.chains.chains[manager.index.row(s)] for s in (parent, *children)]
     assert len({id(c) for c in chains}) == 4 and len({id(c.pending) for c in chains}) == 1
     assert manager.allocator.cache.num_cached == 0  # not sealed by the fork
+    manager.allocator.cache.events = stored = []  # every entry stored, in order
     manager.append(children[1], 2, token_ids=[50, 51])  # seals the shared two for everyone; fills block 2
-    assert manager.allocator.cache.num_cached == 2 and chains[0].pending.sealed
+    assert manager.allocator.cache.num_cached == 2 and manager.allocator.cache.is_cached[
+        manager.block_table(parent)[:2]].all()
     manager.append([parent, *children], 1, token_ids=[60, 61, 62, 63])  # the rest seal nothing new
     assert manager.allocator.cache.num_cached == 3  # child 1's third block, sealed by its second append
+    assert len(stored) == 3 and len({e.block_hash for e in stored}) == 3  # each block stored (an event) once
     manager.check_invariants()
     expected = chain_hashes(list(range(10)) + [50, 51], BS, b"")
     assert [manager.allocator.cache.entries[b].block_hash for b in manager.block_table(children[1])[:3]] == expected

@@ -42,6 +42,7 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVE
 
 DEFAULT_EVENT_LOG_BYTES = 64 << 20  # the log's bound (published batches; and, apart, the pending events of a call)
 TOKEN_BYTES = 4  # a token id, as a BlockStored holds it (uint32)
+U32 = np.dtype("<u4")  # a cached block's token ids (the dtype object NumPy shares by every such array)
 HASH_BYTES = 32  # a block hash (sha256)
 # Measured with tracemalloc (CPython 3.11, 64-bit), rounded up: what a hash costs beyond its 32 bytes (its bytes
 # object's header and its slot in a tuple: 41 + 8), what an event costs beyond its hashes and token ids (the
@@ -223,13 +224,14 @@ def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
     events: list[KVEvent] = []
     run: list[CachedBlock] = []
     for item in items:
-        if item.__class__ is CachedBlock:  # the common item: the cheapest test first
+        if isinstance(item, CachedBlock):
             if run:
                 last = run[-1]
                 if item.parent_hash != last.block_hash or item.extra != last.extra or item.salt != last.salt:
                     events.append(_stored(run))
-                    run = []
-            run.append(item)  # type: ignore[arg-type]
+                    run = [item]
+                    continue
+            run.append(item)
         else:
             if run:
                 events.append(_stored(run))
@@ -249,5 +251,5 @@ def _stored(run: list[CachedBlock]) -> BlockStored:
     else:
         hashes = tuple([e.block_hash for e in run])
         tokens = np.concatenate([e.token_ids for e in run])
-    token_ids = array("I", tokens.astype(np.uint32, copy=False).tobytes())
+    token_ids = array("I", (tokens if tokens.dtype is U32 else tokens.astype(U32)).tobytes())
     return BlockStored(hashes, parent, token_ids, first.token_ids.size, first.extra, first.salt)

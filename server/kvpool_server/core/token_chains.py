@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,29 +16,16 @@ U32 = np.dtype("<u4")
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
 
 
-@dataclass(eq=False, slots=True)  # one object shared by sharers: identity, not value
-class PendingBlocks:
-    """Full blocks hashed but not sealed yet, in logical order: each one's ``CachedBlock`` (its hash, its parent's,
-    its token ids, salt and extra key: the prefix cache's entry once sealed, made when it is hashed), and whether
-    they have been sealed. A fork's children share their parent's (the same blocks: a full block is never copied on
-    write), so the first of them to seal seals them for all, and a fork copies none of them."""
-
-    entries: list[CachedBlock] = field(default_factory=list)
-    sealed: bool = False
-
-    @property
-    def hashes(self) -> list[bytes]:
-        return [entry.block_hash for entry in self.entries]
-
-    @property
-    def tokens(self) -> list[np.ndarray]:
-        return [entry.token_ids for entry in self.entries]
+# A chain's full blocks hashed but not sealed yet, in logical order: each one's ``CachedBlock`` (its hash, its
+# parent's, its token ids, salt and extra key: the prefix cache's entry once sealed, made when it is hashed). A
+# tuple: a fork's children share their parent's (the same blocks: a full block is never copied on write). The
+# first of the sharers to seal inserts them; a later one's insert finds each block cached already (a sharer holds
+# it, so it cannot have been evicted) and changes nothing -- no entry, no event.
+PendingBlocks = tuple[CachedBlock, ...]
+NO_PENDING: PendingBlocks = ()
 
 
-NO_PENDING = PendingBlocks(sealed=True)  # shared by every chain with nothing pending; never appended to
-
-
-@dataclass
+@dataclass(slots=True)
 class Chain:
     """One tracked row's hashes: how many of its full blocks are sealed and the hash of the last of them
     (``sealed_hash``, the parent of the next; NONE_HASH when none), and its full blocks not yet sealed
@@ -60,11 +47,10 @@ class Chain:
     @property
     def num_hashes(self) -> int:
         """Full blocks hashed: sealed and pending."""
-        return self.num_sealed + len(self.pending.entries)
+        return self.num_sealed + len(self.pending)
 
     def copy(self) -> Chain:
-        """A chain of its own that shares ``pending`` (never appended to once shared: ``_extend`` starts a new
-        one)."""
+        """A chain of its own that shares ``pending`` (a tuple: never changed, only replaced)."""
         return Chain(self.salt, self.num_sealed, self.sealed_hash, self.pending, self.extra, self.num_public,
                      self.header, self.public_header)
 
@@ -165,7 +151,9 @@ class TokenChains:
             for row in rows[starting].tolist():
                 self.start(row, salt_of_row(row), [])
             tracked |= starting
-        self._seal(rows[self.has_pending.take(rows)].tolist(), table, cache, public)  # untracked rows have none
+        pending = self.has_pending.take(rows)
+        if np.count_nonzero(pending):  # untracked rows have none; most decode steps seal nothing
+            self._seal(rows[pending].tolist(), table, cache, public)
         if token_ids.size == rows.size:  # one token per row (every count is >= 1): the decode step
             if not all_tracked:
                 rows, token_ids = rows[tracked], token_ids[tracked]
@@ -197,18 +185,15 @@ class TokenChains:
         owners: list[int] = []  # the row of each of ``entries``
         for row in rows:
             chain = chains[row]
-            pending = chain.pending
-            new = pending.entries
-            if not pending.sealed:  # else a sharer (fork parent or child) sealed the same blocks already
-                if len(new) == 1:  # the decode step's
-                    block_ids.append(table.item(row, chain.num_sealed))
-                    entries.append(new[0])
-                    owners.append(row)
-                else:
-                    block_ids += table[row, chain.num_sealed : chain.num_sealed + len(new)].tolist()
-                    entries += new
-                    owners += [row] * len(new)
-                pending.sealed = True
+            new = chain.pending
+            if len(new) == 1:  # the decode step's
+                block_ids.append(table.item(row, chain.num_sealed))
+                entries.append(new[0])
+                owners.append(row)
+            else:
+                block_ids += table[row, chain.num_sealed : chain.num_sealed + len(new)].tolist()
+                entries += new
+                owners += [row] * len(new)
             chain.num_sealed += len(new)
             chain.sealed_hash = new[-1].block_hash
             chain.pending = NO_PENDING
@@ -249,22 +234,22 @@ class TokenChains:
                 header, salt = chain.public_header, PUBLIC_SALT
             else:
                 header, salt = chain.header, chain.salt
-            chain.pending = PendingBlocks([CachedBlock(hash_encoded(parent, header, token_bytes), parent,
-                                                       frombuffer(token_bytes, U32), salt, chain.extra)])
+            chain.pending = (CachedBlock(hash_encoded(parent, header, token_bytes), parent,
+                                         frombuffer(token_bytes, U32), salt, chain.extra),)
         self.has_pending[rows] = True
 
     def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray) -> None:
         """Hash new full blocks (``blocks``: their tokens, one row of block_size each) of the sealed chain of ``row``:
         they become its ``pending``, each block with a copy of its tokens (its own: a view would keep alive the
         whole prompt)."""
-        pending, parent, i = PendingBlocks(), chain.sealed_hash, chain.num_sealed  # NONE_HASH for block 0
+        pending, parent, i = [], chain.sealed_hash, chain.num_sealed  # NONE_HASH for block 0
         for view in blocks:
             block = view.copy()
             block_hash_i = hash_encoded(parent, chain.header_of(i), block.tobytes())
-            pending.entries.append(CachedBlock(block_hash_i, parent, block,
-                                               PUBLIC_SALT if i < chain.num_public else chain.salt, chain.extra))
+            pending.append(CachedBlock(block_hash_i, parent, block, PUBLIC_SALT if i < chain.num_public else chain.salt,
+                                       chain.extra))
             parent, i = block_hash_i, i + 1
-        chain.pending = pending
+        chain.pending = tuple(pending)
         self.has_pending[row] = True
 
     def _reserve(self, num_rows: int) -> None:
@@ -291,10 +276,10 @@ class TokenChains:
             n = num_tokens.item(row)
             if row not in live or chain.num_hashes != n // bs or self.fill.item(row) != n % bs:
                 raise InvariantViolationError(f"row {row}'s token chain disagrees with its {n} tokens")
-            if self.has_pending.item(row) != bool(chain.pending.entries):  # not ``is NO_PENDING``: a deep copy's check
+            if self.has_pending.item(row) != bool(chain.pending):
                 raise InvariantViolationError(f"row {row}'s has_pending disagrees with its chain")
             parent = chain.sealed_hash
-            for k, entry in enumerate(chain.pending.entries):
+            for k, entry in enumerate(chain.pending):
                 i = chain.num_sealed + k
                 salt = PUBLIC_SALT if i < chain.num_public else chain.salt
                 if entry.parent_hash != parent or entry.salt != salt or entry.extra != chain.extra or \
