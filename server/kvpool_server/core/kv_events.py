@@ -200,7 +200,7 @@ def event_bytes(event: KVEvent) -> int:
 
 def batch_bytes(batch: EventBatch) -> int:
     """The estimated bytes a buffered batch holds."""
-    return BATCH_OVERHEAD + sum(event_bytes(e) for e in batch.events)
+    return BATCH_OVERHEAD + sum(map(event_bytes, batch.events))
 
 
 def pending_bytes(item: PendingEvent | EventsLost) -> int:
