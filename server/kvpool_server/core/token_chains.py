@@ -18,11 +18,18 @@ INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tr
 
 # A chain's full blocks hashed but not sealed yet, in logical order: each one's ``CachedBlock`` (its hash, its
 # parent's, its token ids, salt and extra key: the prefix cache's entry once sealed, made when it is hashed). A
-# tuple: a fork's children share their parent's (the same blocks: a full block is never copied on write). The
-# first of the sharers to seal inserts them; a later one's insert finds each block cached already (a sharer holds
-# it, so it cannot have been evicted) and changes nothing -- no entry, no event.
+# plain tuple while one chain holds them (a decode step makes one a filled block: no other object); a fork makes
+# them ``SharedPending``, which its children and the parent share.
 PendingBlocks = tuple[CachedBlock, ...]
 NO_PENDING: PendingBlocks = ()
+
+
+class SharedPending(tuple[CachedBlock, ...]):
+    """Pending blocks that a fork's children share with their parent (the same blocks: a full block is never copied
+    on write): the first of them to seal inserts them -- whatever the cache answers, a hash held by another block
+    included -- and marks them ``sealed``; the others' seals then insert nothing."""
+
+    sealed: bool = False
 
 
 @dataclass(slots=True)
@@ -124,6 +131,8 @@ class TokenChains:
     def fork(self, parent_row: int, child_rows: list[int]) -> None:
         chain = self.chains.get(parent_row)
         if chain is not None:
+            if chain.pending and chain.pending.__class__ is not SharedPending:
+                chain.pending = SharedPending(chain.pending)
             self._reserve(max(child_rows) + 1)
             self.chains.update({row: chain.copy() for row in child_rows})
             self.tracked[child_rows] = True
@@ -185,15 +194,19 @@ class TokenChains:
         owners: list[int] = []  # the row of each of ``entries``
         for row in rows:
             chain = chains[row]
-            new = chain.pending
-            if len(new) == 1:  # the decode step's
+            new = todo = chain.pending
+            if isinstance(new, SharedPending):
+                if new.sealed:  # a sharer (fork parent or child) sealed the same blocks already
+                    todo = NO_PENDING
+                new.sealed = True
+            if len(todo) == 1:  # the decode step's
                 block_ids.append(table.item(row, chain.num_sealed))
-                entries.append(new[0])
+                entries.append(todo[0])
                 owners.append(row)
-            else:
-                block_ids += table[row, chain.num_sealed : chain.num_sealed + len(new)].tolist()
-                entries += new
-                owners += [row] * len(new)
+            elif todo:
+                block_ids += table[row, chain.num_sealed : chain.num_sealed + len(todo)].tolist()
+                entries += todo
+                owners += [row] * len(todo)
             chain.num_sealed += len(new)
             chain.sealed_hash = new[-1].block_hash
             chain.pending = NO_PENDING
