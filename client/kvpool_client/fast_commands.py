@@ -108,13 +108,12 @@ class FastPathCommands(KVPoolCommands):
         channel = None
         if args is not None and (tokens is not None or token_ids is None):
             n_tokens = 0 if tokens is None else tokens.size
-            if self._fits(len(args[0]), args[3].size, n_tokens, reply=fp.append_reply_bound(
-                    len(args[0]), int(args[2].sum()), 1)):
+            if self._fits(len(args[0]), args[3].size, n_tokens, reply=fp.append_reply_bound(len(args[0]), args[4], 1)):
                 channel = yield from self._fast_channel_plan(method, timeout)
         if channel is None or args is None:
             return (yield from super().append.__wrapped__(  # type: ignore[attr-defined]
                 self, seq_ids, num_tokens, token_ids=token_ids, timeout=timeout))
-        ids, id_array, counts, counts_field = args
+        ids, id_array, counts, counts_field, _ = args
         write = channel_ops.append_writer(channel.generation, id_array, counts_field, tokens, NO_REQUEST_ID)
         return (yield from self._exchange(channel, write, channel_ops.append_reader(ids, counts), method, timeout))
 
@@ -190,25 +189,50 @@ class FastPathCommands(KVPoolCommands):
             channel.close()
 
 
-def _append_args(seq_ids: Any, num_tokens: Any) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray] | None:
-    """(ids, ids as uint64, one count per id, the counts the record carries), cheaper than convert.append_args
-    for a decode step; None for anything unusual (gRPC's path then raises its own error)."""
+class _LastIds:
+    """The last list of ids converted, and its uint64 array (read-only): a decode loop appends to the same batch
+    step after step, and comparing the ids (a tuple compare) costs a fifth of converting them again. One (ids,
+    array) pair, replaced whole: safe across threads."""
+
+    pair: tuple[tuple[Any, ...], np.ndarray] = ((), np.zeros(0, dtype=np.uint64))
+
+
+def _id_array(seq_ids: list[Any] | tuple[Any, ...]) -> tuple[tuple[Any, ...], np.ndarray]:
+    ids = tuple(seq_ids)
+    last_ids, last_array = _LastIds.pair
+    if ids == last_ids:  # equal values convert equally
+        return last_ids, last_array
+    id_array = np.asarray(ids, dtype=np.uint64)
+    id_array.flags.writeable = False
+    if id_array.ndim == 1:
+        _LastIds.pair = (ids, id_array)
+    return ids, id_array
+
+
+def _append_args(seq_ids: Any, num_tokens: Any) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """(ids, ids as uint64, one count per id, the counts the record carries, their total), cheaper than
+    convert.append_args for a decode step; None for anything unusual (gRPC's path then raises its own error)."""
     try:
         if isinstance(seq_ids, (int, np.integer)):
             seq_ids = [int(seq_ids)]
-        id_array = np.asarray(seq_ids, dtype=np.uint64)
+        if isinstance(seq_ids, (list, tuple)):
+            ids, id_array = _id_array(seq_ids)
+        else:
+            id_array = np.asarray(seq_ids, dtype=np.uint64)
+            ids = ()
         if id_array.ndim != 1 or id_array.size == 0:
             return None
-        ids = tuple(seq_ids) if isinstance(seq_ids, (list, tuple)) else tuple(id_array.tolist())
+        if not ids:
+            ids = tuple(id_array.tolist())
         if isinstance(num_tokens, (int, np.integer)):
             if num_tokens < 1 or num_tokens >= 1 << 32:
                 return None
             one_each: np.ndarray = np.full(id_array.size, int(num_tokens), dtype=np.int64)
-            return ids, id_array, one_each, np.array([num_tokens], dtype=np.uint32)
+            return ids, id_array, one_each, np.array([num_tokens], dtype=np.uint32), int(num_tokens) * id_array.size
         counts: np.ndarray = np.asarray(num_tokens, dtype=np.int64)
         if counts.shape != id_array.shape or (counts < 1).any() or (counts >= 1 << 32).any():
             return None
-        return ids, id_array, counts, counts.astype(np.uint32)
+        return ids, id_array, counts, counts.astype(np.uint32), int(counts.sum())
     except (TypeError, ValueError, OverflowError):
         return None
 
@@ -217,8 +241,12 @@ def _uint32(values: Any) -> np.ndarray | None:
     """``values`` as uint32 token ids, or None when they are not (gRPC then gives its own error)."""
     try:
         array = np.asarray(values)
-        if array.ndim != 1 or (array.size and (array.dtype.kind not in "iu" or array.min() < 0 or
-                                               array.max() >= 1 << 32)):
+        if array.ndim != 1:
+            return None
+        dtype = array.dtype
+        if dtype.kind == "u" and dtype.itemsize <= 4:  # in range by its type: no pass over the values
+            return array.astype(np.uint32, copy=False)
+        if array.size and (dtype.kind not in "iu" or array.min() < 0 or array.max() >= 1 << 32):
             return None
         return array.astype(np.uint32, copy=False)
     except (TypeError, ValueError, OverflowError):

@@ -46,7 +46,7 @@ def append_writer(generation: int, id_array: np.ndarray, counts_field: np.ndarra
 def append_reader(ids: tuple[int, ...], counts: np.ndarray) -> Any:
     def read(views: fp.Views) -> AppendResult:
         rep, area = views.rep, views.rep_area
-        n_slots, n_new, n_copies = int(rep[fp.REP_N_SLOTS]), int(rep[fp.REP_N_NEW]), int(rep[fp.REP_N_COPIES])
+        n_slots, n_new, n_copies = rep[fp.REP_N_SLOTS:fp.REP_N_COPIES + 1].tolist()
         at = fp.HEADER_BYTES
         slots = area[at:at + 8 * n_slots].view(np.int64).copy()
         at += 8 * n_slots

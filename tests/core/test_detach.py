@@ -70,12 +70,40 @@ def test_children_share_their_parents_pending_blocks_and_the_first_to_append_sea
     chains = [manager.chains.chains[manager.index.row(s)] for s in (parent, *children)]
     assert len({id(c) for c in chains}) == 4 and len({id(c.pending) for c in chains}) == 1
     assert manager.allocator.cache.num_cached == 0  # not sealed by the fork
+    manager.allocator.cache.events = stored = []  # every entry stored, in order
     manager.append(children[1], 2, token_ids=[50, 51])  # seals the shared two for everyone; fills block 2
-    assert manager.allocator.cache.num_cached == 2 and chains[0].pending.sealed
+    assert manager.allocator.cache.num_cached == 2 and manager.allocator.cache.is_cached[
+        manager.block_table(parent)[:2]].all()
     manager.append([parent, *children], 1, token_ids=[60, 61, 62, 63])  # the rest seal nothing new
     assert manager.allocator.cache.num_cached == 3  # child 1's third block, sealed by its second append
+    assert len(stored) == 3 and len({e.block_hash for e in stored}) == 3  # each block stored (an event) once
     manager.check_invariants()
     expected = chain_hashes(list(range(10)) + [50, 51], BS, b"")
     assert [manager.allocator.cache.entries[b].block_hash for b in manager.block_table(children[1])[:3]] == expected
     probe = manager.register(prompt_token_ids=list(range(10)) + [50, 51, 70])
     assert manager.num_tokens(probe) == 12  # the shared blocks and the child's own match
+
+
+def test_a_shared_pending_block_that_lost_its_hash_to_another_block_is_not_sealed_by_the_other_sharers() -> None:
+    """The first sharer to seal settles the shared blocks for all, whatever the cache answered: a block whose hash
+    another block held then is not sealed later by another sharer, even once that other block is gone."""
+    manager = KVCacheManager(num_blocks=8, block_size=BS)
+    manager.allocator.cache.events = stored = []
+    tokens = list(range(BS))
+    first = manager.register()
+    manager.append(first, BS + 1, token_ids=tokens + [99])  # block 0 hashed; sealed by the next append
+    manager.append(first, 1, token_ids=[98])
+    assert len(stored) == 1
+    parent = manager.register()
+    manager.append(parent, BS + 1, token_ids=tokens + [97])  # the same first block, in a block of its own
+    children = manager.fork(parent, 1)
+    manager.append(parent, 1, token_ids=[96])  # seals for both sharers: the hash is taken, nothing stored
+    assert len(stored) == 1
+    manager.free(first)  # its blocks go idle; taking every free block evicts them
+    filler = manager.register()
+    manager.append(filler, manager.allocator.num_allocatable * BS)
+    assert not manager.allocator.cache.num_cached
+    manager.append(children[0], 1, token_ids=[95])  # the other sharer's next append seals nothing
+    assert [type(e).__name__ for e in stored] == ["CachedBlock", "BlockRemoved"]
+    assert not manager.allocator.cache.num_cached
+    manager.check_invariants()

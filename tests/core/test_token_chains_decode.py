@@ -94,9 +94,9 @@ class Model:
             salt = manager.tenants.names[tenant].encode()
             expected = chain_hashes(tokens, BS, salt, extra=extra, num_public=num_public)
             assert chain.sealed_hash == (expected[chain.num_sealed - 1] if chain.num_sealed else bytes(32))
-            assert chain.pending.hashes == expected[chain.num_sealed :]
+            assert [e.block_hash for e in chain.pending] == expected[chain.num_sealed :]
             full = np.array(tokens[: len(expected) * BS], dtype=np.uint32).reshape(-1, BS)
-            assert all(np.array_equal(t, full[chain.num_sealed + k]) for k, t in enumerate(chain.pending.tokens))
+            assert all(np.array_equal(t, full[chain.num_sealed + k]) for k, t in enumerate(e.token_ids for e in chain.pending))
             assert chains.partial_tokens(row).tolist() == tokens[len(expected) * BS :]
             blocks = manager.block_table(seq, tenant)
             for i in range(chain.num_sealed):  # sealed: in the cache, unless its hash was cached in another block
@@ -141,7 +141,7 @@ def test_a_decode_step_mixing_tracked_untracked_and_new_rows_tracks_the_new_ones
     chains = manager.chains
     assert chains.tracked[[manager.index.row(s) for s in (tracked, untracked, new)]].tolist() == [True, False, True]
     assert chains.partial_tokens(manager.index.row(new)).tolist() == [6]
-    assert chains.chains[manager.index.row(tracked)].pending.hashes == chain_hashes([1, 2, 3, 4], BS)
+    assert [e.block_hash for e in chains.chains[manager.index.row(tracked)].pending] == chain_hashes([1, 2, 3, 4], BS)
     manager.append([tracked, new], 1, token_ids=[7, 8])  # seals it
     assert manager.allocator.cache.num_cached == 1
     manager.check_invariants()

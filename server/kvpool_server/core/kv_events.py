@@ -42,6 +42,7 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVE
 
 DEFAULT_EVENT_LOG_BYTES = 64 << 20  # the log's bound (published batches; and, apart, the pending events of a call)
 TOKEN_BYTES = 4  # a token id, as a BlockStored holds it (uint32)
+U32 = np.dtype("<u4")  # a cached block's token ids (the dtype object NumPy shares by every such array)
 HASH_BYTES = 32  # a block hash (sha256)
 # Measured with tracemalloc (CPython 3.11, 64-bit), rounded up: what a hash costs beyond its 32 bytes (its bytes
 # object's header and its slot in a tuple: 41 + 8), what an event costs beyond its hashes and token ids (the
@@ -93,6 +94,19 @@ class PendingEvents(list[PendingEvent | EventsLost]):
             self.num_bytes, self.lost = pending_bytes(item), True
             super().append(EVENTS_LOST)
         super().append(item)
+
+    def extend(self, items: Iterable[PendingEvent | EventsLost]) -> None:
+        """``append`` of each item, in order; a batch of stored blocks (a decode step's seals) in one step while it
+        stays within the bound."""
+        items = list(items)
+        if all(item.__class__ is CachedBlock for item in items):
+            size = stored_bytes(cast("list[CachedBlock]", items))
+            if self.num_bytes + size <= self.max_bytes:
+                self.num_bytes += size
+                super().extend(items)
+                return
+        for item in items:
+            self.append(item)
 
     def reset(self) -> None:
         super().clear()
@@ -186,7 +200,7 @@ def event_bytes(event: KVEvent) -> int:
 
 def batch_bytes(batch: EventBatch) -> int:
     """The estimated bytes a buffered batch holds."""
-    return BATCH_OVERHEAD + sum(event_bytes(e) for e in batch.events)
+    return BATCH_OVERHEAD + sum(map(event_bytes, batch.events))
 
 
 def pending_bytes(item: PendingEvent | EventsLost) -> int:
@@ -198,6 +212,12 @@ def pending_bytes(item: PendingEvent | EventsLost) -> int:
     return event_bytes(item) if isinstance(item, (BlockRemoved, BlockStored)) else 0
 
 
+def stored_bytes(entries: list[CachedBlock]) -> int:
+    """``sum(pending_bytes(e) for e in entries)``, for a batch of stored blocks."""
+    return (len(entries) * (PENDING_BLOCK_OVERHEAD + 2 * (HASH_BYTES + HASH_OVERHEAD))
+            + sum([e.token_ids.size * TOKEN_BYTES + len(e.extra) for e in entries]))
+
+
 def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
     """``items`` in order, each run of consecutive stored entries that chain (with one extra key and one salt)
     made one BlockStored."""
@@ -205,10 +225,12 @@ def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
     run: list[CachedBlock] = []
     for item in items:
         if isinstance(item, CachedBlock):
-            if run and (item.parent_hash != run[-1].block_hash or item.extra != run[-1].extra
-                        or item.salt != run[-1].salt):
-                events.append(_stored(run))
-                run = []
+            if run:
+                last = run[-1]
+                if item.parent_hash != last.block_hash or item.extra != last.extra or item.salt != last.salt:
+                    events.append(_stored(run))
+                    run = [item]
+                    continue
             run.append(item)
         else:
             if run:
@@ -223,8 +245,11 @@ def stored_runs(items: Iterable[PendingEvent]) -> tuple[KVEvent, ...]:
 def _stored(run: list[CachedBlock]) -> BlockStored:
     first = run[0]
     parent = None if first.parent_hash == NONE_HASH else first.parent_hash
-    tokens = np.concatenate([e.token_ids for e in run]) if len(run) > 1 else first.token_ids
-    token_ids = array("I")
-    token_ids.frombytes(tokens.astype(np.uint32, copy=False).tobytes())
-    return BlockStored(tuple(e.block_hash for e in run), parent, token_ids, int(first.token_ids.size), first.extra,
-                       first.salt)
+    if len(run) == 1:  # a decode step's seal: one block a sequence
+        hashes: tuple[bytes, ...] = (first.block_hash,)
+        tokens = first.token_ids
+    else:
+        hashes = tuple([e.block_hash for e in run])
+        tokens = np.concatenate([e.token_ids for e in run])
+    token_ids = array("I", (tokens if tokens.dtype is U32 else tokens.astype(U32)).tobytes())
+    return BlockStored(hashes, parent, token_ids, first.token_ids.size, first.extra, first.salt)

@@ -85,6 +85,34 @@ class PrefixCache:
             self.events.append(entry)  # made a BlockStored (with the run it belongs to) when the batch is published
         return True
 
+    def insert_many(self, block_ids: list[int], entries: list[CachedBlock]) -> list[int]:
+        """``insert`` of each (block, entry) pair in order, with the same answers -- a hash or a block already
+        cached, by the cache or by an earlier pair, is left as it is -- in one pass (a decode step seals hundreds):
+        the arrays and the events are updated once for the batch. Returns the positions of the public entries
+        inserted."""
+        block_of_hash, by_block = self.block_of_hash, self.entries
+        new_blocks: list[int] = []
+        stored: list[CachedBlock] = []
+        public: list[int] = []
+        for k, (block_id, entry) in enumerate(zip(block_ids, entries)):
+            block_hash_k = entry.block_hash
+            if block_hash_k in block_of_hash or block_id in by_block:  # ``by_block``: exactly ``is_cached``
+                continue
+            block_of_hash[block_hash_k] = block_id
+            by_block[block_id] = entry
+            new_blocks.append(block_id)
+            stored.append(entry)
+            if entry.salt == PUBLIC_SALT:
+                public.append(k)
+        if new_blocks:
+            self.is_cached[new_blocks] = True
+            if public:
+                self.is_public[[block_ids[k] for k in public]] = True
+                self.num_public += len(public)
+            if self.events is not None:
+                self.events.extend(stored)  # made BlockStored runs when the batch is published
+        return public
+
     def match(self, hashes: list[bytes]) -> list[int]:
         """The blocks of the longest run of ``hashes``, from the first, that are all cached."""
         blocks = []

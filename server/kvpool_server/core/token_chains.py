@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,24 +12,28 @@ from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
 
+U32 = np.dtype("<u4")
+
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
 
 
-@dataclass(eq=False, slots=True)  # one object shared by sharers: identity, not value
-class PendingBlocks:
-    """Full blocks hashed but not sealed yet: their hashes and token ids (logical order), and whether they have been
-    sealed. A fork's children share their parent's (the same blocks: a full block is never copied on write), so the
-    first of them to seal seals them for all, and a fork copies none of them."""
+# A chain's full blocks hashed but not sealed yet, in logical order: each one's ``CachedBlock`` (its hash, its
+# parent's, its token ids, salt and extra key: the prefix cache's entry once sealed, made when it is hashed). A
+# plain tuple while one chain holds them (a decode step makes one a filled block: no other object); a fork makes
+# them ``SharedPending``, which its children and the parent share.
+PendingBlocks = tuple[CachedBlock, ...]
+NO_PENDING: PendingBlocks = ()
 
-    hashes: list[bytes] = field(default_factory=list)
-    tokens: list[np.ndarray] = field(default_factory=list)
+
+class SharedPending(tuple[CachedBlock, ...]):
+    """Pending blocks that a fork's children share with their parent (the same blocks: a full block is never copied
+    on write): the first of them to seal inserts them -- whatever the cache answers, a hash held by another block
+    included -- and marks them ``sealed``; the others' seals then insert nothing."""
+
     sealed: bool = False
 
 
-NO_PENDING = PendingBlocks(sealed=True)  # shared by every chain with nothing pending; never appended to
-
-
-@dataclass
+@dataclass(slots=True)
 class Chain:
     """One tracked row's hashes: how many of its full blocks are sealed and the hash of the last of them
     (``sealed_hash``, the parent of the next; NONE_HASH when none), and its full blocks not yet sealed
@@ -51,11 +55,10 @@ class Chain:
     @property
     def num_hashes(self) -> int:
         """Full blocks hashed: sealed and pending."""
-        return self.num_sealed + len(self.pending.hashes)
+        return self.num_sealed + len(self.pending)
 
     def copy(self) -> Chain:
-        """A chain of its own that shares ``pending`` (never appended to once shared: ``_extend`` starts a new
-        one)."""
+        """A chain of its own that shares ``pending`` (a tuple: never changed, only replaced)."""
         return Chain(self.salt, self.num_sealed, self.sealed_hash, self.pending, self.extra, self.num_public,
                      self.header, self.public_header)
 
@@ -87,7 +90,8 @@ class TokenChains:
     Invariants (``check_invariants``): ``tracked`` marks exactly the rows of ``chains``, all live; a tracked row with
     n tokens has hashed ``n // block_size`` blocks (``num_hashes``) and holds ``fill[row] == n % block_size`` partial
     tokens; ``has_pending[row]`` is whether its chain has pending blocks; an untracked row has ``fill`` 0 and
-    ``has_pending`` false; a chain holds the token ids of each of its pending blocks, and its ``header`` (and
+    ``has_pending`` false; a chain's pending entries chain from its ``sealed_hash``, each the hash of its block_size
+    token ids with its block's salt and the chain's extra key; a chain's ``header`` (and
     ``public_header``, with a public prefix) is the ``block_header`` of its salt (PUBLIC_SALT) and extra key.
     """
 
@@ -131,6 +135,8 @@ class TokenChains:
     def fork(self, parent_row: int, child_rows: list[int]) -> None:
         chain = self.chains.get(parent_row)
         if chain is not None:
+            if chain.pending and chain.pending.__class__ is not SharedPending:
+                chain.pending = SharedPending(chain.pending)
             self._reserve(max(child_rows) + 1)
             self.chains.update({row: chain.copy() for row in child_rows})
             self.tracked[child_rows] = True
@@ -158,7 +164,9 @@ class TokenChains:
             for row in rows[starting].tolist():
                 self.start(row, salt_of_row(row), [])
             tracked |= starting
-        self._seal(rows[self.has_pending.take(rows)].tolist(), table, cache, public)  # untracked rows have none
+        pending = self.has_pending.take(rows)
+        if np.count_nonzero(pending):  # untracked rows have none; most decode steps seal nothing
+            self._seal(rows[pending].tolist(), table, cache, public)
         if token_ids.size == rows.size:  # one token per row (every count is >= 1): the decode step
             if not all_tracked:
                 rows, token_ids = rows[tracked], token_ids[tracked]
@@ -179,27 +187,37 @@ class TokenChains:
         return public
 
     def _seal(self, rows: list[int], table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
-        """Insert the pending full blocks of ``rows`` (each has some) in the cache, in order; append (row, block) to
-        ``public`` for each public one inserted (the ledger starts counting its references per tenant)."""
+        """Insert the pending full blocks of ``rows`` (each has some) in the cache, in order (one
+        ``PrefixCache.insert_many`` for them all); append (row, block) to ``public`` for each public one inserted
+        (the ledger starts counting its references per tenant)."""
+        if not rows:
+            return
         chains = self.chains
+        block_ids: list[int] = []
+        entries: list[CachedBlock] = []
+        owners: list[int] = []  # the row of each of ``entries``
         for row in rows:
             chain = chains[row]
-            pending = chain.pending
-            if not pending.sealed:  # else a sharer (fork parent or child) sealed the same blocks already
-                parent, i, num_public = chain.sealed_hash, chain.num_sealed, chain.num_public
-                for block_hash_i, tokens in zip(pending.hashes, pending.tokens):
-                    block_id = table.item(row, i)
-                    entry = CachedBlock(block_hash_i, parent, tokens, PUBLIC_SALT if i < num_public else chain.salt,
-                                        chain.extra)
-                    if cache.insert(block_id, entry) and i < num_public:
-                        public.append((row, block_id))
-                    parent, i = block_hash_i, i + 1
-                pending.sealed = True
-            chain.num_sealed += len(pending.hashes)
-            chain.sealed_hash = pending.hashes[-1]
+            new = todo = chain.pending
+            if isinstance(new, SharedPending):
+                if new.sealed:  # a sharer (fork parent or child) sealed the same blocks already
+                    todo = NO_PENDING
+                new.sealed = True
+            if len(todo) == 1:  # the decode step's
+                block_ids.append(table.item(row, chain.num_sealed))
+                entries.append(todo[0])
+                owners.append(row)
+            elif todo:
+                block_ids += table[row, chain.num_sealed : chain.num_sealed + len(todo)].tolist()
+                entries += todo
+                owners += [row] * len(todo)
+            chain.num_sealed += len(new)
+            chain.sealed_hash = new[-1].block_hash
             chain.pending = NO_PENDING
-        if rows:
-            self.has_pending[rows] = False
+        self.has_pending[rows] = False
+        if entries:
+            for k in cache.insert_many(block_ids, entries):
+                public.append((owners[k], block_ids[k]))
 
     def _extend(self, row: int, token_ids: np.ndarray) -> None:
         """Add ``token_ids`` to the (sealed: nothing pending) chain of ``row``: its new full blocks become a new
@@ -219,29 +237,38 @@ class TokenChains:
         self.fill[row] = rest.size
 
     def _hash_filled(self, rows: np.ndarray) -> None:
-        """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0): one
-        block each, in a tight loop."""
-        chains, partial = self.chains, self.partial
+        """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0, nothing
+        pending: the step sealed it first): one block each, in a tight loop over the bytes of one gather. Each
+        block's token array is read-only over its own bytes object (which the hash read): it keeps nothing else
+        alive."""
+        chains, frombuffer, row_bytes = self.chains, np.frombuffer, self.block_size * 4
+        data = self.partial.take(rows, axis=0).astype(U32, copy=False).tobytes()
+        at = 0
         for row in rows.tolist():
             chain = chains[row]
-            block = partial[row].copy()  # the pending block owns its tokens: ``partial`` is overwritten
-            i = chain.num_sealed
-            header = chain.public_header if i < chain.num_public else chain.header
-            chain.pending = PendingBlocks([hash_encoded(chain.sealed_hash, header, block.tobytes())], [block])
+            token_bytes = data[at : at + row_bytes]
+            at += row_bytes
+            parent = chain.sealed_hash
+            if chain.num_sealed < chain.num_public:
+                header, salt = chain.public_header, PUBLIC_SALT
+            else:
+                header, salt = chain.header, chain.salt
+            chain.pending = (CachedBlock(hash_encoded(parent, header, token_bytes), parent,
+                                         frombuffer(token_bytes, U32), salt, chain.extra),)
         self.has_pending[rows] = True
 
     def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray, known: Sequence[bytes] = ()) -> None:
         """Hash new full blocks (``blocks``: their tokens, one row of block_size each) of the sealed chain of ``row``:
         they become its ``pending``, each block with a copy of its tokens (its own: a view would keep alive the
         whole prompt). ``known``: the hashes of the first blocks, computed by the row's register (PromptHashes)."""
-        pending, last, i = PendingBlocks(), chain.sealed_hash, chain.num_sealed  # NONE_HASH for block 0
+        pending, parent, i = [], chain.sealed_hash, chain.num_sealed  # NONE_HASH for block 0
         for k, view in enumerate(blocks):
             block = view.copy()
-            last = known[k] if k < len(known) else hash_encoded(last, chain.header_of(i), block.tobytes())
-            pending.hashes.append(last)
-            pending.tokens.append(block)
-            i += 1
-        chain.pending = pending
+            block_hash_i = known[k] if k < len(known) else hash_encoded(parent, chain.header_of(i), block.tobytes())
+            pending.append(CachedBlock(block_hash_i, parent, block, PUBLIC_SALT if i < chain.num_public else chain.salt,
+                                       chain.extra))
+            parent, i = block_hash_i, i + 1
+        chain.pending = tuple(pending)
         self.has_pending[row] = True
 
     def _reserve(self, num_rows: int) -> None:
@@ -269,10 +296,17 @@ class TokenChains:
             n = num_tokens.item(row)
             if row not in live or chain.num_hashes != n // bs or self.fill.item(row) != n % bs:
                 raise InvariantViolationError(f"row {row}'s token chain disagrees with its {n} tokens")
-            if self.has_pending.item(row) != bool(chain.pending.hashes):  # not ``is NO_PENDING``: a deep copy's check
+            if self.has_pending.item(row) != bool(chain.pending):
                 raise InvariantViolationError(f"row {row}'s has_pending disagrees with its chain")
-            if len(chain.pending.tokens) != len(chain.pending.hashes):
-                raise InvariantViolationError(f"row {row}'s pending blocks and hashes disagree")
+            parent = chain.sealed_hash
+            for k, entry in enumerate(chain.pending):
+                i = chain.num_sealed + k
+                salt = PUBLIC_SALT if i < chain.num_public else chain.salt
+                if entry.parent_hash != parent or entry.salt != salt or entry.extra != chain.extra or \
+                        entry.token_ids.size != bs or \
+                        hash_encoded(parent, chain.header_of(i), entry.token_ids.astype(U32).tobytes()) != entry.block_hash:
+                    raise InvariantViolationError(f"row {row}'s pending block {i} disagrees with its chain")
+                parent = entry.block_hash
             if chain.header != block_header(chain.salt, chain.extra, bs) or (
                     chain.num_public and chain.public_header != block_header(PUBLIC_SALT, chain.extra, bs)):
                 raise InvariantViolationError(f"row {row}'s block headers disagree with its salt and extra key")

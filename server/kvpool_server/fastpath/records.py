@@ -125,19 +125,18 @@ def _wait_unpinned(service: KVPoolService, ids: Any) -> None:
 
 def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
     rep, area = views.rep, views.rep_area
-    rep[fp.REP_CODE] = 0
-    rep[fp.REP_REASON] = 0
-    rep[fp.REP_MSG_LEN] = 0
+    rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0  # code, reason, message length
     if op == fp.OP_APPEND:
         slots, new, copies = answer.slot_mapping, answer.new_block_ids, answer.copies
         at = fp.HEADER_BYTES
         area[at:at + 8 * slots.size].view(np.int64)[:] = slots
         at += 8 * slots.size
-        area[at:at + 4 * new.size].view(np.int32)[:] = new
-        at += fp.align8(4 * new.size)
-        area[at:at + 8 * copies.shape[0]].view(np.int32)[:] = copies.reshape(-1)
-        rep[fp.REP_N_SLOTS], rep[fp.REP_N_NEW], rep[fp.REP_N_COPIES] = slots.size, new.size, copies.shape[0]
-        rep[fp.REP_N_CHILDREN] = 0
+        if new.size:
+            area[at:at + 4 * new.size].view(np.int32)[:] = new
+            at += fp.align8(4 * new.size)
+        if copies.shape[0]:
+            area[at:at + 8 * copies.shape[0]].view(np.int32)[:] = copies.reshape(-1)
+        rep[fp.REP_N_SLOTS:fp.REP_N_CHILDREN + 1] = (slots.size, new.size, copies.shape[0], 0)
     elif op == fp.OP_FORK:
         children = np.asarray(answer, dtype=np.uint64)
         area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * children.size].view(np.uint64)[:] = children

@@ -56,9 +56,11 @@ class EventFeed:
         self.max_subscribers = max_subscribers  # --max-event-subscribers
         self._subscribers: dict[asyncio.Task | None, Subscriber] = {}  # open streams (on the loop thread only)
         self._shed: weakref.WeakKeyDictionary[asyncio.Task, SlowSubscriberError] = weakref.WeakKeyDictionary()
-        self._published: asyncio.Event | None = None  # made on the loop, on first use
-        # Called with each published batch and its estimated bytes, under the lock on the loop thread: must only
-        # hand it on (zmq_events.publisher's bounded queue). Appended to under the lock.
+        # What subscribers wait on, made on the loop on first use: the event, its loop and that loop's thread.
+        self._published: tuple[asyncio.Event, asyncio.AbstractEventLoop, int] | None = None
+        # Called with each published batch and its estimated bytes, under the lock, on the loop's thread or the fast
+        # path's: must only hand it on, thread-safely (zmq_events.publisher's bounded queue). Appended to under the
+        # lock.
         self.sinks: list[Callable[[EventBatch, int], None]] = []
 
     @property
@@ -90,7 +92,8 @@ class EventFeed:
             slowest.task.cancel()
 
     def publish(self) -> None:
-        """After a mutation, under the lock, on the loop thread: close its events into a batch, wake subscribers."""
+        """After a mutation, under the lock (on the loop's thread, or the fast path's): close its events into a
+        batch, wake subscribers."""
         if not self.log.pending:
             return
         batch = self.log.publish()
@@ -99,14 +102,22 @@ class EventFeed:
         for sink in self.sinks:
             sink(batch, self.log.batch_sizes[-1] if self.log.batches and self.log.batches[-1] is batch
                  else batch_bytes(batch))
-        if self._published is not None:
-            self._published.set()
-            self._published = None
+        published, self._published = self._published, None
+        if published is not None:
+            event, loop, thread = published
+            if threading.get_ident() == thread:  # a call on the loop (gRPC)
+                event.set()
+            else:  # the fast path's thread: an asyncio.Event set from here would not wake the loop
+                try:
+                    loop.call_soon_threadsafe(event.set)
+                except RuntimeError:  # the loop is closed: nobody waits
+                    pass
 
     def waiter(self) -> asyncio.Event:
+        """What a subscriber awaits (on the loop) for the next batch, whichever thread publishes it."""
         if self._published is None:
-            self._published = asyncio.Event()
-        return self._published
+            self._published = (asyncio.Event(), asyncio.get_running_loop(), threading.get_ident())
+        return self._published[0]
 
     async def follow(self, lock: threading.Lock, from_seq: int | None, epoch: int | None,
                      stopping: Callable[[], bool]) -> AsyncGenerator[tuple[EventBatch, int], None]:
