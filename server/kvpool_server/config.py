@@ -71,8 +71,8 @@ class ServerConfig:
         "GPU pool, allocated in the background; 0: none) and restored on a prompt's hit (docs/prefix-caching.md)",
         min=0, size=True)
     host_tier_writeback_blocks: int = setting(
-        128, "with --host-tier-bytes: a background thread copies up to this many of the pool's next-to-evict "
-        "blocks a batch into the host tier ahead of need; an eviction it did not reach drops the block from the tier "
+        128, "with --host-tier-bytes: a background thread copies the pool's next-to-evict blocks into the host "
+        "tier ahead of need, up to this many in flight (in chunks of 8); an eviction it did not reach drops the block from the tier "
         "rather than copy under the lock (0: no thread, offload on eviction, under the lock)",
         min=0)
     backend: str = setting("auto", "where the pool lives: auto (GPU if present, else host), gpu, host",
