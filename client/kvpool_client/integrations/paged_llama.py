@@ -145,16 +145,24 @@ class PagedLlama:
         group = self.num_heads // self.num_kv_heads
 
         def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_like(q)
-            for start, n, ctx in spans:
-                k, v = torch.ops.kvpool.read_layer(blocks, layer, ctx, error)
-                k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n_ctx, D]
-                v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-                m = ctx.shape[0]
-                allowed = (torch.arange(m, device=q.device)[None, :]
-                           <= (m - n + torch.arange(n, device=q.device))[:, None])
-                o = torch.nn.functional.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
-                                                                     attn_mask=allowed, scale=self.scale)
-                out[start:start + n] = o.transpose(0, 1)
-            return out
+            return prefill_attention(q, blocks, layer, spans, error, group, self.scale)
         return attend
+
+
+def prefill_attention(q: torch.Tensor, blocks: torch.Tensor, layer: int, spans: list[tuple[int, int, torch.Tensor]],
+                      error: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+    """Causal attention of several sequences' new tokens (rows of ``q``, ``spans`` as in ``prefill_attend``): each
+    sequence's context read from ``blocks`` (``kvpool::read_layer``), its KV heads repeated ``group`` times, SDPA
+    with the mask offset to the new tokens' positions."""
+    out = torch.empty_like(q)
+    for start, n, ctx in spans:
+        k, v = torch.ops.kvpool.read_layer(blocks, layer, ctx, error)
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n_ctx, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        m = ctx.shape[0]
+        allowed = (torch.arange(m, device=q.device)[None, :]
+                   <= (m - n + torch.arange(n, device=q.device))[:, None])
+        o = torch.nn.functional.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
+                                                             attn_mask=allowed, scale=scale)
+        out[start:start + n] = o.transpose(0, 1)
+    return out

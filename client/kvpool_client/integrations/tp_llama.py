@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import kvpool_client.kernels.torch_ops as ops
-from kvpool_client.integrations.paged_llama import PLAIN, compiled_helpers
+from kvpool_client.integrations.paged_llama import PLAIN, compiled_helpers, prefill_attention
 
 TPAttend = Callable[[int, int, torch.Tensor], torch.Tensor]  # (rank, layer, q [T, Hq_r, D]) -> [T, Hq_r, D]
 
@@ -187,17 +187,6 @@ class TPLlama:
 
         def attend(rank: int, layer: int, q: torch.Tensor) -> torch.Tensor:
             r = self.ranks[rank]
-            group = len(r.q_heads) // len(r.kv_heads)
-            out = torch.empty_like(q)
-            for start, n, ctx in per[rank]:
-                k, v = torch.ops.kvpool.read_layer(r.blocks, layer, ctx, r.error if r.error is not None else error)
-                k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq_r, n_ctx, D]
-                v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-                m = ctx.shape[0]
-                allowed = (torch.arange(m, device=q.device)[None, :]
-                           <= (m - n + torch.arange(n, device=q.device))[:, None])
-                o = torch.nn.functional.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
-                                                                     attn_mask=allowed, scale=self.scale)
-                out[start:start + n] = o.transpose(0, 1)
-            return out
+            return prefill_attention(q, r.blocks, layer, per[rank], r.error if r.error is not None else error,
+                                     len(r.q_heads) // len(r.kv_heads), self.scale)
         return attend
