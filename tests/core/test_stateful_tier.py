@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from kvpool_server.core import KVCacheManager
+from kvpool_server.core import KVCacheManager, tier_writeback
 from kvpool_server.core.block_hash import NONE_HASH
 from kvpool_server.core.kv_events import KVEventLog
 
@@ -76,7 +76,7 @@ class TieredMachine(ManagerMachine):
             for block, slot in (pairs if ok else pairs[: len(pairs) // 2]).tolist():
                 self.host[slot] = self.memory[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
                 self.host_model[slot] = self.model_block[block]
-            tier.finish_writeback(pairs, ok)
+            tier_writeback.finish(tier, pairs, ok)
         self.writebacks = []
 
     @rule(max_blocks=st.integers(1, 4))
@@ -87,7 +87,7 @@ class TieredMachine(ManagerMachine):
         assert tier is not None
         if not self.writebacks:
             cache = self.manager.allocator.cache
-            pairs = tier.plan_writeback(cache.evictable, cache.entries, max_blocks)
+            pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, max_blocks)
             if len(pairs):
                 self.writebacks.append(pairs)
 

@@ -21,8 +21,10 @@ the floors below take plain arguments (rows, counts, a budget, arrays) and retur
     3  allocator.py        BlockAllocator: free list and reference counts; evicts (-> prefix_cache)
     2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable LRU; records events into a pending list;
                            evicted blocks spill into the host tier (-> host_tier)
-    1  host_tier.py        HostTier: hash -> host slot, the host LRU, staged offloads (commit / abort), pins
-                           (its checks hash with block_hash)
+       tier_writeback.py   plan / finish: the pool's next evictable blocks copied ahead into the host tier
+    1  host_tier.py        HostTier: hash -> host slot, the host LRU, staged offloads (commit / abort), pins,
+                           the write-back's blocks in flight (its checks hash with block_hash)
+       host_tier_events.py the host tier's medium and BlockStored events
        block_hash.py       chain hashes of token blocks (sha256)
     0  types.py            AppendPlan, PoolStats, UNLIMITED (results, immutable)
        kv_event_types.py   BlockStored, BlockRemoved, AllBlocksCleared (records)
