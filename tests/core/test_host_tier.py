@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool_server.core import InvariantViolationError, KVCacheManager
+from kvpool_server.core import InvariantViolationError, KVCacheManager, prompt_reuse
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored
 from kvpool_server.core.kv_events import KVEventLog
 
@@ -60,7 +60,7 @@ def test_evicted_blocks_spill_and_come_back() -> None:
     fill_pool_with_others(manager)
     tier = manager.host_tier
     assert tier is not None and tier.num_offloaded >= 3
-    assert manager.allocator.cache.match(manager._prompt_hashes(b"", np.array(first, np.uint32), 0, b"")) == []
+    assert manager.allocator.cache.match(prompt_reuse.reusable_hashes(np.array(first, np.uint32), BS, b"", 0, b"")) == []
     pairs = restore(manager, first, ok=True)
     assert len(pairs) == 3
     seq = manager.register(prompt_token_ids=first)

@@ -20,7 +20,7 @@ def test_register_fork_and_free_keep_ownership(manager):
     other = manager.fork(a, 1, session_id=8)  # a session forks another session's sequence: its own child
     assert manager.seq_ids_of_session(7) == sorted([a, *kids])
     assert manager.seq_ids_of_session(8) == sorted([b, *other])
-    assert manager.session_of_seq.get(loose) is None
+    assert manager.members.session_of_seq.get(loose) is None
     manager.free(kids[0])
     assert manager.seq_ids_of_session(7) == sorted([a, kids[1]])
     manager.check_invariants()
@@ -52,9 +52,9 @@ def test_usage_and_infos(manager):
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda m, s: m.session_of_seq.__setitem__(s, 99), "disagree"),
-        (lambda m, s: m.seqs_of_session.__setitem__(42, set()), "disagree"),
-        (lambda m, s: (m.session_of_seq.__setitem__(12345, 3), m.seqs_of_session[3].add(12345)), "not live"),
+        (lambda m, s: m.members.session_of_seq.__setitem__(s, 99), "disagree"),
+        (lambda m, s: m.members.seqs_of_session.__setitem__(42, set()), "disagree"),
+        (lambda m, s: (m.members.session_of_seq.__setitem__(12345, 3), m.members.seqs_of_session[3].add(12345)), "not live"),
     ],
 )
 def test_the_ownership_invariant_fires(manager, corrupt, message):

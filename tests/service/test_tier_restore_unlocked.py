@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool_server.core import tier_writeback
+from kvpool_server.core import prompt_reuse, tier_writeback
 from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
@@ -81,7 +81,8 @@ def evicted_prompt(svc: KVPoolService, scope: CallScope) -> bytes:
 
 def hashes_of(svc: KVPoolService, i: int) -> list[bytes]:
     manager = svc.guard.manager
-    return manager._prompt_hashes(manager.tenants.names[0].encode(), np.array(prompt_of(i)), 0, b"")
+    return prompt_reuse.reusable_hashes(np.array(prompt_of(i)), manager.block_size, manager.tenants.names[0].encode(),
+                                        0, b"")
 
 
 def test_an_append_runs_while_a_restore_copies_and_nobody_sees_it_half_done(tiered) -> None:

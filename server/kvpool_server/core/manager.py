@@ -6,20 +6,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool_server.core import checks
+from kvpool_server.core import checks, prompt_reuse, tier_restore
 from kvpool_server.core.allocator import BlockAllocator
-from kvpool_server.core.block_hash import NONE_HASH, chain_hashes
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
-from kvpool_server.core import tier_restore
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.host_tier import HostTier
-from kvpool_server.core.prompt_hashes import PromptBlocks
+from kvpool_server.core.session_members import SessionMembers
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
-from kvpool_server.core.types import EMPTY_BLOCKS, AppendPlan, PoolStats
+from kvpool_server.core.types import AppendPlan, PoolStats
 
 
 class KVCacheManager:
@@ -39,8 +37,8 @@ class KVCacheManager:
     Every operation checks everything before it changes anything: an operation that raises leaves the manager
     exactly as it was. A batch that cannot be served in full is not served in part.
 
-    A sequence may belong to a session (``register``/``fork`` with a ``session_id``): ``seq_ids_of_session`` is
-    what a session's end frees. Ownership lives here, beside the ids, in two dicts kept off the append path.
+    A sequence may belong to a session (``register``/``fork`` with a ``session_id``; ``members``, a
+    ``SessionMembers``): ``seq_ids_of_session`` is what a session's end frees.
 
     Every sequence belongs to a tenant (``tenants``, a ``TenantLedger``: an array entry per row). With ``tenancy``
     on, the calls take the caller's ``tenant``: a sequence of another tenant is NOT_FOUND, exactly as one that does
@@ -50,7 +48,7 @@ class KVCacheManager:
     Ids (docs/security.md): with ``tenancy`` on, each tenant names its sequences in a namespace of its own
     (``tenant_ids``, a ``TenantIds``): a call with ``tenant=t`` takes and returns t's ids, and no answer depends on
     another tenant's ids. The index then holds a server-assigned internal id for every row, the id a trusted call
-    (``tenant=None``) takes and returns (``seq_ids_of_session``, ``session_of_seq`` and ``seqs_of_session`` hold
+    (``tenant=None``) takes and returns (``seq_ids_of_session`` and ``members`` hold
     internal ids); a caller-chosen id of a trusted register is tenant 0's. With ``tenancy`` off the index holds
     the callers' ids themselves, as one namespace.
 
@@ -62,8 +60,7 @@ class KVCacheManager:
 
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
     tables is in use iff the index names a live sequence that holds it or it is one of ``detached_rows`` (a freed
-    sequence's, its blocks not yet released: ``detach``); ``session_of_seq`` and
-    ``seqs_of_session`` are the same relation read both ways, over live sequences only, with no empty set.
+    sequence's, its blocks not yet released: ``detach``).
     """
 
     def __init__(
@@ -86,8 +83,7 @@ class KVCacheManager:
         self.index: SequenceIndex = SequenceIndex(max_num_seqs)  # checks max_num_seqs
         self.allocator: BlockAllocator = BlockAllocator(num_blocks)
         self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs, self.allocator)
-        self.session_of_seq: dict[int, int] = {}  # seq_id -> session_id, for sequences that belong to a session
-        self.seqs_of_session: dict[int, set[int]] = {}  # session_id -> its live seq_ids
+        self.members: SessionMembers = SessionMembers()  # which session holds which sequence
         self.prefix_query_tokens: int = 0  # prompt tokens registered with ids, and of them the cached ones
         self.prefix_hit_tokens: int = 0
         self.tenancy: bool = tenancy
@@ -134,10 +130,11 @@ class KVCacheManager:
         internal = seq_id if seq_id is not None and not self.tenancy else self.index.new_server_id(row)
         named = self.tenant_ids.add(tenant, row, seq_id) if self.tenancy else internal  # the tenant's id
         self.index.add(internal, row)
-        self._own([internal], session_id)
+        self.members.own([internal], session_id)
         self.tenants.add_rows([row], tenant)
         if prompt is not None:
-            self._reuse_prefix(row, tenant, prompt, public_prefix_len, cache_extra_key)
+            prompt_reuse.reuse_prefix(self.tables, self.tenants, self.chains, self.tenancy, row, tenant, prompt,
+                                      public_prefix_len, cache_extra_key)
             self.prefix_query_tokens += int(prompt.size)  # vLLM's prefix_cache_queries / _hits, in tokens
             self.prefix_hit_tokens += self.tables.num_tokens.item(row)
         return named if scoped else internal
@@ -147,40 +144,6 @@ class KVCacheManager:
         if self.tenant_ids.holds(tenant, seq_id) if self.tenancy else seq_id in self.index:
             raise SequenceExistsError(f"sequence {seq_id} already exists")
         check_caller_seq_id(seq_id)
-
-    def _reuse_prefix(self, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int, extra: bytes) -> None:
-        """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``: one
-        token is always left to compute), within the tenant's budget for blocks new to it
-        (``TenantLedger.adoptable``), and track it. Its first ``public_prefix_len // block_size`` blocks are public
-        (hashed with PUBLIC_SALT). The hashes of every full block of the prompt past the run it starts with are kept
-        for its prefill (``TokenChains.prompts``), which then does not hash them again."""
-        salt, cache, num_public = self.tenants.names[tenant].encode(), self.allocator.cache, public_prefix_len // self.block_size
-        bs = self.block_size
-        num_full = prompt.size // bs
-        hashes = chain_hashes(prompt[: num_full * bs], bs, salt, extra=extra, num_public=num_public)
-        matched = cache.match(hashes[: max(0, (prompt.size - 1) // bs)])
-        blocks = np.array(matched, dtype=np.int32) if matched else EMPTY_BLOCKS
-        if blocks.size and self.tenancy:
-            ledger = self.tenants
-            public = cache.is_public[blocks] if cache.num_public else None
-            revived = self.allocator.ref_count[blocks] == 0
-            if ledger.limited:
-                num = ledger.adoptable(tenant, blocks, revived, public, self.allocator.num_allocatable)
-                blocks, revived = blocks[:num], revived[:num]
-                public = None if public is None else public[:num]
-            ledger.charge_adopted(tenant, blocks, revived, public)
-        if blocks.size:
-            self.tables.adopt(row, blocks)
-        num = blocks.size
-        self.chains.start(row, salt, hashes[:num], extra, num_public)
-        if num < num_full:
-            self.chains.prompts.keep(row, PromptBlocks(num, hashes[num - 1] if num else NONE_HASH, hashes[num:],
-                                                       prompt[num * bs : num_full * bs].tobytes()))
-
-    def _prompt_hashes(self, salt: bytes, prompt: np.ndarray, num_public: int, extra: bytes) -> list[bytes]:
-        """The chain hashes of the prompt's full blocks a register may reuse (all but the last token's)."""
-        bs = self.block_size
-        return chain_hashes(prompt[: max(0, (prompt.size - 1) // bs) * bs], bs, salt, extra=extra, num_public=num_public)
 
     def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
                       public_prefix_len: int = 0, cache_extra_key: bytes = b"",
@@ -203,7 +166,8 @@ class KVCacheManager:
         check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         salt = self.tenants.names[tenant].encode()
-        return self._prompt_hashes(salt, prompt, public_prefix_len // self.block_size, cache_extra_key)
+        return prompt_reuse.reusable_hashes(prompt, self.block_size, salt, public_prefix_len // self.block_size,
+                                            cache_extra_key)
 
     def finish_restore(self, staged: tier_restore.StagedRestore, ok: bool) -> None:
         """The restore copies of ``staged`` completed (``ok``) or failed: see ``tier_restore.finish``."""
@@ -331,7 +295,7 @@ class KVCacheManager:
         for seq_id, row in zip(internal, rows):
             self.index.add(seq_id, row)
         parent_internal = self.index.row_to_id.item(parent_row)
-        self._own(internal, session_id or self.session_of_seq.get(parent_internal, 0))
+        self.members.own(internal, session_id or self.members.session_of_seq.get(parent_internal, 0))
         self.tenants.add_rows(rows, parent_tenant)
         return named if self.tenancy and tenant is not None else internal
 
@@ -360,7 +324,7 @@ class KVCacheManager:
                 self.tenant_ids.remove(owner, row)
         for seq_id in internal:
             self.index.remove(seq_id)
-        self._disown(internal)
+        self.members.disown(internal)
         self.detached_rows.update(rows)
         return rows
 
@@ -390,31 +354,14 @@ class KVCacheManager:
         return held
 
     # ---------------------------------------------------------------- sessions
-    def _own(self, seq_ids: list[int], session_id: int) -> None:
-        if session_id:
-            self.seqs_of_session.setdefault(session_id, set()).update(seq_ids)
-            for seq_id in seq_ids:
-                self.session_of_seq[seq_id] = session_id
-
-    def _disown(self, seq_ids: list[int]) -> None:
-        if not self.session_of_seq:
-            return
-        for seq_id in seq_ids:
-            session_id = self.session_of_seq.pop(seq_id, 0)
-            if session_id:
-                members = self.seqs_of_session[session_id]
-                members.discard(seq_id)
-                if not members:
-                    del self.seqs_of_session[session_id]
-
     def seq_ids_of_session(self, session_id: int) -> list[int]:
         """The live sequences of a session (what its end frees), by internal id (a trusted caller's)."""
-        return sorted(self.seqs_of_session.get(session_id, ()))
+        return self.members.seq_ids(session_id)
 
     def session_usage(self) -> dict[int, tuple[int, int]]:
         """session_id -> (its sequences, the distinct blocks they hold)."""
         usage = {}
-        for session_id, seq_ids in self.seqs_of_session.items():
+        for session_id, seq_ids in self.members.seqs_of_session.items():
             blocks = [self.block_table(seq_id) for seq_id in seq_ids]
             usage[session_id] = (len(seq_ids), int(np.unique(np.concatenate(blocks)).size) if blocks else 0)
         return usage
@@ -433,7 +380,7 @@ class KVCacheManager:
             if tenant is None or self.tenants.tenant_of_row.item(row) == tenant:
                 named = self.tenant_ids.id_of_row.item(row) if self.tenancy else seq_id
                 num_tokens = self.tables.num_tokens.item(row)
-                infos.append((named, self.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(num_tokens)))
+                infos.append((named, self.members.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(num_tokens)))
         return sorted(infos)
 
     # ---------------------------------------------------------------- lookups
