@@ -135,11 +135,11 @@ class TieredMachine(ManagerMachine):
         if len(self.model.tags) >= 12:
             return
         prompt = [p if p < 6 else 100 * variant + p for p in range(length)]
-        staged = self.manager.stage_restore(None, prompt)
+        staged = self.manager.prefix.stage_restore(None, prompt)
         self.flush()
         if staged is not None and meanwhile:
             self.manager.check_invariants()  # the staging's references and pinned slots are accounted for
-            assert self.manager.stage_restore(None, prompt) is None  # its slots are pinned: nothing taken
+            assert self.manager.prefix.stage_restore(None, prompt) is None  # its slots are pinned: nothing taken
             self.start_writeback(2)
             self.finish_writebacks()
         if staged is not None:
@@ -150,7 +150,7 @@ class TieredMachine(ManagerMachine):
                 self.memory[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE] = self.host[slot]
                 if ok:
                     self.model_block[block] = self.host_model[slot]
-            self.manager.finish_restore(staged, ok)
+            self.manager.prefix.finish_restore(staged, ok)
         super().register_with_prefix.__wrapped__(self, data, variant, length)  # type: ignore[attr-defined]
 
     @invariant()

@@ -98,7 +98,7 @@ def test_an_evicted_prompt_hits_in_the_tier_and_reads_back_the_same_kv(tiered) -
     seq, cached = prefill(svc, scope, prompt_of(0), tag=99)  # tag 99: a recompute would write other bytes
     assert cached == full
     assert read(svc, scope, seq, full) == first_kv
-    assert svc.guard.manager.prefix_host_hit_tokens == full
+    assert svc.guard.manager.prefix.host_hit_tokens == full
     check(svc)
 
 

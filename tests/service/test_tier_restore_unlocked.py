@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool_server.core import prompt_reuse, tier_writeback
+from kvpool_server.core import prefix_reuse, tier_writeback
 from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
@@ -81,7 +81,7 @@ def evicted_prompt(svc: KVPoolService, scope: CallScope) -> bytes:
 
 def hashes_of(svc: KVPoolService, i: int) -> list[bytes]:
     manager = svc.guard.manager
-    return prompt_reuse.reusable_hashes(np.array(prompt_of(i)), manager.block_size, manager.tenants.names[0].encode(),
+    return prefix_reuse.reusable_hashes(np.array(prompt_of(i)), manager.block_size, manager.tenants.names[0].encode(),
                                         0, b"")
 
 

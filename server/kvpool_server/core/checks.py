@@ -11,6 +11,7 @@ from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import UNSET, BlockTables
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.core.seq_index import SequenceIndex
 from kvpool_server.core.session_members import SessionMembers
 from kvpool_server.core.tenant_ids import TenantIds
@@ -33,10 +34,8 @@ class KVCacheManager(Protocol):
     tenancy: bool
     members: SessionMembers
     detached_rows: set[int]
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
     host_tier: HostTier | None
-    prefix_host_hit_tokens: int
+    prefix: PrefixReuse
 
 
 def check_invariants(manager: KVCacheManager) -> None:
@@ -164,9 +163,9 @@ def stats(manager: KVCacheManager) -> PoolStats:
         num_sequences=len(manager.index),
         block_size=bs,
         num_blocks_evictable=allocator.cache.num_evictable,
-        prefix_query_tokens=manager.prefix_query_tokens,
-        prefix_hit_tokens=manager.prefix_hit_tokens,
-        prefix_host_hit_tokens=manager.prefix_host_hit_tokens,
+        prefix_query_tokens=manager.prefix.query_tokens,
+        prefix_hit_tokens=manager.prefix.hit_tokens,
+        prefix_host_hit_tokens=manager.prefix.host_hit_tokens,
         **(tier_stats(tier) if tier is not None else {}),
     )
 

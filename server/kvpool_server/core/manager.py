@@ -6,12 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool_server.core import checks, prompt_reuse, tier_restore
+from kvpool_server.core import checks
 from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.core.session_members import SessionMembers
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
 from kvpool_server.core.tenant_ids import TenantIds
@@ -84,20 +85,19 @@ class KVCacheManager:
         self.allocator: BlockAllocator = BlockAllocator(num_blocks)
         self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs, self.allocator)
         self.members: SessionMembers = SessionMembers()  # which session holds which sequence
-        self.prefix_query_tokens: int = 0  # prompt tokens registered with ids, and of them the cached ones
-        self.prefix_hit_tokens: int = 0
         self.tenancy: bool = tenancy
         self.tenants: TenantLedger = TenantLedger(max_num_seqs)
         self.tenant_ids: TenantIds = TenantIds(max_num_seqs, self.index.row_bits)  # used with tenancy on
         self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
         self.detached_rows: set[int] = set()  # rows of freed sequences whose blocks are not released yet (detach)
         # The host tier (docs/prefix-caching.md): evicted cached blocks spill into it; a register's prompt is
-        # restored from it (``stage_restore`` / ``finish_restore``, around ``register``). None: no tier.
+        # restored from it (``prefix.stage_restore`` / ``finish_restore``, around ``register``). None: no tier.
         # ``host_tier_ready``: slots usable at once (None: all); more join as the service allocates them.
         self.host_tier: HostTier | None = HostTier(host_tier_blocks, host_tier_ready) if host_tier_blocks else None
         if self.host_tier is not None:
             self.allocator.cache.attach_tier(self.host_tier)
-        self.prefix_host_hit_tokens: int = 0  # prompt tokens restored from the host tier (counted as hits too)
+        self.prefix: PrefixReuse = PrefixReuse(self.tables, self.tenants, self.chains, tenancy, self.max_seq_len,
+                                               self.host_tier)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -133,10 +133,7 @@ class KVCacheManager:
         self.members.own([internal], session_id)
         self.tenants.add_rows([row], tenant)
         if prompt is not None:
-            prompt_reuse.reuse_prefix(self.tables, self.tenants, self.chains, self.tenancy, row, tenant, prompt,
-                                      public_prefix_len, cache_extra_key)
-            self.prefix_query_tokens += int(prompt.size)  # vLLM's prefix_cache_queries / _hits, in tokens
-            self.prefix_hit_tokens += self.tables.num_tokens.item(row)
+            self.prefix.start(row, tenant, prompt, public_prefix_len, cache_extra_key)
         return named if scoped else internal
 
     def _check_new_id(self, seq_id: int, tenant: int) -> None:
@@ -144,35 +141,6 @@ class KVCacheManager:
         if self.tenant_ids.holds(tenant, seq_id) if self.tenancy else seq_id in self.index:
             raise SequenceExistsError(f"sequence {seq_id} already exists")
         check_caller_seq_id(seq_id)
-
-    def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
-                      public_prefix_len: int = 0, cache_extra_key: bytes = b"",
-                      hashes: list[bytes] | None = None) -> tier_restore.StagedRestore | None:
-        """Before ``register`` with this prompt: plan bringing back the prompt's blocks found in the host tier
-        (``tier_restore.stage``). The caller runs the tier's staged offloads, then ``staged.pairs`` (host slot ->
-        pool block), then ``finish_restore``; the register's match then finds them. None: nothing to restore.
-        ``hashes``: the prompt's ``prompt_hashes``, computed beforehand (off the lock), else computed here."""
-        if self.host_tier is None:
-            return None
-        if hashes is None:
-            hashes = self.prompt_hashes(tenant, prompt_token_ids, public_prefix_len, cache_extra_key)
-        return tier_restore.stage(self.allocator, self.host_tier, hashes)
-
-    def prompt_hashes(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
-                      public_prefix_len: int = 0, cache_extra_key: bytes = b"") -> list[bytes]:
-        """The chain hashes a register of this prompt matches (checked as ``register`` checks it). Reads only the
-        tenant's name (``TenantLedger.names`` only grows): the service may call it without the lock."""
-        prompt = np.asarray(prompt_token_ids, dtype=np.uint32)
-        check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
-        tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
-        salt = self.tenants.names[tenant].encode()
-        return prompt_reuse.reusable_hashes(prompt, self.block_size, salt, public_prefix_len // self.block_size,
-                                            cache_extra_key)
-
-    def finish_restore(self, staged: tier_restore.StagedRestore, ok: bool) -> None:
-        """The restore copies of ``staged`` completed (``ok``) or failed: see ``tier_restore.finish``."""
-        assert self.host_tier is not None
-        self.prefix_host_hit_tokens += tier_restore.finish(self.allocator, self.host_tier, staged, ok) * self.block_size
 
     def append(
         self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1,

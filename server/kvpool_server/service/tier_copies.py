@@ -106,13 +106,13 @@ class TierCopies:
         (after its fencing), copy with the lock released, and return what ``finish_restore`` settles -- under the
         lock, in the hold of the register whose match then finds the blocks. None: nothing to restore."""
         try:  # hashed before the lock (a bad prompt: refused under it, after the fencing, as without a tier)
-            hashes: list[bytes] | None = self.manager.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
+            hashes: list[bytes] | None = self.manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
         except Exception:
             hashes = None
         with guard.lock:
             guard.fence(caller, session_id)
             self.settle()
-            staged = self.manager.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key, hashes)
+            staged = self.manager.prefix.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key, hashes)
             self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
         if staged is None:
             return None
@@ -134,7 +134,7 @@ class TierCopies:
         if restoring is None or restoring.finished:
             return 0
         restoring.finished = True
-        self.manager.finish_restore(restoring.staged, restoring.ok)
+        self.manager.prefix.finish_restore(restoring.staged, restoring.ok)
         return len(restoring.staged.pairs) if restoring.ok else 0
 
     # ------------------------------------------------------------------ write-back
