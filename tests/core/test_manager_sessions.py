@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvpool_server.core import InvariantViolationError, KVCacheManager
+from kvpool_server.core import InvariantViolationError, KVCacheManager, listings
 
 
 @pytest.fixture
@@ -43,10 +43,10 @@ def test_usage_and_infos(manager):
     a = manager.register(session_id=5)
     manager.append(a, 5)
     manager.fork(a, 1)
-    assert manager.session_usage() == {5: (2, 2)}  # two sequences, two distinct blocks
-    infos = manager.sequence_infos(5)
+    assert listings.session_usage(manager) == {5: (2, 2)}  # two sequences, two distinct blocks
+    infos = listings.sequence_infos(manager, 5)
     assert [(i[1], i[2], i[3]) for i in infos] == [(5, 5, 2), (5, 5, 2)]
-    assert len(manager.sequence_infos()) == 2
+    assert len(listings.sequence_infos(manager)) == 2
 
 
 @pytest.mark.parametrize(

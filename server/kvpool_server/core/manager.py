@@ -14,7 +14,8 @@ from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentEr
 from kvpool_server.core.host_tier import HostTier
 from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.core.session_members import SessionMembers
-from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
+from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id
+from kvpool_server.core.tenant_blocks import plan_within_budget, release_rows
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
@@ -49,15 +50,14 @@ class KVCacheManager:
     Ids (docs/security.md): with ``tenancy`` on, each tenant names its sequences in a namespace of its own
     (``tenant_ids``, a ``TenantIds``): a call with ``tenant=t`` takes and returns t's ids, and no answer depends on
     another tenant's ids. The index then holds a server-assigned internal id for every row, the id a trusted call
-    (``tenant=None``) takes and returns (``seq_ids_of_session`` and ``members`` hold
-    internal ids); a caller-chosen id of a trusted register is tenant 0's. With ``tenancy`` off the index holds
-    the callers' ids themselves, as one namespace.
+    (``tenant=None``) takes and returns (``seq_ids_of_session`` and ``members`` hold internal ids); a
+    caller-chosen id of a trusted register is tenant 0's. With ``tenancy`` off the index holds the callers' ids
+    themselves, as one namespace.
 
     Prefix caching (docs/prefix-caching.md): appends may carry their token ids (``token_ids``); full blocks of such
     sequences are hashed (``TokenChains``), sealed with the sequence's next append and then matchable
     (``allocator.cache``, a ``PrefixCache``); ``register`` with ``prompt_token_ids`` starts the sequence with the
-    longest cached run. The salt is the tenant's name, so different tenants never share a block -- except the
-    blocks of a public prefix (``public_prefix_len``), hashed with PUBLIC_SALT, which any tenant may adopt.
+    longest cached run (``prefix``, a ``PrefixReuse``: salted by tenant, restored from the host tier, counted).
 
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
     tables is in use iff the index names a live sequence that holds it or it is one of ``detached_rows`` (a freed
@@ -165,30 +165,10 @@ class KVCacheManager:
             num_new_tokens = append_counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)  # type: ignore[union-attr]
         if token_ids is None and not self.chains.chains:  # nothing to track (a dict's truth: the cheapest test)
             if self.tenancy:
-                return self._plan_as(seq_ids, rows, num_new_tokens, tenant)  # type: ignore[arg-type]
+                return plan_within_budget(self.tables, self.tenants, seq_ids, rows,
+                                          num_new_tokens, tenant)  # type: ignore[arg-type]
             return self.tables.plan_append(rows, num_new_tokens)  # type: ignore[arg-type]
         return self._append_tracked(seq_ids, rows, num_new_tokens, tenant, token_ids)  # type: ignore[arg-type]
-
-    def _plan_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
-                 tenant: int | None) -> AppendPlan:
-        """The plan with tenancy on: the blocks it may take are bounded by the tenant's budget
-        (``TenantLedger.budget``), passed to the tables; the tenant is charged the blocks taken. The rows of a
-        tenant's call were resolved in its namespace; those of a trusted call (``tenant=None``) must be one tenant's
-        (one gather, one compare)."""
-        ledger = self.tenants
-        if tenant is None:
-            owners = ledger.tenant_of_row.take(rows)
-            tenant = int(owners if rows.__class__ is int else owners.item(0))
-            if np.count_nonzero(owners != tenant):
-                ids = np.atleast_1d(np.asarray(seq_ids, dtype=np.uint64))
-                raise not_live(int(ids[np.atleast_1d(owners) != tenant][0]))
-        if ledger.limited:
-            budget, why = ledger.budget(tenant, self.allocator.num_allocatable)
-            plan = self.tables.plan_append(rows, num_new_tokens, budget, why)
-        else:
-            plan = self.tables.plan_append(rows, num_new_tokens)
-        ledger.num_blocks[tenant] += plan.new_block_ids.size
-        return plan
 
     def _append_tracked(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
                         tenant: int | None, token_ids: Sequence[int] | np.ndarray | None) -> AppendPlan:
@@ -202,7 +182,7 @@ class KVCacheManager:
             ids = append_token_ids(token_ids, total)
         lengths = self.tables.num_tokens.take(row_array)
         if self.tenancy:
-            plan = self._plan_as(seq_ids, rows, num_new_tokens, tenant)
+            plan = plan_within_budget(self.tables, self.tenants, seq_ids, rows, num_new_tokens, tenant)
         else:
             plan = self.tables.plan_append(rows, num_new_tokens)
         ledger = self.tenants
@@ -298,58 +278,15 @@ class KVCacheManager:
 
     def release_detached(self, rows: list[int]) -> int:
         """Drop the blocks of ``rows`` (distinct, detached) and make the rows free. Returns the blocks freed."""
-        owners = self.tenants.tenant_of_row[rows].tolist()
-        num_freed, distinct = 0, sorted(set(owners))
-        for owner in distinct:  # each tenant's rows apart: the ledger credits what it no longer holds
-            group = rows if len(distinct) == 1 else [row for row, o in zip(rows, owners) if o == owner]
-            public = self._public_held(group) if self.tenancy and self.tenants.public_refs else []
-            freed = self.tables.release(group)
-            if self.tenancy:
-                self.tenants.credit_released(owner, freed, public, self.allocator.ref_count)
-            num_freed += freed
-        self.tenants.remove_rows(rows)
+        num_freed = release_rows(self.tables, self.tenants, self.tenancy, rows)
         self.chains.drop(rows)
         self.detached_rows.difference_update(rows)
         return num_freed
-
-    def _public_held(self, rows: list[int]) -> list[int]:
-        """The public blocks ``rows`` reference, one entry per reference (read before releasing them)."""
-        is_public = self.allocator.cache.is_public
-        held: list[int] = []
-        for row in rows:
-            blocks = self.tables.blocks_of(row)
-            held += blocks[is_public[blocks]].tolist()
-        return held
 
     # ---------------------------------------------------------------- sessions
     def seq_ids_of_session(self, session_id: int) -> list[int]:
         """The live sequences of a session (what its end frees), by internal id (a trusted caller's)."""
         return self.members.seq_ids(session_id)
-
-    def session_usage(self) -> dict[int, tuple[int, int]]:
-        """session_id -> (its sequences, the distinct blocks they hold)."""
-        usage = {}
-        for session_id, seq_ids in self.members.seqs_of_session.items():
-            blocks = [self.block_table(seq_id) for seq_id in seq_ids]
-            usage[session_id] = (len(seq_ids), int(np.unique(np.concatenate(blocks)).size) if blocks else 0)
-        return usage
-
-    def named_id(self, seq_id: int) -> int:
-        """The id a live sequence's tenant names it by, from its internal id (the same without tenancy)."""
-        return self.tenant_ids.id_of_row.item(self.index.row(seq_id)) if self.tenancy else seq_id
-
-    def sequence_infos(self, session_id: int | None = None, tenant: int | None = None) -> list[tuple[int, int, int, int]]:
-        """(seq_id, session_id, num_tokens, num_blocks) of every live sequence, or of one session's; only
-        ``tenant``'s when given. The ids are the ones the sequences' tenants name them by."""
-        internal = self.index.seq_ids() if session_id is None else self.seq_ids_of_session(session_id)
-        infos = []
-        for seq_id in internal:
-            row = self.index.row(seq_id)
-            if tenant is None or self.tenants.tenant_of_row.item(row) == tenant:
-                named = self.tenant_ids.id_of_row.item(row) if self.tenancy else seq_id
-                num_tokens = self.tables.num_tokens.item(row)
-                infos.append((named, self.members.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(num_tokens)))
-        return sorted(infos)
 
     # ---------------------------------------------------------------- lookups
     def num_tokens(self, seq_id: int, tenant: int | None = None) -> int:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.seq_index import SequenceIndex
 
 
 class SessionMembers:
@@ -43,8 +42,8 @@ class SessionMembers:
         """The live sequences of a session, sorted."""
         return sorted(self.seqs_of_session.get(session_id, ()))
 
-    def check_invariants(self, live: Container[int]) -> None:
-        """Raise InvariantViolationError naming the first broken invariant; ``live``: the live sequences' ids."""
+    def check_invariants(self, live: SequenceIndex) -> None:
+        """Raise InvariantViolationError naming the first broken invariant; ``live``: the live sequences."""
         pairs = {(seq_id, session_id) for session_id, seq_ids in self.seqs_of_session.items() for seq_id in seq_ids}
         if pairs != set(self.session_of_seq.items()) or any(not s for s in self.seqs_of_session.values()):
             raise InvariantViolationError("session_of_seq and seqs_of_session disagree (or a session has an empty set)")

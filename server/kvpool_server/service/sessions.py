@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool_server.core import InvalidArgumentError, KVCacheManager
+from kvpool_server.core import InvalidArgumentError, KVCacheManager, listings
 from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.core.sessions import Session
 from kvpool_server.service import paging
@@ -217,7 +217,7 @@ class SessionService:
             rows = []
             for seq_id in ids.tolist():
                 num_tokens = manager.num_tokens(seq_id)
-                rows.append((manager.named_id(seq_id), manager.members.session_of_seq.get(seq_id, 0), num_tokens,
+                rows.append((listings.named_id(manager, seq_id), manager.members.session_of_seq.get(seq_id, 0), num_tokens,
                              manager.tables.blocks_for(num_tokens)))
         return rows, paging.encode_token(listing, int(ids[-1])) if more else ""
 
@@ -227,7 +227,7 @@ class SessionService:
         manager = self.guard.manager
         with self.guard.lock:
             ended = [sid for sid in manager.members.seqs_of_session if sid not in self.table]
-            usage = manager.session_usage() if ended else {}
+            usage = listings.session_usage(manager) if ended else {}
             ledger = manager.tenants
             tenants = tuple((name, ledger.num_blocks[t], ledger.num_sequences[t])
                             for t, name in enumerate(ledger.names) if name) if manager.tenancy else ()
@@ -235,7 +235,7 @@ class SessionService:
 
 
 def _session_usage(manager: KVCacheManager, session_id: int) -> tuple[int, int]:
-    """(sequences, distinct blocks) of one session (``KVCacheManager.session_usage`` for one session only)."""
+    """(sequences, distinct blocks) of one session (``listings.session_usage`` for one session only)."""
     seq_ids = manager.members.seqs_of_session.get(session_id, ())
     if not seq_ids:
         return 0, 0
