@@ -60,7 +60,8 @@ def test_evicted_blocks_spill_and_come_back() -> None:
     fill_pool_with_others(manager)
     tier = manager.host_tier
     assert tier is not None and tier.num_offloaded >= 3
-    assert manager.allocator.cache.match(prefix_reuse.reusable_hashes(np.array(first, np.uint32), BS, b"", 0, b"")) == []
+    hashes = prefix_reuse.reusable_hashes(np.array(first, np.uint32), BS, b"", 0, b"")
+    assert manager.allocator.cache.match(hashes) == []
     pairs = restore(manager, first, ok=True)
     assert len(pairs) == 3
     seq = manager.register(prompt_token_ids=first)

@@ -54,7 +54,8 @@ def test_usage_and_infos(manager):
     [
         (lambda m, s: m.members.session_of_seq.__setitem__(s, 99), "disagree"),
         (lambda m, s: m.members.seqs_of_session.__setitem__(42, set()), "disagree"),
-        (lambda m, s: (m.members.session_of_seq.__setitem__(12345, 3), m.members.seqs_of_session[3].add(12345)), "not live"),
+        (lambda m, s: (m.members.session_of_seq.__setitem__(12345, 3), m.members.seqs_of_session[3].add(12345)),
+         "not live"),
     ],
 )
 def test_the_ownership_invariant_fires(manager, corrupt, message):

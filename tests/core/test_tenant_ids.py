@@ -153,7 +153,8 @@ def test_without_tenancy_ids_are_one_namespace_as_before() -> None:
         manager.register(7)
     server_id = manager.register()
     assert manager.index.row(server_id) == server_id & ((1 << manager.index.row_bits) - 1)  # the row in its bits
-    assert manager.seq_ids_of_session(0) == [] and [i[0] for i in listings.sequence_infos(manager)] == sorted([7, server_id])
+    assert manager.seq_ids_of_session(0) == []
+    assert [i[0] for i in listings.sequence_infos(manager)] == sorted([7, server_id])
     manager.check_invariants()
 
 

@@ -117,7 +117,8 @@ def test_a_plan_resumes_past_the_blocks_it_covered_and_rescans_after_a_block_is_
         first = tier_writeback.plan(tier, cache.evictable, entries, n)
         assert len(first) == n and tier.scan_skip == n
         entries.lookups = 0
-        assert not len(tier_writeback.plan(tier, cache.evictable, entries, n)) and entries.lookups == 0  # nothing rescanned
+        assert not len(tier_writeback.plan(tier, cache.evictable, entries, n))
+        assert entries.lookups == 0  # nothing rescanned
         tier_writeback.finish(tier, first[:2], ok=False)  # a failed copy: those blocks are not in the tier any more
         again = tier_writeback.plan(tier, cache.evictable, entries, n)
         assert sorted(again[:, 0].tolist()) == sorted(first[:2, 0].tolist())  # found again: the hint was reset

@@ -88,7 +88,8 @@ class PrefixReuse:
         check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         bs = self.tables.block_size
-        return reusable_hashes(prompt, bs, self.tenants.names[tenant].encode(), public_prefix_len // bs, cache_extra_key)
+        salt = self.tenants.names[tenant].encode()
+        return reusable_hashes(prompt, bs, salt, public_prefix_len // bs, cache_extra_key)
 
     def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
                       public_prefix_len: int = 0, cache_extra_key: bytes = b"",

@@ -217,8 +217,8 @@ class SessionService:
             rows = []
             for seq_id in ids.tolist():
                 num_tokens = manager.num_tokens(seq_id)
-                rows.append((listings.named_id(manager, seq_id), manager.members.session_of_seq.get(seq_id, 0), num_tokens,
-                             manager.tables.blocks_for(num_tokens)))
+                rows.append((listings.named_id(manager, seq_id), manager.members.session_of_seq.get(seq_id, 0),
+                             num_tokens, manager.tables.blocks_for(num_tokens)))
         return rows, paging.encode_token(listing, int(ids[-1])) if more else ""
 
     def gauges(self) -> SessionGauges:

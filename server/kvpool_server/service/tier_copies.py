@@ -106,7 +106,8 @@ class TierCopies:
         (after its fencing), copy with the lock released, and return what ``finish_restore`` settles -- under the
         lock, in the hold of the register whose match then finds the blocks. None: nothing to restore."""
         try:  # hashed before the lock (a bad prompt: refused under it, after the fencing, as without a tier)
-            hashes: list[bytes] | None = self.manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
+            hashes: list[bytes] | None = self.manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len,
+                                                                           cache_extra_key)
         except Exception:
             hashes = None
         with guard.lock:
