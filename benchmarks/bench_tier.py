@@ -250,17 +250,17 @@ def hit_rate(pool_blocks: int, tier_blocks: int, args: argparse.Namespace) -> fl
 
     for i in rng.integers(0, args.num_prompts, size=args.requests).tolist():
         prompt = [(i * 100_003 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
-        staged = manager.stage_restore(None, prompt)
+        staged = manager.prefix.stage_restore(None, prompt)
         flush()
         if staged is not None:
-            manager.finish_restore(staged, True)
+            manager.prefix.finish_restore(staged, True)
         seq = manager.register(prompt_token_ids=prompt)
         cached = manager.num_tokens(seq)
         manager.append(seq, len(prompt) - cached, token_ids=prompt[cached:])
         manager.append(seq, 1, token_ids=[1])
         flush()
         manager.free(seq)
-    return manager.prefix_hit_tokens / manager.prefix_query_tokens
+    return manager.prefix.hit_tokens / manager.prefix.query_tokens
 
 
 def bench_hit_rate(args: argparse.Namespace) -> None:

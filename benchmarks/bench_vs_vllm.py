@@ -78,7 +78,7 @@ def needed_blocks(args: argparse.Namespace) -> int:
 def run_kvpool(manager: KVCacheManager, work: Workload, persistent: bool) -> dict[str, float]:
     """One cycle on kvpool's core; seconds per phase."""
     clock = time.perf_counter
-    hits = manager.prefix_hit_tokens
+    hits = manager.prefix.hit_tokens
     start = clock()
     register = manager.register
     ids = np.array([register(prompt_token_ids=p) for p in work.prompts], dtype=np.uint64)
@@ -100,7 +100,7 @@ def run_kvpool(manager: KVCacheManager, work: Workload, persistent: bool) -> dic
     used = manager.allocator.num_used_blocks
     manager.free(ids.tolist())
     freed = clock()
-    if manager.prefix_hit_tokens != hits:
+    if manager.prefix.hit_tokens != hits:
         raise RuntimeError("the workload's prompts are distinct: a prefix hit means a broken cache")
     return {"register+prefill": prefilled - start, "decode": decoded - prefilled, "free": freed - decoded,
             "cycle": freed - start, "blocks": used}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool_server.core import InvariantViolationError, KVCacheManager
+from kvpool_server.core import InvariantViolationError, KVCacheManager, prefix_reuse
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored
 from kvpool_server.core.kv_events import KVEventLog
 
@@ -35,11 +35,11 @@ def commit_offloads(manager: KVCacheManager, ok: bool = True) -> np.ndarray:
 
 
 def restore(manager: KVCacheManager, prompt: list[int], ok: bool) -> np.ndarray:
-    staged = manager.stage_restore(None, prompt)
+    staged = manager.prefix.stage_restore(None, prompt)
     commit_offloads(manager)
     if staged is None:
         return np.zeros((0, 2), dtype=np.int32)
-    manager.finish_restore(staged, ok)
+    manager.prefix.finish_restore(staged, ok)
     return staged.pairs
 
 
@@ -60,13 +60,14 @@ def test_evicted_blocks_spill_and_come_back() -> None:
     fill_pool_with_others(manager)
     tier = manager.host_tier
     assert tier is not None and tier.num_offloaded >= 3
-    assert manager.allocator.cache.match(manager._prompt_hashes(b"", np.array(first, np.uint32), 0, b"")) == []
+    hashes = prefix_reuse.reusable_hashes(np.array(first, np.uint32), BS, b"", 0, b"")
+    assert manager.allocator.cache.match(hashes) == []
     pairs = restore(manager, first, ok=True)
     assert len(pairs) == 3
     seq = manager.register(prompt_token_ids=first)
     assert manager.num_tokens(seq) == 3 * BS  # num_cached_tokens counts the restored blocks
     assert manager.block_table(seq).tolist() == pairs[:, 1].tolist()
-    assert manager.prefix_host_hit_tokens == 3 * BS
+    assert manager.prefix.host_hit_tokens == 3 * BS
     manager.check_invariants()
 
 
@@ -80,7 +81,7 @@ def test_a_failed_restore_is_a_miss_and_fences_the_slots() -> None:
     assert manager.allocator.num_allocatable == free_before  # the fresh blocks went back
     seq = manager.register(prompt_token_ids=first)
     assert manager.num_tokens(seq) == 0  # a miss, never another block's KV
-    assert manager.stage_restore(None, first) is None  # fenced: the slots are gone from the tier
+    assert manager.prefix.stage_restore(None, first) is None  # fenced: the slots are gone from the tier
     manager.check_invariants()
 
 
@@ -94,7 +95,7 @@ def test_an_uncommitted_offload_is_not_matchable_and_a_failed_one_is_lost() -> N
     manager.append(seq, 8 * BS, token_ids=prompt_of(1, blocks=8)[: 8 * BS])  # every block: evicts the first prompt
     tier = manager.host_tier
     assert tier is not None and len(tier.staged) == 3 and not tier.slot_of_hash
-    assert manager.stage_restore(None, first) is None  # pending slots are not matchable
+    assert manager.prefix.stage_restore(None, first) is None  # pending slots are not matchable
     commit_offloads(manager, ok=False)
     removed = [e for e in log.pending if isinstance(e, BlockRemoved)]
     assert removed and len(removed[-1].block_hashes) == 3 and removed[-1].medium == ""
@@ -127,7 +128,7 @@ def test_the_hit_rate_is_higher_with_the_tier() -> None:
             for i in range(8):  # 8 prompts of 3 blocks: twice the pool
                 manager.free(prefill(manager, prompt_of(i)))
         manager.check_invariants()
-        return manager.prefix_hit_tokens
+        return manager.prefix.hit_tokens
 
     assert hits(64) > hits(0)
 
@@ -141,14 +142,14 @@ def test_a_restore_never_evicts_the_prompts_own_pool_blocks() -> None:
     hold = manager.register()
     manager.append(hold, 3 * BS)  # 3 blocks: the 2 free ones and the prompt's last (evicted, offloaded)
     commit_offloads(manager)
-    assert manager.stage_restore(None, first) is None  # restoring would evict the prompt's own blocks
+    assert manager.prefix.stage_restore(None, first) is None  # restoring would evict the prompt's own blocks
     seq = manager.register(prompt_token_ids=first)
     assert manager.num_tokens(seq) == 3 * BS
     manager.free([seq, hold])
-    staged = manager.stage_restore(None, first)
+    staged = manager.prefix.stage_restore(None, first)
     commit_offloads(manager)
     assert staged is not None and len(staged.pairs) == 1
-    manager.finish_restore(staged, True)
+    manager.prefix.finish_restore(staged, True)
     seq = manager.register(prompt_token_ids=first)
     assert manager.num_tokens(seq) == 4 * BS
     manager.check_invariants()
@@ -187,10 +188,10 @@ def test_tenants_salts_and_public_prefixes_hold_across_the_tier() -> None:
     prompt = [*system, 1, 2, 3, 4, 5]
 
     def prefill_as(tenant: int) -> tuple[int, int]:
-        staged = manager.stage_restore(tenant, prompt, len(system))
+        staged = manager.prefix.stage_restore(tenant, prompt, len(system))
         commit_offloads(manager)
         if staged is not None:
-            manager.finish_restore(staged, True)
+            manager.prefix.finish_restore(staged, True)
         seq = manager.register(tenant=tenant, prompt_token_ids=prompt, public_prefix_len=len(system))
         cached = manager.num_tokens(seq, tenant)
         manager.append(seq, len(prompt) - cached, tenant=tenant, token_ids=prompt[cached:])

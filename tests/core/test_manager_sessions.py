@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvpool_server.core import InvariantViolationError, KVCacheManager
+from kvpool_server.core import InvariantViolationError, KVCacheManager, listings
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def test_register_fork_and_free_keep_ownership(manager):
     other = manager.fork(a, 1, session_id=8)  # a session forks another session's sequence: its own child
     assert manager.seq_ids_of_session(7) == sorted([a, *kids])
     assert manager.seq_ids_of_session(8) == sorted([b, *other])
-    assert manager.session_of_seq.get(loose) is None
+    assert manager.members.session_of_seq.get(loose) is None
     manager.free(kids[0])
     assert manager.seq_ids_of_session(7) == sorted([a, kids[1]])
     manager.check_invariants()
@@ -43,18 +43,19 @@ def test_usage_and_infos(manager):
     a = manager.register(session_id=5)
     manager.append(a, 5)
     manager.fork(a, 1)
-    assert manager.session_usage() == {5: (2, 2)}  # two sequences, two distinct blocks
-    infos = manager.sequence_infos(5)
+    assert listings.session_usage(manager) == {5: (2, 2)}  # two sequences, two distinct blocks
+    infos = listings.sequence_infos(manager, 5)
     assert [(i[1], i[2], i[3]) for i in infos] == [(5, 5, 2), (5, 5, 2)]
-    assert len(manager.sequence_infos()) == 2
+    assert len(listings.sequence_infos(manager)) == 2
 
 
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda m, s: m.session_of_seq.__setitem__(s, 99), "disagree"),
-        (lambda m, s: m.seqs_of_session.__setitem__(42, set()), "disagree"),
-        (lambda m, s: (m.session_of_seq.__setitem__(12345, 3), m.seqs_of_session[3].add(12345)), "not live"),
+        (lambda m, s: m.members.session_of_seq.__setitem__(s, 99), "disagree"),
+        (lambda m, s: m.members.seqs_of_session.__setitem__(42, set()), "disagree"),
+        (lambda m, s: (m.members.session_of_seq.__setitem__(12345, 3), m.members.seqs_of_session[3].add(12345)),
+         "not live"),
     ],
 )
 def test_the_ownership_invariant_fires(manager, corrupt, message):

@@ -237,12 +237,12 @@ def test_kv_events_record_stores_and_evictions_in_numbered_batches() -> None:
 def test_register_refuses_a_prompt_over_max_seq_len_before_hashing(monkeypatch, assert_unchanged) -> None:
     """Issue 20, item 8: a prompt longer than max_seq_len is INVALID_ARGUMENT, naming the limit, before any block
     of it is hashed (a huge prompt must not cost the server its hashing), and changes nothing."""
-    from kvpool_server.core import manager as manager_module
+    from kvpool_server.core import prefix_reuse
 
     manager = KVCacheManager(num_blocks=64, block_size=BS, max_seq_len=16)
     hashed = []
-    real = manager_module.chain_hashes
-    monkeypatch.setattr(manager_module, "chain_hashes", lambda *a, **k: hashed.append(a) or real(*a, **k))
+    real = prefix_reuse.chain_hashes
+    monkeypatch.setattr(prefix_reuse, "chain_hashes", lambda *a, **k: hashed.append(a) or real(*a, **k))
     with assert_unchanged(manager), pytest.raises(InvalidArgumentError, match="max_seq_len=16"):
         manager.register(prompt_token_ids=list(range(17)))
     assert hashed == [] and manager.num_sequences == 0

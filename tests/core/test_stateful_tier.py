@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from kvpool_server.core import KVCacheManager
+from kvpool_server.core import KVCacheManager, tier_writeback
 from kvpool_server.core.block_hash import NONE_HASH
 from kvpool_server.core.kv_events import KVEventLog
 
@@ -76,7 +76,7 @@ class TieredMachine(ManagerMachine):
             for block, slot in (pairs if ok else pairs[: len(pairs) // 2]).tolist():
                 self.host[slot] = self.memory[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
                 self.host_model[slot] = self.model_block[block]
-            tier.finish_writeback(pairs, ok)
+            tier_writeback.finish(tier, pairs, ok)
         self.writebacks = []
 
     @rule(max_blocks=st.integers(1, 4))
@@ -87,7 +87,7 @@ class TieredMachine(ManagerMachine):
         assert tier is not None
         if not self.writebacks:
             cache = self.manager.allocator.cache
-            pairs = tier.plan_writeback(cache.evictable, cache.entries, max_blocks)
+            pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, max_blocks)
             if len(pairs):
                 self.writebacks.append(pairs)
 
@@ -135,11 +135,11 @@ class TieredMachine(ManagerMachine):
         if len(self.model.tags) >= 12:
             return
         prompt = [p if p < 6 else 100 * variant + p for p in range(length)]
-        staged = self.manager.stage_restore(None, prompt)
+        staged = self.manager.prefix.stage_restore(None, prompt)
         self.flush()
         if staged is not None and meanwhile:
             self.manager.check_invariants()  # the staging's references and pinned slots are accounted for
-            assert self.manager.stage_restore(None, prompt) is None  # its slots are pinned: nothing taken
+            assert self.manager.prefix.stage_restore(None, prompt) is None  # its slots are pinned: nothing taken
             self.start_writeback(2)
             self.finish_writebacks()
         if staged is not None:
@@ -150,7 +150,7 @@ class TieredMachine(ManagerMachine):
                 self.memory[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE] = self.host[slot]
                 if ok:
                     self.model_block[block] = self.host_model[slot]
-            self.manager.finish_restore(staged, ok)
+            self.manager.prefix.finish_restore(staged, ok)
         super().register_with_prefix.__wrapped__(self, data, variant, length)  # type: ignore[attr-defined]
 
     @invariant()

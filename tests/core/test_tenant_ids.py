@@ -12,6 +12,7 @@ from kvpool_server.core import (
     SequenceExistsError,
     SequenceNotFoundError,
 )
+from kvpool_server.core import listings
 from kvpool_server.core.tenant_ids import MIN_SLOTS
 from tests.core.conftest import snapshot
 
@@ -134,9 +135,9 @@ def test_trusted_calls_name_sequences_by_internal_ids() -> None:
     theirs = manager.register(7, session_id=6, tenant=b)
     internal = manager.seq_ids_of_session(5)
     assert len(internal) == 2 and 7 not in internal and 8 not in internal
-    assert [(i[0], i[1]) for i in manager.sequence_infos(5)] == [(7, 5), (8, 5)]
-    assert [i[0] for i in manager.sequence_infos(tenant=b)] == [theirs]
-    assert [i[0] for i in manager.sequence_infos()] == [7, 7, 8]
+    assert [(i[0], i[1]) for i in listings.sequence_infos(manager, 5)] == [(7, 5), (8, 5)]
+    assert [i[0] for i in listings.sequence_infos(manager, tenant=b)] == [theirs]
+    assert [i[0] for i in listings.sequence_infos(manager)] == [7, 7, 8]
     assert manager.free(internal) == 0
     assert manager.seq_ids_of_session(5) == [] and manager.tenants.num_sequences[a] == 0
     with pytest.raises(SequenceNotFoundError):
@@ -152,7 +153,8 @@ def test_without_tenancy_ids_are_one_namespace_as_before() -> None:
         manager.register(7)
     server_id = manager.register()
     assert manager.index.row(server_id) == server_id & ((1 << manager.index.row_bits) - 1)  # the row in its bits
-    assert manager.seq_ids_of_session(0) == [] and [i[0] for i in manager.sequence_infos()] == sorted([7, server_id])
+    assert manager.seq_ids_of_session(0) == []
+    assert [i[0] for i in listings.sequence_infos(manager)] == sorted([7, server_id])
     manager.check_invariants()
 
 
@@ -212,5 +214,5 @@ def test_random_calls_of_three_tenants_match_a_model_of_separate_namespaces(seed
             manager.free(victim, tenant=t)
             del mine[victim]
         for u in tenants:
-            assert {i[0]: i[2] for i in manager.sequence_infos(tenant=u)} == model[u]
+            assert {i[0]: i[2] for i in listings.sequence_infos(manager, tenant=u)} == model[u]
         manager.check_invariants()

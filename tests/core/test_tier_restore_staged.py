@@ -25,19 +25,19 @@ def test_a_staged_restore_is_accounted_for_and_a_second_one_stops_at_its_pinned_
     manager, first = evicted()
     tier = manager.host_tier
     assert tier is not None
-    staged = manager.stage_restore(None, first)
+    staged = manager.prefix.stage_restore(None, first)
     assert staged is not None and len(staged.pairs) == 3
     commit_offloads(manager)  # what the service's flush does before the restore's copy
     manager.check_invariants()  # mid-copy: the references no table holds are the restore's
-    assert manager.stage_restore(None, first) is None  # its slots are pinned: the second restore takes nothing
+    assert manager.prefix.stage_restore(None, first) is None  # its slots are pinned: the second restore takes nothing
     manager.free(manager.register(prompt_token_ids=first))
     commit_offloads(manager)
-    assert manager.prefix_hit_tokens == 0  # the fresh blocks are not matchable before finish
+    assert manager.prefix.hit_tokens == 0  # the fresh blocks are not matchable before finish
     tier.restoring.clear()
     with pytest.raises(InvariantViolationError):
         manager.check_invariants()  # references nobody accounts for
     tier.restoring[staged.key] = (staged.pairs[:, 0].tolist(), staged.chain)
-    manager.finish_restore(staged, ok=True)
+    manager.prefix.finish_restore(staged, ok=True)
     assert not tier.restoring and not tier.pinned
     manager.check_invariants()
     seq = manager.register(prompt_token_ids=first)
@@ -51,8 +51,8 @@ def test_without_offload_on_evict_an_eviction_stages_no_copy() -> None:
     offloaded = tier.num_offloaded
     fill_pool_with_others(manager, start=50)  # evicts everything again: none of it is in the tier
     assert tier.num_offloaded == offloaded and not tier.staged
-    assert manager.stage_restore(None, prompt_of(50)) is None  # dropped: a miss
-    staged = manager.stage_restore(None, first)  # what the tier held before is still there
+    assert manager.prefix.stage_restore(None, prompt_of(50)) is None  # dropped: a miss
+    staged = manager.prefix.stage_restore(None, first)  # what the tier held before is still there
     assert staged is not None
-    manager.finish_restore(staged, ok=True)
+    manager.prefix.finish_restore(staged, ok=True)
     manager.check_invariants()

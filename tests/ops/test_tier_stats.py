@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kvpool_client import KVPoolClient, PoolStats  # noqa: E402
 from kvpool_client.kvctl import main as kvctl_main  # noqa: E402
 from kvpool_server.config import ServerConfig  # noqa: E402
+from kvpool_server.core import tier_writeback  # noqa: E402
 from kvpool_server.device.tier_pool import CopyTicket  # noqa: E402
 from kvpool_server.grpc_api.server import build_server  # noqa: E402
 
@@ -201,7 +202,7 @@ def test_write_backs_overtaken_by_an_eviction_count_as_torn(in_process) -> None:
     with svc.guard.lock:  # as the write-back thread would: plan a batch, its copy in flight
         tier, cache = svc.tier.tier, svc.guard.manager.allocator.cache
         tier.offload_on_evict = False  # what start_writeback does
-        pairs = tier.plan_writeback(cache.evictable, cache.entries, 64)
+        pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, 64)
         svc.tier.writebacks.append((Unfinished(), pairs))
     in_flight = len(pairs)
     assert in_flight == 2 * PROMPT_BLOCKS

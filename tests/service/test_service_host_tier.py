@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvpool_server.config import ServerConfig
+from kvpool_server.core import tier_writeback
 from kvpool_server.device.tier_pool import CopyTicket, TierPool
 from kvpool_server.service.build import build_service
 from kvpool_server.service.kvpool import KVPoolService
@@ -97,7 +98,7 @@ def test_an_evicted_prompt_hits_in_the_tier_and_reads_back_the_same_kv(tiered) -
     seq, cached = prefill(svc, scope, prompt_of(0), tag=99)  # tag 99: a recompute would write other bytes
     assert cached == full
     assert read(svc, scope, seq, full) == first_kv
-    assert svc.guard.manager.prefix_host_hit_tokens == full
+    assert svc.guard.manager.prefix.host_hit_tokens == full
     check(svc)
 
 
@@ -178,7 +179,7 @@ def test_a_write_back_makes_eviction_free_and_an_eviction_waits_for_one_in_fligh
     free(svc, scope, seq)
     with svc.guard.lock:  # prompt 1's blocks: a write-back queued but not copied yet
         cache = svc.guard.manager.allocator.cache
-        pairs = tier.plan_writeback(cache.evictable, cache.entries, 64)
+        pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, 64)
         assert len(pairs) == PROMPT_BLOCKS
         svc.tier.writebacks.append((InFlight(svc.tier.memory, pairs), pairs))
     offloads_before = tier.num_offloaded

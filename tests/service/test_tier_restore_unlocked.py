@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvpool_server.core import prefix_reuse, tier_writeback
 from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
@@ -80,7 +81,8 @@ def evicted_prompt(svc: KVPoolService, scope: CallScope) -> bytes:
 
 def hashes_of(svc: KVPoolService, i: int) -> list[bytes]:
     manager = svc.guard.manager
-    return manager._prompt_hashes(manager.tenants.names[0].encode(), np.array(prompt_of(i)), 0, b"")
+    return prefix_reuse.reusable_hashes(np.array(prompt_of(i)), manager.block_size, manager.tenants.names[0].encode(),
+                                        0, b"")
 
 
 def test_an_append_runs_while_a_restore_copies_and_nobody_sees_it_half_done(tiered) -> None:
@@ -153,7 +155,7 @@ def test_with_the_write_back_on_an_eviction_never_waits_and_never_copies_under_t
     free(svc, scope, seq)
     with svc.guard.lock:  # prompt 0's and 1's blocks: a write-back queued, its copy not run yet
         cache = svc.guard.manager.allocator.cache
-        pairs = tier.plan_writeback(cache.evictable, cache.entries, PROMPT_BLOCKS)
+        pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, PROMPT_BLOCKS)
         assert len(pairs) == PROMPT_BLOCKS
         svc.tier.writebacks.append((InFlight(svc.tier.memory, pairs), pairs))
     copies = []
@@ -184,7 +186,7 @@ def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(
     free(svc, scope, seq)
     with svc.guard.lock:  # a write-back whose copy completed, not settled yet (its thread has not re-taken the lock)
         cache = svc.guard.manager.allocator.cache
-        pairs = tier.plan_writeback(cache.evictable, cache.entries, PROMPT_BLOCKS)
+        pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, PROMPT_BLOCKS)
         ticket = svc.tier.memory.start_offload(pairs)
         assert ticket.wait()  # the copy completed (what the write-back thread waits for, outside the lock)
         svc.tier.writebacks.append((ticket, pairs))

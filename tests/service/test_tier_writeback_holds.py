@@ -10,7 +10,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvpool_server.core.host_tier import HostTier, host_stored
+from kvpool_server.core import tier_writeback
+from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.host_tier_events import host_stored
 from kvpool_server.core.kv_event_types import BlockStored
 from kvpool_server.device.tier_pool import CopyTicket
 from kvpool_server.service.kvpool import KVPoolService
@@ -81,7 +83,7 @@ def test_settling_stops_at_the_first_write_back_in_flight_and_a_call_settles_one
     tickets = [Completion(True), Completion(True), Completion(False), Completion(True)]
     with svc.guard.lock:
         for ticket in tickets:
-            pairs = tier.plan_writeback(cache.evictable, cache.entries, 2)
+            pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, 2)
             assert len(pairs) == 2
             svc.tier.writebacks.append((ticket, pairs))
         svc.tier.settle()  # what the guard runs before each call: one chunk at most
@@ -112,12 +114,13 @@ def test_a_plan_resumes_past_the_blocks_it_covered_and_rescans_after_a_block_is_
     n = cache.num_evictable
     with svc.guard.lock:
         entries = CountingEntries(cache.entries)
-        first = tier.plan_writeback(cache.evictable, entries, n)
+        first = tier_writeback.plan(tier, cache.evictable, entries, n)
         assert len(first) == n and tier.scan_skip == n
         entries.lookups = 0
-        assert not len(tier.plan_writeback(cache.evictable, entries, n)) and entries.lookups == 0  # nothing rescanned
-        tier.finish_writeback(first[:2], ok=False)  # a failed copy: those blocks are not in the tier any more
-        again = tier.plan_writeback(cache.evictable, entries, n)
+        assert not len(tier_writeback.plan(tier, cache.evictable, entries, n))
+        assert entries.lookups == 0  # nothing rescanned
+        tier_writeback.finish(tier, first[:2], ok=False)  # a failed copy: those blocks are not in the tier any more
+        again = tier_writeback.plan(tier, cache.evictable, entries, n)
         assert sorted(again[:, 0].tolist()) == sorted(first[:2, 0].tolist())  # found again: the hint was reset
         svc.tier.writebacks.append((Completion(True), first[2:]))
         svc.tier.writebacks.append((Completion(True), again))
@@ -126,7 +129,7 @@ def test_a_plan_resumes_past_the_blocks_it_covered_and_rescans_after_a_block_is_
         cache.unpark(np.array([block]))  # a block taken back from inside the covered run (a prefix match) ...
         cache.park(np.array([block]))  # ... and parked again, at the LRU's end
         tier.scan_skip, tier.scan_mark = n, first[-1, 0]  # (as the last plan left them)
-        assert tier._scan_start(cache.evictable) == 0  # the mark moved: the next plan scans from the LRU's start
+        assert tier.scan_start(cache.evictable) == 0  # the mark moved: the next plan scans from the LRU's start
     check(svc)
 
 
@@ -166,10 +169,10 @@ def test_a_hint_never_hides_a_block_the_tier_does_not_hold() -> None:
             evictable[block] = None
         else:  # a plan; the previous write-back settles (ok or failed)
             for pairs in inflight:
-                tier.finish_writeback(pairs, bool(rng.integers(0, 2)))
-            inflight = [tier.plan_writeback(evictable, entries, 2, max_scan=8)]
+                tier_writeback.finish(tier, pairs, bool(rng.integers(0, 2)))
+            inflight = [tier_writeback.plan(tier, evictable, entries, 2, max_scan=8)]
         tier.check_invariants()  # the hint's clause included
-        if tier.scan_skip > 0 and tier._scan_start(evictable):
+        if tier.scan_skip > 0 and tier.scan_start(evictable):
             held = set(tier.slot_of_hash) | set(tier.pending_hashes)
             for block in list(evictable)[: tier.scan_skip]:
                 assert block in tier.inflight or entries[block].block_hash in held

@@ -11,7 +11,9 @@ from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import UNSET, BlockTables
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.core.seq_index import SequenceIndex
+from kvpool_server.core.session_members import SessionMembers
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import TenantLedger
 from kvpool_server.core.token_chains import TokenChains
@@ -30,13 +32,10 @@ class KVCacheManager(Protocol):
     tenant_ids: TenantIds
     chains: TokenChains
     tenancy: bool
-    session_of_seq: dict[int, int]
+    members: SessionMembers
     detached_rows: set[int]
-    seqs_of_session: dict[int, set[int]]
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
     host_tier: HostTier | None
-    prefix_host_hit_tokens: int
+    prefix: PrefixReuse
 
 
 def check_invariants(manager: KVCacheManager) -> None:
@@ -54,7 +53,7 @@ def check_invariants(manager: KVCacheManager) -> None:
             f"the index names rows {np.setxor1d(indexed, in_use)[:8].tolist()} differently from the tables "
             "(a row is in use iff a live sequence holds it or it is detached, not both)"
         )
-    check_ownership(manager)
+    manager.members.check_invariants(manager.index)
     check_tenants(manager)
     if manager.tenancy:
         manager.tenant_ids.check_invariants(live, manager.tenants.tenant_of_row)  # detached rows are unnamed
@@ -97,16 +96,6 @@ def check_tenants(manager: KVCacheManager) -> None:
     counted_refs = {(t, b): n for (t, b), n in zip(pairs[public].tolist(), num_rows[public].tolist())}
     if counted_refs != ledger.public_refs:
         raise InvariantViolationError("the ledger's public_refs differ from the rows that reference public blocks")
-
-
-def check_ownership(manager: KVCacheManager) -> None:
-    """session_of_seq and seqs_of_session are one relation, over live sequences, with no empty set."""
-    pairs = {(seq_id, session_id) for session_id, seq_ids in manager.seqs_of_session.items() for seq_id in seq_ids}
-    if pairs != set(manager.session_of_seq.items()) or any(not s for s in manager.seqs_of_session.values()):
-        raise InvariantViolationError("session_of_seq and seqs_of_session disagree (or a session has an empty set)")
-    dead = [seq_id for seq_id in manager.session_of_seq if seq_id not in manager.index]
-    if dead:
-        raise InvariantViolationError(f"sequences {dead[:8]} belong to a session but are not live")
 
 
 def check_block_tables(tables: BlockTables, held_elsewhere: list[np.ndarray] | None = None) -> None:
@@ -174,9 +163,9 @@ def stats(manager: KVCacheManager) -> PoolStats:
         num_sequences=len(manager.index),
         block_size=bs,
         num_blocks_evictable=allocator.cache.num_evictable,
-        prefix_query_tokens=manager.prefix_query_tokens,
-        prefix_hit_tokens=manager.prefix_hit_tokens,
-        prefix_host_hit_tokens=manager.prefix_host_hit_tokens,
+        prefix_query_tokens=manager.prefix.query_tokens,
+        prefix_hit_tokens=manager.prefix.hit_tokens,
+        prefix_host_hit_tokens=manager.prefix.host_hit_tokens,
         **(tier_stats(tier) if tier is not None else {}),
     )
 

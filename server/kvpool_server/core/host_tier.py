@@ -6,17 +6,16 @@ Pure bookkeeping, as ``PrefixCache`` is: it names host slots (block-sized rows o
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from itertools import islice
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, block_hash
+from kvpool_server.core.block_hash import block_hash
 from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError
+from kvpool_server.core.host_tier_events import HOST_MEDIUM, host_stored
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
 
-HOST_MEDIUM = "CPU"  # the events' medium of the host tier
 NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 NO_PAIRS.flags.writeable = False
 
@@ -31,18 +30,17 @@ class HostTier:
     matchable) or ``abort`` (it failed: the slot is free again, the content lost). A slot is matchable only once
     committed: no request is ever served from a slot whose bytes are not all there.
 
-    Write-back (``plan_writeback``, from the service's background thread): the pool's evictable blocks next in
-    line are copied ahead, off any call's path, and committed when the copy completed (``finish_writeback``); an
-    eviction then finds their hash in the tier and costs no copy. A block being written back stays evictable: if
-    an allocation evicts it, ``spill`` sets ``must_wait`` and the service waits for that copy before anything
-    writes into the block.
+    Write-back (``tier_writeback.plan`` / ``finish``, from the service's background thread): the pool's evictable
+    blocks next in line are copied ahead (``inflight``), and committed when the copy completed. A block being
+    written back stays evictable: if an allocation evicts it, ``spill`` sets ``must_wait`` and the service waits
+    for that copy before anything writes into the block.
 
     Offload on eviction (``offload_on_evict``, the default): what ``spill`` stages is copied by the evicting call,
     under the service's lock. With a write-back thread the service turns it off: an eviction of a block whose hash
     the tier does not hold (no write-back got there first) drops it from the tier (a later miss) instead of
     copying it under the lock; ``spill`` then stages nothing, and an eviction of a block whose write-back is still
     in flight does not wait for that copy either: its slot is ``torn`` (the block may be written while the copy
-    reads it), and ``finish_writeback`` aborts it instead of committing it.
+    reads it), and ``tier_writeback.finish`` aborts it instead of committing it.
 
     A restore (``tier_restore.stage``) ``pin``-s the committed slots it reads (off the LRU, so the evictions its
     own allocation causes cannot take them), and ``unpin``-s them after the copy; a failed restore ``fence``-s
@@ -99,7 +97,7 @@ class HostTier:
         self.num_written_back: int = 0
         self.num_torn: int = 0  # write-back blocks an eviction overtook (aborted, not a failure)
         # The write-back's scan resumes past the LRU's first ``scan_skip`` blocks, each held by the tier or in
-        # flight when last scanned; ``scan_mark`` is the last of them (a hint, checked before use: ``_scan_start``;
+        # flight when last scanned; ``scan_mark`` is the last of them (a hint, checked before use: ``scan_start``;
         # -1: reset, a hash the pool holds left the tier).
         self.scan_skip: int = 0
         self.scan_mark: int = -1
@@ -162,7 +160,7 @@ class HostTier:
                 gone.append(h)
                 self.num_unkept += 1
                 continue
-            slot = self._take_slot(dropped)
+            slot = self.take_slot(dropped)
             if slot is None:
                 self.num_unkept += 1
                 if h not in dropped:  # a slot of it dropped above (the pool evicts it in this batch too) said it
@@ -175,7 +173,7 @@ class HostTier:
             self.events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
         return gone
 
-    def _take_slot(self, dropped: list[bytes]) -> int | None:
+    def take_slot(self, dropped: list[bytes]) -> int | None:
         """A free slot, else the LRU's oldest committed one (its hash joins ``dropped`` when the pool has no block
         of it), else None."""
         if self.free:
@@ -231,41 +229,8 @@ class HostTier:
         if failed:
             self.num_offload_failed += len(slots)
 
-    # ------------------------------------------------------------------ write-back
-    def plan_writeback(self, evictable: OrderedDict[int, None], entries: dict[int, CachedBlock],
-                       max_blocks: int, max_scan: int | None = None) -> np.ndarray:
-        """Copy ahead (off any call's path): up to ``max_blocks`` of the pool's evictable blocks next in line for
-        eviction (the LRU's oldest, scanning at most ``max_scan``, default ``8 * max_blocks``) whose hash no slot
-        holds get a slot (free, else the host LRU's oldest). They stay in the pool, matchable and evictable;
-        ``inflight`` says a copy reads them, so that an eviction of one makes the service wait for it
-        (``must_wait``) or tears its slot before anything writes into it. Returns the pairs (pool block, host slot)
-        to copy, in eviction order; ``finish_writeback`` settles them."""
-        pairs: list[tuple[int, int]] = []
-        dropped: list[bytes] = []
-        inflight, slot_of_hash, pending, tier_entries = self.inflight, self.slot_of_hash, self.pending_hashes, self.entries
-        start = self._scan_start(evictable)
-        scanned, mark = 0, self.scan_mark  # the run of blocks held or planned from ``start`` on
-        for block_id in islice(evictable, start, max(start, 8 * max_blocks if max_scan is None else max_scan)):
-            if len(pairs) == max_blocks:
-                break
-            entry = entries[block_id]
-            h = entry.block_hash
-            if not (block_id in inflight or h in slot_of_hash or h in pending):
-                slot = self._take_slot(dropped)
-                if slot is None:
-                    break
-                tier_entries[slot] = entry
-                pending[h] = slot
-                inflight[block_id] = slot
-                pairs.append((block_id, slot))
-            scanned, mark = scanned + 1, block_id
-        if self.scan_skip == start:  # no drop of a pool-held hash meanwhile (``_take_slot``): the hint holds
-            self.scan_skip, self.scan_mark = start + scanned, mark
-        if dropped and self.events is not None:
-            self.events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
-        return np.array(pairs, dtype=np.int32).reshape(-1, 2)
-
-    def _scan_start(self, evictable: OrderedDict[int, None]) -> int:
+    # ------------------------------------------------------------------ write-back (tier_writeback)
+    def scan_start(self, evictable: OrderedDict[int, None]) -> int:
         """Where the write-back's scan resumes: past the first ``scan_skip`` blocks of the LRU if the last of them is
         still ``scan_mark`` (blocks join the LRU at its end; an eviction from its head is subtracted by ``spill``;
         a block taken back from inside the run moves the mark), else 0."""
@@ -274,28 +239,6 @@ class HostTier:
             skip = 0
         self.scan_skip = max(skip, 0)  # -1: reset (a pool-held hash left the tier) until this plan's scan ends
         return self.scan_skip
-
-    def finish_writeback(self, pairs: np.ndarray, ok: bool, stored: list[BlockStored] | None = None) -> None:
-        """The write-back of ``pairs`` completed (``ok``: its slots are committed) or failed (aborted).
-        ``stored``: the slots' BlockStored events built ahead (``host_stored``, one per pair in order), if any."""
-        slots: list[int] = []
-        torn: list[int] = []
-        inflight, torn_slots = self.inflight, self.torn
-        for block_id, slot in pairs.tolist():
-            del inflight[block_id]
-            (torn if slot in torn_slots else slots).append(slot)
-        if torn:
-            torn_slots.difference_update(torn)
-            self.num_torn += len(torn)
-            self.abort(torn, failed=False)  # their block was evicted while the copy read it: the bytes may be torn
-            if stored is not None:
-                overtaken = set(torn)
-                stored = [event for event, slot in zip(stored, pairs[:, 1].tolist()) if slot not in overtaken]
-        if ok:
-            self.commit(slots, stored)
-            self.num_written_back += len(slots)
-        else:
-            self.abort(slots)
 
     # ------------------------------------------------------------------ restore
     def pin(self, slots: list[int]) -> None:
@@ -361,18 +304,10 @@ class HostTier:
         for block_id, slot in self.inflight.items():
             if slot not in self.torn and self.gpu_index.get(self.entries[slot].block_hash) != block_id:
                 raise InvariantViolationError(f"in-flight write-back of block {block_id} no longer cached in the pool")
-        skip = self._scan_start(self.gpu_evictable)  # (normalises the hint only)
+        skip = self.scan_start(self.gpu_evictable)  # (normalises the hint only)
         hash_of = {b: h for h, b in self.gpu_index.items()}
         for block_id in islice(self.gpu_evictable, skip):
             h = hash_of[block_id]
             if block_id not in self.inflight and h not in self.slot_of_hash and h not in self.pending_hashes:
                 raise InvariantViolationError(f"block {block_id} in the write-back's skipped run is not in the tier")
 
-
-def host_stored(entry: CachedBlock) -> BlockStored:
-    """A one-block BlockStored of the host tier."""
-    token_ids = array("I")
-    token_ids.frombytes(entry.token_ids.astype(np.uint32, copy=False).tobytes())
-    parent = None if entry.parent_hash == NONE_HASH else entry.parent_hash
-    return BlockStored((entry.block_hash,), parent, token_ids, int(entry.token_ids.size), entry.extra,
-                       salt=entry.salt, medium=HOST_MEDIUM)

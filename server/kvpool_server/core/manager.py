@@ -8,18 +8,18 @@ import numpy as np
 
 from kvpool_server.core import checks
 from kvpool_server.core.allocator import BlockAllocator
-from kvpool_server.core.block_hash import NONE_HASH, chain_hashes
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
-from kvpool_server.core import tier_restore
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.host_tier import HostTier
-from kvpool_server.core.prompt_hashes import PromptBlocks
-from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id, not_live
+from kvpool_server.core.prefix_reuse import PrefixReuse
+from kvpool_server.core.session_members import SessionMembers
+from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id
+from kvpool_server.core.tenant_blocks import plan_within_budget, release_rows
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
-from kvpool_server.core.types import EMPTY_BLOCKS, AppendPlan, PoolStats
+from kvpool_server.core.types import AppendPlan, PoolStats
 
 
 class KVCacheManager:
@@ -39,8 +39,8 @@ class KVCacheManager:
     Every operation checks everything before it changes anything: an operation that raises leaves the manager
     exactly as it was. A batch that cannot be served in full is not served in part.
 
-    A sequence may belong to a session (``register``/``fork`` with a ``session_id``): ``seq_ids_of_session`` is
-    what a session's end frees. Ownership lives here, beside the ids, in two dicts kept off the append path.
+    A sequence may belong to a session (``register``/``fork`` with a ``session_id``; ``members``, a
+    ``SessionMembers``): ``seq_ids_of_session`` is what a session's end frees.
 
     Every sequence belongs to a tenant (``tenants``, a ``TenantLedger``: an array entry per row). With ``tenancy``
     on, the calls take the caller's ``tenant``: a sequence of another tenant is NOT_FOUND, exactly as one that does
@@ -50,20 +50,18 @@ class KVCacheManager:
     Ids (docs/security.md): with ``tenancy`` on, each tenant names its sequences in a namespace of its own
     (``tenant_ids``, a ``TenantIds``): a call with ``tenant=t`` takes and returns t's ids, and no answer depends on
     another tenant's ids. The index then holds a server-assigned internal id for every row, the id a trusted call
-    (``tenant=None``) takes and returns (``seq_ids_of_session``, ``session_of_seq`` and ``seqs_of_session`` hold
-    internal ids); a caller-chosen id of a trusted register is tenant 0's. With ``tenancy`` off the index holds
-    the callers' ids themselves, as one namespace.
+    (``tenant=None``) takes and returns (``seq_ids_of_session`` and ``members`` hold internal ids); a
+    caller-chosen id of a trusted register is tenant 0's. With ``tenancy`` off the index holds the callers' ids
+    themselves, as one namespace.
 
     Prefix caching (docs/prefix-caching.md): appends may carry their token ids (``token_ids``); full blocks of such
     sequences are hashed (``TokenChains``), sealed with the sequence's next append and then matchable
     (``allocator.cache``, a ``PrefixCache``); ``register`` with ``prompt_token_ids`` starts the sequence with the
-    longest cached run. The salt is the tenant's name, so different tenants never share a block -- except the
-    blocks of a public prefix (``public_prefix_len``), hashed with PUBLIC_SALT, which any tenant may adopt.
+    longest cached run (``prefix``, a ``PrefixReuse``: salted by tenant, restored from the host tier, counted).
 
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
     tables is in use iff the index names a live sequence that holds it or it is one of ``detached_rows`` (a freed
-    sequence's, its blocks not yet released: ``detach``); ``session_of_seq`` and
-    ``seqs_of_session`` are the same relation read both ways, over live sequences only, with no empty set.
+    sequence's, its blocks not yet released: ``detach``).
     """
 
     def __init__(
@@ -86,22 +84,20 @@ class KVCacheManager:
         self.index: SequenceIndex = SequenceIndex(max_num_seqs)  # checks max_num_seqs
         self.allocator: BlockAllocator = BlockAllocator(num_blocks)
         self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs, self.allocator)
-        self.session_of_seq: dict[int, int] = {}  # seq_id -> session_id, for sequences that belong to a session
-        self.seqs_of_session: dict[int, set[int]] = {}  # session_id -> its live seq_ids
-        self.prefix_query_tokens: int = 0  # prompt tokens registered with ids, and of them the cached ones
-        self.prefix_hit_tokens: int = 0
+        self.members: SessionMembers = SessionMembers()  # which session holds which sequence
         self.tenancy: bool = tenancy
         self.tenants: TenantLedger = TenantLedger(max_num_seqs)
         self.tenant_ids: TenantIds = TenantIds(max_num_seqs, self.index.row_bits)  # used with tenancy on
         self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
         self.detached_rows: set[int] = set()  # rows of freed sequences whose blocks are not released yet (detach)
         # The host tier (docs/prefix-caching.md): evicted cached blocks spill into it; a register's prompt is
-        # restored from it (``stage_restore`` / ``finish_restore``, around ``register``). None: no tier.
+        # restored from it (``prefix.stage_restore`` / ``finish_restore``, around ``register``). None: no tier.
         # ``host_tier_ready``: slots usable at once (None: all); more join as the service allocates them.
         self.host_tier: HostTier | None = HostTier(host_tier_blocks, host_tier_ready) if host_tier_blocks else None
         if self.host_tier is not None:
             self.allocator.cache.attach_tier(self.host_tier)
-        self.prefix_host_hit_tokens: int = 0  # prompt tokens restored from the host tier (counted as hits too)
+        self.prefix: PrefixReuse = PrefixReuse(self.tables, self.tenants, self.chains, tenancy, self.max_seq_len,
+                                               self.host_tier)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -134,12 +130,10 @@ class KVCacheManager:
         internal = seq_id if seq_id is not None and not self.tenancy else self.index.new_server_id(row)
         named = self.tenant_ids.add(tenant, row, seq_id) if self.tenancy else internal  # the tenant's id
         self.index.add(internal, row)
-        self._own([internal], session_id)
+        self.members.own([internal], session_id)
         self.tenants.add_rows([row], tenant)
         if prompt is not None:
-            self._reuse_prefix(row, tenant, prompt, public_prefix_len, cache_extra_key)
-            self.prefix_query_tokens += int(prompt.size)  # vLLM's prefix_cache_queries / _hits, in tokens
-            self.prefix_hit_tokens += self.tables.num_tokens.item(row)
+            self.prefix.start(row, tenant, prompt, public_prefix_len, cache_extra_key)
         return named if scoped else internal
 
     def _check_new_id(self, seq_id: int, tenant: int) -> None:
@@ -147,68 +141,6 @@ class KVCacheManager:
         if self.tenant_ids.holds(tenant, seq_id) if self.tenancy else seq_id in self.index:
             raise SequenceExistsError(f"sequence {seq_id} already exists")
         check_caller_seq_id(seq_id)
-
-    def _reuse_prefix(self, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int, extra: bytes) -> None:
-        """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``: one
-        token is always left to compute), within the tenant's budget for blocks new to it
-        (``TenantLedger.adoptable``), and track it. Its first ``public_prefix_len // block_size`` blocks are public
-        (hashed with PUBLIC_SALT). The hashes of every full block of the prompt past the run it starts with are kept
-        for its prefill (``TokenChains.prompts``), which then does not hash them again."""
-        salt, cache, num_public = self.tenants.names[tenant].encode(), self.allocator.cache, public_prefix_len // self.block_size
-        bs = self.block_size
-        num_full = prompt.size // bs
-        hashes = chain_hashes(prompt[: num_full * bs], bs, salt, extra=extra, num_public=num_public)
-        matched = cache.match(hashes[: max(0, (prompt.size - 1) // bs)])
-        blocks = np.array(matched, dtype=np.int32) if matched else EMPTY_BLOCKS
-        if blocks.size and self.tenancy:
-            ledger = self.tenants
-            public = cache.is_public[blocks] if cache.num_public else None
-            revived = self.allocator.ref_count[blocks] == 0
-            if ledger.limited:
-                num = ledger.adoptable(tenant, blocks, revived, public, self.allocator.num_allocatable)
-                blocks, revived = blocks[:num], revived[:num]
-                public = None if public is None else public[:num]
-            ledger.charge_adopted(tenant, blocks, revived, public)
-        if blocks.size:
-            self.tables.adopt(row, blocks)
-        num = blocks.size
-        self.chains.start(row, salt, hashes[:num], extra, num_public)
-        if num < num_full:
-            self.chains.prompts.keep(row, PromptBlocks(num, hashes[num - 1] if num else NONE_HASH, hashes[num:],
-                                                       prompt[num * bs : num_full * bs].tobytes()))
-
-    def _prompt_hashes(self, salt: bytes, prompt: np.ndarray, num_public: int, extra: bytes) -> list[bytes]:
-        """The chain hashes of the prompt's full blocks a register may reuse (all but the last token's)."""
-        bs = self.block_size
-        return chain_hashes(prompt[: max(0, (prompt.size - 1) // bs) * bs], bs, salt, extra=extra, num_public=num_public)
-
-    def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
-                      public_prefix_len: int = 0, cache_extra_key: bytes = b"",
-                      hashes: list[bytes] | None = None) -> tier_restore.StagedRestore | None:
-        """Before ``register`` with this prompt: plan bringing back the prompt's blocks found in the host tier
-        (``tier_restore.stage``). The caller runs the tier's staged offloads, then ``staged.pairs`` (host slot ->
-        pool block), then ``finish_restore``; the register's match then finds them. None: nothing to restore.
-        ``hashes``: the prompt's ``prompt_hashes``, computed beforehand (off the lock), else computed here."""
-        if self.host_tier is None:
-            return None
-        if hashes is None:
-            hashes = self.prompt_hashes(tenant, prompt_token_ids, public_prefix_len, cache_extra_key)
-        return tier_restore.stage(self.allocator, self.host_tier, hashes)
-
-    def prompt_hashes(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
-                      public_prefix_len: int = 0, cache_extra_key: bytes = b"") -> list[bytes]:
-        """The chain hashes a register of this prompt matches (checked as ``register`` checks it). Reads only the
-        tenant's name (``TenantLedger.names`` only grows): the service may call it without the lock."""
-        prompt = np.asarray(prompt_token_ids, dtype=np.uint32)
-        check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
-        tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
-        salt = self.tenants.names[tenant].encode()
-        return self._prompt_hashes(salt, prompt, public_prefix_len // self.block_size, cache_extra_key)
-
-    def finish_restore(self, staged: tier_restore.StagedRestore, ok: bool) -> None:
-        """The restore copies of ``staged`` completed (``ok``) or failed: see ``tier_restore.finish``."""
-        assert self.host_tier is not None
-        self.prefix_host_hit_tokens += tier_restore.finish(self.allocator, self.host_tier, staged, ok) * self.block_size
 
     def append(
         self, seq_ids: int | Sequence[int] | np.ndarray, num_new_tokens: int | Sequence[int] = 1,
@@ -233,30 +165,10 @@ class KVCacheManager:
             num_new_tokens = append_counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)  # type: ignore[union-attr]
         if token_ids is None and not self.chains.chains:  # nothing to track (a dict's truth: the cheapest test)
             if self.tenancy:
-                return self._plan_as(seq_ids, rows, num_new_tokens, tenant)  # type: ignore[arg-type]
+                return plan_within_budget(self.tables, self.tenants, seq_ids, rows,
+                                          num_new_tokens, tenant)  # type: ignore[arg-type]
             return self.tables.plan_append(rows, num_new_tokens)  # type: ignore[arg-type]
         return self._append_tracked(seq_ids, rows, num_new_tokens, tenant, token_ids)  # type: ignore[arg-type]
-
-    def _plan_as(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
-                 tenant: int | None) -> AppendPlan:
-        """The plan with tenancy on: the blocks it may take are bounded by the tenant's budget
-        (``TenantLedger.budget``), passed to the tables; the tenant is charged the blocks taken. The rows of a
-        tenant's call were resolved in its namespace; those of a trusted call (``tenant=None``) must be one tenant's
-        (one gather, one compare)."""
-        ledger = self.tenants
-        if tenant is None:
-            owners = ledger.tenant_of_row.take(rows)
-            tenant = int(owners if rows.__class__ is int else owners.item(0))
-            if np.count_nonzero(owners != tenant):
-                ids = np.atleast_1d(np.asarray(seq_ids, dtype=np.uint64))
-                raise not_live(int(ids[np.atleast_1d(owners) != tenant][0]))
-        if ledger.limited:
-            budget, why = ledger.budget(tenant, self.allocator.num_allocatable)
-            plan = self.tables.plan_append(rows, num_new_tokens, budget, why)
-        else:
-            plan = self.tables.plan_append(rows, num_new_tokens)
-        ledger.num_blocks[tenant] += plan.new_block_ids.size
-        return plan
 
     def _append_tracked(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
                         tenant: int | None, token_ids: Sequence[int] | np.ndarray | None) -> AppendPlan:
@@ -270,7 +182,7 @@ class KVCacheManager:
             ids = append_token_ids(token_ids, total)
         lengths = self.tables.num_tokens.take(row_array)
         if self.tenancy:
-            plan = self._plan_as(seq_ids, rows, num_new_tokens, tenant)
+            plan = plan_within_budget(self.tables, self.tenants, seq_ids, rows, num_new_tokens, tenant)
         else:
             plan = self.tables.plan_append(rows, num_new_tokens)
         ledger = self.tenants
@@ -331,7 +243,7 @@ class KVCacheManager:
         for seq_id, row in zip(internal, rows):
             self.index.add(seq_id, row)
         parent_internal = self.index.row_to_id.item(parent_row)
-        self._own(internal, session_id or self.session_of_seq.get(parent_internal, 0))
+        self.members.own(internal, session_id or self.members.session_of_seq.get(parent_internal, 0))
         self.tenants.add_rows(rows, parent_tenant)
         return named if self.tenancy and tenant is not None else internal
 
@@ -360,81 +272,21 @@ class KVCacheManager:
                 self.tenant_ids.remove(owner, row)
         for seq_id in internal:
             self.index.remove(seq_id)
-        self._disown(internal)
+        self.members.disown(internal)
         self.detached_rows.update(rows)
         return rows
 
     def release_detached(self, rows: list[int]) -> int:
         """Drop the blocks of ``rows`` (distinct, detached) and make the rows free. Returns the blocks freed."""
-        owners = self.tenants.tenant_of_row[rows].tolist()
-        num_freed, distinct = 0, sorted(set(owners))
-        for owner in distinct:  # each tenant's rows apart: the ledger credits what it no longer holds
-            group = rows if len(distinct) == 1 else [row for row, o in zip(rows, owners) if o == owner]
-            public = self._public_held(group) if self.tenancy and self.tenants.public_refs else []
-            freed = self.tables.release(group)
-            if self.tenancy:
-                self.tenants.credit_released(owner, freed, public, self.allocator.ref_count)
-            num_freed += freed
-        self.tenants.remove_rows(rows)
+        num_freed = release_rows(self.tables, self.tenants, self.tenancy, rows)
         self.chains.drop(rows)
         self.detached_rows.difference_update(rows)
         return num_freed
 
-    def _public_held(self, rows: list[int]) -> list[int]:
-        """The public blocks ``rows`` reference, one entry per reference (read before releasing them)."""
-        is_public = self.allocator.cache.is_public
-        held: list[int] = []
-        for row in rows:
-            blocks = self.tables.blocks_of(row)
-            held += blocks[is_public[blocks]].tolist()
-        return held
-
     # ---------------------------------------------------------------- sessions
-    def _own(self, seq_ids: list[int], session_id: int) -> None:
-        if session_id:
-            self.seqs_of_session.setdefault(session_id, set()).update(seq_ids)
-            for seq_id in seq_ids:
-                self.session_of_seq[seq_id] = session_id
-
-    def _disown(self, seq_ids: list[int]) -> None:
-        if not self.session_of_seq:
-            return
-        for seq_id in seq_ids:
-            session_id = self.session_of_seq.pop(seq_id, 0)
-            if session_id:
-                members = self.seqs_of_session[session_id]
-                members.discard(seq_id)
-                if not members:
-                    del self.seqs_of_session[session_id]
-
     def seq_ids_of_session(self, session_id: int) -> list[int]:
         """The live sequences of a session (what its end frees), by internal id (a trusted caller's)."""
-        return sorted(self.seqs_of_session.get(session_id, ()))
-
-    def session_usage(self) -> dict[int, tuple[int, int]]:
-        """session_id -> (its sequences, the distinct blocks they hold)."""
-        usage = {}
-        for session_id, seq_ids in self.seqs_of_session.items():
-            blocks = [self.block_table(seq_id) for seq_id in seq_ids]
-            usage[session_id] = (len(seq_ids), int(np.unique(np.concatenate(blocks)).size) if blocks else 0)
-        return usage
-
-    def named_id(self, seq_id: int) -> int:
-        """The id a live sequence's tenant names it by, from its internal id (the same without tenancy)."""
-        return self.tenant_ids.id_of_row.item(self.index.row(seq_id)) if self.tenancy else seq_id
-
-    def sequence_infos(self, session_id: int | None = None, tenant: int | None = None) -> list[tuple[int, int, int, int]]:
-        """(seq_id, session_id, num_tokens, num_blocks) of every live sequence, or of one session's; only
-        ``tenant``'s when given. The ids are the ones the sequences' tenants name them by."""
-        internal = self.index.seq_ids() if session_id is None else self.seq_ids_of_session(session_id)
-        infos = []
-        for seq_id in internal:
-            row = self.index.row(seq_id)
-            if tenant is None or self.tenants.tenant_of_row.item(row) == tenant:
-                named = self.tenant_ids.id_of_row.item(row) if self.tenancy else seq_id
-                num_tokens = self.tables.num_tokens.item(row)
-                infos.append((named, self.session_of_seq.get(seq_id, 0), num_tokens, self.tables.blocks_for(num_tokens)))
-        return sorted(infos)
+        return self.members.seq_ids(session_id)
 
     # ---------------------------------------------------------------- lookups
     def num_tokens(self, seq_id: int, tenant: int | None = None) -> int:

@@ -7,7 +7,7 @@
 Between the two, the restored blocks are held (ref count 1) by nobody's table and are not in the prefix cache: no
 match can reach them before their bytes are there, and no other sequence can read them. The service copies with its
 lock released (other calls run meanwhile); ``HostTier.restoring`` holds the staging's references and pinned slots
-until ``finish``, which drops them, so a register's plain prefix match (``KVCacheManager._reuse_prefix``) right
+until ``finish``, which drops them, so a register's plain prefix match (``PrefixReuse.start``) right
 after, in the same lock hold, adopts them like any cached block -- the register path itself is unchanged, and a
 failed restore leaves exactly a miss.
 """

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool_server.core import InvalidArgumentError, KVCacheManager
+from kvpool_server.core import InvalidArgumentError, KVCacheManager, listings
 from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.core.sessions import Session
 from kvpool_server.service import paging
@@ -204,7 +204,7 @@ class SessionService:
         with self.guard.lock:
             if session_id:
                 self.table.get(session_id)  # NOT_FOUND for a session that is not live
-                live = manager.seqs_of_session.get(session_id, ())
+                live = manager.members.seqs_of_session.get(session_id, ())
             else:
                 live = manager.index.seq_ids()
             ids = np.fromiter(live, dtype=np.uint64, count=len(live))
@@ -217,8 +217,8 @@ class SessionService:
             rows = []
             for seq_id in ids.tolist():
                 num_tokens = manager.num_tokens(seq_id)
-                rows.append((manager.named_id(seq_id), manager.session_of_seq.get(seq_id, 0), num_tokens,
-                             manager.tables.blocks_for(num_tokens)))
+                rows.append((listings.named_id(manager, seq_id), manager.members.session_of_seq.get(seq_id, 0),
+                             num_tokens, manager.tables.blocks_for(num_tokens)))
         return rows, paging.encode_token(listing, int(ids[-1])) if more else ""
 
     def gauges(self) -> SessionGauges:
@@ -226,8 +226,8 @@ class SessionService:
         sweep frees them with the end, so this reads 0)."""
         manager = self.guard.manager
         with self.guard.lock:
-            ended = [sid for sid in manager.seqs_of_session if sid not in self.table]
-            usage = manager.session_usage() if ended else {}
+            ended = [sid for sid in manager.members.seqs_of_session if sid not in self.table]
+            usage = listings.session_usage(manager) if ended else {}
             ledger = manager.tenants
             tenants = tuple((name, ledger.num_blocks[t], ledger.num_sequences[t])
                             for t, name in enumerate(ledger.names) if name) if manager.tenancy else ()
@@ -235,8 +235,8 @@ class SessionService:
 
 
 def _session_usage(manager: KVCacheManager, session_id: int) -> tuple[int, int]:
-    """(sequences, distinct blocks) of one session (``KVCacheManager.session_usage`` for one session only)."""
-    seq_ids = manager.seqs_of_session.get(session_id, ())
+    """(sequences, distinct blocks) of one session (``listings.session_usage`` for one session only)."""
+    seq_ids = manager.members.seqs_of_session.get(session_id, ())
     if not seq_ids:
         return 0, 0
     blocks = np.concatenate([manager.block_table(seq_id) for seq_id in seq_ids])

@@ -21,7 +21,7 @@ The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
 Write-back (``start_writeback``, ``--host-tier-writeback-blocks``): a background thread copies the pool's
 evictable blocks next in line into the tier ahead of need, at most that many blocks in flight, in chunks of at most
 ``WRITEBACK_CHUNK_BLOCKS`` (``writeback_step``): one short hold of the lock settles the chunks whose copy completed
-(oldest first, stopping at the first in flight) and plans the next chunk (``HostTier.plan_writeback``); with the
+(oldest first, stopping at the first in flight) and plans the next chunk (``tier_writeback.plan``); with the
 lock released it builds the chunk's events and queues its copy, or waits for the oldest copy. An allocation then
 evicts blocks whose content the tier already holds, and its call copies nothing. With the write-back on, an
 eviction the write-back did not reach first is dropped from the tier (``HostTier.offload_on_evict`` off: a later
@@ -42,8 +42,9 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
-from kvpool_server.core import KVCacheManager
-from kvpool_server.core.host_tier import NO_PAIRS, HostTier, host_stored
+from kvpool_server.core import KVCacheManager, tier_writeback
+from kvpool_server.core.host_tier import NO_PAIRS, HostTier
+from kvpool_server.core.host_tier_events import host_stored
 from kvpool_server.core.tier_restore import StagedRestore
 from kvpool_server.device.tier_pool import CopyTicket, TierPool
 from kvpool_server.service.auth import Identity
@@ -105,13 +106,14 @@ class TierCopies:
         (after its fencing), copy with the lock released, and return what ``finish_restore`` settles -- under the
         lock, in the hold of the register whose match then finds the blocks. None: nothing to restore."""
         try:  # hashed before the lock (a bad prompt: refused under it, after the fencing, as without a tier)
-            hashes: list[bytes] | None = self.manager.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
+            hashes: list[bytes] | None = self.manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len,
+                                                                           cache_extra_key)
         except Exception:
             hashes = None
         with guard.lock:
             guard.fence(caller, session_id)
             self.settle()
-            staged = self.manager.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key, hashes)
+            staged = self.manager.prefix.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key, hashes)
             self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
         if staged is None:
             return None
@@ -133,7 +135,7 @@ class TierCopies:
         if restoring is None or restoring.finished:
             return 0
         restoring.finished = True
-        self.manager.finish_restore(restoring.staged, restoring.ok)
+        self.manager.prefix.finish_restore(restoring.staged, restoring.ok)
         return len(restoring.staged.pairs) if restoring.ok else 0
 
     # ------------------------------------------------------------------ write-back
@@ -159,8 +161,8 @@ class TierCopies:
             self.finish_writebacks(wait=False)
             if self.writebacks or self.memory.closed:
                 return 0
-            pairs = self.tier.plan_writeback(self.manager.allocator.cache.evictable,
-                                             self.manager.allocator.cache.entries, max_blocks)
+            pairs = tier_writeback.plan(self.tier, self.manager.allocator.cache.evictable,
+                                        self.manager.allocator.cache.entries, max_blocks)
             if not len(pairs):
                 return 0
             locked = self.tier.offload_on_evict
@@ -186,8 +188,8 @@ class TierCopies:
             pairs = NO_PAIRS
             if in_flight < max_blocks and not self.memory.closed:
                 cache = self.manager.allocator.cache
-                pairs = self.tier.plan_writeback(cache.evictable, cache.entries,
-                                                 min(WRITEBACK_CHUNK_BLOCKS, max_blocks - in_flight), 8 * max_blocks)
+                pairs = tier_writeback.plan(self.tier, cache.evictable, cache.entries,
+                                            min(WRITEBACK_CHUNK_BLOCKS, max_blocks - in_flight), 8 * max_blocks)
         if len(pairs):  # a copy that could not start: idle a while (0), as with nothing to do
             return len(pairs) if self._queue(pairs, lock) is not None else 0
         for ticket, *_ in self.writebacks[:1]:  # the oldest (a settle under the lock may take it meanwhile: harmless)
@@ -208,10 +210,10 @@ class TierCopies:
         except Exception as exc:  # closed, or the copy could not be queued
             logger.warning("host tier: a write-back of %d blocks could not start (%s)", len(pairs), exc)
             if lock is None:
-                tier.finish_writeback(pairs, ok=False)
+                tier_writeback.finish(tier, pairs, ok=False)
             else:
                 with lock:
-                    tier.finish_writeback(pairs, ok=False)
+                    tier_writeback.finish(tier, pairs, ok=False)
             return None
         self.writebacks.append((ticket, pairs, stored))
         return ticket
@@ -237,7 +239,7 @@ class TierCopies:
             ok = self.memory.settle_writeback(ticket)  # waits; its bytes and seconds counted once
             if not ok:
                 logger.warning("host tier: a write-back of %d blocks failed: they are not kept", len(pairs))
-            self.tier.finish_writeback(pairs, ok, entry[2] if len(entry) > 2 else None)
+            tier_writeback.finish(self.tier, pairs, ok, entry[2] if len(entry) > 2 else None)
             del writebacks[0]
             settled += len(pairs)
             if max_batches is not None:

@@ -1,0 +1,111 @@
+"""PrefixReuse: a register's prompt against the prefix cache's two tiers -- the cached run it starts with, the blocks
+restored from the host tier before it, and the hit counters (docs/prefix-caching.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool_server.core import tier_restore
+from kvpool_server.core.block_hash import NONE_HASH, chain_hashes
+from kvpool_server.core.block_tables import BlockTables
+from kvpool_server.core.call_args import check_register_args
+from kvpool_server.core.host_tier import HostTier
+from kvpool_server.core.prompt_hashes import PromptBlocks
+from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
+from kvpool_server.core.token_chains import TokenChains
+from kvpool_server.core.types import EMPTY_BLOCKS
+
+
+def reusable_hashes(prompt: np.ndarray, block_size: int, salt: bytes, num_public: int, extra: bytes) -> list[bytes]:
+    """The chain hashes of the prompt's full blocks a register may reuse (all but the last token's)."""
+    bs = block_size
+    return chain_hashes(prompt[: max(0, (prompt.size - 1) // bs) * bs], bs, salt, extra=extra, num_public=num_public)
+
+
+class PrefixReuse:
+    """The manager's prefix-cache side of ``register`` with ``prompt_token_ids``, over the manager's parts (passed
+    to the constructor; nothing here reaches into the manager).
+
+    ``start`` begins a new row with the prompt's cached run and tracks it; before the register, ``stage_restore``
+    and ``finish_restore`` bring the prompt's blocks back from the host tier (``tier_restore``), so that the
+    register's plain match finds them. The salt is the tenant's name, so different tenants never share a block --
+    except the blocks of a public prefix (``public_prefix_len``), hashed with PUBLIC_SALT, which any tenant may
+    adopt. Counters (since start, in tokens; PoolStats): ``query_tokens`` of prompts registered with their ids,
+    ``hit_tokens`` of them found cached (vLLM's prefix_cache_queries / _hits), ``host_hit_tokens`` restored from
+    the host tier (counted as hits too).
+    """
+
+    def __init__(self, tables: BlockTables, tenants: TenantLedger, chains: TokenChains, tenancy: bool,
+                 max_seq_len: int, host_tier: HostTier | None) -> None:
+        self.tables: BlockTables = tables
+        self.tenants: TenantLedger = tenants
+        self.chains: TokenChains = chains
+        self.tenancy: bool = tenancy
+        self.max_seq_len: int = max_seq_len
+        self.host_tier: HostTier | None = host_tier
+        self.query_tokens: int = 0
+        self.hit_tokens: int = 0
+        self.host_hit_tokens: int = 0
+
+    def start(self, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int, extra: bytes) -> None:
+        """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``: one
+        token is always left to compute), within the tenant's budget for blocks new to it
+        (``TenantLedger.adoptable``), and track it. Its first ``public_prefix_len // block_size`` blocks are public
+        (hashed with PUBLIC_SALT). The hashes of every full block of the prompt past the run it starts with are kept
+        for its prefill (``TokenChains.prompts``), which then does not hash them again."""
+        tables, allocator, bs = self.tables, self.tables.allocator, self.tables.block_size
+        salt, cache, num_public = self.tenants.names[tenant].encode(), allocator.cache, public_prefix_len // bs
+        num_full = prompt.size // bs
+        hashes = chain_hashes(prompt[: num_full * bs], bs, salt, extra=extra, num_public=num_public)
+        matched = cache.match(hashes[: max(0, (prompt.size - 1) // bs)])
+        blocks = np.array(matched, dtype=np.int32) if matched else EMPTY_BLOCKS
+        if blocks.size and self.tenancy:
+            ledger = self.tenants
+            public = cache.is_public[blocks] if cache.num_public else None
+            revived = allocator.ref_count[blocks] == 0
+            if ledger.limited:
+                num = ledger.adoptable(tenant, blocks, revived, public, allocator.num_allocatable)
+                blocks, revived = blocks[:num], revived[:num]
+                public = None if public is None else public[:num]
+            ledger.charge_adopted(tenant, blocks, revived, public)
+        if blocks.size:
+            tables.adopt(row, blocks)
+        num = blocks.size
+        self.chains.start(row, salt, hashes[:num], extra, num_public)
+        if num < num_full:
+            self.chains.prompts.keep(row, PromptBlocks(num, hashes[num - 1] if num else NONE_HASH, hashes[num:],
+                                                       prompt[num * bs : num_full * bs].tobytes()))
+        self.query_tokens += int(prompt.size)
+        self.hit_tokens += tables.num_tokens.item(row)
+
+    def prompt_hashes(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
+                      public_prefix_len: int = 0, cache_extra_key: bytes = b"") -> list[bytes]:
+        """The chain hashes a register of this prompt matches (checked as ``register`` checks it). Reads only the
+        tenant's name (``TenantLedger.names`` only grows): the service may call it without the lock."""
+        prompt = np.asarray(prompt_token_ids, dtype=np.uint32)
+        check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
+        tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
+        bs = self.tables.block_size
+        salt = self.tenants.names[tenant].encode()
+        return reusable_hashes(prompt, bs, salt, public_prefix_len // bs, cache_extra_key)
+
+    def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
+                      public_prefix_len: int = 0, cache_extra_key: bytes = b"",
+                      hashes: list[bytes] | None = None) -> tier_restore.StagedRestore | None:
+        """Before ``register`` with this prompt: plan bringing back the prompt's blocks found in the host tier
+        (``tier_restore.stage``). The caller runs the tier's staged offloads, then ``staged.pairs`` (host slot ->
+        pool block), then ``finish_restore``; the register's match then finds them. None: nothing to restore.
+        ``hashes``: the prompt's ``prompt_hashes``, computed beforehand (off the lock), else computed here."""
+        if self.host_tier is None:
+            return None
+        if hashes is None:
+            hashes = self.prompt_hashes(tenant, prompt_token_ids, public_prefix_len, cache_extra_key)
+        return tier_restore.stage(self.tables.allocator, self.host_tier, hashes)
+
+    def finish_restore(self, staged: tier_restore.StagedRestore, ok: bool) -> None:
+        """The restore copies of ``staged`` completed (``ok``) or failed: see ``tier_restore.finish``."""
+        assert self.host_tier is not None
+        num = tier_restore.finish(self.tables.allocator, self.host_tier, staged, ok)
+        self.host_hit_tokens += num * self.tables.block_size
