@@ -7,6 +7,7 @@ float16 on CUDA against a GPU server (CUDA graphs per batch bucket; ``scripts/gp
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 
@@ -18,27 +19,13 @@ transformers = pytest.importorskip("transformers")
 from kvpool_client import KVPoolClient  # noqa: E402
 from kvpool_client.integrations.engine import DecodeEngine  # noqa: E402
 from kvpool_client.integrations.engine_beams import EngineBeams  # noqa: E402
-from kvpool_client.integrations.hf_llama import DenseBeams, beam_search  # noqa: E402
+from kvpool_client.integrations.hf_llama import DenseBeams  # noqa: E402
+from tests.client.engine_cases import CASES, TOLERANCE, relative as _relative, search, tiny_llama  # noqa: E402
+from tests.client.engine_cases import random_prompt as _prompt  # noqa: E402
 from tests.client.greedy_ties import assert_same_until_tie  # noqa: E402
 
-CASES = [pytest.param("cpu", "float32", id="cpu-float32")]
-if torch.cuda.is_available():
-    CASES += [pytest.param("cuda", "float16", id="cuda-float16")]
-# The documented bound: max |logit diff| / max |logit| over every step, teacher-forced (the dense model decodes the
-# same beams). float32: summation order only; float16: the Triton decode's float32 online softmax against SDPA, and
-# the engine's fused Q/K/V and gate/up GEMMs and compiled elementwise helpers against transformers' separate ones
-# (measured on the H200: 5.0e-3 greedy, 9.3e-3 beam width 3 at block size 5, tokens identical).
-TOLERANCE = {"float32": 1e-5, "float16": 2e-2}
 STEPS = int(os.environ.get("KVPOOL_ENGINE_STEPS", "10"))
-
-
-def tiny_llama(dtype: str, device: str, seed: int = 0):
-    config = transformers.LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                      num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
-                                      attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).to(device).eval()
+_search = functools.partial(search, steps=STEPS)
 
 
 def server_args(device: str, dtype: str, block_size: int) -> list[str]:
@@ -47,22 +34,6 @@ def server_args(device: str, dtype: str, block_size: int) -> list[str]:
 
 
 ENGINE = {"max_batch": 8, "max_model_len": 128, "graph_sizes": [1, 2, 4, 8]}
-
-
-def _prompt(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _search(beams, prompt, width, decisions=None):
-    logits: dict[int, torch.Tensor] = {}
-    tokens, chosen = beam_search(beams, prompt, width, STEPS, lambda s, lg: logits.__setitem__(s, lg.float().cpu()),
-                                 follow=decisions)
-    return tokens, chosen, logits
-
-
-def _relative(ours: dict, theirs: dict) -> float:
-    scale = max(float(t.abs().max()) for t in theirs.values())
-    return max(float((ours[s] - theirs[s]).abs().max()) for s in ours) / scale
 
 
 @pytest.mark.parametrize("device,dtype", CASES)

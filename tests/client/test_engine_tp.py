@@ -10,6 +10,7 @@ CUDA against a GPU server (one CUDA graph a batch bucket, all ranks in it; ``scr
 
 from __future__ import annotations
 
+import functools
 import numpy as np
 import pytest
 
@@ -19,55 +20,27 @@ transformers = pytest.importorskip("transformers")
 from kvpool_client import KVPoolClient  # noqa: E402
 from kvpool_client.integrations.engine import DecodeEngine  # noqa: E402
 from kvpool_client.integrations.engine_beams import EngineBeams  # noqa: E402
-from kvpool_client.integrations.hf_llama import DenseBeams, beam_search  # noqa: E402
+from kvpool_client.integrations.hf_llama import DenseBeams  # noqa: E402
 from kvpool_client.integrations.tp_engine import TPDecodeEngine  # noqa: E402
 from kvpool_client.integrations.tp_llama import TPLlama  # noqa: E402
+from tests.client.engine_cases import CASES, TOLERANCE, relative as _relative, search, tiny_llama  # noqa: E402
+from tests.client.engine_cases import random_prompt as _prompt  # noqa: E402
 from tests.client.greedy_ties import assert_same_until_tie  # noqa: E402
 
-CASES = [pytest.param("cpu", "float32", id="cpu-float32")]
-if torch.cuda.is_available():
-    CASES += [pytest.param("cuda", "float16", id="cuda-float16")]
-# The bound of test_engine.py (max |logit diff| / max |logit| over every step, teacher-forced): the split adds only
-# the order of the partial sums (o_proj and down_proj over N slices, added in rank order).
-TOLERANCE = {"float32": 1e-5, "float16": 2e-2}
 # The TP engine against the 1-shard engine, on the same tokens: float32 summation order; float16 the partial sums
 # rounded to float16 before they are added.
 TO_ONE_SHARD = {"float32": 1e-5, "float16": 1e-2}
 STEPS = 8
+_search = functools.partial(search, steps=STEPS)
 ENGINE = {"max_batch": 8, "max_model_len": 128, "graph_sizes": [1, 2, 4, 8]}
 SPLITS = [pytest.param(4, 2, id="4heads-2ranks"), pytest.param(4, 4, id="4heads-4ranks"),
           pytest.param(2, 4, id="2heads-4ranks-replicated")]
-
-
-def tiny_llama(dtype: str, device: str, kv_heads: int, seed: int = 0):
-    config = transformers.LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                      num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=32,
-                                      max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
-                                      attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).to(device).eval()
 
 
 def server_args(device: str, dtype: str, kv_heads: int, block_size: int, tp: int) -> list[str]:
     return ["--backend", "gpu" if device == "cuda" else "host", "--pool-bytes", "8MiB", "--num-layers", "3",
             "--num-kv-heads", str(kv_heads), "--head-dim", "32", "--block-size", str(block_size), "--dtype", dtype,
             "--tensor-parallel", str(tp)]
-
-
-def _prompt(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _search(beams, prompt, width, decisions=None):
-    logits: dict[int, torch.Tensor] = {}
-    tokens, chosen = beam_search(beams, prompt, width, STEPS, lambda s, lg: logits.__setitem__(s, lg.float().cpu()),
-                                 follow=decisions)
-    return tokens, chosen, logits
-
-
-def _relative(ours: dict, theirs: dict) -> float:
-    scale = max(float(t.abs().max()) for t in theirs.values())
-    return max(float((ours[s] - theirs[s]).abs().max()) for s in ours) / scale
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
