@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -37,15 +36,6 @@ def make(tier_blocks: int, wait: bool = True) -> tuple[KVPoolService, CallScope]
     if svc.tier is not None and wait:
         assert svc.tier.memory.wait_ready(30)
     return svc, CallScope(admission, None, None)
-
-
-@pytest.fixture
-def tiered() -> Iterator[tuple[KVPoolService, CallScope]]:
-    svc, scope = make(64)
-    try:
-        yield svc, scope
-    finally:
-        svc.guard.pool.close()
 
 
 def prefill(svc: KVPoolService, scope: CallScope, prompt: list[int], tag: int) -> tuple[int, int]:

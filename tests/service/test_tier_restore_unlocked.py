@@ -6,7 +6,6 @@ timing: the instrumented restore blocks on an Event until the test has made its 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,6 @@ from tests.service.test_service_host_tier import (
     check,
     evict_everything,
     free,
-    make,
     prefill,
     prompt_of,
     read,
@@ -31,15 +29,6 @@ from tests.service.test_service_host_tier import (
 
 FULL = PROMPT_BLOCKS * BLOCK_SIZE
 WAIT_S = 30  # only so that a broken build fails instead of hanging: nothing here depends on how long a step takes
-
-
-@pytest.fixture
-def tiered() -> Iterator[tuple[KVPoolService, CallScope]]:
-    svc, scope = make(64)
-    try:
-        yield svc, scope
-    finally:
-        svc.guard.pool.close()
 
 
 class HeldRestores:
