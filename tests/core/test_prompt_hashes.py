@@ -177,3 +177,30 @@ def test_hashes_equal_those_of_a_manager_that_keeps_nothing(length: int, cached:
         m.check_invariants()
         assert not m.chains.prompts.entries and m.chains.prompts.num_bytes == 0
     assert events[True] == events[False]
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 16])  # a partial block, block-aligned (the last block hashed anew)
+@pytest.mark.parametrize("public", [0, 4, 8])
+def test_a_register_given_its_prompt_hashes_starts_as_one_that_hashes_them(length: int, public: int) -> None:
+    """``register(..., prompt_hashes=...)`` (the service hashes the prompt before taking the lock): the same cached
+    run, the same kept hashes and, after the prefill and a decode step, the same cached blocks as a register that
+    hashes the prompt itself -- a cached prefix included, public blocks too; a list of the wrong length is not
+    used."""
+    first = list(range(100, 100 + length))
+    prompt = first[: min(length, 12)] + list(range(1, length - min(length, 12) + 1))
+    results = []
+    for kind in ("none", "hashes", "wrong"):
+        m = make(True)
+        old = m.register(prompt_token_ids=first, public_prefix_len=min(public, length))
+        m.append(old, length, token_ids=first)
+        m.append(old, token_ids=[7])  # seals them: ``prompt`` finds its first blocks cached
+        hashes = m.prefix.prompt_hashes(None, prompt, min(public, length))
+        known = {"none": None, "hashes": hashes, "wrong": hashes + [b"x" * 32]}[kind]
+        seq = m.register(prompt_token_ids=prompt, public_prefix_len=min(public, length), prompt_hashes=known)
+        kept = m.chains.prompts.num_bytes
+        cached = m.num_tokens(seq)
+        m.append(seq, length - cached, token_ids=prompt[cached:])
+        m.append(seq, token_ids=[9])
+        m.check_invariants()
+        results.append((cached, kept, cached_content(m)))
+    assert results[0] == results[1] == results[2]

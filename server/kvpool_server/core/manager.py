@@ -111,12 +111,13 @@ class KVCacheManager:
 
     def register(self, seq_id: int | None = None, session_id: int = 0, tenant: int | None = None,
                  prompt_token_ids: Sequence[int] | np.ndarray | None = None, public_prefix_len: int = 0,
-                 cache_extra_key: bytes = b"") -> int:
+                 cache_extra_key: bytes = b"", prompt_hashes: list[bytes] | None = None) -> int:
         """Create a sequence (of ``session_id``, 0: none; of ``tenant``, None: the default); the manager assigns the
         id unless one is given. With ``prompt_token_ids`` it starts with the longest run of the prompt's full
         blocks that are cached (``num_tokens`` says how many tokens: the caller appends the rest), and is tracked.
         The prompt's first ``public_prefix_len`` tokens (their full blocks) are a public prefix, shared across
-        tenants; ``cache_extra_key`` goes into every block's hash (docs/prefix-caching.md)."""
+        tenants; ``cache_extra_key`` goes into every block's hash (docs/prefix-caching.md). ``prompt_hashes``: the
+        prompt's ``prefix.prompt_hashes`` for this tenant, computed off the lock (else hashed here)."""
         prompt = None if prompt_token_ids is None else np.asarray(prompt_token_ids, dtype=np.uint32)
         check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
         if prompt is None and cache_extra_key:
@@ -133,7 +134,7 @@ class KVCacheManager:
         self.members.own([internal], session_id)
         self.tenants.add_rows([row], tenant)
         if prompt is not None:
-            self.prefix.start(row, tenant, prompt, public_prefix_len, cache_extra_key)
+            self.prefix.start(row, tenant, prompt, public_prefix_len, cache_extra_key, prompt_hashes)
         return named if scoped else internal
 
     def _check_new_id(self, seq_id: int, tenant: int) -> None:

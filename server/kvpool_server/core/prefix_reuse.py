@@ -49,16 +49,21 @@ class PrefixReuse:
         self.hit_tokens: int = 0
         self.host_hit_tokens: int = 0
 
-    def start(self, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int, extra: bytes) -> None:
+    def start(self, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int, extra: bytes,
+              reusable: list[bytes] | None = None) -> None:
         """Start the new ``row`` with the cached full blocks of ``prompt`` (at most ``(len - 1) // block_size``: one
         token is always left to compute), within the tenant's budget for blocks new to it
         (``TenantLedger.adoptable``), and track it. Its first ``public_prefix_len // block_size`` blocks are public
         (hashed with PUBLIC_SALT). The hashes of every full block of the prompt past the run it starts with are kept
-        for its prefill (``TokenChains.prompts``), which then does not hash them again."""
+        for its prefill (``TokenChains.prompts``), which then does not hash them again. ``reusable``: this prompt's
+        ``prompt_hashes`` for this tenant, computed before the lock (only the last full block is hashed here then)."""
         tables, allocator, bs = self.tables, self.tables.allocator, self.tables.block_size
         salt, cache, num_public = self.tenants.names[tenant].encode(), allocator.cache, public_prefix_len // bs
         num_full = prompt.size // bs
-        hashes = chain_hashes(prompt[: num_full * bs], bs, salt, extra=extra, num_public=num_public)
+        done = reusable if reusable is not None and len(reusable) == max(0, (prompt.size - 1) // bs) else []
+        k = len(done)
+        hashes = done + chain_hashes(prompt[k * bs : num_full * bs], bs, salt, parent_hash=done[-1] if k else NONE_HASH,
+                                     extra=extra, num_public=max(0, num_public - k))
         matched = cache.match(hashes[: max(0, (prompt.size - 1) // bs)])
         blocks = np.array(matched, dtype=np.int32) if matched else EMPTY_BLOCKS
         if blocks.size and self.tenancy:

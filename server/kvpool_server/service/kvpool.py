@@ -28,6 +28,7 @@ import numpy as np
 
 from kvpool.layout import KVLayout
 from kvpool_server.core import AppendPlan, PoolStats
+from kvpool_server.core.errors import KVPoolError
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.device import PoolAttachInfo
 from kvpool_server.device.pool import RankShard
@@ -113,15 +114,20 @@ class KVPoolService:
         tenant, manager, tier = call.caller.tenant_id, self.guard.manager, self.tier
         prompt = prompt_token_ids if len(prompt_token_ids) else None
 
+        hashes = None  # the prompt's chain hashes, computed here with the lock free (a bad prompt: None, refused
+        if prompt is not None:  # under the lock, after the fencing, as the core refuses it)
+            try:
+                hashes = manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
+            except (KVPoolError, IndexError):
+                pass
         restoring = None  # the prompt's host-tier blocks, copied back with the lock released, before the match
-        if tier is not None and prompt is not None:
-            restoring = tier.start_restore(self.guard, call.caller, session_id, tenant, prompt, public_prefix_len,
-                                           cache_extra_key)
+        if tier is not None and prompt is not None and hashes is not None:
+            restoring = tier.start_restore(self.guard, call.caller, session_id, tenant, prompt, hashes)
 
         def apply() -> Registered:
             if tier is not None:
                 tier.finish_restore(restoring)  # in this hold: the match below finds the restored blocks
-            new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key)
+            new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key, hashes)
             return Registered(new_id, manager.num_tokens(new_id, tenant) if prompt is not None else 0)
 
         try:

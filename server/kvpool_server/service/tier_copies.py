@@ -2,7 +2,7 @@
 below) while the guard's lock is held.
 
     tier.flush()                                    # under the lock, after every mutation that may evict
-    restoring = tier.start_restore(guard, caller, session_id, tenant, prompt, public, extra)   # a register, unlocked
+    restoring = tier.start_restore(guard, caller, session_id, tenant, prompt, hashes)   # a register, unlocked
     ... under the lock, in the register's hold: tier.finish_restore(restoring), then the core's register ...
 
 The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
@@ -100,20 +100,15 @@ class TierCopies:
         tier.commit(slots)
 
     def start_restore(self, guard: CoreGuard, caller: Identity, session_id: int, tenant: int | None,
-                      prompt: Sequence[int] | np.ndarray, public_prefix_len: int = 0,
-                      cache_extra_key: bytes = b"") -> Restoring | None:
+                      prompt: Sequence[int] | np.ndarray, hashes: list[bytes]) -> Restoring | None:
         """Bring the prompt's host-tier blocks back into the pool, for a register: stage under the guard's lock
         (after its fencing), copy with the lock released, and return what ``finish_restore`` settles -- under the
-        lock, in the hold of the register whose match then finds the blocks. None: nothing to restore."""
-        try:  # hashed before the lock (a bad prompt: refused under it, after the fencing, as without a tier)
-            hashes: list[bytes] | None = self.manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len,
-                                                                           cache_extra_key)
-        except Exception:
-            hashes = None
+        lock, in the hold of the register whose match then finds the blocks. None: nothing to restore.
+        ``hashes``: the prompt's ``prefix.prompt_hashes``, computed by the caller with the lock free."""
         with guard.lock:
             guard.fence(caller, session_id)
             self.settle()
-            staged = self.manager.prefix.stage_restore(tenant, prompt, public_prefix_len, cache_extra_key, hashes)
+            staged = self.manager.prefix.stage_restore(tenant, prompt, hashes=hashes)
             self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
         if staged is None:
             return None
