@@ -17,7 +17,6 @@ Arrays follow their header in the order listed, each starting on an 8-byte bound
 from __future__ import annotations
 
 import mmap
-import os
 
 import numpy as np
 
@@ -121,33 +120,8 @@ class Views:
         del self.ctl, self.req_area, self.rep_area, self.req, self.rep
 
 
-def create_segment(name: str, area_bytes: int) -> mmap.mmap:
-    """Create (exclusively, mode 0600) and map a zeroed segment; the caller unlinks it (``unlink_segment``)."""
-    import _posixshmem
-
-    size = segment_bytes(area_bytes)
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    except BaseException:
-        unlink_segment(name)
-        raise
-    finally:
-        os.close(fd)
-
-
 def open_segment(name: str, size: int) -> mmap.mmap:
     """Map an existing segment (no resource_tracker: see kvpool.shm)."""
     from kvpool.shm import open_shm
 
     return open_shm(name, size)
-
-
-def unlink_segment(name: str) -> None:
-    import _posixshmem
-
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 from kvpool.tensor_parallel import group_block_bytes
 from kvpool_server.settings import ConfigError, format_bytes
 from kvpool_server.exposure import TransportError, check_transport_files
+from kvpool_server.shm_segments import SHM_DIR
 
 if TYPE_CHECKING:
     from kvpool_server.config import ServerConfig
 
-SHM_DIR = "/dev/shm"
 SHM_ADVICE = ("give the container more: `docker run --shm-size=1g`, or `shm_size: 1gb` under the service in compose "
               "(docker/compose.yaml sets it); on a host, `mount -o remount,size=2G /dev/shm`")
 

@@ -9,12 +9,13 @@ names its own ``session_id``, so a channel whose session has ended is refused by
 from __future__ import annotations
 
 import mmap
-import os
 import socket
 import threading
 
 from kvpool import fastpath as fp
 from kvpool_server.service.auth import Identity
+from kvpool_server.service.errors import SharedMemoryFullError
+from kvpool_server.shm_segments import CHANNEL_KIND, ShmFullError, create_segment, segment_name, unlink_segment
 
 _barrier = threading.Lock()
 
@@ -36,7 +37,11 @@ class Channel:
         self.authorization = authorization  # the header OpenFastPath carried: every record is authenticated again
         self.generation = generation
         self.token = token
-        self.mapping: mmap.mmap | None = fp.create_segment(name, area_bytes)
+        try:  # every page reserved: a client's or our first touch of one is never SIGBUS
+            self.mapping: mmap.mmap | None = create_segment(name, fp.segment_bytes(area_bytes),
+                                                            what="a fast-path channel")
+        except ShmFullError as exc:
+            raise SharedMemoryFullError(f"{exc.strerror}: no fast-path channel, use gRPC") from None
         self.views: fp.Views | None = fp.Views(self.mapping, area_bytes)
         ctl = self.views.ctl
         ctl[fp.CTL_GENERATION] = generation
@@ -55,7 +60,7 @@ class Channel:
     def unlink(self) -> None:
         if self.linked:
             self.linked = False
-            fp.unlink_segment(self.name)
+            unlink_segment(self.name)
 
     def fence(self, reason: int) -> None:
         """Mark the channel closed in the segment (the client sees it at its next request); serve nothing more."""
@@ -95,4 +100,5 @@ class Channel:
 
 
 def new_name() -> str:
-    return f"kvpool-fp-{os.getpid()}-{os.urandom(6).hex()}"
+    """``kvpool-fp-<pid>-<start time>-<pid namespace>-<random>``: the start-up sweep reaps it if we die."""
+    return segment_name(CHANNEL_KIND)

@@ -21,6 +21,7 @@ from kvpool_server.service.metrics import KVPoolMetrics
 from kvpool_server.service.replay import ReplyCache
 from kvpool_server.service.sessions import SessionService
 from kvpool_server.service.tier_copies import TierCopies
+from kvpool_server.shm_segments import reap_stale_segments
 
 
 class StartupError(RuntimeError):
@@ -33,6 +34,7 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
     pass. Raises StartupError, with nothing left allocated, if the pool cannot be made or the configuration does
     not fit it."""
     config.validate()
+    reap_stale_segments()  # dead servers' pools and channels, before the free space of /dev/shm is looked at
     try:
         check_environment(config)
         check_pool_fits(config)

@@ -22,6 +22,7 @@ The core raises before it changes anything, so a call that fails here has left t
     TooManySessionsError     RESOURCE_EXHAUSTED   --max-sessions sessions are open, server-wide
     SlowSubscriberError      RESOURCE_EXHAUSTED   a SubscribeEvents subscriber that did not read was shed for a new one
     TooManyBytesError        RESOURCE_EXHAUSTED   --max-inflight-bytes of large requests are in flight; retry later
+    SharedMemoryFullError    RESOURCE_EXHAUSTED   /dev/shm has no room for a new fast-path channel (use gRPC)
     QuotaExceededError       RESOURCE_EXHAUSTED   the caller's tenant is at a quota (named in the message); kvpool-error:
                                                   quota-exceeded
     UnauthenticatedError     UNAUTHENTICATED      no token, or one the tokens file does not hold (revoked)
@@ -104,6 +105,10 @@ class TooManyBytesError(KVPoolError):
     """``--max-inflight-bytes`` of large request bodies are being served, and this one cannot wait for room."""
 
 
+class SharedMemoryFullError(KVPoolError):
+    """/dev/shm has not the room for a new segment (a fast-path channel): refused before anything was made."""
+
+
 class UnauthenticatedError(KVPoolError):
     """The call has no bearer token, or one the server does not know (never issued, or revoked by SIGHUP)."""
 
@@ -127,6 +132,7 @@ STATUS_OF: dict[type[KVPoolError], Code] = {
     TooManySessionsError: Code.RESOURCE_EXHAUSTED,
     SlowSubscriberError: Code.RESOURCE_EXHAUSTED,
     TooManyBytesError: Code.RESOURCE_EXHAUSTED,
+    SharedMemoryFullError: Code.RESOURCE_EXHAUSTED,
     UnauthenticatedError: Code.UNAUTHENTICATED,
     PermissionDeniedError: Code.PERMISSION_DENIED,
 }
