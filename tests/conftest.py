@@ -22,6 +22,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.private_shm import PrivateShm
+
 SMALL_POOL_ARGS: tuple[str, ...] = ("--backend", "host", "--pool-bytes", str(256 * 8192))
 STARTUP_TIMEOUT_S = 20.0
 
@@ -107,11 +109,12 @@ def wait_serving(
 
 def start_server(
     tmp_path: Path, *extra_args: str, unix: bool = False, env: dict[str, str] | None = None,
-    credentials: grpc.ChannelCredentials | None = None,
+    credentials: grpc.ChannelCredentials | None = None, prefix: list[str] | None = None,
 ) -> ServerProcess:
     """Start kvpool-server on port 0 (or a unix socket) with ``extra_args``; return once it is SERVING.
 
     Defaults to the small host pool unless ``extra_args`` name ``--backend`` / ``--pool-bytes`` themselves.
+    ``prefix``: a command that runs it (``PrivateShm.prefix``: inside a test's own /dev/shm).
     """
     tmp_path = Path(tmp_path)
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -137,7 +140,7 @@ def start_server(
         proc_env.update(env)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            server_command() + args, stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True
+            (prefix or []) + server_command() + args, stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True
         )
     try:
         if unix:
@@ -172,8 +175,8 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
     def factory(*extra_args: str, unix: bool = False, env: dict[str, str] | None = None,
-                credentials: grpc.ChannelCredentials | None = None) -> ServerProcess:
-        proc = start_server(tmp_path, *extra_args, unix=unix, env=env, credentials=credentials)
+                credentials: grpc.ChannelCredentials | None = None, prefix: list[str] | None = None) -> ServerProcess:
+        proc = start_server(tmp_path, *extra_args, unix=unix, env=env, credentials=credentials, prefix=prefix)
         started.append(proc)
         return proc
 
@@ -183,6 +186,15 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
             proc.stop()
         except RuntimeError:
             proc.kill()
+
+
+@pytest.fixture
+def private_shm() -> Iterator[PrivateShm]:
+    """A 64 MiB /dev/shm of the test's own (tests/private_shm.py; skipped, with the reason, where it cannot be
+    mounted). Servers started in it keep it until they stop."""
+    shm = PrivateShm("64m")
+    yield shm
+    shm.close()
 
 
 @pytest.fixture

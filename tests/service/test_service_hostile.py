@@ -103,17 +103,19 @@ def test_compressed_requests_are_refused(server) -> None:
         assert stub.Stats(pb.StatsRequest()).num_tokens == 0
 
 
-def test_kill_9_of_the_process_group_leaves_no_segment_past_the_next_start(server_factory) -> None:
-    first = server_factory()
+def test_kill_9_of_the_process_group_leaves_no_segment_past_the_next_start(private_shm, server_factory) -> None:
+    """In a /dev/shm of the test's own: another server's start-up sweep on the machine (like the one started here
+    meanwhile) would take the dead server's segment first, and the test would prove nothing."""
+    first = server_factory(prefix=private_shm.prefix)
     with connect(first.address) as stub:
         shm_name = stub.DescribePool(pb.DescribePoolRequest()).shm_name
-    assert os.path.exists(f"/dev/shm/{shm_name}")
+    assert shm_name in private_shm.names()
     os.killpg(os.getpgid(first.pid), signal.SIGKILL)  # the server and its resource_tracker at once
     first.proc.wait()
-    time.sleep(0.2)
-    assert os.path.exists(f"/dev/shm/{shm_name}"), "nothing was left: the test proves nothing"
-    second = server_factory()
-    assert not os.path.exists(f"/dev/shm/{shm_name}"), "the dead server's segment outlived the next start"
+    server_factory()  # another server of the machine, in the machine's /dev/shm: its sweep cannot reach ours
+    assert shm_name in private_shm.names(), "nothing was left: the test proves nothing"
+    second = server_factory(prefix=private_shm.prefix)
+    assert shm_name not in private_shm.names(), "the dead server's segment outlived the next start"
     assert "left by dead servers" in second.log()
 
 
