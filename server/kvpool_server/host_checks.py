@@ -2,11 +2,12 @@
 
 * ``check_environment(config)`` (load_config runs it): the files named exist (TLS, tokens), the CPUs of
   ``--cpu-affinity`` are ones this process may use.
-* ``check_pool_fits(config)`` (at start, before the pool is made): a host-backend pool fits both the memory the
-  host (or its cgroup) has available and the free space of /dev/shm. The segment is sparse, so without this check a
-  pool bigger than /dev/shm starts fine and the first write past the free space kills the server with SIGBUS (Docker
-  gives a container 64 MiB of /dev/shm unless told otherwise), and one bigger than the memory grows until the host
-  swaps or the OOM killer comes. A GPU pool's device memory is CuPy's to refuse (``pool_error_message`` says what
+* ``check_pool_fits(config)`` (at start, before the pool is made): a host-backend pool fits the free space of
+  /dev/shm, and it and the host tier fit the memory the host (or its cgroup) has available -- a message naming the
+  setting before anything is made (Docker gives a container 64 MiB of /dev/shm unless told otherwise). The pool's
+  pages are reserved when it is made (shm_segments), so a /dev/shm filled meanwhile fails the start too, never a
+  later write with SIGBUS; a pool and tier bigger than the memory would grow until the host swaps or the OOM killer
+  comes. A GPU pool's device memory is CuPy's to refuse (``pool_error_message`` says what
   to do then).
 
 Each raises ConfigError naming the setting and what to do.
@@ -96,24 +97,35 @@ def planned_pool_bytes(config: ServerConfig, shm_free: int) -> tuple[int, str]:
 def check_pool_fits(config: ServerConfig, backend: str | None = None, *,
                     statvfs: Callable[[str], Any] = os.statvfs,
                     memory: Callable[[], int | None] = available_memory) -> None:
-    """Refuse a host-backend pool larger than the available memory or the free space of /dev/shm. ``backend``:
-    the one the pool will use ("auto" is resolved here, as create_pool resolves it); ``statvfs`` and ``memory``
-    read the host (tests pass others)."""
+    """Refuse a host-backend pool larger than the free space of /dev/shm, or a host-backend pool and the host tier
+    together larger than the available memory (the tier is host memory on either backend, taken as it is made:
+    ``HostTierPool`` populates its chunks, the GPU backend pins them). ``backend``: the one the pool will use
+    ("auto" is resolved here, as create_pool resolves it); ``statvfs`` and ``memory`` read the host (tests pass
+    others). The pool and each fast-path channel also reserve their pages when made (shm_segments): what this
+    check lets through and something else takes meanwhile fails there, with a message, never with SIGBUS."""
     backend = config.backend if backend is None else backend
     if backend == "auto":
         from kvpool_server.device.pool import gpu_available
 
         backend = "gpu" if gpu_available() else "host"
+    tier = config.host_tier_bytes // config.layout.block_bytes * config.layout.block_bytes
     if backend != "host":
+        available = memory() if tier else None
+        if available is not None and tier > available:
+            raise ConfigError(
+                f"--host-tier-bytes {format_bytes(tier)} is more than the memory this host has available "
+                f"({format_bytes(available)}): give a smaller --host-tier-bytes (or 0: no host tier)")
         return
     shm_free = shm_free_bytes(statvfs)
     size, what = planned_pool_bytes(config, shm_free)
     available = memory()
-    if available is not None and size > available:
+    if available is not None and size + tier > available:
+        both = f"{what} and --host-tier-bytes {format_bytes(tier)} are" if tier else f"{what} is"
         raise ConfigError(
-            f"{what} is more than the memory this host has available ({format_bytes(available)}): a host-backend "
+            f"{both} more than the memory this host has available ({format_bytes(available)}): a host-backend "
             "pool lives in RAM (/dev/shm) and would push the host into swap or the OOM killer as it fills. Give a "
-            "smaller --pool-bytes (or --num-blocks), or run on the GPU (--backend gpu)"
+            f"smaller --pool-bytes (or --num-blocks){', a smaller --host-tier-bytes' if tier else ''}, or run on "
+            "the GPU (--backend gpu)"
         )
     if size > shm_free:
         raise ConfigError(

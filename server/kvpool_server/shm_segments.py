@@ -60,6 +60,21 @@ def pid_namespace() -> int:
         return 0
 
 
+def owner_may_live(pid: int, start_time: int) -> bool:
+    """False only when provably dead: no process ``pid`` with that start time. A pid whose /proc entry we may not
+    read (``hidepid``) but that exists (kill 0 says so) may be it: alive."""
+    started = process_start_time(pid)
+    if started is not None:
+        return started == start_time
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists (EPERM: another user's)
+    return True
+
+
 def segment_name(kind: str = POOL_KIND) -> str:
     """``kvpool-<kind><pid>-<start time>-<pid namespace>-<random>``: enough to tell, later, whether its owner
     lives. ``kind``: POOL_KIND or CHANNEL_KIND."""
@@ -119,8 +134,8 @@ def reap_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
         match = _NAME.fullmatch(name)
         if match is None or int(match[3]) != namespace:
             continue
-        if process_start_time(match[1]) == int(match[2]):
-            continue  # its server is alive
+        if owner_may_live(int(match[1]), int(match[2])):
+            continue
         try:
             os.unlink(os.path.join(shm_dir, name))
         except OSError:

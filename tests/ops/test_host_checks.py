@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -101,3 +102,57 @@ def test_a_pool_larger_than_the_memory_is_refused_by_the_real_server():
     assert "kvpool-server: --pool-bytes 1TiB is more than the memory this host has available" in stderr
     assert "Traceback" not in stderr
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"kvpool-{proc.pid}-")]
+
+
+def test_the_host_tier_counts_with_the_pool_against_the_memory():
+    check(ServerConfig(pool_bytes=64 * MiB, host_tier_bytes=32 * MiB), shm=64 * MiB, memory=96 * MiB)  # exactly
+    with pytest.raises(ConfigError) as info:
+        check(ServerConfig(pool_bytes=64 * MiB, host_tier_bytes=33 * MiB), shm=64 * MiB, memory=96 * MiB)
+    assert str(info.value).startswith("--pool-bytes 64MiB and --host-tier-bytes 33MiB are more than the memory")
+    with pytest.raises(ConfigError, match="^--host-tier-bytes 1TiB is more than the memory"):
+        check(ServerConfig(host_tier_bytes=1 << 40), shm=0, memory=24 * GiB, backend="gpu")
+
+
+def test_a_host_tier_larger_than_the_memory_is_refused_by_the_real_server():
+    """Before, the server started with a small pool and a 1 TiB tier, whose chunks failed (or were overcommitted)
+    later, in the background."""
+    args = ["--backend", "host", "--pool-bytes", "2MiB", "--host-tier-bytes", "1TiB", "--address", "127.0.0.1:0"]
+    proc = subprocess.Popen(server_command() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1, stderr
+    assert "--pool-bytes 2MiB and --host-tier-bytes 1TiB are more than the memory this host has available" in stderr
+
+
+def resident_anonymous_mappings(pid: int) -> list[tuple[int, int]]:
+    """(size, rss) in bytes of each anonymous mapping of process ``pid`` (/proc/PID/smaps)."""
+    found, current = [], None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line: its range, perms, ... path
+                current = [0, 0] if len(head) == 5 else None
+                if current is not None:
+                    found.append(current)
+            elif current is not None and head[0] in ("Size:", "Rss:"):
+                current[head[0] == "Rss:"] = int(head[1]) * 1024
+    return [(size, rss) for size, rss in found]
+
+
+def test_the_host_tier_takes_its_memory_as_it_is_made(server_factory):
+    """The tier's chunks (64 MiB each) are populated when made, not at some later offload: a calloc'd chunk was a
+    mapping of 64 MiB with a few KiB resident."""
+    from kvpool.v1 import kvpool_pb2 as pb
+    from tests.service.service_helpers import connect
+
+    server = server_factory("--host-tier-bytes", "64MiB")
+    with connect(server.address) as stub:
+        deadline = time.monotonic() + 30
+        while stub.Stats(pb.StatsRequest()).host_tier.num_blocks_ready < 64 * MiB // 8192:
+            assert time.monotonic() < deadline, "the tier was not ready in 30 s"
+            time.sleep(0.05)
+    chunks = [(size, rss) for size, rss in resident_anonymous_mappings(server.pid) if size >= 64 * MiB]
+    assert any(rss >= 64 * MiB for _, rss in chunks), f"no resident 64 MiB mapping: {chunks}"

@@ -134,3 +134,23 @@ def test_kill_9_of_the_group_leaves_no_pending_channel_past_the_next_start(priva
     second = server_factory(prefix=private_shm.prefix)
     assert not names & private_shm.names(), "the dead server's channels outlived the next start"
     assert "left by dead servers" in second.log()
+
+
+def test_the_sweep_takes_only_kvpool_segments_of_dead_owners_of_this_pid_namespace(tmp_path) -> None:
+    from kvpool_server.shm_segments import pid_namespace, process_start_time, reap_stale_segments
+
+    ns, me, start, init = pid_namespace(), os.getpid(), process_start_time(), process_start_time(1)
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead_pid = int(f.read())  # pids are below pid_max: no such process
+    names = {
+        f"kvpool-{dead_pid}-5-{ns}-aa": True, f"kvpool-fp-{dead_pid}-5-{ns}-bb": True,  # dead: reaped
+        f"kvpool-{me}-{start + 1}-{ns}-cc": True,  # our pid, another start time: a dead server whose pid we reuse
+        f"kvpool-{me}-{start}-{ns}-dd": False, f"kvpool-fp-1-{init}-{ns}-ee": False,  # alive
+        f"kvpool-{dead_pid}-5-{ns + 1}-ff": False,  # another pid namespace: its pids mean nothing here
+        f"kvpool-fp-{dead_pid}-0a1b2c3d4e5f": False, "kvpool-x-1-2-3-aa": False, "other": False,  # not ours
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    reaped = reap_stale_segments(str(tmp_path))
+    assert sorted(reaped) == sorted(name for name, dead in names.items() if dead)
+    assert set(os.listdir(tmp_path)) == {name for name, dead in names.items() if not dead}

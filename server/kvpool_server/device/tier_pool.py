@@ -20,6 +20,7 @@ as failed (the core aborts the offloads, fences the restored slots), so nothing 
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -294,12 +295,16 @@ class TierPool:
 
 
 class HostTierPool(TierPool):
-    """The host backend's tier: anonymous memory beside a ``HostPool``, NumPy copies through its segments view."""
+    """The host backend's tier: anonymous memory beside a ``HostPool``, NumPy copies through its segments view. A
+    chunk's pages are populated as it is made (``MAP_POPULATE``), as the GPU backend's pinned chunks are: the tier
+    takes its memory at start (the start-up check compares it with the available memory), not at some later
+    offload."""
 
     backend = "host"
 
     def _allocate_chunk(self, nbytes: int) -> np.ndarray:
-        return np.zeros(nbytes, dtype=np.uint8)  # calloc: the pages come on first use
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=np.uint8)  # zeroed; kept by the array
 
     def _move(self, pairs: np.ndarray, to_host: bool) -> None:
         # One slice assignment per run (no temporary, unlike a fancy-indexed gather), as the GPU backend copies.
