@@ -171,7 +171,7 @@ class ServerConfig:
         1 * MiB, "each fast-path channel's request area and reply area (a bigger record goes over gRPC)",
         min=64 << 10, max=64 * MiB, size=True)
     fast_path_max_channels: int = setting(
-        256, "most open fast-path channels (each maps two areas of shared memory; only touched pages cost memory)",
+        256, "most open fast-path channels (each reserves its two areas of /dev/shm when opened)",
         min=1)
     shutdown_grace_s: float = setting(10.0, "seconds in-flight calls get to finish after SIGTERM/SIGINT", min=0)
     shutdown_drain_s: float = setting(
