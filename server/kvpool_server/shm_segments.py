@@ -42,6 +42,9 @@ _NAME = re.compile(r"kvpool-(?:fp-)?(\d+)-(\d+)-(\d+)-[0-9a-f]+")
 class ShmFullError(OSError):
     """/dev/shm has not the room for a segment (ENOSPC from ``posix_fallocate``); nothing was left of it."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)  # the message, without "[Errno 28]"
+
 
 def process_start_time(pid: int | str = "self") -> int | None:
     """The start time of process ``pid`` (clock ticks since boot; /proc/PID/stat field 22), None if it is gone."""
