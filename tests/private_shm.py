@@ -14,11 +14,18 @@ of the process started is the server's.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
+
+
+def _die_with_parent() -> None:
+    """The holder (and with it the tmpfs, once its servers have gone) ends if the test process dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, kept across exec
 
 
 class PrivateShm:
@@ -30,7 +37,7 @@ class PrivateShm:
             pytest.skip("a private /dev/shm (a tmpfs mounted in a mount namespace of the test's own) needs root")
         script = f"mount -t tmpfs -o size={size},mode=1777 kvpool-test-shm /dev/shm && echo ready && exec sleep 3600"
         self.holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
         assert self.holder.stdout is not None
         if self.holder.stdout.readline() != b"ready\n":
             self.holder.wait()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import grpc
 import pytest
@@ -129,7 +128,6 @@ def test_kill_9_of_the_group_leaves_no_pending_channel_past_the_next_start(priva
     assert names <= private_shm.names()
     os.killpg(os.getpgid(first.pid), signal.SIGKILL)  # the server and its resource_tracker at once
     first.proc.wait()
-    time.sleep(0.2)
     assert names <= private_shm.names(), "nothing was left: the test proves nothing"
     second = server_factory(prefix=private_shm.prefix)
     assert not names & private_shm.names(), "the dead server's channels outlived the next start"
