@@ -1,6 +1,7 @@
 """Channel: one session's shared-memory segment and the unix socket that wakes its two sides.
 
-Invariant: a channel's segment stays mapped (``views`` not None) until ``close()``; only the fast-path thread
+Invariant: a channel's segment is reserved whole (``shm_segments.create_segment``; no room: SharedMemoryFullError,
+RESOURCE_EXHAUSTED, and no channel) and stays mapped (``views`` not None) until ``close()``; only the fast-path thread
 touches a live channel (``FastPathServer.stop`` closes them after that thread has ended). Every request it serves
 names its own ``session_id``, so a channel whose session has ended is refused by the session table
 (``CoreGuard.mutate``) even before the thread fences and closes it.
