@@ -140,7 +140,8 @@ def start_server(
         proc_env.update(env)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            (prefix or []) + server_command() + args, stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True
+            (prefix or []) + server_command() + args, stdout=log, stderr=subprocess.STDOUT, env=proc_env,
+            start_new_session=True,
         )
     try:
         if unix:
