@@ -1,0 +1,173 @@
+"""The decode engine on the shared prefix cache (docs/prefix-caching.md, "The engines"): a prefill over a prefix
+another frontend cached gives a full prefill's logits and the same greedy tokens; a block another frontend filled
+but has not sealed (its KV not written) is never a hit; the in-process baseline caches alike; on CUDA the append
+that seals a prefill's blocks runs only after the prefill's writes. Real server processes (host backend on the CPU,
+float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvpool_client import KVPoolClient  # noqa: E402
+from kvpool_client.integrations.engine import DecodeEngine  # noqa: E402
+from kvpool_client.integrations.tp_engine import TPDecodeEngine  # noqa: E402
+from tests.client.engine_cases import CASES, TOLERANCE, random_prompt, tiny_llama  # noqa: E402
+
+ENGINE = {"max_batch": 8, "max_model_len": 256, "graph_sizes": [1, 2, 4, 8]}
+BS = 16
+
+
+def server_args(device: str, dtype: str, *extra: str) -> list[str]:
+    return ["--backend", "gpu" if device == "cuda" else "host", "--pool-bytes", "8MiB", "--num-layers", "3",
+            "--num-kv-heads", "2", "--head-dim", "32", "--block-size", str(BS), "--dtype", dtype, *extra]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return random_prompt(n, seed).tolist()
+
+
+def _full_logits(model, prompt: list[int]) -> torch.Tensor:
+    """The dense model's logits of the prompt's last token (nothing cached anywhere)."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt], device=next(model.parameters()).device)).logits[0, -1].float().cpu()
+
+
+def _dense_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens of the dense model, each step a full forward over everything so far (no cache at all)."""
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(_full_logits(model, ids).argmax()))
+    return ids[len(prompt):]
+
+
+def _rel(ours: torch.Tensor, full: torch.Tensor) -> float:
+    return float((ours.float().cpu() - full).abs().max()) / float(full.abs().max())
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_prefill_over_a_cached_prefix_matches_a_full_prefill(server_factory, device, dtype, tp):
+    """Frontend A generates from a prompt (its prompt blocks sealed after its prefill wrote them); frontend B,
+    another client, gets the prompt's full blocks as a hit, computes only the suffix -- whose attention reads A's
+    KV -- and gets the full prefill's logits (float32: within 1e-5 of the largest) and A's greedy tokens. ``tp`` 2:
+    the tensor-parallel engine over a pool of two shards."""
+    extra = ("--tensor-parallel", "2") if tp == 2 else ()
+    server = server_factory(*server_args(device, dtype, *extra))
+    model = tiny_llama(dtype, device)
+    engine_class = TPDecodeEngine if tp == 2 else DecodeEngine
+    prompt = _prompt(4 * BS + 7, 3)
+    with KVPoolClient(server.address) as a, KVPoolClient(server.address) as b:
+        writer = engine_class.on_pool(model, a, **ENGINE)
+        first = writer.generate([prompt], 8)
+        assert writer.cached_tokens == 0
+        reader = engine_class.on_pool(model, b, **ENGINE)
+        seq, cached = reader.add_prompt(prompt)
+        assert cached == 4 * BS  # every full block of the prompt, from A's sequence (freed: its blocks stay cached)
+        logits = reader.prefill([seq], [prompt[cached:]])[0]
+        rel = _rel(logits, _full_logits(model, prompt))
+        print(f"\n{device} {dtype} tp {tp}: cached {cached}/{len(prompt)}, max |logit diff| / max |logit| {rel:.2e}")
+        assert rel < TOLERANCE[dtype]
+        reader.free([seq])
+        again = reader.generate([prompt], 8)
+        assert again == first
+        assert reader.cached_tokens == 2 * cached and reader.prompt_tokens == 2 * len(prompt)
+        stats = b.stats()
+        assert stats.prefix_hit_tokens == 2 * cached
+        writer.close()
+        reader.close()
+    assert first == [_dense_greedy(model, prompt, 8)]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_a_block_filled_but_not_sealed_is_never_a_hit(server_factory, device, dtype):
+    """Frontend A registers a prompt and appends all of it with its token ids, but writes no KV and makes no next
+    append: its blocks are full, not sealed. The engine gets no hit and computes the prompt itself (right tokens).
+    When A then seals its (never written) blocks, the hashes the engine sealed first stay cached: a third frontend
+    reads the engine's KV, not A's."""
+    server = server_factory(*server_args(device, dtype), unix=True)  # the shared-memory fast path too
+    model = tiny_llama(dtype, device)
+    prompt = _prompt(3 * BS + 5, 11)
+    dense = [_dense_greedy(model, prompt, 6)]
+    with KVPoolClient(server.address) as a, KVPoolClient(server.address) as b, KVPoolClient(server.address) as c:
+        seq_a, cached_a = a.register_prompt(prompt)
+        assert cached_a == 0
+        a.append(seq_a, len(prompt), token_ids=prompt)  # filled; its KV never written
+        engine = DecodeEngine.on_pool(model, b, **ENGINE)
+        assert engine.generate([prompt], 6) == dense
+        assert b.fast_path_open
+        assert engine.cached_tokens == 0  # A's blocks were full, not sealed: no hit
+        a.append(seq_a, 1, token_ids=[0])  # A seals its unwritten blocks now: their hashes are cached already
+        third = DecodeEngine.on_pool(model, c, **ENGINE)
+        seq, cached = third.add_prompt(prompt)
+        assert cached == 3 * BS
+        a_blocks = set(a.block_table(seq_a).block_ids[:3].tolist())
+        assert not a_blocks & set(third.tables.table[third.tables.row_of[seq], :3].tolist())
+        assert _rel(third.prefill([seq], [prompt[cached:]])[0], _full_logits(model, prompt)) < TOLERANCE[dtype]
+        third.free([seq])
+        for e in (engine, third):
+            e.close()
+        a.free([seq_a])
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_the_in_process_baseline_caches_as_the_server(server_factory, device, dtype):
+    """The same prompts (shared prefixes, an extra key, a pool small enough to evict) through the kvpool engine and
+    the in-process one: the same cached tokens prompt by prompt, the same greedy tokens; the local cache's
+    invariants hold after every batch."""
+    server = server_factory(*server_args(device, dtype))
+    model = tiny_llama(dtype, device)
+    system = _prompt(2 * BS + 3, 5)
+    batches = [[system + _prompt(n, n) for n in (9, 20)], [system + _prompt(9, 9)], [_prompt(40, 1)],
+               [system + _prompt(20, 20)[:BS] + [1, 2, 3]], [system + _prompt(9, 9)]]
+    keys = [b"", b"", b"", b"", b"lora:x"]
+    with KVPoolClient(server.address) as client:
+        pool = DecodeEngine.on_pool(model, client, **ENGINE)
+        local = DecodeEngine.in_process(model, 96, BS, **ENGINE)
+        for prompts, key in zip(batches, keys):
+            before = (pool.cached_tokens, local.cached_tokens)
+            assert pool.generate(prompts, 4, key) == local.generate(prompts, 4, key)
+            assert pool.cached_tokens - before[0] == local.cached_tokens - before[1]
+            local.control.check_invariants()
+        assert local.cached_tokens == pool.cached_tokens > 0
+        assert local.control.prefix.hit_tokens == client.stats().prefix_hit_tokens
+        pool.close()
+    small = DecodeEngine.in_process(model, 12, BS, **ENGINE)  # 11 blocks past the scratch one: evicts
+    for i in range(6):
+        small.generate([_prompt(4 * BS + 1, 100 + i % 3)], 2)
+        small.control.check_invariants()
+    assert small.cached_tokens > 0 and small.control.num_blocks_used() == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: a prefill's writes are asynchronous only there")
+def test_the_append_that_seals_a_prefill_waits_for_its_writes(server_factory):
+    """On CUDA ``prefill`` returns with its writes enqueued; the next append of the sequence seals its blocks. The
+    control path sees the device idle at that append (``WriteFence``): the blocks are written before anyone can
+    match them."""
+    server = server_factory(*server_args("cuda", "float16"))
+    model = tiny_llama("float16", "cuda")
+    prompt = _prompt(240, 4)
+    seen: list[bool] = []
+    with KVPoolClient(server.address) as client:
+        engine = DecodeEngine.on_pool(model, client, **ENGINE)
+        inner = engine.control
+
+        class Watch:
+            def append(self, *args, **kwargs):
+                seen.append(torch.cuda.current_stream().query())  # everything enqueued has run
+                return inner.append(*args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+        engine.control = Watch()
+        seq, cached = engine.add_prompt(prompt)
+        assert cached == 0
+        torch.cuda._sleep(200_000_000)  # the device busy for a while: the prefill's writes queue behind it
+        engine.prefill([seq], [prompt])  # no synchronization: its writes are queued on the device
+        engine.reserve([seq], 1)  # seals the prompt's blocks
+        assert seen == [True]
+        engine.free([seq])
+        engine.close()
