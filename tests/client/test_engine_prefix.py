@@ -162,10 +162,17 @@ def test_the_append_that_seals_a_prefill_waits_for_its_writes(server_factory):
             def __getattr__(self, name):
                 return getattr(inner, name)
 
+        forward = engine.model.forward
+
+        def slow_forward(*args, **kwargs):  # the device still busy (~0.1 s) when the forward returns
+            out = forward(*args, **kwargs)
+            torch.cuda._sleep(200_000_000)
+            return out
+
         engine.control = Watch()
+        engine.model.forward = slow_forward
         seq, cached = engine.add_prompt(prompt)
         assert cached == 0
-        torch.cuda._sleep(200_000_000)  # the device busy for a while: the prefill's writes queue behind it
         engine.prefill([seq], [prompt])  # no synchronization: its writes are queued on the device
         engine.reserve([seq], 1)  # seals the prompt's blocks
         assert seen == [True]
