@@ -3,6 +3,7 @@
 
     python3 benchmarks/bench_ttft.py --json $OUT/ttft.json            (CUDA: random Llama-3-8B fp16, 4,096 + 256)
     python3 benchmarks/bench_ttft.py --device cpu --tiny               (anywhere: 3 layers, 256 + 32 tokens)
+    python3 benchmarks/bench_ttft.py --workload chat [--device cpu --tiny]   (four engine processes: ttft_chat.py)
 
 A writer process (its own model from the same seed, its own client and session) generates from ``prefix + its
 own suffix``, so the prefix's blocks are sealed in the pool, and exits. Then, for each of ``--repeats`` prompts
@@ -119,6 +120,13 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared, hit against recompute")
     p.add_argument("--compile", action="store_true", help="the elementwise helpers through torch.compile")
     p.add_argument("--kv-layout", default="block-major", choices=["block-major", "layer-major"])
+    p.add_argument("--workload", default="single", choices=["single", "chat"],
+                   help="chat: four engine processes, conversations spread over them (ttft_chat.py)")
+    p.add_argument("--systems", type=int, default=None, help="chat: system prompts (4; --tiny: 2)")
+    p.add_argument("--system-tokens", type=int, default=None, help="chat: a system prompt's tokens (2048; --tiny: 96)")
+    p.add_argument("--conversations", type=int, default=None, help="chat: conversations (16; --tiny: 8)")
+    p.add_argument("--turns", type=int, default=None, help="chat: turns a conversation (4; --tiny: 3)")
+    p.add_argument("--user-tokens", type=int, default=None, help="chat: a user message's tokens (128; --tiny: 16)")
     p.add_argument("--json", default=None)
     p.add_argument("--role", default="reader", choices=["reader", "writer"], help=argparse.SUPPRESS)
     p.add_argument("--address", default=None, help=argparse.SUPPRESS)
@@ -132,6 +140,19 @@ def main() -> None:
         return
     model = build_model(args)
     layout = layout_for(model.config, BLOCK_SIZE, args.dtype, args.kv_layout)
+    if args.workload == "chat":
+        import ttft_chat  # noqa: PLC0415
+
+        for name, full, tiny in (("systems", 4, 2), ("system_tokens", 2048, 96), ("conversations", 16, 8),
+                                 ("turns", 4, 3), ("user_tokens", 128, 16)):
+            if getattr(args, name) is None:
+                setattr(args, name, tiny if args.tiny else full)
+        args.vocab = model.config.vocab_size
+        del model
+        out = ttft_chat.main(args, start_server, layout)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"workload": "chat", **vars(args), **out}, indent=1, default=str))
+        return
     prefix, suffixes = prompts(args, model.config.vocab_size)
     per_prompt = -(-engine_kwargs(args)["max_model_len"] // BLOCK_SIZE)
     num_blocks = per_prompt * (2 * args.repeats + 6) + 8  # every prompt's blocks stay cached: nothing evicted

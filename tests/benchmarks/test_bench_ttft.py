@@ -24,3 +24,15 @@ def test_bench_ttft_ends_with_its_line_on_the_cpu(tmp_path) -> None:
     result = json.loads((tmp_path / "ttft.json").read_text())
     assert result["kvpool"]["cached"] == result["in-process"]["cached"] == 64
     assert result["kvpool"]["prefix_hit_tokens"] >= 3 * 64  # the warm-up's hit and both repeats'
+
+
+def test_bench_ttft_chat_workload_on_the_cpu(tmp_path) -> None:
+    """Four engine processes on one server, then four private ones: the same answers, and more prompt tokens from
+    the shared cache than from the private ones (a conversation's next turn lands on another engine)."""
+    out = run_script("bench_ttft.py", "--device", "cpu", "--tiny", "--workload", "chat", "--systems", "1",
+                     "--system-tokens", "40", "--conversations", "4", "--turns", "2", "--user-tokens", "20",
+                     "--new-tokens", "2", "--json", str(tmp_path / "chat.json"), timeout=600)
+    assert re.search(r"chat: TTFT p50 [0-9.]+ ms shared vs [0-9.]+ ms private .* tokens identical: yes$", out.strip())
+    result = json.loads((tmp_path / "chat.json").read_text())
+    assert result["shared"]["requests"] == result["private"]["requests"] == 8
+    assert result["shared"]["cached_share"] > result["private"]["cached_share"]
