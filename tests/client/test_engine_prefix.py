@@ -6,6 +6,7 @@ float32)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -139,6 +140,45 @@ def test_the_in_process_baseline_caches_as_the_server(server_factory, device, dt
         small.generate([_prompt(4 * BS + 1, 100 + i % 3)], 2)
         small.control.check_invariants()
     assert small.cached_tokens > 0 and small.control.num_blocks_used() == 1
+
+
+def test_a_cached_run_that_breaks_the_protocol_is_refused_and_leaves_nothing():
+    """A control path that reports more cached tokens than a prompt allows, or a run whose table names blocks
+    outside the pool, is refused with ValueError; the sequence it registered is freed, the engine's tables hold
+    nothing new. An empty prompt is refused before anything is registered."""
+    model = tiny_llama("float32", "cpu")
+    engine = DecodeEngine.in_process(model, 32, BS, **ENGINE)
+    prompt = _prompt(3 * BS + 2, 8)
+    engine.generate([prompt], 2)  # its 3 full blocks cached
+    honest = engine.control
+
+    class Liar:
+        def __init__(self, cached=None, table=None):
+            self.cached, self.table = cached, table
+
+        def register_prompt(self, *args, **kwargs):
+            seq, cached = honest.register_prompt(*args, **kwargs)
+            return seq, cached if self.cached is None else self.cached
+
+        def block_table(self, seq):
+            real = honest.block_table(seq)
+            return real if self.table is None else type(real)(self.table, real.num_tokens, real.block_size)
+
+        def __getattr__(self, name):
+            return getattr(honest, name)
+
+    rows, held = len(engine.tables.row_of), len(honest.tables)
+    for liar, match in ((Liar(cached=len(prompt)), "cached tokens"), (Liar(cached=BS + 1), "cached tokens"),
+                        (Liar(table=np.array([0, 1, 99])), "pool of 32")):
+        engine.control = liar
+        with pytest.raises(ValueError, match=match):
+            engine.add_prompt(prompt)
+        assert len(engine.tables.row_of) == rows and len(honest.tables) == held  # freed, nowhere tracked
+    engine.control = honest
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_prompt([])
+    honest.check_invariants()
+    assert honest.num_blocks_used() == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: a prefill's writes are asynchronous only there")

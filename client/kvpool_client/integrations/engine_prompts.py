@@ -29,6 +29,8 @@ def register_prompt(control: Any, tables: SeqTables, prompt: Sequence[int], cach
     """A sequence registered with ``prompt``'s token ids, its cached run in ``tables``; (seq, cached tokens). A
     reply that breaks the protocol (a run longer than the prompt allows, blocks outside the pool, a table that
     disagrees with the count) raises ValueError and leaves no sequence behind."""
+    if not len(prompt):
+        raise ValueError("a prompt needs at least one token (its last token's logits are the output)")
     seq, cached = control.register_prompt(list(prompt), cache_extra_key=cache_key)
     try:
         bs = tables.block_size
