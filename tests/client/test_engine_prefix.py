@@ -142,6 +142,27 @@ def test_the_in_process_baseline_caches_as_the_server(server_factory, device, dt
     assert small.cached_tokens > 0 and small.control.num_blocks_used() == 1
 
 
+def test_the_salt_is_the_callers_tenant(server_factory, tmp_path):
+    """With --auth-tokens the engine's prompts are hashed with the tenant its client's token names: another client
+    of the same tenant hits, a client of another tenant computes the prompt itself (and gets the same tokens)."""
+    from tests.security.tenant_helpers import write_tokens  # noqa: PLC0415
+
+    tokens = write_tokens(tmp_path / "tokens.toml", tenants="[tenants.a]\nmay_attach = true\n"
+                          "[tenants.b]\nmay_attach = true\n")
+    server = server_factory(*server_args("cpu", "float32"), "--auth-tokens", str(tokens))
+    model = tiny_llama("float32", "cpu")
+    prompt = _prompt(3 * BS + 4, 21)
+    cached, outputs = {}, {}
+    for name, token in (("a", "tok-a"), ("a again", "tok-a"), ("b", "tok-b")):
+        with KVPoolClient(server.address, token=token) as client:
+            engine = DecodeEngine.on_pool(model, client, **ENGINE)
+            outputs[name] = engine.generate([prompt], 4)
+            cached[name] = engine.cached_tokens
+            engine.close()
+    assert cached == {"a": 0, "a again": 3 * BS, "b": 0}
+    assert outputs["a"] == outputs["a again"] == outputs["b"]
+
+
 def test_a_cached_run_that_breaks_the_protocol_is_refused_and_leaves_nothing():
     """A control path that reports more cached tokens than a prompt allows, or a run whose table names blocks
     outside the pool, is refused with ValueError; the sequence it registered is freed, the engine's tables hold
