@@ -142,6 +142,29 @@ def test_the_in_process_baseline_caches_as_the_server(server_factory, device, dt
     assert small.cached_tokens > 0 and small.control.num_blocks_used() == 1
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_a_prefix_restored_from_the_host_tier(server_factory, device, dtype):
+    """A prompt's blocks evicted from a small pool into the host tier: the engine's register restores them before
+    it replies (prefix_host_hit_tokens), and the prefill over them gives the full prefill's logits and tokens."""
+    server = server_factory("--backend", "gpu" if device == "cuda" else "host", "--pool-bytes", "720KiB",
+                            "--num-layers", "3", "--num-kv-heads", "2", "--head-dim", "32", "--block-size", str(BS),
+                            "--dtype", dtype, "--host-tier-bytes", "4MiB", "--host-tier-writeback-blocks", "0")
+    model = tiny_llama(dtype, device)
+    prompt = _prompt(5 * BS + 3, 31)
+    with KVPoolClient(server.address) as client:
+        engine = DecodeEngine.on_pool(model, client, **ENGINE)
+        first = engine.generate([prompt], 4)
+        for i in range(6):  # 30 blocks in the pool (24 KiB each): the prompt's are evicted, kept in the tier
+            engine.generate([_prompt(5 * BS + 3, 40 + i)], 2)
+        assert client.stats().prefix_host_hit_tokens == 0
+        seq, cached = engine.add_prompt(prompt)
+        assert cached == 5 * BS and client.stats().prefix_host_hit_tokens > 0
+        assert _rel(engine.prefill([seq], [prompt[cached:]])[0], _full_logits(model, prompt)) < TOLERANCE[dtype]
+        engine.free([seq])
+        assert engine.generate([prompt], 4) == first
+        engine.close()
+
+
 def test_the_salt_is_the_callers_tenant(server_factory, tmp_path):
     """With --auth-tokens the engine's prompts are hashed with the tenant its client's token names: another client
     of the same tenant hits, a client of another tenant computes the prompt itself (and gets the same tokens)."""
