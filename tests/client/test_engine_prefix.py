@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 from kvpool_client import KVPoolClient  # noqa: E402
 from kvpool_client.integrations.engine import DecodeEngine  # noqa: E402
 from kvpool_client.integrations.tp_engine import TPDecodeEngine  # noqa: E402
-from tests.client.engine_cases import CASES, TOLERANCE, random_prompt, tiny_llama  # noqa: E402
+from kvpool_client.integrations.engine_beams import EngineBeams  # noqa: E402
+from tests.client.engine_cases import CASES, TOLERANCE, random_prompt, relative, search, tiny_llama  # noqa: E402
 
 ENGINE = {"max_batch": 8, "max_model_len": 256, "graph_sizes": [1, 2, 4, 8]}
 BS = 16
@@ -163,6 +164,26 @@ def test_a_prefix_restored_from_the_host_tier(server_factory, device, dtype):
         engine.free([seq])
         assert engine.generate([prompt], 4) == first
         engine.close()
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_beam_search_over_a_cached_prompt(server_factory, device, dtype):
+    """Beam search (width 3: forks, copy-on-write) from a prompt another client cached: the beams' tokens equal
+    the same search over the uncached prompt, and the logits agree within the bound."""
+    server = server_factory(*server_args(device, dtype))
+    model = tiny_llama(dtype, device)
+    prompt = torch.tensor(_prompt(3 * BS + 9, 13))
+    runs = []
+    for _ in range(2):
+        with KVPoolClient(server.address) as client:
+            engine = DecodeEngine.on_pool(model, client, **ENGINE)
+            runs.append(search(EngineBeams(engine), prompt, 3, steps=6))
+            runs[-1] += (engine.cached_tokens,)
+            engine.close()
+    (first, _, first_logits, cached_first), (second, _, second_logits, cached_second) = runs
+    assert (cached_first, cached_second) == (0, 3 * BS)
+    assert second == first
+    assert relative(second_logits, first_logits) < TOLERANCE[dtype]
 
 
 def test_the_salt_is_the_callers_tenant(server_factory, tmp_path):
