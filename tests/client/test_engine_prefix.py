@@ -147,7 +147,8 @@ def test_the_in_process_baseline_caches_as_the_server(server_factory, device, dt
 def test_a_prefix_restored_from_the_host_tier(server_factory, device, dtype):
     """A prompt's blocks evicted from a small pool into the host tier: the engine's register restores them before
     it replies (prefix_host_hit_tokens), and the prefill over them gives the full prefill's logits and tokens."""
-    server = server_factory("--backend", "gpu" if device == "cuda" else "host", "--pool-bytes", "720KiB",
+    block_bytes = 3 * 2 * BS * 2 * 32 * (4 if dtype == "float32" else 2)
+    server = server_factory("--backend", "gpu" if device == "cuda" else "host", "--pool-bytes", str(30 * block_bytes),
                             "--num-layers", "3", "--num-kv-heads", "2", "--head-dim", "32", "--block-size", str(BS),
                             "--dtype", dtype, "--host-tier-bytes", "4MiB", "--host-tier-writeback-blocks", "0")
     model = tiny_llama(dtype, device)
@@ -155,7 +156,7 @@ def test_a_prefix_restored_from_the_host_tier(server_factory, device, dtype):
     with KVPoolClient(server.address) as client:
         engine = DecodeEngine.on_pool(model, client, **ENGINE)
         first = engine.generate([prompt], 4)
-        for i in range(6):  # 30 blocks in the pool (24 KiB each): the prompt's are evicted, kept in the tier
+        for i in range(6):  # 30 blocks in the pool: the prompt's are evicted, kept in the tier
             engine.generate([_prompt(5 * BS + 3, 40 + i)], 2)
         assert client.stats().prefix_host_hit_tokens == 0
         seq, cached = engine.add_prompt(prompt)
