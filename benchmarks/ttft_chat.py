@@ -93,10 +93,12 @@ def run_variant(address: str | None, args: argparse.Namespace) -> dict:
 def main(args: argparse.Namespace, start_server: Any, layout: Any) -> dict:
     max_len = args.system_tokens + args.turns * (args.user_tokens + args.new_tokens)
     args.prefix, args.suffix = max_len, 0  # engine_kwargs: every request fits
-    per_conversation = -(-(max_len + 16) // 16)
-    args.chat_blocks = per_conversation * args.conversations * args.turns + 8  # nothing evicted, either variant
+    # nothing evicted, either variant: every system prompt's blocks and every conversation's longest prompt, and
+    # the blocks of the requests running at once (one an engine)
+    args.chat_blocks = (args.systems * args.system_tokens + args.conversations * max_len) // 16 \
+        + ENGINES * (max_len // 16 + 2) + 8
     out: dict = {}
-    proc, address = start_server(args, layout, ENGINES * args.chat_blocks)
+    proc, address = start_server(args, layout, args.chat_blocks)
     try:
         out["shared"] = run_variant(address, args)
     finally:
