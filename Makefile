@@ -17,7 +17,7 @@ RUN_SETUP := $(RUN_STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
-.PHONY: help setup test run bench bench-service bench-engine bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking \
+.PHONY: help setup test run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking \
 	compose-check docker-up docker-down monitoring-up image-base image-smoke clean
 
 help:
@@ -31,6 +31,7 @@ help:
 	@echo "make bench              in-process core benchmark; the whole cycle vs vLLM's BlockPool with VLLM_SRC=DIR"
 	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
 	@echo "make bench-engine       decode engine on the pool vs in-process cache (needs PyTorch, transformers; CUDA: Llama-3-8B)"
+	@echo "make bench-ttft         time to first token, a prefix served from the pool vs recomputed (CUDA: Llama-3-8B, 4,096 + 256)"
 	@echo "make bench-events       KV events: block events/s to a SubscribeEvents subscriber process, none dropped"
 	@echo "make soak               20 min of load generators SIGKILLed at random: no block left to a dead session"
 	@echo "make experiments        capacity and sharing experiments (about 35 min on 2 cores; docs/experiments.md)"
@@ -99,6 +100,11 @@ bench-service: $(SETUP)
 # PyTorch and transformers are not in requirements/ (pip install -e 'client[torch]'); without CUDA: BENCH_ENGINE_ARGS="--device cpu --tiny".
 bench-engine: $(SETUP)
 	$(PY) benchmarks/bench_engine.py $(BENCH_ENGINE_ARGS)
+
+# Issue 32: the engine's time to first token, a 4,096-token prefix written by another process served from the pool
+# against recomputed (docs/results.md). Without CUDA: BENCH_TTFT_ARGS="--device cpu --tiny".
+bench-ttft: $(SETUP)
+	$(PY) benchmarks/bench_ttft.py $(BENCH_TTFT_ARGS)
 
 # A server sealing blocks as fast as it can, a subscriber process counting block events/s (docs/experiments.md).
 bench-events: $(SETUP)

@@ -14,7 +14,8 @@ status=0
 only=${1:-all}  # "device": only the first step (copy kernel); "validate": everything but the benchmarks;
                 # "bench": only the benchmarks; "client": demo, beam, attach; "datapath": issue 14;
                 # "prefix": issue 13; "layers": issues 19 and 20 (service layer before/after, clearing blocks);
-                # "engine": issue 22 (torch ops, the decode engine on the pool, bench_engine.py)
+                # "engine": issue 22 (torch ops, the decode engine on the pool, bench_engine.py) and issue 32 (below)
+                # "engine-prefix": issue 32 alone (the engines on the prefix cache: tests, bench_ttft.py)
                 # "tp": issue 26 (tensor-parallel shards: GPU tests, the TP engine, loadgen, decode step, copy bandwidth)
                 # "tier": issue 23 (the host tier: GPU tests, offload/restore vs pinned memcpy, hit rates)
                 # "fast": issue 21 (the fast path's tests and benchmarks, the core against vLLM's BlockPool)
@@ -137,6 +138,20 @@ if [ "$only" = layers ]; then  # issues 19 + 20: the service layer before/after,
             --kinds echo-aio,kvpool,kvpool-stream --before $B --transport unix --pin=6,7 -- --backend gpu 2>&1 | tee $OUT/bench_service_layers.log"
     echo "=== gpu_check status $status"; exit $status
 fi
+engine_prefix() {  # issue 32: the engines on the shared prefix cache (about 3 minutes; the chat run: SKIP_CHAT=1 skips it)
+    step "GPU tests: prefill over another frontend's cached prefix vs a full prefill (1 and 2 shards), unsealed blocks no hit, the sealing append after the prefill's writes, resume after a SIGKILL" \
+        bash -c "set -o pipefail; timeout ${T_PREFIX_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs -s \
+            tests/client/test_engine_prefix.py tests/client/test_engine_resume.py -k 'not cpu' 2>&1 | tee $OUT/engine_prefix_tests.log"
+    step "TTFT: random Llama-3-8B fp16, a 4,096-token prefix written by another process + 256 computed, hit vs recompute" \
+        bash -c "set -o pipefail; timeout ${T_TTFT:-240} python3 benchmarks/bench_ttft.py --json $OUT/ttft.json 2>&1 | tee $OUT/bench_ttft.log"
+    [ -n "$SKIP_CHAT" ] || step "TTFT, chat: four engine processes (Llama-3-8B's shape, 8 layers), conversations spread over them, shared pool vs four private caches" \
+        bash -c "set -o pipefail; timeout ${T_CHAT:-300} python3 benchmarks/bench_ttft.py --workload chat --quick --json $OUT/ttft_chat.json 2>&1 | tee $OUT/bench_ttft_chat.log"
+}
+if [ "$only" = engine-prefix ]; then
+    engine_prefix
+    grep -h "passed\|failed\|error" $OUT/engine_prefix_tests.log | tail -3
+    echo "=== gpu_check status $status"; exit $status
+fi
 if [ "$only" = engine ]; then  # issue 22: KV ops as torch custom ops, the decode engine on the pool vs in-process
     # About 6 minutes: each step has its own time limit, and a failure in one does not stop the next.
     step "GPU tests: kvpool:: ops (vs reference, CUDA graph, torch.compile), the engine vs transformers (greedy, beams, in-process baseline, 3 processes)" \
@@ -144,7 +159,8 @@ if [ "$only" = engine ]; then  # issue 22: KV ops as torch custom ops, the decod
             tests/client/test_torch_ops.py tests/client/test_engine.py -k 'not cpu' 2>&1 | tee $OUT/engine_tests.log"
     step "engine benchmark: random Llama-3-8B, kvpool vs in-process, batch 1/16/64/256, context 512/2048, roofline" \
         bash -c "set -o pipefail; timeout ${T_BENCH:-180} python3 benchmarks/bench_engine.py --json $OUT/engine.json 2>&1 | tee $OUT/bench_engine.log"
-    grep -h "passed\|failed\|error" $OUT/engine_tests.log | tail -3
+    engine_prefix
+    grep -h "passed\|failed\|error" $OUT/engine_tests.log $OUT/engine_prefix_tests.log | tail -3
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N shards; one GPU: all on device 0)

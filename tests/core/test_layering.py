@@ -14,6 +14,7 @@ import pytest
         ("kvpool_server.device", ("grpc", "google.protobuf")),
         ("kvpool.layout", ("grpc", "cupy", "google.protobuf")),
         ("kvpool.shm", ("grpc", "cupy", "google.protobuf")),
+        ("kvpool.block_hash", ("grpc", "cupy", "google.protobuf")),
         ("kvpool_server.main", ("kvpool_client",)),
     ],
 )

@@ -15,6 +15,11 @@ the engine's own scratch sequence (registered at start, one block), so a padded 
 Out-of-pool slots: an Append reply outside the pool is refused when the step is planned; what reaches a kernel
 anyway raises ``error`` on the device, read by ``check_errors`` (``generate`` calls it once per call).
 
+Prefix caching (``engine_prompts``): ``generate`` registers each prompt with its token ids (``add_prompt``; the
+salt is the caller's tenant, ``cache_key`` an optional extra key), starts it with the cached run the server reports
+and prefills only the rest; the first append after a prefill waits for its writes (``WriteFence``), so no block
+is sealed -- matchable by another frontend -- before its KV is written.
+
 Two variants, one engine: ``DecodeEngine.on_pool(model, client)`` (control through ``KVPoolClient``, KV in the
 attached pool) and ``DecodeEngine.in_process(model, num_blocks, block_size)`` (``LocalBlockCache`` over a
 ``torch.zeros`` cache of the same shape) -- the fair baseline.
@@ -32,6 +37,7 @@ import numpy as np
 import torch
 
 import kvpool_client.kernels.torch_ops as ops
+from kvpool_client.integrations.engine_prompts import WriteFence, register_prompt
 from kvpool_client.integrations.local_cache import LocalBlockCache, zeros_like_pool
 from kvpool_client.integrations.paged_llama import PagedLlama
 from kvpool_client.integrations.seq_tables import SeqTables
@@ -60,6 +66,10 @@ class DecodeEngine:
         self.block_size = blocks.shape[3]
         self.num_slots = blocks.shape[0] * self.block_size
         self.error = ops.new_error_flag(self.device)
+        self.fence = WriteFence()
+        # prefill appends carry token ids, which the append stream does not: they go through the client itself
+        self.prompt_control = control.client if isinstance(control, StreamedAppends) else control
+        self.prompt_tokens = self.cached_tokens = 0  # prompts' tokens registered, and of those served cached
         max_blocks = -(-max_model_len // self.block_size)
         self.tables = SeqTables(4 * max_batch + 1, max_blocks, self.block_size)
         self.max_batch = max_batch
@@ -119,6 +129,16 @@ class DecodeEngine:
         self.tables.add(seq)
         return seq
 
+    def add_prompt(self, prompt: Sequence[int], cache_key: bytes = b"") -> tuple[int, int]:
+        """A sequence for ``prompt``, registered with its token ids: it starts with the prompt's longest cached run
+        (the pool's, or restored from the host tier before the reply). Returns (seq, cached tokens); ``prefill``
+        it with ``prompt[cached:]`` (never empty: the last token is always computed)."""
+        self.live_check()
+        seq, cached = register_prompt(self.control, self.tables, prompt, cache_key, self.blocks.shape[0])
+        self.prompt_tokens += len(prompt)
+        self.cached_tokens += cached
+        return seq, cached
+
     def fork(self, parent: int, num_children: int) -> list[int]:
         children = list(self.control.fork(parent, num_children)) if num_children else []
         self.tables.fork(parent, children)
@@ -129,16 +149,23 @@ class DecodeEngine:
             self.control.free(list(seqs))
             self.tables.remove(seqs)
 
-    def _append(self, seqs: list[int], counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Append ``counts[i]`` tokens to ``seqs[i]``; the reply's slots checked (in the pool, as many as asked)
-        and applied to the tables. Nothing is asked of the server that the tables cannot hold."""
+    def _append(self, seqs: list[int], counts: np.ndarray,
+                token_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Append ``counts[i]`` tokens to ``seqs[i]`` (``token_ids``: their ids, concatenated, for the prefix
+        cache); the reply's slots checked (in the pool, as many as asked) and applied to the tables. Nothing is
+        asked of the server that the tables cannot hold. First the last prefill's writes are waited for: this
+        append seals the blocks it filled."""
         self.live_check()
         rows = self.tables.rows(seqs)
         limit = self.tables.max_blocks * self.block_size
         if np.any(self.tables.lens[rows] + counts > limit):
             raise ValueError(f"a sequence would exceed the engine's max_model_len ({limit} tokens)")
+        self.fence.wait()
         one = bool(np.all(counts == 1))
-        reply = self.control.append(seqs, 1 if one else counts.tolist())
+        if token_ids is None:
+            reply = self.control.append(seqs, 1 if one else counts.tolist())
+        else:
+            reply = self.prompt_control.append(seqs, 1 if one else counts.tolist(), token_ids=token_ids)
         slots = np.asarray(reply.slot_mapping, dtype=np.int64)
         if slots.size != int(counts.sum()) or (slots.size and (slots.min() < 0 or slots.max() >= self.num_slots)):
             raise ValueError(f"an Append reply names slots outside [0, {self.num_slots})")
@@ -153,10 +180,12 @@ class DecodeEngine:
     # --- prefill (eager) ----------------------------------------------------------------------------------------
 
     def prefill(self, seqs: list[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Append each prompt to its sequence and run it; the logits of each prompt's last token, [B, V]."""
+        """Append each prompt to its sequence (with its token ids) and run it over the sequence's context (a
+        cached run, an earlier chunk); the logits of each prompt's last token, [B, V]."""
         counts = np.array([len(p) for p in prompts], dtype=np.int64)
-        rows, slots = self._append(seqs, counts)
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
+        flat = [t for p in prompts for t in p]
+        rows, slots = self._append(seqs, counts, np.asarray(flat, dtype=np.uint32))
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         lens = self.tables.lens[rows]
         positions = np.concatenate([np.arange(n - c, n) for n, c in zip(lens, counts)])
         starts = np.cumsum(counts) - counts
@@ -165,7 +194,12 @@ class DecodeEngine:
         attend = self.model.prefill_attend(self.blocks, self.error, spans)
         keep = torch.from_numpy(starts + counts - 1).to(self.device)
         pos, dev_slots = torch.from_numpy(positions).to(self.device), torch.from_numpy(slots).to(self.device)
-        return self._guarded(lambda: self.model.forward(ids, pos, dev_slots, self.blocks, self.error, attend, keep))
+        logits = self._guarded(lambda: self.model.forward(ids, pos, dev_slots, self.blocks, self.error, attend, keep))
+        self.fence.record(self._write_devices())
+        return logits
+
+    def _write_devices(self) -> list[torch.device]:  # where a forward writes KV (tp_engine: every rank's device)
+        return [self.device]
 
     # --- decode -------------------------------------------------------------------------------------------------
 
@@ -272,10 +306,19 @@ class DecodeEngine:
 
     # --- greedy generation, the control path overlapped with the device -----------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        seqs = [self.add_sequence() for _ in prompts]
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 cache_key: bytes = b"") -> list[list[int]]:
+        """Greedy: each prompt registered with its token ids (``add_prompt``), only its uncached suffix
+        prefilled, then ``max_new_tokens - 1`` decode steps; every sequence freed at the end (its sealed prompt
+        blocks stay cached)."""
+        seqs: list[int] = []
         try:
-            tokens = self.prefill(seqs, prompts).argmax(-1).tolist()
+            cached = []
+            for prompt in prompts:
+                seq, num = self.add_prompt(prompt, cache_key)
+                seqs.append(seq)
+                cached.append(num)
+            tokens = self.prefill(seqs, [p[c:] for p, c in zip(prompts, cached)]).argmax(-1).tolist()
             out = [[t] for t in tokens]
             plan = self.plan_decode(seqs) if max_new_tokens > 1 else None
             for step in range(1, max_new_tokens):

@@ -1,11 +1,13 @@
-"""The engine's copy of its sequences' block tables, kept from Append replies (never re-read from the server).
+"""The engine's copy of its sequences' block tables, kept from Append replies (and, for a prompt's cached run, one
+GetBlockTable at its register), never re-read from the server.
 
     row of a sequence:  table[row, :ceil(len / block_size)] = its block ids,  lens[row] = its tokens
 
 An Append reply names the slot of every new token; token ``pos`` lives in block ``slot // block_size``, so the
 reply names every block that changed -- a new block, or a shared last block replaced by its copy-on-write copy --
 and the blocks before never move. ``apply`` writes ``table[row, pos // block_size] = slot // block_size`` for each
-new token (one vectorized assignment for a whole batch). A fork copies the parent's row; a free drops the row.
+new token (one vectorized assignment for a whole batch). A fork copies the parent's row; a free drops the row. A
+sequence registered with a prompt starts with the cached run the server gave it (``start``: its block ids).
 
 Bounded: ``max_seqs`` rows of ``max_blocks`` int32 entries (the engine's ``max_model_len / block_size``).
 """
@@ -35,6 +37,16 @@ class SeqTables:
         row = self._free_rows.pop()
         self.row_of[seq] = row
         self.lens[row] = 0
+
+    def start(self, seq: int, block_ids: np.ndarray, num_tokens: int) -> None:
+        """Add ``seq`` holding ``num_tokens`` tokens in ``block_ids`` (a prompt's cached run, whole blocks)."""
+        if block_ids.size > self.max_blocks or num_tokens != block_ids.size * self.block_size:
+            raise ValueError(f"a run of {block_ids.size} blocks for {num_tokens} tokens does not fit a row of "
+                             f"{self.max_blocks} blocks of {self.block_size}")
+        self.add(seq)
+        row = self.row_of[seq]
+        self.table[row, :block_ids.size] = block_ids
+        self.lens[row] = num_tokens
 
     def fork(self, parent: int, children: Sequence[int]) -> None:
         src = self.row_of[parent]

@@ -7,6 +7,10 @@ its forward, rank r over its shard (``client.attach(rank=r)``) with its heads' s
     engine = TPDecodeEngine.on_pool(model, client)     # the server's DescribePool says N, each shard's heads/device
     engine.generate(prompts, 32); engine.close()
 
+Prefix caching as ``DecodeEngine``'s (one register, one cached run and one table for every rank; the suffix's
+attention on each rank reads its shard of the run): the prefill's writes on every rank's device are waited for
+before the append that seals them.
+
 Ranks sit where the server put their shards (``--tp-devices``: rank r on the r-th device; without it all on device
 0; the host backend: all on the CPU). ``placement`` says which, logged at start: with every rank on one device the
 engine runs the same code as on N devices (one process driving N ranks in a loop), and a decode step is one CUDA
@@ -53,6 +57,10 @@ class TPDecodeEngine(DecodeEngine):
 
     def _paged_model(self, model: Any, compiled: bool) -> TPLlama:
         return TPLlama(model, self.shards, self.heads, compiled)
+
+    def _write_devices(self) -> list[torch.device]:
+        """Every rank's device: a prefill's writes there are waited for before the append that seals them."""
+        return list(dict.fromkeys(self.devices))
 
     @classmethod
     def on_pool(cls, model: Any, client: Any, append_stream: bool | None = None, **kwargs: Any) -> TPDecodeEngine:

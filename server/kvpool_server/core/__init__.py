@@ -34,7 +34,7 @@ the floors below take plain arguments (rows, counts, a budget, arrays) and retur
                            the write-back's blocks in flight (its checks hash with block_hash; its events are
                            host_tier_events')
        host_tier_events.py the host tier's medium and its one-block BlockStored
-       block_hash.py       chain hashes of token blocks (sha256)
+       block_hash.py       chain hashes of token blocks (sha256; defined in kvpool-common's kvpool.block_hash)
     0  types.py            AppendPlan, PoolStats, UNLIMITED (results, immutable)
        kv_event_types.py   BlockStored, BlockRemoved, AllBlocksCleared (records)
        errors.py           the exception tree

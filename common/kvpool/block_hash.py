@@ -1,0 +1,81 @@
+"""Content hashes of full blocks: chained, deterministic sha256 over a canonical byte encoding.
+
+Every process, restart and router that encodes the same (parent hash, token ids, extra keys, salt) gets the same
+32 bytes -- never Python's ``hash()``, which is salted per process. The encoding (docs/prefix-caching.md)::
+
+    block_hash = sha256( b"kvpool.block.v1\\x00"
+                         || parent_hash                       32 bytes; 32 zero bytes (NONE_HASH) for block 0
+                         || u32le(len(salt))  || salt         the tenant's name, UTF-8 (empty without auth), or
+                                                              PUBLIC_SALT for a block of a public prefix
+                         || u32le(len(extra)) || extra        the sequence's cache_extra_key (LoRA, multimodal)
+                         || u32le(n)          || n x u32le    the block's token ids, in order )
+
+A public prefix (RegisterSequenceRequest.public_prefix_len) hashes its first full blocks with ``PUBLIC_SALT``, the
+one byte 0xFF, which occurs in no UTF-8 string: no tenant's salt can equal it, not even tenant 0's empty one. The
+blocks after it continue the same chain (parent = the last public hash) with the tenant's salt.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+DOMAIN = b"kvpool.block.v1\x00"
+NONE_HASH = bytes(32)  # the parent of a sequence's first block
+PUBLIC_SALT = b"\xff"  # the salt of a public prefix's blocks: never valid UTF-8, so never a tenant's name
+MAX_EXTRA_KEY_BYTES = 256  # the longest cache_extra_key (a LoRA adapter's name, a digest of multimodal inputs)
+HEADER_CACHE_SIZE = 1024  # block_header's memo: headers kept (least recently used first out)
+_U32 = struct.Struct("<I")
+
+
+def block_hash(parent_hash: bytes, token_ids: Sequence[int] | np.ndarray, salt: bytes = b"", extra: bytes = b"") -> bytes:
+    """The 32-byte hash of one full block whose predecessor hashed to ``parent_hash`` (NONE_HASH for the first)."""
+    tokens = np.asarray(token_ids, dtype="<u4")
+    return hash_encoded(parent_hash, block_header(salt, extra, tokens.size), tokens.tobytes())
+
+
+@functools.lru_cache(maxsize=HEADER_CACHE_SIZE)
+def block_header(salt: bytes, extra: bytes, num_tokens: int) -> bytes:
+    """The encoding's bytes between the parent hash and the token ids: salt, extra key, token count (the same for
+    every block of a sequence but its public ones: a hot loop computes them once). Memoized (a register needs one or
+    two; a few tenants and extra keys make most of them): at most HEADER_CACHE_SIZE headers, each kept with its
+    arguments (a tenant's name, an extra key of at most MAX_EXTRA_KEY_BYTES), least recently used out first."""
+    return _U32.pack(len(salt)) + salt + _U32.pack(len(extra)) + extra + _U32.pack(num_tokens)
+
+
+def hash_encoded(parent_hash: bytes, header: bytes, token_bytes: bytes) -> bytes:
+    """``block_hash`` given the block's ``block_header`` and its token ids as u32le bytes."""
+    return hashlib.sha256(DOMAIN + parent_hash + header + token_bytes).digest()
+
+
+def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: bytes = b"",
+                 parent_hash: bytes = NONE_HASH, extra: bytes = b"", num_public: int = 0) -> list[bytes]:
+    """The hashes of every full block of ``token_ids`` (a partial tail is not hashed), chained from ``parent_hash``:
+    the first ``num_public`` with ``PUBLIC_SALT``, the others with ``salt``; every one with ``extra``.
+
+    ``block_hash`` per block, unrolled (a register hashes its whole prompt): the token ids made bytes once, each
+    block a slice of them, each of the (at most two) headers encoded once."""
+    tokens = np.asarray(token_ids, dtype="<u4")
+    step = block_size * 4
+    data = tokens.tobytes()
+    end = len(data) - len(data) % step
+    split = min(num_public * step, end)  # the public blocks' bytes end here
+    hashes: list[bytes] = []
+    sha256, domain = hashlib.sha256, DOMAIN
+    runs = [(split, end, block_header(salt, extra, block_size))]
+    if split:
+        runs.insert(0, (0, split, block_header(PUBLIC_SALT, extra, block_size)))
+    for start, stop, header in runs:
+        for at in range(start, stop, step):
+            parent_hash = sha256(domain + parent_hash + header + data[at : at + step]).digest()
+            hashes.append(parent_hash)
+    return hashes
+
+
+def salt_of(block_index: int, num_public: int, salt: bytes) -> bytes:
+    """The salt of logical block ``block_index`` of a sequence whose first ``num_public`` blocks are public."""
+    return PUBLIC_SALT if block_index < num_public else salt
