@@ -12,6 +12,7 @@ import mmap
 import os
 import socket
 import threading
+from typing import Any
 
 from kvpool import fastpath as fp
 from kvpool_server.service.auth import Identity
@@ -47,6 +48,8 @@ class Channel:
         self.last_seq = 0  # the last request seq served (the server's own count, never read back from the segment)
         self.fenced = 0  # a FENCED_* reason once the channel must serve nothing more
         self.opened_at = 0.0
+        # (seq, records.Deferred, its concurrent future): a record settling on the event loop, answered once done
+        self.deferred: Any = None
 
     def connected(self, sock: socket.socket) -> None:
         self.sock = sock
