@@ -1,0 +1,164 @@
+"""Hostile callers of the shared-memory fast path (issue 30), for benchmarks/hostile.py's phase and tests/fastpath.
+
+    from benchmarks.hostile_fastpath import fastpath_attackers
+    workers = fastpath_attackers(address, end, count)     # callables, one thread each, until time.monotonic() > end
+
+    overflow   hand-written append records whose reply would not fit the reply area (forked children of a
+               15-token parent, 2 tokens each: each takes a copy and a new block); refused, never applied twice
+    pending    OpenFastPath up to --fast-path-max-channels, never connecting, CloseSession; again
+    silent     connections to the fast-path socket that never send their token (and never close)
+
+``RawChannel`` is a channel opened by hand (gRPC OpenSession + OpenFastPath, then the client's own
+``FastChannel.connect``) whose records are written by hand: none of the official client's checks.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvpool import fastpath as fp
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from kvpool_client.fastpath import FastChannel
+from kvpool_client.fastpath_records import write_request
+
+
+class RawChannel:
+    """A session and its fast-path channel, records written by hand; ``send`` returns the reply's header words."""
+
+    def __init__(self, stub: Any, metadata: tuple = (), lease_ttl_ms: int = 60_000) -> None:
+        self.stub, self.metadata = stub, metadata
+        self.session_id = stub.OpenSession(pb.OpenSessionRequest(client_name="raw", lease_ttl_ms=lease_ttl_ms),
+                                           metadata=metadata, timeout=10).session_id
+        self.response = stub.OpenFastPath(pb.OpenFastPathRequest(session_id=self.session_id), metadata=metadata,
+                                          timeout=10)
+        self.channel = FastChannel.connect(self.response)
+
+    def send(self, op: int, *, ids: Any = None, counts: Any = None, tokens: Any = None, arg0: int = 0,
+             arg1: int = 0, timeout: float = 30.0) -> dict[str, int]:
+        channel = self.channel
+        ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
+        counts = None if counts is None else np.asarray(counts, dtype=np.uint32)
+        tokens = None if tokens is None else np.asarray(tokens, dtype=np.uint32)
+
+        def write(views: fp.Views) -> None:
+            write_request(views, op, 0, channel.generation, ids=ids, counts=counts, tokens=tokens, arg0=arg0,
+                          arg1=arg1)
+
+        views, seq = channel._publish(write, "raw")
+        channel._wait(views, seq, "raw", timeout)
+        rep = views.rep.tolist()
+        return {"code": rep[fp.REP_CODE], "value0": rep[fp.REP_VALUE0], "n_slots": rep[fp.REP_N_SLOTS],
+                "n_children": rep[fp.REP_N_CHILDREN], "seq": rep[fp.REP_SEQ]}
+
+    def children(self) -> list[int]:
+        views = self.channel.views
+        assert views is not None
+        n = int(views.rep[fp.REP_N_CHILDREN])
+        return views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * n].view(np.uint64).tolist()
+
+    def close(self) -> None:
+        self.channel.close()
+        try:
+            self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), metadata=self.metadata,
+                                   timeout=10)
+        except grpc.RpcError:
+            pass
+
+
+def overflowing_children(raw: RawChannel, area_bytes: int, block_size: int) -> tuple[int, list[int]]:
+    """A 15-token parent and as many forked children as make "append 2 each" overflow the reply area (each child
+    takes a copy of the shared partial block and one new block) while the old bound (one new block a sequence)
+    let it through. Returns (parent, children); the caller frees them."""
+    parent = raw.send(fp.OP_REGISTER)["value0"] & ((1 << 64) - 1)
+    raw.send(fp.OP_APPEND, ids=[parent], counts=[block_size - 1])
+    actual = lambda n: fp.reply_bytes(0, 2 * n, 2 * n, n, 0)  # noqa: E731
+    n = next(n for n in range(1, 1 << 16) if actual(n) > area_bytes)
+    reply = raw.send(fp.OP_FORK, arg0=parent, arg1=n)
+    assert reply["code"] == 0, reply
+    return parent, raw.children()
+
+
+def silent_connections(address: str, n: int) -> list[socket.socket]:
+    """``n`` connections to the fast-path socket that never send their token."""
+    path = "\0" + address[1:] if address.startswith("@") else address
+    socks = []
+    for _ in range(n):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        socks.append(sock)
+    return socks
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def fastpath_attackers(address: str, end: float, count: Callable[[str, str], None]) -> list[Callable[[], None]]:
+    """The three attacks as thread bodies, each counting its answers (``count(kind, what)``) until ``end``."""
+    grpc_channel = grpc.insecure_channel(address)
+    stub = pb_grpc.KVPoolServiceStub(grpc_channel)
+
+    def overflow() -> None:
+        try:
+            raw = RawChannel(stub)
+        except (grpc.RpcError, OSError) as exc:
+            count("fp-overflow", f"no channel: {type(exc).__name__}")
+            return
+        layout = stub.DescribePool(pb.DescribePoolRequest(), timeout=10).layout
+        while time.monotonic() < end:
+            try:
+                parent, children = overflowing_children(raw, int(raw.response.area_bytes), layout.block_size)
+            except AssertionError:  # the fork did not fit the pool now (other attackers hold it): again
+                count("fp-overflow", "fork refused")
+                time.sleep(0.1)
+                continue
+            reply = raw.send(fp.OP_APPEND, ids=children, counts=[2])
+            lengths = {stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=c), timeout=10).num_tokens
+                       for c in children[:8]}
+            count("fp-overflow", "refused" if reply["code"] else "APPLIED")
+            count("fp-overflow", "applied twice" if max(lengths) > layout.block_size + 1 else "at most once")
+            raw.send(fp.OP_FREE, ids=[parent, *children])
+        raw.close()
+
+    def pending() -> None:
+        while time.monotonic() < end:
+            session_id = stub.OpenSession(pb.OpenSessionRequest(client_name="pending"), timeout=10).session_id
+            for _ in range(4096):
+                try:
+                    stub.OpenFastPath(pb.OpenFastPathRequest(session_id=session_id), timeout=10)
+                    count("fp-pending", "opened")
+                except grpc.RpcError as exc:
+                    count("fp-pending", exc.code().name)
+                    break
+            stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)
+            time.sleep(0.5)
+
+    def silent() -> None:
+        session_id = stub.OpenSession(pb.OpenSessionRequest(client_name="silent"), timeout=10).session_id
+        address = stub.OpenFastPath(pb.OpenFastPathRequest(session_id=session_id), timeout=10).socket_address
+        held: list[socket.socket] = []
+        while time.monotonic() < end:
+            held += silent_connections(address, 16)
+            count("fp-silent", "connected")
+            for sock in [s for s in held if closed_by_server(s)]:
+                count("fp-silent", "closed by the server")
+                held.remove(sock)
+                sock.close()
+            time.sleep(0.05)
+        for sock in held:
+            sock.close()
+        stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)
+
+    return [overflow, pending, silent]
