@@ -7,6 +7,7 @@ thread slept while the copy lasted, so every other channel waited."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -116,3 +117,27 @@ def test_a_free_or_fork_waits_for_a_read_in_flight_without_holding_up_other_chan
         for client in (a, b, reader):
             client.close()
         handle.stop()
+
+
+def test_with_auth_tokens_a_fast_path_fork_and_free_during_real_reads_are_applied(server_factory, tmp_path):
+    """A real server process and real ReadKV copies (32 MiB each, a few tens of ms here): every fast-path Fork and
+    Free sent while one is in flight is applied once and answers OK -- it was INTERNAL with --auth-tokens."""
+    from tests.security.tenant_helpers import write_tokens
+
+    tokens_file = write_tokens(tmp_path / "tokens.toml")
+    server = server_factory("--num-blocks", "8192", "--head-dim", "128", "--auth-tokens", str(tokens_file))
+    with KVPoolClient(server.address, token="tok-a", timeout=30) as a, \
+            KVPoolClient(server.address, token="tok-a", fast_path=False, session=False, timeout=60) as reader:
+        layout = reader.describe_pool().layout
+        tokens = min((32 << 20) // layout.token_bytes, 8192 * layout.block_size // 2)
+        seq = a.register()
+        a.append(seq, tokens)
+        for _ in range(5):
+            read = _in_thread(lambda: reader.read_kv(seq))
+            time.sleep(0.005)  # the ReadKV most likely reaches the server first (pinned for its copy)
+            children = a.fork(seq, 2)
+            assert len(children) == 2 and {a.block_table(c).num_tokens for c in children} == {tokens}
+            a.free(children)
+            assert read.result(60).shape[0] == tokens
+            assert a.stats().num_sequences == 1
+        assert a.fast_path_open
