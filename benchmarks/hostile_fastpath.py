@@ -4,7 +4,8 @@
     workers = fastpath_attackers(address, end, count)     # callables, one thread each, until time.monotonic() > end
 
     overflow   hand-written append records whose reply would not fit the reply area (forked children of a
-               15-token parent, 2 tokens each: each takes a copy and a new block); refused, never applied twice
+               15-token parent, 2 tokens each: each takes a copy and a new block; reachable when the area is
+               small for --max-batch: the soak's 64 KiB); refused, never applied twice
     pending    OpenFastPath up to --fast-path-max-channels, never connecting, CloseSession; again
     silent     connections to the fast-path socket that never send their token (and never close)
 
@@ -72,15 +73,19 @@ class RawChannel:
             pass
 
 
+def overflow_children_needed(area_bytes: int) -> int:
+    """How many children make "append 2 each" a reply over ``area_bytes`` (each child: 2 slots, a copy of the
+    shared partial block and one new block)."""
+    return next(n for n in range(1, 1 << 24) if fp.reply_bytes(0, 2 * n, 2 * n, n, 0) > area_bytes)
+
+
 def overflowing_children(raw: RawChannel, area_bytes: int, block_size: int) -> tuple[int, list[int]]:
-    """A 15-token parent and as many forked children as make "append 2 each" overflow the reply area (each child
-    takes a copy of the shared partial block and one new block) while the old bound (one new block a sequence)
-    let it through. Returns (parent, children); the caller frees them."""
+    """A parent one token short of a block and as many forked children as make "append 2 each" overflow the reply
+    area, while the old bound (one new block a sequence) let it through. Returns (parent, children); the caller
+    frees them."""
     parent = raw.send(fp.OP_REGISTER)["value0"] & ((1 << 64) - 1)
     raw.send(fp.OP_APPEND, ids=[parent], counts=[block_size - 1])
-    actual = lambda n: fp.reply_bytes(0, 2 * n, 2 * n, n, 0)  # noqa: E731
-    n = next(n for n in range(1, 1 << 16) if actual(n) > area_bytes)
-    reply = raw.send(fp.OP_FORK, arg0=parent, arg1=n)
+    reply = raw.send(fp.OP_FORK, arg0=parent, arg1=overflow_children_needed(area_bytes))
     assert reply["code"] == 0, reply
     return parent, raw.children()
 
@@ -106,35 +111,38 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def fastpath_attackers(address: str, end: float, count: Callable[[str, str], None]) -> list[Callable[[], None]]:
-    """The three attacks as thread bodies, each counting its answers (``count(kind, what)``) until ``end``."""
+    """The three attacks as thread bodies, each counting its answers (``count(kind, what)``) until ``end``. An
+    attack refused on its way (--max-sessions full, its session expired meanwhile) counts that and starts again."""
     grpc_channel = grpc.insecure_channel(address)
     stub = pb_grpc.KVPoolServiceStub(grpc_channel)
+    layout = stub.DescribePool(pb.DescribePoolRequest(), timeout=10).layout
 
     def overflow() -> None:
+        raw = RawChannel(stub)
         try:
-            raw = RawChannel(stub)
-        except (grpc.RpcError, OSError) as exc:
-            count("fp-overflow", f"no channel: {type(exc).__name__}")
-            return
-        layout = stub.DescribePool(pb.DescribePoolRequest(), timeout=10).layout
-        while time.monotonic() < end:
-            try:
-                parent, children = overflowing_children(raw, int(raw.response.area_bytes), layout.block_size)
-            except AssertionError:  # the fork did not fit the pool now (other attackers hold it): again
-                count("fp-overflow", "fork refused")
-                time.sleep(0.1)
-                continue
-            reply = raw.send(fp.OP_APPEND, ids=children, counts=[2])
-            lengths = {stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=c), timeout=10).num_tokens
-                       for c in children[:8]}
-            count("fp-overflow", "refused" if reply["code"] else "APPLIED")
-            count("fp-overflow", "applied twice" if max(lengths) > layout.block_size + 1 else "at most once")
-            raw.send(fp.OP_FREE, ids=[parent, *children])
-        raw.close()
+            if overflow_children_needed(int(raw.response.area_bytes)) > raw.response.max_batch:
+                count("fp-overflow", "not reachable: the reply area is too big for --max-batch children")
+                time.sleep(max(0.0, end - time.monotonic()))
+                return
+            while time.monotonic() < end:
+                try:
+                    parent, children = overflowing_children(raw, int(raw.response.area_bytes), layout.block_size)
+                except AssertionError:  # the fork did not fit the pool now (other attackers hold it): again
+                    count("fp-overflow", "fork refused")
+                    time.sleep(0.1)
+                    continue
+                reply = raw.send(fp.OP_APPEND, ids=children, counts=[2])
+                lengths = {stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=c), timeout=10).num_tokens
+                           for c in children[:8]}
+                count("fp-overflow", "refused" if reply["code"] else "APPLIED")
+                count("fp-overflow", "APPLIED TWICE" if max(lengths) > layout.block_size + 1 else "at most once")
+                raw.send(fp.OP_FREE, ids=[parent, *children])
+        finally:
+            raw.close()
 
     def pending() -> None:
-        while time.monotonic() < end:
-            session_id = stub.OpenSession(pb.OpenSessionRequest(client_name="pending"), timeout=10).session_id
+        session_id = stub.OpenSession(pb.OpenSessionRequest(client_name="pending"), timeout=10).session_id
+        try:
             for _ in range(4096):
                 try:
                     stub.OpenFastPath(pb.OpenFastPathRequest(session_id=session_id), timeout=10)
@@ -142,23 +150,37 @@ def fastpath_attackers(address: str, end: float, count: Callable[[str, str], Non
                 except grpc.RpcError as exc:
                     count("fp-pending", exc.code().name)
                     break
+        finally:
             stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)
-            time.sleep(0.5)
+        time.sleep(0.5)
 
     def silent() -> None:
         session_id = stub.OpenSession(pb.OpenSessionRequest(client_name="silent"), timeout=10).session_id
         address = stub.OpenFastPath(pb.OpenFastPathRequest(session_id=session_id), timeout=10).socket_address
-        held: list[socket.socket] = []
-        while time.monotonic() < end:
-            held += silent_connections(address, 16)
-            count("fp-silent", "connected")
-            for sock in [s for s in held if closed_by_server(s)]:
-                count("fp-silent", "closed by the server")
-                held.remove(sock)
-                sock.close()
-            time.sleep(0.05)
-        for sock in held:
-            sock.close()
         stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=10)
+        held: list[socket.socket] = []
+        try:
+            while time.monotonic() < end:
+                held += silent_connections(address, 16)
+                count("fp-silent", "connected")
+                for sock in [s for s in held if closed_by_server(s)]:
+                    count("fp-silent", "closed by the server")
+                    held.remove(sock)
+                    sock.close()
+                time.sleep(0.05)
+        finally:
+            for sock in held:
+                sock.close()
 
-    return [overflow, pending, silent]
+    def again(kind: str, attack: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            while time.monotonic() < end:
+                try:
+                    attack()
+                except (grpc.RpcError, OSError) as exc:
+                    what = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
+                    count(kind, f"interrupted: {what}")
+                    time.sleep(0.1)
+        return run
+
+    return [again("fp-overflow", overflow), again("fp-pending", pending), again("fp-silent", silent)]

@@ -44,7 +44,8 @@ from tests.conftest import start_server  # noqa: E402
 POOL_BYTES = 256 << 20
 HOSTILE_RSS_SLACK = 256 << 20  # interpreter, caches and allocator slack beyond the pool's own touched pages
 BOUNDS = ["--max-sessions", "256", "--max-message-bytes", "8MiB", "--max-inflight-bytes", "16MiB",
-          "--event-buffer-bytes", "4MiB", "--max-event-subscribers", "8", "--max-seq-len", "8192"]
+          "--event-buffer-bytes", "4MiB", "--max-event-subscribers", "8", "--max-seq-len", "8192",
+          "--fast-path-area-bytes", "64KiB"]  # small enough for hostile_fastpath's overflowing records
 
 
 def loadgen(target: str, seed: int) -> subprocess.Popen:
