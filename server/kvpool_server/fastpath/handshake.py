@@ -10,12 +10,14 @@ channels, until it has sent its 16 bytes, goes away, or passes ``HANDSHAKE_TIMEO
 
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import socket
 import struct
 import time
 
+logger = logging.getLogger(__name__)
 TOKEN_BYTES = 16
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not sent its whole token within this is closed
 MAX_HANDSHAKES = 64  # connections waiting for their token at once; one more closes the oldest
@@ -67,6 +69,23 @@ class Handshakes:
 
     def __len__(self) -> int:
         return len(self.waiting)
+
+    def accept(self, listener: socket.socket, most: int) -> list[tuple[socket.socket, bytes]]:
+        """Accept up to ``most`` new connections from the (non-blocking) listener; returns those whose token had
+        already come, with it (theirs to bind); the others wait in the table."""
+        ready = []
+        for _ in range(most):
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # out of fds, say: the connection stays queued; the next look tries again
+                logger.warning("fast path: accept failed", exc_info=True)
+                break
+            token = self.start(sock)
+            if token is not None:
+                ready.append((sock, token))
+        return ready
 
     def start(self, sock: socket.socket) -> bytes | None:
         """A just-accepted connection: its token when it is already there (the socket is the caller's), else None

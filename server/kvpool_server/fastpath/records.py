@@ -16,6 +16,9 @@ channels; its reply is written once it has settled (``FastPathServer``).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -23,7 +26,7 @@ import numpy as np
 from kvpool import fastpath as fp
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.fastpath.channel import memory_barrier
-from kvpool_server.service.errors import Code, Status
+from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
 from kvpool_server.service.kvpool import KVPoolService, Registered
 from kvpool_server.service.offload import Offload, Wait, answer_of, attempt, offloaded
 from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
@@ -72,6 +75,24 @@ class Deferred:
             return
         self.answer = answer
         self.call.__exit__(None, None, None)
+
+    def start(self, loop: asyncio.AbstractEventLoop | None, executor: Any,
+              settled: Callable[[], None]) -> concurrent.futures.Future:
+        """Settle on the event loop (``settled()`` is called once done, on the loop); the future says when. A
+        loop that has closed (shutdown) refuses the record, as gRPC's calls are then."""
+        try:
+            if loop is None:
+                raise RuntimeError("no event loop")
+            future = asyncio.run_coroutine_threadsafe(self.settle(executor), loop)
+        except RuntimeError:
+            exc = ServerShuttingDownError("kvpool-server is shutting down")
+            self.failed = True
+            self.call.__exit__(type(exc), exc, None)
+            future = concurrent.futures.Future()
+            future.set_result(None)
+            return future
+        future.add_done_callback(lambda _: settled())
+        return future
 
     def write(self, views: fp.Views, seq: int) -> None:
         """The settled answer's reply (the serving thread, once ``settle`` has ended)."""
@@ -206,7 +227,7 @@ def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
         rep[fp.REP_N_CHILDREN] = children.size
     else:
         if isinstance(answer, Registered):
-            value0, value1 = np.uint64(answer.seq_id).view(np.int64), answer.num_cached_tokens
+            value0, value1 = int(np.uint64(answer.seq_id).view(np.int64)), answer.num_cached_tokens
         elif isinstance(answer, (int, np.integer)):
             value0, value1 = int(answer), 0
         else:

@@ -30,7 +30,6 @@ connections waiting for their token, each for HANDSHAKE_TIMEOUT_S at most.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import selectors
@@ -45,8 +44,8 @@ from kvpool_server.core import InvalidArgumentError
 from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.fastpath.channel import Channel, memory_barrier, new_name
 from kvpool_server.fastpath.handshake import Handshake, Handshakes, is_local_peer, new_token
-from kvpool_server.fastpath.records import ChannelHeaders, Deferred, serve_record, write_bug
-from kvpool_server.service.errors import ServerShuttingDownError, TooManyStreamsError
+from kvpool_server.fastpath.records import ChannelHeaders, serve_record, write_bug
+from kvpool_server.service.errors import TooManyStreamsError
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import Call, CallScope
 
@@ -228,28 +227,12 @@ class FastPathServer:
                 self._answer_bug(channel, views, seq, exc)
                 deferred = None
             if deferred is not None:
-                channel.deferred = (seq, deferred, self._settle(deferred))
+                channel.deferred = (seq, deferred, deferred.start(self.loop, self.executor, self._note))
                 continue
             self._answered(channel, seq)
             served = True
             os.sched_yield()  # after every record: the event loop waits for one record at most, not a round
         return served
-
-    def _settle(self, deferred: Deferred) -> concurrent.futures.Future:
-        """Hand ``deferred`` to the event loop; a note wakes the thread once it has settled."""
-        try:
-            if self.loop is None:
-                raise RuntimeError("no event loop")
-            future = asyncio.run_coroutine_threadsafe(deferred.settle(self.executor), self.loop)
-        except RuntimeError:  # the loop has closed (shutdown): the record is refused, as gRPC's calls are
-            exc = ServerShuttingDownError("kvpool-server is shutting down")
-            deferred.failed = True
-            deferred.call.__exit__(type(exc), exc, None)
-            future = concurrent.futures.Future()
-            future.set_result(None)
-            return future
-        future.add_done_callback(lambda _: self._note())
-        return future
 
     def _answer_deferred(self, channel: Channel, views: fp.Views) -> None:
         seq, deferred, _ = channel.deferred
@@ -314,17 +297,8 @@ class FastPathServer:
     def _accept(self) -> None:
         """New connections, without waiting on any: a token already sent binds its channel now, the others wait
         in ``handshakes`` (read as their bytes come)."""
-        for _ in range(ACCEPTS_PER_EVENT):
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # out of fds, say: the connection stays queued; the next look tries again
-                logger.warning("fast path: accept failed", exc_info=True)
-                return
-            token = self.handshakes.start(sock)
-            if token is not None:
-                self._bind(sock, token)
+        for sock, token in self.handshakes.accept(self.listener, ACCEPTS_PER_EVENT):
+            self._bind(sock, token)
 
     def _bind(self, sock: socket.socket, token: bytes) -> None:
         """A connection that sent a whole token: the pending channel's, or closed."""
