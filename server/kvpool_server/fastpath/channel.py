@@ -12,7 +12,6 @@ import mmap
 import os
 import socket
 import threading
-from typing import Any
 
 from kvpool import fastpath as fp
 from kvpool_server.service.auth import Identity
@@ -49,7 +48,7 @@ class Channel:
         self.fenced = 0  # a FENCED_* reason once the channel must serve nothing more
         self.opened_at = 0.0
         # (seq, records.Deferred, its concurrent future): a record settling on the event loop, answered once done
-        self.deferred: Any = None
+        self.deferred: tuple | None = None
 
     def connected(self, sock: socket.socket) -> None:
         self.sock = sock

@@ -235,7 +235,7 @@ class FastPathServer:
         return served
 
     def _answer_deferred(self, channel: Channel, views: fp.Views) -> None:
-        seq, deferred, _ = channel.deferred
+        seq, deferred, _ = channel.deferred or (0, None, None)
         channel.deferred = None
         try:
             deferred.write(views, seq)
