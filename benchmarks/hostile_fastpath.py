@@ -9,6 +9,8 @@
     pending    OpenFastPath up to --fast-path-max-channels, never connecting, CloseSession; again
     silent     connections to the fast-path socket that never send their token (and never close)
 
+    python benchmarks/hostile_fastpath.py --seconds 4    # a frontend's steps alone and under a silent flood
+
 ``RawChannel`` is a channel opened by hand (gRPC OpenSession + OpenFastPath, then the client's own
 ``FastChannel.connect``) whose records are written by hand: none of the official client's checks.
 """
@@ -184,3 +186,78 @@ def fastpath_attackers(address: str, end: float, count: Callable[[str, str], Non
         return run
 
     return [again("fp-overflow", overflow), again("fp-pending", pending), again("fp-silent", silent)]
+
+
+def measure_silent_flood(seconds: float, seqs: int) -> dict:
+    """A fast-path frontend's decode steps (``seqs`` sequences, one token each) alone, then while silent
+    connections flood the fast-path socket (each held until the server closes it)."""
+    import tempfile
+    import threading
+
+    from kvpool_client import KVPoolClient
+    from tests.conftest import start_server
+
+    server = start_server(tempfile.mkdtemp(prefix="kvpool-silent-"), "--num-blocks", "8192", "--head-dim", "8")
+    result: dict = {}
+    try:
+        with KVPoolClient(server.address) as client:
+            def run(label: str) -> None:
+                ids, length, latencies = [client.register() for _ in range(seqs)], 0, []
+                stop = time.monotonic() + seconds
+                while time.monotonic() < stop:
+                    started = time.perf_counter()
+                    client.append(ids, 1)
+                    latencies.append(time.perf_counter() - started)
+                    length += 1
+                    if length == 1000:  # stay within the pool
+                        client.free(ids)
+                        ids, length = [client.register() for _ in range(seqs)], 0
+                client.free(ids)
+                ms = np.percentile(np.array(latencies) * 1e3, [50, 99])
+                result[label] = {"steps_per_s": round(len(latencies) / seconds), "p50_ms": round(ms[0], 3),
+                                 "p99_ms": round(ms[1], 3)}
+
+            run("alone")
+            address = client._stub.OpenFastPath(pb.OpenFastPathRequest(session_id=client.session_id),
+                                                metadata=client._metadata, timeout=10).socket_address
+            flooding, opened = threading.Event(), [0]
+
+            def flood() -> None:
+                held: list[socket.socket] = []
+                while not flooding.is_set():
+                    if len(held) < 256:
+                        held += silent_connections(address, 1)
+                        opened[0] += 1
+                    for sock in [s for s in held if closed_by_server(s)]:
+                        held.remove(sock)
+                        sock.close()
+                    time.sleep(0.001)
+                for sock in held:
+                    sock.close()
+
+            thread = threading.Thread(target=flood, daemon=True)
+            thread.start()
+            run("silent flood")
+            flooding.set()
+            thread.join()
+            result["silent connections opened"] = opened[0]
+            assert client.fast_path_open
+    finally:
+        server.stop()
+    return result
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest starts the server
+
+    parser = argparse.ArgumentParser(description="a fast-path frontend's steps alone and under a flood of silent "
+                                     "connections to the fast-path socket (issue 30.4)")
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--seqs", type=int, default=64)
+    args = parser.parse_args()
+    print(json.dumps(measure_silent_flood(args.seconds, args.seqs)))
