@@ -65,3 +65,41 @@ def test_the_official_client_sends_such_an_append_over_grpc_with_the_same_answer
         assert result.slot_mapping.size == 4200 and result.copies.shape == (2100, 2)
         assert np.unique(result.new_block_ids).size == 4200
         assert {client.block_table(c).num_tokens for c in children[:16]} == {17}
+
+
+def test_a_record_whose_reply_fails_after_it_was_applied_is_answered_once_never_served_again(monkeypatch):
+    """In-process, to make the reply's write fail once after the append was applied (a bug of ours, whatever it
+    is): the record gets an INTERNAL reply, its seq is served, and the append is not applied a second time."""
+    from kvpool_client import InternalError
+    from kvpool_server.config import load_config
+    from kvpool_server.fastpath import records
+    from kvpool_server.grpc_api.server import build_server
+
+    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "8",
+                                       "--address", "127.0.0.1:0"]))
+    handle.start()
+    try:
+        with KVPoolClient(f"127.0.0.1:{handle.port}", timeout=10) as client:
+            seq = client.register()
+            client.append(seq, 3)
+            assert client.fast_path_open
+            original, failures = records.write_answer, []
+
+            def fails_once(views, seq_, op, answer):
+                if not failures:
+                    failures.append(seq_)
+                    raise RuntimeError("the reply cannot be written")
+                return original(views, seq_, op, answer)
+
+            monkeypatch.setattr(records, "write_answer", fails_once)
+            try:
+                client.append(seq, 1)
+                raise AssertionError("the failed reply read as OK")
+            except InternalError as error:
+                assert "the reply cannot be written" in error.details
+            assert client.block_table(seq).num_tokens == 4, "applied again (or not at all)"
+            assert client.append(seq, 1).slot_mapping.size == 1  # the channel is in step
+            assert client.fast_path_open and client.block_table(seq).num_tokens == 5
+            handle.fast_path.check_invariants()
+    finally:
+        handle.stop()
