@@ -45,7 +45,7 @@ from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.fastpath.channel import Channel, memory_barrier, new_name
 from kvpool_server.fastpath.handshake import Handshake, Handshakes, is_local_peer, new_token
 from kvpool_server.fastpath.records import ChannelHeaders, serve_record, write_bug
-from kvpool_server.service.errors import TooManyStreamsError
+from kvpool_server.fastpath.registry import ChannelRegistry
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import Call, CallScope
 
@@ -59,23 +59,16 @@ ACCEPTS_PER_EVENT = 16  # connections accepted at one look at the listener (each
 
 
 class FastPathServer:
-    """The channels and their thread. Invariants (``check_invariants``): a channel is pending (by its token, not
-    yet connected, its segment's name still linked) or live (by its socket's fd, connected, its name unlinked),
-    never both; every one is mapped; no more than ``max_channels`` in all; between records, a live channel's
-    ``last_seq`` is what its segment's ``CTL_REP_SEQ`` says (the server's own count, published with every reply),
-    and a channel with a record settling on the loop (``deferred``) waits for it: seq ``last_seq + 1``."""
+    """The channels (``registry``, whose docstring has their invariants) and their thread."""
 
     def __init__(self, service: KVPoolService, scope: CallScope, *, area_bytes: int, max_channels: int,
                  executor: Executor | None = None) -> None:
         self.service = service
         self.scope = scope
         self.area_bytes = area_bytes
-        self.max_channels = max_channels
         self.executor = executor  # Offloads' work (gRPC's copy threads); None: the loop's default executor
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop (OpenFastPath runs on it)
-        self.lock = threading.Lock()  # the registry: open() runs on the event loop, the rest on the thread
-        self.pending: dict[bytes, Channel] = {}  # by token, until the client connects
-        self.channels: dict[int, Channel] = {}  # by socket fd
+        self.registry = ChannelRegistry(max_channels)
         self.housekept_at = 0.0  # when the thread last closed ended, stale and late things
         self.polled_at = 0.0  # when the busy thread last looked at its sockets
         self.address = f"kvpool-fastpath-{os.getpid()}-{os.urandom(6).hex()}"
@@ -111,10 +104,8 @@ class FastPathServer:
         guard = self.service.guard
         with guard.lock:
             guard.fence(call.caller, session_id)  # live, the caller's tenant's (NOT_FOUND otherwise); renewed
-            with self.lock:
-                if len(self.pending) + len(self.channels) >= self.max_channels:
-                    raise TooManyStreamsError(
-                        f"--fast-path-max-channels={self.max_channels} channels are open: use gRPC")
+            with self.registry.lock:
+                self.registry.check_room()
                 token = new_token()
                 generation = int.from_bytes(os.urandom(7), "little") or 1
                 try:
@@ -123,7 +114,7 @@ class FastPathServer:
                 except OSError as exc:  # /dev/shm full, say: the client goes on over gRPC
                     raise FailedPreconditionError(f"cannot make a fast-path segment ({exc}): use gRPC") from None
                 channel.opened_at = time.monotonic()
-                self.pending[token] = channel
+                self.registry.pending[token] = channel
         self._note()  # a parked thread without channels waits with no timeout: now it must expire this one
         return channel, "@" + self.address
 
@@ -135,11 +126,7 @@ class FastPathServer:
         self._note()
         if self.thread.is_alive():
             self.thread.join(5)
-        with self.lock:
-            for channel in (*self.channels.values(), *self.pending.values()):
-                channel.close()
-            self.channels.clear()
-            self.pending.clear()
+        self.registry.close_all()
         self.handshakes.close_all()
         self.selector.close()
         self.listener.close()
@@ -188,20 +175,16 @@ class FastPathServer:
         if now - self.housekept_at < REAP_INTERVAL_S:
             return
         self.housekept_at = now
-        live = self.service.guard.sessions
-        for channel in [c for c in (*self.channels.values(), *self.pending.values()) if c.session_id not in live]:
+        for channel in self.registry.ended(self.service.guard.sessions):
             channel.fence(fp.FENCED_SESSION_ENDED)
             self._close(channel)
-        if self.pending:
-            with self.lock:
-                stale = [c for c in self.pending.values() if now - c.opened_at > CONNECT_TIMEOUT_S]
-            for channel in stale:
-                self._close(channel)
+        for channel in self.registry.stale(now, CONNECT_TIMEOUT_S):
+            self._close(channel)
         self.handshakes.expire(now)
 
     def _serve_ready(self) -> bool:
         served = False
-        for channel in list(self.channels.values()):
+        for channel in list(self.registry.channels.values()):
             views = channel.views
             if views is None or channel.fenced:
                 continue
@@ -257,13 +240,13 @@ class FastPathServer:
         channel.wake_client()
 
     def _park(self) -> None:
-        channels = list(self.channels.values())
+        channels = list(self.registry.channels.values())
         for channel in channels:
             if channel.views is not None:
                 channel.views.ctl[fp.CTL_SERVER_PARKED] = 1
         memory_barrier()
         if not self._serve_ready():  # a request published before our flag was visible
-            timeout = PARK_TIMEOUT_S if channels or self.pending or len(self.handshakes) else None
+            timeout = PARK_TIMEOUT_S if channels or self.registry.pending or len(self.handshakes) else None
             for key, _ in self.selector.select(timeout):
                 self._event(key.data, key.fileobj)
         for channel in channels:
@@ -302,15 +285,9 @@ class FastPathServer:
 
     def _bind(self, sock: socket.socket, token: bytes) -> None:
         """A connection that sent a whole token: the pending channel's, or closed."""
-        with self.lock:
-            channel = self.pending.pop(token, None)
-            if channel is not None and not channel.fenced:
-                channel.connected(sock)
-                self.channels[sock.fileno()] = channel
-        if channel is None or channel.fenced:
+        channel = self.registry.bind(token, sock)
+        if channel is None:
             sock.close()
-            if channel is not None:
-                channel.close()
             return
         try:
             sock.send(b"k")  # bound: the client may send records
@@ -320,32 +297,16 @@ class FastPathServer:
         self.selector.register(sock, selectors.EVENT_READ, channel)
 
     def _close(self, channel: Channel) -> None:
-        with self.lock:
-            if channel.sock is not None:
-                self.channels.pop(channel.sock.fileno(), None)
-                try:
-                    self.selector.unregister(channel.sock)
-                except (KeyError, ValueError):
-                    pass
-            self.pending.pop(channel.token, None)
-            channel.close()
+        self.registry.remove(channel)
+        if channel.sock is not None:
+            try:
+                self.selector.unregister(channel.sock)
+            except (KeyError, ValueError):
+                pass
+        channel.close()
 
     def check_invariants(self) -> None:
-        """Raise AssertionError when the class docstring's invariants do not hold (tests; read under the lock)."""
-        with self.lock:
-            assert len(self.pending) + len(self.channels) <= self.max_channels
-            assert not {id(c) for c in self.pending.values()} & {id(c) for c in self.channels.values()}
-            for token, channel in self.pending.items():
-                assert channel.token == token and channel.sock is None and channel.linked and channel.views
-            for fd, channel in self.channels.items():
-                assert channel.sock is not None and channel.sock.fileno() == fd and not channel.linked
-                assert channel.views is not None or channel.fenced
-                if channel.views is not None and not channel.fenced:
-                    assert int(channel.views.ctl[fp.CTL_REP_SEQ]) == channel.last_seq
-                    assert channel.deferred is None or channel.deferred[0] == channel.last_seq + 1
+        self.registry.check_invariants()
 
     def stats(self) -> dict[str, int]:
-        with self.lock:
-            return {"channels": len(self.channels), "pending": len(self.pending), "served": self.served,
-                    "handshakes": len(self.handshakes),
-                    "deferred": sum(c.deferred is not None for c in self.channels.values())}
+        return {**self.registry.counts(), "served": self.served, "handshakes": len(self.handshakes)}
