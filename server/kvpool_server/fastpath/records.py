@@ -80,11 +80,15 @@ class Deferred:
               settled: Callable[[], None]) -> concurrent.futures.Future:
         """Settle on the event loop (``settled()`` is called once done, on the loop); the future says when. A
         loop that has closed (shutdown) refuses the record, as gRPC's calls are then."""
+        settling = self.settle(executor)
         try:
             if loop is None:
                 raise RuntimeError("no event loop")
-            future = asyncio.run_coroutine_threadsafe(self.settle(executor), loop)
+            future = asyncio.run_coroutine_threadsafe(settling, loop)
         except RuntimeError:
+            settling.close()  # never to be awaited, nor the Wait's
+            if isinstance(self.answer, Wait) and asyncio.iscoroutine(self.answer.until):
+                self.answer.until.close()
             exc = ServerShuttingDownError("kvpool-server is shutting down")
             self.failed = True
             self.call.__exit__(type(exc), exc, None)
