@@ -27,6 +27,7 @@ from kvpool import fastpath as fp
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.fastpath.channel import memory_barrier
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
+from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, MAX_ROWS_PER_HOLD
 from kvpool_server.service.kvpool import KVPoolService, Registered
 from kvpool_server.service.offload import Offload, Wait, answer_of, attempt, offloaded
 from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
@@ -124,15 +125,15 @@ def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, head
             raise InvalidArgumentError(
                 f"fast path: a record for seq {header[fp.REQ_SEQ]} generation {header[fp.REQ_GENERATION]}; this "
                 f"channel serves seq {seq} of generation {generation}")
-        invoke = _invocation(service, call, views, header, op, session_id)
-        answer = attempt(invoke)
+        invoke, on_loop = _invocation(service, call, views, header, op, session_id)
+        answer = None if on_loop else attempt(invoke)
     except BaseException as exc:
         call.__exit__(type(exc), exc, None)
         if not isinstance(exc, Exception):
             raise
         write_error(views, seq, call.status)
         return None
-    if isinstance(answer, (Offload, Wait)):
+    if on_loop or isinstance(answer, (Offload, Wait)):
         return Deferred(call, op, invoke, answer)
     call.__exit__(None, None, None)
     write_answer(views, seq, op, answer)
@@ -160,9 +161,11 @@ def _arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray,
 
 
 def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list[int], op: int,
-                session_id: int) -> Any:
-    """The record as a call of the service (checked, its arrays copied out): ``invoke()`` may be called again,
-    on the event loop, after a Wait."""
+                session_id: int) -> tuple[Any, bool]:
+    """The record as a call of the service (checked, its arrays copied out) -- ``invoke()`` may be called again,
+    on the event loop, after a Wait -- and whether to call it on the loop from the start: a Free that may be
+    released in chunks (``service.freeing``) releases them one loop callback each, as on gRPC (off the loop they
+    would all go in one lock hold)."""
     ids, counts, tokens, extra = _arrays(views, header)
     request_id = header[fp.REQ_REQUEST_ID] & U64
     arg0, arg1 = header[fp.REQ_ARG0] & U64, header[fp.REQ_ARG1]
@@ -173,22 +176,32 @@ def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list
             raise InvalidArgumentError(f"fast path: the reply of an append of {total} tokens to {n} sequences may "
                                        f"not fit the {views.area_bytes}-byte reply area: send it over gRPC")
         count_arg: Any = [int(counts[0])] if counts.size == 1 else counts
-        return lambda: service.append(call, cast(Any, ids), count_arg, cast(Any, tokens), session_id, request_id)
+        return lambda: service.append(call, cast(Any, ids), count_arg, cast(Any, tokens), session_id,
+                                      request_id), False
     if op == fp.OP_REGISTER:
         if arg1 < 0:
             raise InvalidArgumentError(f"RegisterSequence public_prefix_len must be >= 0, got {arg1}")
-        return lambda: service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1, extra)
+        return lambda: service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1,
+                                        extra), False
     if op == fp.OP_FORK:
         if not 0 <= arg1 <= service.max_batch:
             raise InvalidArgumentError(f"Fork num_children must be in [0, max_batch={service.max_batch}], got {arg1}")
         if fp.reply_bytes(0, 0, 0, 0, max(arg1, ids.size)) > views.area_bytes:
             raise InvalidArgumentError("fast path: the Fork's reply does not fit the reply area: use gRPC")
         children = ids.tolist()
-        return lambda: service.fork(call, arg0, arg1, children, session_id, request_id)
+        return lambda: service.fork(call, arg0, arg1, children, session_id, request_id), False
     if op == fp.OP_FREE:
         id_list = ids.tolist()
-        return lambda: service.free(call, id_list, session_id, request_id)
+        return lambda: service.free(call, id_list, session_id, request_id), _may_chunk(service, len(id_list))
     raise InvalidArgumentError(f"fast path: unknown op {op}")
+
+
+def _may_chunk(service: KVPoolService, n_ids: int) -> bool:
+    """A Free of ``n_ids`` sequences may take more than one lock hold (each holds at most ``max_seq_len``
+    tokens' blocks)."""
+    manager = service.guard.manager
+    most_blocks = -(-manager.max_seq_len // manager.block_size)
+    return n_ids > MAX_ROWS_PER_HOLD or n_ids * most_blocks > MAX_REFS_PER_HOLD
 
 
 def _same(answer: Any) -> Any:
