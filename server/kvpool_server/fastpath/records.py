@@ -9,9 +9,10 @@ area is refused before anything is applied (``append_reply_bound``: the real wor
 full, then published by ``CTL_REP_SEQ``.
 
 Every answer of the service is honoured as gRPC honours it (``service/offload.py``'s adapter): a value is written
-at once; an ``Offload`` (a Free too big for one lock hold) or a ``Wait`` (a Free/Fork of a sequence with a copy in
-flight) makes the record a ``Deferred``, settled on the event loop while the serving thread goes on with the other
-channels; its reply is written once it has settled (``FastPathServer``).
+at once; an ``Offload`` or a ``Wait`` (a Free/Fork of a sequence with a copy in flight) makes the record a
+``Deferred``, settled on the event loop while the serving thread goes on with the other channels; its reply is
+written once it has settled (``FastPathServer``). A Free that may take more than one lock hold is a ``Deferred``
+from the start: made on the loop, its chunks are released one loop callback each, as on gRPC.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class ChannelHeaders:
 
 
 class Deferred:
-    """A record whose answer is an Offload or a Wait: its call scope stays open until ``settle`` (on the event
-    loop) has the final answer -- or the exception, whose status is then ``call.status``."""
+    """A record whose answer is an Offload or a Wait (``answer``), or that is made on the loop from the start
+    (``answer`` None): its call scope stays open until ``settle`` (on the event loop) has the final answer -- or
+    the exception, whose status is then ``call.status``."""
 
     __slots__ = ("call", "op", "invoke", "answer", "failed")
 
