@@ -98,10 +98,14 @@ def reply_bytes(msg_len: int, n_slots: int, n_new: int, n_copies: int, n_childre
 
 
 def append_reply_bound(n_ids: int, n_tokens: int, block_size: int) -> int:
-    """The largest reply an append of ``n_ids`` sequences and ``n_tokens`` tokens can have (an OK one: an error's
-    is at most HEADER_BYTES + MAX_MESSAGE_BYTES): a slot per token, at most n_tokens // block_size + n_ids new
-    blocks, at most one copy per sequence."""
-    return reply_bytes(0, n_tokens, n_tokens // block_size + n_ids, n_ids, 0)
+    """The largest reply an append of ``n_ids`` sequences and ``n_tokens`` tokens in all can have (an OK one: an
+    error's is at most HEADER_BYTES + MAX_MESSAGE_BYTES). A slot per token. New blocks: ``c`` tokens appended to a
+    sequence whose last block is partial and shared (a fork's) take that block's copy plus the blocks after it --
+    at most ``(c + 2 * block_size - 2) // block_size``, never more than ``c`` -- so at most
+    ``min(n_tokens, n_tokens // block_size + 2 * n_ids)`` in all. Copies: at most one per sequence (and per
+    token). ``block_size`` 1 when it is not known: the bound still holds for every block size."""
+    new = min(n_tokens, n_tokens // block_size + 2 * n_ids)
+    return reply_bytes(0, n_tokens, new, min(n_ids, n_tokens), 0)
 
 
 class Views:

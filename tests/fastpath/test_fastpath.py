@@ -389,7 +389,7 @@ def test_the_channels_keep_their_invariants_through_open_use_end_and_stop():
             assert client.fast_path_open
         wait_for(lambda: fast.stats()["channels"] == 3, 5)
         fast.check_invariants()
-        names = [c.name for c in fast.channels.values()]
+        names = [c.name for c in fast.registry.channels.values()]
         clients[0].close()  # CloseSession: the session's end fences the channel, the thread closes it
         wait_for(lambda: fast.stats()["channels"] == 2, 5)
         fast.check_invariants()

@@ -53,6 +53,8 @@ class Channel:
         self.last_seq = 0  # the last request seq served (the server's own count, never read back from the segment)
         self.fenced = 0  # a FENCED_* reason once the channel must serve nothing more
         self.opened_at = 0.0
+        # (seq, records.Deferred, its concurrent future): a record settling on the event loop, answered once done
+        self.deferred: tuple | None = None
 
     def connected(self, sock: socket.socket) -> None:
         self.sock = sock

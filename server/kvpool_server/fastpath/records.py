@@ -4,12 +4,22 @@ Nothing the client wrote is trusted: the header is copied into Python ints once,
 the area before an array is read, and the arrays are copied out of the segment before the service sees them (the
 client cannot change a request while it is applied). Whatever goes wrong -- a bad op, a count past the area, an
 id 0, a fenced session -- is an exception inside the scope, so it gets the same status as on gRPC and the core is
-left exactly as it was (the core validates fully before it changes anything). The reply is written in full, then
-published by ``CTL_REP_SEQ``.
+left exactly as it was (the core validates fully before it changes anything). A reply that might not fit the reply
+area is refused before anything is applied (``append_reply_bound``: the real worst case). The reply is written in
+full, then published by ``CTL_REP_SEQ``.
+
+Every answer of the service is honoured as gRPC honours it (``service/offload.py``'s adapter): a value is written
+at once; an ``Offload`` or a ``Wait`` (a Free/Fork of a sequence with a copy in flight) makes the record a
+``Deferred``, settled on the event loop while the serving thread goes on with the other channels; its reply is
+written once it has settled (``FastPathServer``). A Free that may take more than one lock hold is a ``Deferred``
+from the start: made on the loop, its chunks are released one loop callback each, as on gRPC.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -17,10 +27,12 @@ import numpy as np
 from kvpool import fastpath as fp
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.fastpath.channel import memory_barrier
-from kvpool_server.service.errors import Status
+from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
+from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, MAX_ROWS_PER_HOLD
 from kvpool_server.service.kvpool import KVPoolService, Registered
+from kvpool_server.service.offload import Offload, Wait, answer_of, attempt, offloaded
 from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
-from kvpool_server.service.scope import CallScope
+from kvpool_server.service.scope import Call, CallScope
 
 U64 = (1 << 64) - 1
 
@@ -42,24 +54,92 @@ class ChannelHeaders:
         return None
 
 
+class Deferred:
+    """A record whose answer is an Offload or a Wait (``answer``), or that is made on the loop from the start
+    (``answer`` None): its call scope stays open until ``settle`` (on the event loop) has the final answer -- or
+    the exception, whose status is then ``call.status``."""
+
+    __slots__ = ("call", "op", "invoke", "answer", "failed")
+
+    def __init__(self, call: Call, op: int, invoke: Any, answer: Any) -> None:
+        self.call, self.op, self.invoke, self.answer = call, op, invoke, answer
+        self.failed = False
+
+    async def settle(self, executor: Any) -> None:
+        try:
+            answer = await answer_of(self.invoke, self.answer)
+            if isinstance(answer, Offload):
+                answer = await offloaded(executor, answer, _same)
+        except BaseException as exc:
+            self.failed = True
+            self.call.__exit__(type(exc), exc, None)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.answer = answer
+        self.call.__exit__(None, None, None)
+
+    def start(self, loop: asyncio.AbstractEventLoop | None, executor: Any,
+              settled: Callable[[], None]) -> concurrent.futures.Future:
+        """Settle on the event loop (``settled()`` is called once done, on the loop); the future says when. A
+        loop that has closed (shutdown) refuses the record, as gRPC's calls are then."""
+        settling = self.settle(executor)
+        try:
+            if loop is None:
+                raise RuntimeError("no event loop")
+            future = asyncio.run_coroutine_threadsafe(settling, loop)
+        except RuntimeError:
+            settling.close()  # never to be awaited, nor the Wait's
+            if isinstance(self.answer, Wait) and asyncio.iscoroutine(self.answer.until):
+                self.answer.until.close()
+            exc = ServerShuttingDownError("kvpool-server is shutting down")
+            self.failed = True
+            self.call.__exit__(type(exc), exc, None)
+            future = concurrent.futures.Future()
+            future.set_result(None)
+            return future
+        future.add_done_callback(lambda _: settled())
+        return future
+
+    def write(self, views: fp.Views, seq: int) -> None:
+        """The settled answer's reply (the serving thread, once ``settle`` has ended)."""
+        if self.failed:
+            write_error(views, seq, self.call.status)
+        else:
+            write_answer(views, seq, self.op, self.answer)
+
+
 def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, headers: ChannelHeaders,
-                 session_id: int, generation: int, seq: int) -> None:
-    """Serve the request record ``seq`` of a channel and write its reply (never raises for a bad record)."""
+                 session_id: int, generation: int, seq: int) -> Deferred | None:
+    """Serve the request record ``seq`` of a channel: its reply is written (None), or it is a ``Deferred`` to
+    settle on the event loop. Raises only for a bug of ours (the caller then answers INTERNAL, never again)."""
     memory_barrier()  # the record's loads after the seq's
     header = views.req.tolist()  # one copy of the 16 words: what is read below cannot change under us
     op = header[fp.REQ_OP]
     call = scope.call(fp.OP_NAMES.get(op, "FastPath"), headers)
     try:
-        with call:
-            if header[fp.REQ_SEQ] != seq or header[fp.REQ_GENERATION] != generation:
-                raise InvalidArgumentError(
-                    f"fast path: a record for seq {header[fp.REQ_SEQ]} generation {header[fp.REQ_GENERATION]}; this "
-                    f"channel serves seq {seq} of generation {generation}")
-            answer = _apply(service, call, views, header, op, session_id)
-    except Exception:
+        call.__enter__()
+    except Exception:  # refused by admission or authentication (its status is set)
         write_error(views, seq, call.status)
-        return
+        return None
+    try:
+        if header[fp.REQ_SEQ] != seq or header[fp.REQ_GENERATION] != generation:
+            raise InvalidArgumentError(
+                f"fast path: a record for seq {header[fp.REQ_SEQ]} generation {header[fp.REQ_GENERATION]}; this "
+                f"channel serves seq {seq} of generation {generation}")
+        invoke, on_loop = _invocation(service, call, views, header, op, session_id)
+        answer = None if on_loop else attempt(invoke)
+    except BaseException as exc:
+        call.__exit__(type(exc), exc, None)
+        if not isinstance(exc, Exception):
+            raise
+        write_error(views, seq, call.status)
+        return None
+    if on_loop or isinstance(answer, (Offload, Wait)):
+        return Deferred(call, op, invoke, answer)
+    call.__exit__(None, None, None)
     write_answer(views, seq, op, answer)
+    return None
 
 
 def _arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
@@ -82,52 +162,71 @@ def _arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray,
     return ids, counts, tokens, buf[at:at + extra].tobytes()
 
 
-def _apply(service: KVPoolService, call: Any, views: fp.Views, header: list[int], op: int, session_id: int) -> Any:
+def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list[int], op: int,
+                session_id: int) -> tuple[Any, bool]:
+    """The record as a call of the service (checked, its arrays copied out) -- ``invoke()`` may be called again,
+    on the event loop, after a Wait -- and whether to call it on the loop from the start: a Free that may be
+    released in chunks (``service.freeing``) releases them one loop callback each, as on gRPC (off the loop they
+    would all go in one lock hold)."""
     ids, counts, tokens, extra = _arrays(views, header)
     request_id = header[fp.REQ_REQUEST_ID] & U64
     arg0, arg1 = header[fp.REQ_ARG0] & U64, header[fp.REQ_ARG1]
     if op == fp.OP_APPEND:
         n = ids.size
         total = n if not counts.size else int(counts[0]) * n if counts.size == 1 else int(counts.sum())
-        if fp.append_reply_bound(n, total, service.guard.manager.block_size) > views.area_bytes:
-            raise InvalidArgumentError(f"fast path: the reply of an append of {total} tokens may not fit the "
-                                       f"{views.area_bytes}-byte reply area: send it over gRPC")
-        if len(service.pins):
-            _wait_unpinned(service, ids)
+        if counts.size in (0, 1, n) and fp.append_reply_bound(n, total, service.guard.manager.block_size) > views.area_bytes:
+            raise InvalidArgumentError(f"fast path: the reply of an append of {total} tokens to {n} sequences may "
+                                       f"not fit the {views.area_bytes}-byte reply area: send it over gRPC")
         count_arg: Any = [int(counts[0])] if counts.size == 1 else counts
-        return service.append(call, cast(Any, ids), count_arg, cast(Any, tokens), session_id, request_id)
+        return lambda: service.append(call, cast(Any, ids), count_arg, cast(Any, tokens), session_id,
+                                      request_id), False
     if op == fp.OP_REGISTER:
         if arg1 < 0:
             raise InvalidArgumentError(f"RegisterSequence public_prefix_len must be >= 0, got {arg1}")
-        return service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1, extra)
+        return lambda: service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1,
+                                        extra), False
     if op == fp.OP_FORK:
         if not 0 <= arg1 <= service.max_batch:
             raise InvalidArgumentError(f"Fork num_children must be in [0, max_batch={service.max_batch}], got {arg1}")
         if fp.reply_bytes(0, 0, 0, 0, max(arg1, ids.size)) > views.area_bytes:
             raise InvalidArgumentError("fast path: the Fork's reply does not fit the reply area: use gRPC")
-        _wait_unpinned(service, [arg0])
-        return service.fork(call, arg0, arg1, ids.tolist(), session_id, request_id)
+        children = ids.tolist()
+        return lambda: service.fork(call, arg0, arg1, children, session_id, request_id), False
     if op == fp.OP_FREE:
-        _wait_unpinned(service, ids)
-        return service.free(call, ids.tolist(), session_id, request_id)
+        id_list = ids.tolist()
+        return lambda: service.free(call, id_list, session_id, request_id), _may_chunk(service, len(id_list))
     raise InvalidArgumentError(f"fast path: unknown op {op}")
 
 
-def _wait_unpinned(service: KVPoolService, ids: Any) -> None:
-    """A sequence with a big WriteKV/ReadKV copy in flight is not changed until the copy ends (``SequencePins``;
-    its own wait is the event loop's): wait here, on the fast-path thread, in 1 ms steps."""
-    import time
+def _may_chunk(service: KVPoolService, n_ids: int) -> bool:
+    """A Free of ``n_ids`` sequences may take more than one lock hold (each holds at most ``max_seq_len``
+    tokens' blocks)."""
+    manager = service.guard.manager
+    most_blocks = -(-manager.max_seq_len // manager.block_size)
+    return n_ids > MAX_ROWS_PER_HOLD or n_ids * most_blocks > MAX_REFS_PER_HOLD
 
-    pinned: Any = getattr(service.pins, "_pins", None)
-    while pinned and any(int(s) in pinned for s in ids):
-        time.sleep(0.001)
+
+def _same(answer: Any) -> Any:
+    return answer
+
+
+def _publish(views: fp.Views, seq: int) -> None:
+    views.rep[fp.REP_SEQ] = seq
+    memory_barrier()  # the reply's stores before the seq's (x86 keeps them in order anyway; ARM does not)
+    views.ctl[fp.CTL_REP_SEQ] = seq  # published: the whole reply is written
 
 
 def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
+    """An OK reply. Its size is checked before anything is written: a reply that would not fit raises (a bug of
+    ours: the bounds checked before the call should have refused it) and leaves the area as it was."""
     rep, area = views.rep, views.rep_area
-    rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0  # code, reason, message length
     if op == fp.OP_APPEND:
         slots, new, copies = answer.slot_mapping, answer.new_block_ids, answer.copies
+        needed = fp.reply_bytes(0, slots.size, new.size, copies.shape[0], 0)
+        if needed > views.area_bytes:
+            raise AssertionError(f"kvpool bug: an append's reply of {needed} bytes passed its bound "
+                                 f"(area {views.area_bytes})")
+        rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0  # code, reason, message length
         at = fp.HEADER_BYTES
         area[at:at + 8 * slots.size].view(np.int64)[:] = slots
         at += 8 * slots.size
@@ -139,29 +238,37 @@ def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
         rep[fp.REP_N_SLOTS:fp.REP_N_CHILDREN + 1] = (slots.size, new.size, copies.shape[0], 0)
     elif op == fp.OP_FORK:
         children = np.asarray(answer, dtype=np.uint64)
+        if fp.reply_bytes(0, 0, 0, 0, children.size) > views.area_bytes:
+            raise AssertionError(f"kvpool bug: a Fork's reply of {children.size} children passed its bound")
+        rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0
         area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * children.size].view(np.uint64)[:] = children
         rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = 0
         rep[fp.REP_N_CHILDREN] = children.size
     else:
         if isinstance(answer, Registered):
-            rep[fp.REP_VALUE0] = np.uint64(answer.seq_id).view(np.int64)
-            rep[fp.REP_VALUE1] = answer.num_cached_tokens
+            value0, value1 = int(np.uint64(answer.seq_id).view(np.int64)), answer.num_cached_tokens
+        elif isinstance(answer, (int, np.integer)):
+            value0, value1 = int(answer), 0
         else:
-            rep[fp.REP_VALUE0] = int(answer)
+            raise AssertionError(f"kvpool bug: the fast path has no reply for a {type(answer).__name__} answer")
+        rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0
+        rep[fp.REP_VALUE0], rep[fp.REP_VALUE1] = value0, value1
         rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
-    rep[fp.REP_SEQ] = seq
-    memory_barrier()  # the reply's stores before the seq's (x86 keeps them in order anyway; ARM does not)
-    views.ctl[fp.CTL_REP_SEQ] = seq  # published: the whole reply is written
+    _publish(views, seq)
 
 
 def write_error(views: fp.Views, seq: int, status: Status) -> None:
     rep, area = views.rep, views.rep_area
-    message = status.message.encode("utf-8", "replace")[:fp.MAX_MESSAGE_BYTES]
+    message = status.message.encode("utf-8", "replace")[:min(fp.MAX_MESSAGE_BYTES, area.size - fp.HEADER_BYTES)]
     area[fp.HEADER_BYTES:fp.HEADER_BYTES + len(message)] = np.frombuffer(message, np.uint8)
-    rep[fp.REP_CODE] = int(status.code)
+    rep[fp.REP_CODE] = int(status.code) or int(Code.INTERNAL)  # an error reply never reads as OK
     rep[fp.REP_REASON] = fp.REASONS.index(status.reason) if status.reason in fp.REASONS else 0
     rep[fp.REP_MSG_LEN] = len(message)
     rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
-    rep[fp.REP_SEQ] = seq
-    memory_barrier()
-    views.ctl[fp.CTL_REP_SEQ] = seq
+    _publish(views, seq)
+
+
+def write_bug(views: fp.Views, seq: int, exc: BaseException) -> None:
+    """The reply of a record whose serving raised (a bug of ours): INTERNAL -- whether or not it was applied, it
+    is answered, and never served again."""
+    write_error(views, seq, Status(Code.INTERNAL, f"kvpool bug on the fast path: {type(exc).__name__}: {exc}"))

@@ -6,13 +6,13 @@ call on grpcio 1.84): here it is INVALID_ARGUMENT, nothing logged, nothing kept.
 
 Everything else -- admission, authentication, the status of an error, metrics -- is the call scope's
 (service/scope.py), and the locking, fencing, replay and events are the service's: this module only decodes,
-encodes and runs the service's ``Offload`` / ``Wait`` answers (service/offload.py) on the event loop.
+encodes and honours the service's ``Offload`` / ``Wait`` answers (``service/offload.py``'s adapter, the one every
+transport uses) on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -25,7 +25,7 @@ from kvpool_server.grpc_api.methods import Unary
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
 from kvpool_server.service.byte_budget import BIG_MESSAGE_BYTES, MAX_WAIT_S
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.service.offload import Offload, Wait
+from kvpool_server.service.offload import Offload, answer_of, offloaded
 from kvpool_server.service.scope import CallScope
 
 
@@ -76,16 +76,11 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
                         request = parse(raw)
                     except DecodeError:
                         request = parse_request(request_cls, raw, rpc)  # raises with the message
-                while True:
-                    try:
-                        answer = invoke(service, call, request)
-                        break
-                    except Wait as wait:
-                        await wait.until
+                answer = await answer_of(lambda: invoke(service, call, request))
                 if isinstance(answer, Offload):
                     release, charged = charged, 0  # the copy holds the body: released when it ends
-                    return await _offloaded(service, executor, answer, encode,
-                                            (lambda: budget.release(release)) if release else None)
+                    return await offloaded(executor, answer, lambda a: encode(service, a).SerializeToString(),
+                                           (lambda: budget.release(release)) if release else None)
                 return encode(service, answer).SerializeToString()
         except Exception as exc:
             # The traceback's frames hold the body (a view of it, the decoded tokens): drop them now, not at the
@@ -98,27 +93,3 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
                 budget.release(charged)
 
     return grpc.unary_unary_rpc_method_handler(handle)
-
-
-async def _offloaded(service: KVPoolService, executor: Executor, offload: Offload, encode: Any,
-                     release: Callable[[], None] | None = None) -> bytes:
-    """Run ``offload.work`` (and the encoding) on a copy thread; ``finish`` (and ``release``) on the loop once it
-    has ended."""
-
-    def work_and_encode() -> bytes:
-        return encode(service, offload.work()).SerializeToString()
-
-    done = asyncio.get_running_loop().run_in_executor(executor, work_and_encode)
-    finish = offload.finish
-
-    def ended(_: Any) -> None:
-        try:
-            if finish is not None:
-                finish()
-        finally:
-            if release is not None:
-                release()
-
-    done.add_done_callback(ended)
-    # shield: a cancelled call must not run ``finish`` (unpin, ...) while ``work`` still runs
-    return await asyncio.shield(done)

@@ -204,7 +204,8 @@ async def _build(config: ServerConfig, service: KVPoolService, admission: Admiss
     background.every(REAP_INTERVAL_S, service.sessions.reap_expired, "sessions-reaper")  # leases that ran out
     scope = CallScope(admission, service.auth, metrics)
     fast_path = None if config.no_fast_path else FastPathServer(
-        service, scope, area_bytes=config.fast_path_area_bytes, max_channels=config.fast_path_max_channels)
+        service, scope, area_bytes=config.fast_path_area_bytes, max_channels=config.fast_path_max_channels,
+        executor=executor)
     server = grpc.aio.server(options=grpc_options(config))
     try:
         handlers = method_handlers(service, scope, executor, streams, fast_path)

@@ -5,8 +5,9 @@ event loop, and hold the pool for tens of ms if it ran in one piece. So the serv
 lock (on the loop, quick), pins the sequence, and returns an ``Offload`` whose work copies ``CHUNK_BYTES`` at a
 time (each chunk one ``pool.write_slots`` / ``read_slots``, which hold the pool's own lock only for that chunk).
 
-Pinning keeps the resolved slots meaning what they meant: while a sequence is pinned, ``Free`` and ``Fork`` of it
-wait (``Wait``) until its copies are done -- a Free would let its blocks go to another sequence mid-copy, a Fork
+Pinning keeps the resolved slots meaning what they meant: a copy's sequence is pinned in the same lock hold that
+resolved its slots, and ``Free`` and ``Fork`` look for pins in the hold that would apply them (any transport's
+thread: the fast path's too), so while a sequence is pinned they wait (``Wait``) until its copies are done -- a Free would let its blocks go to another sequence mid-copy, a Fork
 would share blocks whose bytes are still being written. Appends to it may go on: they never touch the blocks a
 copy was given (a written block is the sequence's alone, so an append writes after it, never copies it).
 
@@ -49,12 +50,18 @@ class SequencePins:
         self._unpinned = None
 
     def wait_unpinned(self, seq_ids: Iterable[int]) -> None:
-        """Raise ``Wait`` while any of ``seq_ids`` has a copy in flight (call on the event loop)."""
-        if not self._pins or not any(int(s) in self._pins for s in seq_ids):
-            return
-        if self._unpinned is None:
-            self._unpinned = asyncio.get_running_loop().create_future()
-        raise Wait(asyncio.shield(self._unpinned))
+        """Raise ``Wait`` while any of ``seq_ids`` has a copy in flight. Callable on any thread (the fast path's
+        too): the Wait's awaitable is a coroutine that needs the event loop only when it is awaited there."""
+        keys = [int(s) for s in seq_ids]
+        if self._pins and any(key in self._pins for key in keys):
+            raise Wait(self._until_unpinned(keys))
+
+    async def _until_unpinned(self, keys: list[int]) -> None:
+        """On the loop, where pins are taken and dropped: return once none of ``keys`` is pinned."""
+        while self._pins and any(key in self._pins for key in keys):
+            if self._unpinned is None:
+                self._unpinned = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._unpinned)
 
 
 def chunk_tokens(token_bytes: int) -> int:

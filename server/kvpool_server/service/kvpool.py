@@ -169,10 +169,11 @@ class KVPoolService:
         parent = arguments.seq_id(parent_seq_id, "Fork", "parent_seq_id")
         children = arguments.fork_children(num_children, child_seq_ids, self.max_batch)
         self.limits.check_reply(16 + 11 * max(num_children, len(children)), "Fork", call.headers, 11, "children")
-        manager, tenant = self.guard.manager, call.caller.tenant_id
-        self.pins.wait_unpinned((pin_key(tenant, parent),))
+        manager, tenant, pins = self.guard.manager, call.caller.tenant_id, self.pins
 
         def apply() -> list[int]:
+            if len(pins):  # in this hold: a copy pins its sequence in the hold that resolved its slots
+                pins.wait_unpinned((pin_key(tenant, parent),))
             return manager.fork(parent, num_children, children, session_id, tenant)
 
         forked = self.guard.mutate(call.caller, session_id, request_id, ("fork", parent, num_children, children),
@@ -186,11 +187,11 @@ class KVPoolService:
         blocks are too many for one lock hold is detached in one hold and released in chunks (``freeing``): an
         Offload of that."""
         ids = arguments.batch_seq_ids(seq_ids, "Free", self.max_batch).tolist()
-        manager, tenant = self.guard.manager, call.caller.tenant_id
-        if len(self.pins):
-            self.pins.wait_unpinned([pin_key(tenant, seq_id) for seq_id in ids])
+        manager, tenant, pins = self.guard.manager, call.caller.tenant_id, self.pins
 
         def apply() -> int | Freeing:
+            if len(pins):  # in this hold (see fork)
+                pins.wait_unpinned([pin_key(tenant, seq_id) for seq_id in ids])
             freeing = free_rows(self.guard, manager.detach(ids, tenant))  # detach checks every id, changes nothing
             return freeing if isinstance(freeing, int) else freeing.start(self.guard)
 
@@ -250,8 +251,8 @@ class KVPoolService:
             if tokens.nbytes <= INLINE_BYTES:
                 guard.pool.write_slots(slots, tokens)
                 return len(tokens)
-        pinned = pin_key(tenant, seq_id)
-        self.pins.pin(pinned)
+            pinned = pin_key(tenant, seq_id)
+            self.pins.pin(pinned)  # in the hold that resolved the slots: no Free/Fork (any thread) in between
 
         def work() -> int:
             write_chunked(guard.pool, slots, tokens, self.chunk_tokens)
@@ -273,8 +274,8 @@ class KVPoolService:
             slots = guard.manager.slots(seq_id, start, count, tenant=tenant)
             if count * self.wire.token_bytes <= INLINE_BYTES:
                 return self.wire.encode(guard.pool.read_slots(slots))
-        pinned = pin_key(tenant, seq_id)
-        self.pins.pin(pinned)
+            pinned = pin_key(tenant, seq_id)
+            self.pins.pin(pinned)  # in the hold that resolved the slots (see write_kv)
 
         def work() -> bytes:
             out = np.empty((count, *self.wire.token_shape), dtype=guard.pool.layout.storage_dtype)
