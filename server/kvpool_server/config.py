@@ -156,6 +156,13 @@ class ServerConfig:
     kv_events_replay_bytes: int = setting(
         64 * MiB, "payload bytes kept for replay (with the bound in messages: whichever is reached first drops the "
         "oldest)", min=1 * MiB, size=True)
+    kv_events_replay_peer_bytes: int = setting(
+        8 * MiB, "replay bytes the server holds for one replay peer (sent, not yet taken by its connection); past it "
+        "the peer's replay waits until it reads (a message larger than this ends the replay)", min=64 << 10,
+        size=True)
+    kv_events_replay_queued_bytes: int = setting(
+        64 * MiB, "replay bytes the server holds for all replay peers together (peers that never read keep their "
+        "share until they disconnect; other replays wait meanwhile)", min=1 * MiB, size=True)
     stream_idle_timeout_s: float = setting(
         300.0, "end a stream that read no message and had no reply taken for this long (UNAVAILABLE; 0: never)", min=0)
     keepalive_time_s: float = setting(30.0, "ping every client connection this often (finds vanished peers)", min=1)
