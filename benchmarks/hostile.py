@@ -12,6 +12,7 @@ Each attacker is a thread of its own, hammering one bound until the time is up:
     sealing        long prompts sealed and freed in a loop (the KV event log, bounded in bytes)
     subscribers    SubscribeEvents streams that never read, past --max-event-subscribers (the slow are shed)
     garbage        random bytes to every unary method (INVALID_ARGUMENT, nothing kept)
+    replay-*, idle-holders   the KV events' attackers (benchmarks/hostile_zmq.py)
 
 The result counts each answer by status code and the server's resident memory before, at its peak and after;
 the caller decides what is too much (soak.py: the server must stay up, answer Health, and end within a bound).
@@ -32,6 +33,7 @@ import numpy as np
 
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from benchmarks.hostile_zmq import zmq_attackers
 
 
 def rss_bytes(pid: int) -> int:
@@ -136,6 +138,7 @@ def hostile_phase(address: str, pid: int, seconds: float, seed: int = 0) -> dict
             time.sleep(0.05)
 
     workers = [sessions, names, prompts, sealing, subscribers, garbage, watch_rss]
+    workers += zmq_attackers(stub, pid, end, count)  # KV events: replay peers that never read, garbage, idle holders
     threads = [threading.Thread(target=fn, daemon=True) for fn in workers]
     threads += [threading.Thread(target=big_writes, args=(i,), daemon=True) for i in range(8)]
     for thread in threads:

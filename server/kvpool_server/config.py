@@ -157,9 +157,8 @@ class ServerConfig:
         64 * MiB, "payload bytes kept for replay (with the bound in messages: whichever is reached first drops the "
         "oldest)", min=1 * MiB, size=True)
     kv_events_replay_peer_bytes: int = setting(
-        8 * MiB, "replay bytes the server holds for one replay peer (sent, not yet taken by its connection); past it "
-        "the peer's replay waits until it reads (a message larger than this ends the replay)", min=64 << 10,
-        size=True)
+        1 * MiB, "replay bytes the server holds for one replay peer (sent, not yet taken by its connection); past it "
+        "the peer's replay waits until it reads (a larger message is sent alone)", min=64 << 10, size=True)
     kv_events_replay_queued_bytes: int = setting(
         64 * MiB, "replay bytes the server holds for all replay peers together (peers that never read keep their "
         "share until they disconnect; other replays wait meanwhile)", min=1 * MiB, size=True)

@@ -41,5 +41,5 @@ class RateLimitedLog:
     def flush(self) -> None:
         """Log the count of events suppressed since the last line, if any (at shutdown)."""
         if self.num_suppressed:
-            self.logger.warning("%s: %d more suppressed (%d in all)", self.what, self.num_suppressed, self.num_events)
+            self.logger.warning("%s %d more suppressed (%d in all)", self.what, self.num_suppressed, self.num_events)
             self.num_suppressed = 0

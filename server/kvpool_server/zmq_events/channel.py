@@ -53,7 +53,7 @@ class Channel:
 
     def __init__(self, ctx: Any, zmq: Any, endpoint: str, connect: bool, replay_endpoint: str,
                  replay_batches: int, replay_bytes: int, replay_budget: ReplayBudget | None = None,
-                 replay_peer_bytes: int = 8 << 20) -> None:
+                 replay_peer_bytes: int = 1 << 20) -> None:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, SNDHWM)
         self.pub.setsockopt(zmq.LINGER, 500)

@@ -48,7 +48,7 @@ class ZmqEventsCollector(Collector):
             value=replays["refused"])
         yield CounterMetricFamily(
             "kvpool_kv_events_zmq_replay_truncated",
-            "Replays ended before a message larger than --kv-events-replay-peer-bytes", value=replays["truncated"])
+            "Replays ended before a message larger than --kv-events-replay-queued-bytes", value=replays["truncated"])
         yield GaugeMetricFamily(
             "kvpool_kv_events_zmq_replay_held_bytes",
             "Replay bytes the server holds for its peers (at most --kv-events-replay-queued-bytes)",

@@ -48,7 +48,7 @@ class ZmqEventPublisher:
 
     def __init__(self, feed: EventFeed, lock: threading.Lock, topics: TopicMap, *, endpoint: str, connect: bool,
                  replay_endpoint: str, layout: str, max_queue_bytes: int, replay_batches: int,
-                 replay_bytes: int, socket_per_model: bool = False, replay_peer_bytes: int = 8 << 20,
+                 replay_bytes: int, socket_per_model: bool = False, replay_peer_bytes: int = 1 << 20,
                  replay_queued_bytes: int = 64 << 20) -> None:
         import msgpack  # type: ignore[import-untyped]  # imported here: optional (requirements/server.txt)
         import zmq

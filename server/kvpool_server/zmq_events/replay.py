@@ -11,9 +11,10 @@ What the server holds for a peer that does not read is bounded:
   plus ``MESSAGE_CHARGE``, to its peer (at most ``peer_bytes``, --kv-events-replay-peer-bytes) and to all
   (``ReplayBudget``, at most --kv-events-replay-queued-bytes);
 * a message that would pass either bound is not sent yet: the peer's replay waits (its cursor is kept) and goes
-  on as the peer reads. A message larger than a peer's share ends the replay there (END_SEQ: the consumer sees
-  the last seq it got). A peer that never reads keeps its share until it disconnects; while the total is taken,
-  other replays wait.
+  on as the peer reads. A message larger than the peer's share is sent alone (nothing else of the peer's held:
+  a peer holds at most the larger of its share and one message, which the replay buffer bounds); one larger than
+  the total ends the replay there (END_SEQ: the consumer sees the last seq it got). A peer that never reads keeps
+  its share until it disconnects; while such peers hold the whole total, other replays wait.
 * sends are NOBLOCK with ROUTER_MANDATORY: a peer whose ZMQ queue holds ``SNDHWM`` messages is skipped this round
   (END markers are copied, untracked: at most SNDHWM of them per peer), one that left is forgotten; the kernel
   holds at most ``SNDBUF`` (doubled by Linux) per connection beyond what is charged.
@@ -74,8 +75,9 @@ class ReplayPeer:
 class ReplayRouter:
     """The ROUTER socket and its peers (see the module docstring).
 
-    Invariants (``check_invariants``): each peer's ``inflight_bytes`` is the sum of its charges and at most
-    ``peer_bytes``; ``charged`` is their sum over the peers; at most ``MAX_PEERS`` peers."""
+    Invariants (``check_invariants``): each peer's ``inflight_bytes`` is the sum of its charges, at most
+    ``peer_bytes`` unless it is one message; ``charged`` is their sum over the peers; at most ``MAX_PEERS``
+    peers."""
 
     def __init__(self, ctx: Any, zmq: Any, endpoint: str, budget: ReplayBudget, peer_bytes: int) -> None:
         self.zmq = zmq
@@ -97,7 +99,7 @@ class ReplayRouter:
         self.num_requests = 0
         self._moved = False  # this round sent, reaped or read something
         self.num_refused = 0  # requests answered END_SEQ at once: MAX_PEERS peers already
-        self.num_truncated = 0  # replays ended before a message larger than a peer's share
+        self.num_truncated = 0  # replays ended before a message larger than the total
         self.malformed = RateLimitedLog(
             logger, "ignored a malformed KV event replay request (expected [identity, '', seq (8 bytes)[, topic]]):",
             LOG_INTERVAL_S)
@@ -170,10 +172,10 @@ class ReplayRouter:
             topic, seq, payload = buffer[index]
             if peer.topic is None or topic == peer.topic:
                 charge = len(payload) + MESSAGE_CHARGE
-                if charge > self.peer_bytes:
+                if charge > self.budget.total_bytes:
                     self.num_truncated += 1
                     break  # never fits: the replay ends here
-                if (peer.inflight_bytes + charge > self.peer_bytes
+                if ((peer.inflight and peer.inflight_bytes + charge > self.peer_bytes)
                         or self.budget.used + charge > self.budget.total_bytes):
                     return False  # waits for its peer (or the others) to read
                 sent = self._send(peer, seq, payload, charge)
@@ -238,7 +240,7 @@ class ReplayRouter:
             raise InvariantViolationError(f"{len(peers)} replay peers kept, more than {MAX_PEERS}")
         for peer in peers:
             charges = sum(charge for _, charge in list(peer.inflight))
-            if charges != peer.inflight_bytes or charges > self.peer_bytes:
+            if charges != peer.inflight_bytes or (charges > self.peer_bytes and len(peer.inflight) > 1):
                 raise InvariantViolationError("a replay peer's charge is miscounted or over its share")
         if sum(p.inflight_bytes for p in peers) != self.charged:
             raise InvariantViolationError("the replay socket's charge is not the sum of its peers'")
