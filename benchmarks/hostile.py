@@ -14,6 +14,7 @@ Each attacker is a thread of its own, hammering one bound until the time is up:
     garbage        random bytes to every unary method (INVALID_ARGUMENT, nothing kept)
     fp-*           the fast path's attackers (benchmarks/hostile_fastpath.py): overflowing records, channels
                    never connected, silent socket connections
+    replay-*, idle-holders   the KV events' attackers (benchmarks/hostile_zmq.py)
 
 The result counts each answer by status code and the server's resident memory before, at its peak and after;
 the caller decides what is too much (soak.py: the server must stay up, answer Health, and end within a bound).
@@ -35,6 +36,7 @@ import numpy as np
 from benchmarks.hostile_fastpath import fastpath_attackers
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
+from benchmarks.hostile_zmq import zmq_attackers
 
 
 def rss_bytes(pid: int) -> int:
@@ -140,6 +142,7 @@ def hostile_phase(address: str, pid: int, seconds: float, seed: int = 0) -> dict
 
     workers = [sessions, names, prompts, sealing, subscribers, garbage, watch_rss]
     workers += fastpath_attackers(address, end, count)
+    workers += zmq_attackers(stub, pid, end, count)  # KV events: replay peers that never read, garbage, idle holders
     threads = [threading.Thread(target=fn, daemon=True) for fn in workers]
     threads += [threading.Thread(target=big_writes, args=(i,), daemon=True) for i in range(8)]
     for thread in threads:

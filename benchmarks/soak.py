@@ -14,7 +14,8 @@ no session but the survivor's, CheckInvariants, the survivor's KV read back byte
 First, and again at the end, a hostile phase (``benchmarks/hostile.py``, ``--hostile-seconds``, 30 s each) hits
 every bound at once -- sessions past --max-sessions, 1 MiB client names, concurrent near-limit WriteKVs (a third
 malformed) past --max-inflight-bytes, over-long prompts, long prompts sealed in a loop (the event log's bytes),
-subscribers that never read, random bytes to every method. The server must answer Stats after each, and its
+subscribers that never read, random bytes to every method, and the KV events' attackers (replay peers that
+never read, malformed replay requests in a flood, one tenant's idle subscribers: benchmarks/hostile_zmq.py). The server must answer Stats after each, and its
 resident memory after the last must stay within the pool plus HOSTILE_RSS_SLACK of its size before the first.
 """
 
@@ -48,6 +49,18 @@ BOUNDS = ["--max-sessions", "256", "--max-message-bytes", "8MiB", "--max-infligh
           "--fast-path-area-bytes", "64KiB"]  # small enough for hostile_fastpath's overflowing records
 
 
+def kv_events_flags(work: Path) -> list[str]:
+    """KV events on ZMQ (ipc in the soak's directory) when pyzmq and msgpack are there: the hostile phase's replay
+    attackers need the replay socket (benchmarks/hostile_zmq.py)."""
+    try:
+        import msgpack  # type: ignore[import-untyped]  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        return []
+    return ["--kv-events-publish", f"ipc://{work}/kv-pub", "--kv-events-replay", f"ipc://{work}/kv-replay",
+            "--kv-events-model", "soak"]
+
+
 def loadgen(target: str, seed: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvpool_client.loadgen.main", "--target", target, "-p", "2", "-c", "64",
            "--lengths", "sharegpt", "--completions", "400", "--seed", str(seed), "--no-progress"]
@@ -63,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kvpool-soak-"))
-    server = start_server(work, "--pool-bytes", str(POOL_BYTES), "--session-ttl-ms", "5000", *BOUNDS, unix=True)
+    server = start_server(work, "--pool-bytes", str(POOL_BYTES), "--session-ttl-ms", "5000", *BOUNDS,
+                          *kv_events_flags(work), unix=True)
     latencies: list[float] = []
     kills = finished = lingering = 0
     hostile = []

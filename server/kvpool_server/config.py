@@ -121,6 +121,9 @@ class ServerConfig:
     max_event_subscribers: int = setting(
         64, "most open SubscribeEvents streams (they are not counted by --max-streams); more are refused with "
         "RESOURCE_EXHAUSTED", min=1)
+    max_event_subscribers_per_tenant: int = setting(
+        16, "most open SubscribeEvents streams of one tenant (without --auth-tokens every caller is one tenant), so "
+        "that one tenant's idle subscribers cannot take every place; more are refused with RESOURCE_EXHAUSTED", min=1)
     # KV events on vLLM's ZMQ wire, for llm-d's indexer and Dynamo's router (docs/scale-out.md; zmq_events/).
     kv_events_publish: str = setting(
         "", "publish KV events on vLLM's ZMQ wire: a PUB socket bound to this endpoint, e.g. tcp://127.0.0.1:5557 "
@@ -153,6 +156,12 @@ class ServerConfig:
     kv_events_replay_bytes: int = setting(
         64 * MiB, "payload bytes kept for replay (with the bound in messages: whichever is reached first drops the "
         "oldest)", min=1 * MiB, size=True)
+    kv_events_replay_peer_bytes: int = setting(
+        1 * MiB, "replay bytes the server holds for one replay peer (sent, not yet taken by its connection); past it "
+        "the peer's replay waits until it reads (a larger message is sent alone)", min=64 << 10, size=True)
+    kv_events_replay_queued_bytes: int = setting(
+        64 * MiB, "replay bytes the server holds for all replay peers together (peers that never read keep their "
+        "share until they disconnect; other replays wait meanwhile)", min=1 * MiB, size=True)
     stream_idle_timeout_s: float = setting(
         300.0, "end a stream that read no message and had no reply taken for this long (UNAVAILABLE; 0: never)", min=0)
     keepalive_time_s: float = setting(30.0, "ping every client connection this often (finds vanished peers)", min=1)

@@ -246,6 +246,9 @@ def test_the_publishers_counters_are_scraped(server_factory, ipc_dir) -> None:
     assert float(samples["kvpool_kv_events_zmq_withheld_blocks_total"]) == 1
     assert float(samples["kvpool_kv_events_zmq_dropped_batches_total"]) == 0
     assert float(samples["kvpool_kv_events_zmq_queued_bytes"]) == 0
+    assert float(samples["kvpool_kv_events_zmq_replay_requests_total"]) == 0  # nobody asked for a replay
+    assert float(samples["kvpool_kv_events_zmq_replay_malformed_total"]) == 0
+    assert float(samples["kvpool_kv_events_zmq_replay_held_bytes"]) == 0
 
 
 def test_several_pod_names_each_get_every_message(server_factory, ipc_dir) -> None:

@@ -73,7 +73,7 @@ def _read_kv_response(service: KVPoolService, data: bytes) -> pb.ReadKVResponse:
 def _follow_events(service: KVPoolService, call: Call, r: pb.SubscribeEventsRequest,
                    stopping: Callable[[], bool]) -> AsyncGenerator[Any, None]:
     return service.guard.events.follow(service.guard.lock, r.from_seq if r.HasField("from_seq") else None,
-                                       r.epoch if r.HasField("epoch") else None, stopping)
+                                       r.epoch if r.HasField("epoch") else None, stopping, call.caller.tenant)
 
 
 def _events_response(service: KVPoolService, answer: Any) -> pb.SubscribeEventsResponse:

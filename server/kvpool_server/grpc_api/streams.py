@@ -112,6 +112,17 @@ class OpenStreams:
 _NOT_OPEN = object()
 
 
+async def write_or_gone(context: grpc.aio.ServicerContext, data: bytes) -> None:
+    """Write one message of a stream; a write that fails means the client has gone, and the stream ends CANCELLED
+    like any cancellation (not logged). A SIGKILLed client's socket is closed by its kernel at once: grpcio fails a
+    write issued after that and before it cancels the call (ExecuteBatchError), and so does a write after the
+    deadline. Bytes already serialized fail to write for no other reason."""
+    try:
+        await context.write(data)
+    except Exception as exc:
+        raise asyncio.CancelledError(f"the client went away ({type(exc).__name__} on a write)") from None
+
+
 def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: BidiStream,
                  streams: OpenStreams) -> grpc.RpcMethodHandler:
     """``method`` as a stream-stream handler of raw bytes: one response per request, in order."""
@@ -149,7 +160,7 @@ def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: Bid
                             except DecodeError:
                                 request = parse_request(request_cls, raw, rpc)
                             data = on_message(service, call, state, request).SerializeToString()
-                        await context.write(data)
+                        await write_or_gone(context, data)  # a killed client: a disconnect, not a bug
                         entry.last_progress = loop.time()
                 except asyncio.CancelledError:
                     if entry is None or entry.end_with is None:
@@ -181,7 +192,8 @@ def server_stream_handler(service: KVPoolService, scope: CallScope, rpc: str,
                           method: ServerStream) -> grpc.RpcMethodHandler:
     """``method`` as a unary-stream handler of raw bytes. Never admitted (idle by design, it must not hold up a
     shutdown): refused while draining, ended within ``POLL_S`` once draining starts. A stream the service ends
-    (``method.shed``: a slow consumer shed for a new one) ends with that error's status."""
+    (``method.shed``: a slow consumer shed for a new one) ends with that error's status; one whose client went away
+    ends CANCELLED (``write_or_gone``)."""
     admission = scope.admission
 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> None:
@@ -195,7 +207,7 @@ def server_stream_handler(service: KVPoolService, scope: CallScope, rpc: str,
                 try:
                     async with aclosing(method.follow(service, call, request, lambda: admission.draining)) as answers:
                         async for answer in answers:
-                            await context.write(method.encode(service, answer).SerializeToString())
+                            await write_or_gone(context, method.encode(service, answer).SerializeToString())
                 except asyncio.CancelledError:
                     shed = method.shed(service, task)  # the service ended it (a slow consumer), not the client
                     if shed is None or task is None:

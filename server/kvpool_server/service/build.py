@@ -57,7 +57,8 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
                                 max_ttl_s=config.max_session_ttl_ms / 1000.0)
         events = EventFeed(sessions.server_epoch, manager.allocator.cache, config.event_buffer_batches,
                            medium="GPU" if pool.backend == "gpu" else "CPU",
-                           max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes)
+                           max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes,
+                           max_subscribers_per_tenant=config.max_event_subscribers_per_tenant)
         guards: list[CoreGuard] = []  # the guard, for the host tier's background allocation to lock
         tier = start_host_tier(manager, pool, guards) if tier_blocks else None
         guard = CoreGuard(manager, pool, sessions, ReplyCache(), events, tier.flush if tier is not None else None,

@@ -8,7 +8,12 @@ subscription, transport-neutral (an async iterator of batches); the gRPC handler
 ``OpenStreams`` entries: they are idle by design (no events, no progress), so the idle sweep must not end them;
 they end when the client cancels or the server drains (checked every ``POLL_S``).
 
-Slow consumers are shed. At most ``--max-event-subscribers`` follow at once; a subscriber that does not read its
+Subscribers are bounded in all and per tenant. At most ``--max-event-subscribers`` follow at once, and at most
+``--max-event-subscribers-per-tenant`` of one tenant (the caller's; without --auth-tokens every caller is the one
+tenant ""), so that one tenant's idle subscribers -- reading, so never shed -- cannot lock the others out: past its
+own bound a tenant's new subscriber sheds one of the tenant's own blocked subscribers (as below) or is refused.
+
+Slow consumers are shed. A subscriber that does not read its
 stream ends up with its transport blocked on a write (gRPC's flow-control window is full), which ``follow`` sees as
 a batch it yielded and was not asked for the next one. When a new subscriber finds the cap reached, it takes the
 place of the one blocked the longest -- if that one has been blocked for ``SHED_AFTER_S`` at least -- which ends
@@ -40,20 +45,26 @@ class Subscriber:
     next one, i.e. keeping up)."""
 
     task: asyncio.Task | None
+    tenant: str = ""
     blocked_since: float | None = None
     shed: SlowSubscriberError | None = None  # set when a new subscriber took its place
 
 
 class EventFeed:
-    """The event log, the wake-up of its subscribers, and their cap."""
+    """The event log, the wake-up of its subscribers, and their caps.
+
+    Invariant: at most ``max_subscribers`` subscribers, at most ``max_subscribers_per_tenant`` of one tenant
+    (``follow`` makes room or refuses before it adds one)."""
 
     def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000, medium: str = "",
-                 max_subscribers: int = 64, max_bytes: int = DEFAULT_EVENT_LOG_BYTES) -> None:
+                 max_subscribers: int = 64, max_bytes: int = DEFAULT_EVENT_LOG_BYTES,
+                 max_subscribers_per_tenant: int = 16) -> None:
         self.log = KVEventLog(epoch, capacity, max_bytes)  # --event-buffer-batches, --event-buffer-bytes
         self.log.attach(cache)
         self.cache = cache
         self.medium = medium  # "GPU" or "CPU": where the pool is (vLLM's kv_events field)
         self.max_subscribers = max_subscribers  # --max-event-subscribers
+        self.max_subscribers_per_tenant = max_subscribers_per_tenant  # --max-event-subscribers-per-tenant
         self._subscribers: dict[asyncio.Task | None, Subscriber] = {}  # open streams (on the loop thread only)
         self._shed: weakref.WeakKeyDictionary[asyncio.Task, SlowSubscriberError] = weakref.WeakKeyDictionary()
         # What subscribers wait on, made on the loop on first use: the event, its loop and that loop's thread.
@@ -72,11 +83,26 @@ class EventFeed:
         stream with this status), or None when it was not shed."""
         return self._shed.pop(task, None) if task is not None else None
 
-    def _make_room(self) -> None:
-        """At the cap: shed the subscriber blocked the longest (at least ``SHED_AFTER_S``), else refuse."""
+    def num_subscribers_of(self, tenant: str) -> int:
+        return sum(s.tenant == tenant for s in self._subscribers.values())
+
+    def _make_room(self, tenant: str) -> None:
+        """Before a subscriber of ``tenant`` joins: at the tenant's cap, shed the tenant's subscriber blocked the
+        longest (at least ``SHED_AFTER_S``), else refuse; at the server's cap, the same among all subscribers."""
         now = time.monotonic()
+        of_tenant = self.num_subscribers_of(tenant)
+        if of_tenant < self.max_subscribers_per_tenant and self.num_subscribers < self.max_subscribers:
+            return
+        at_tenant_cap = of_tenant >= self.max_subscribers_per_tenant
         blocked = [s for s in self._subscribers.values()
-                   if s.blocked_since is not None and s.shed is None and now - s.blocked_since >= SHED_AFTER_S]
+                   if s.blocked_since is not None and s.shed is None and now - s.blocked_since >= SHED_AFTER_S
+                   and (s.tenant == tenant or not at_tenant_cap)]
+        if not blocked and at_tenant_cap:
+            raise TooManyStreamsError(
+                f"tenant {tenant!r} already has {of_tenant} SubscribeEvents streams open, its limit "
+                f"(--max-event-subscribers-per-tenant={self.max_subscribers_per_tenant}, "
+                "KVPOOL_MAX_EVENT_SUBSCRIBERS_PER_TENANT), and all of them keep up: close one of them, or raise "
+                "the limit")
         if not blocked:
             raise TooManyStreamsError(
                 f"kvpool-server already has {self.num_subscribers} SubscribeEvents streams open, its limit "
@@ -85,11 +111,16 @@ class EventFeed:
         slowest = min(blocked, key=lambda s: s.blocked_since or now)
         slowest.shed = SlowSubscriberError(
             f"SubscribeEvents ended: this subscriber did not read its stream for {now - (slowest.blocked_since or now):.1f}"
-            f" s while --max-event-subscribers={self.max_subscribers} were open and another subscribed (too slow a "
-            "consumer); resubscribe with from_seq to resume")
+            f" s while {self._cap_reached(at_tenant_cap)} were open and another subscribed (too slow a consumer); "
+            "resubscribe with from_seq to resume")
         if slowest.task is not None:
             self._shed[slowest.task] = slowest.shed
             slowest.task.cancel()
+
+    def _cap_reached(self, at_tenant_cap: bool) -> str:
+        if at_tenant_cap:
+            return f"--max-event-subscribers-per-tenant={self.max_subscribers_per_tenant} of its tenant"
+        return f"--max-event-subscribers={self.max_subscribers}"
 
     def publish(self) -> None:
         """After a mutation, under the lock (on the loop's thread, or the fast path's): close its events into a
@@ -120,14 +151,13 @@ class EventFeed:
         return self._published[0]
 
     async def follow(self, lock: threading.Lock, from_seq: int | None, epoch: int | None,
-                     stopping: Callable[[], bool]) -> AsyncGenerator[tuple[EventBatch, int], None]:
-        """One subscriber: (batch, num_dropped) pairs -- a snapshot first, unless ``from_seq`` of this ``epoch``
-        resumes within the buffer -- until ``stopping()``. Past the cap it sheds a blocked subscriber or refuses
-        (TooManyStreamsError); see the module docstring."""
-        if self.num_subscribers >= self.max_subscribers:
-            self._make_room()
+                     stopping: Callable[[], bool], tenant: str = "") -> AsyncGenerator[tuple[EventBatch, int], None]:
+        """One subscriber of ``tenant``: (batch, num_dropped) pairs -- a snapshot first, unless ``from_seq`` of this
+        ``epoch`` resumes within the buffer -- until ``stopping()``. Past a cap it sheds a blocked subscriber or
+        refuses (TooManyStreamsError); see the module docstring."""
+        self._make_room(tenant)
         task = asyncio.current_task()
-        me = self._subscribers[task] = Subscriber(task)
+        me = self._subscribers[task] = Subscriber(task, tenant)
         try:
             next_seq = from_seq if from_seq is not None else -1
             if epoch is not None and epoch != self.log.epoch:

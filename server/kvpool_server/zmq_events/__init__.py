@@ -52,7 +52,9 @@ def start_publisher(config: ServerConfig, guard: CoreGuard) -> ZmqEventPublisher
             endpoint=config.kv_events_publish, connect=config.kv_events_connect,
             replay_endpoint=config.kv_events_replay, layout=config.kv_events_layout,
             max_queue_bytes=config.kv_events_queue_bytes, replay_batches=config.kv_events_replay_batches,
-            replay_bytes=config.kv_events_replay_bytes, socket_per_model=config.kv_events_socket_per_model)
+            replay_bytes=config.kv_events_replay_bytes, socket_per_model=config.kv_events_socket_per_model,
+            replay_peer_bytes=config.kv_events_replay_peer_bytes,
+            replay_queued_bytes=config.kv_events_replay_queued_bytes)
     except zmq.ZMQError as exc:
         raise StartupError(f"--kv-events-publish {config.kv_events_publish} / --kv-events-replay "
                            f"{config.kv_events_replay or '(none)'}: {exc}") from None

@@ -6,11 +6,11 @@ start (``first_seq``), so that a restart numbers above any earlier run (below 2*
 clock that does not step back). One socket carries every model name (llm-d reads the model from each topic) unless
 --kv-events-socket-per-model gives each its own socket (``channel_endpoint``), whose numbers then have no gaps.
 
-Replay (ROUTER, vLLM's protocol): a request ``[identity, b"", start_seq (8 bytes, big-endian)]`` gets every kept
-message numbered ``start_seq`` or later as ``[identity, b"", seq, payload]``, then ``[identity, b"", END_SEQ,
-b""]``. A fourth frame naming a topic (kvpool's extension) replays only that topic's messages. The buffer keeps the
-last ``replay_batches`` messages and at most ``replay_bytes`` of payload: a start older than its first message gets
-what is there (the first seq tells how much is missing).
+Replay (ROUTER, vLLM's protocol; replay.py, bounded in bytes per peer and in all): a request ``[identity, b"",
+start_seq (8 bytes, big-endian)]`` gets every kept message numbered ``start_seq`` or later as ``[identity, b"", seq,
+payload]``, then ``[identity, b"", END_SEQ, b""]``. A fourth frame naming a topic (kvpool's extension) replays only
+that topic's messages. The buffer keeps the last ``replay_batches`` messages and at most ``replay_bytes`` of
+payload: a start older than its first message gets what is there (the first seq tells how much is missing).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import deque
 from typing import Any
 
 from kvpool_server.core.errors import InvariantViolationError
-from kvpool_server.zmq_events.wire import END_SEQ
+from kvpool_server.zmq_events.replay import ReplayBudget, ReplayRouter
 
 logger = logging.getLogger("kvpool_server.zmq_events")
 SNDHWM = 10_000  # messages ZMQ queues for one slow subscriber before the PUB socket drops them for it
@@ -47,26 +47,27 @@ class Channel:
     """One PUB socket, its optional ROUTER replay socket, its counter and replay buffer.
 
     Invariants (``check_invariants``): the replay buffer holds at most ``replay_batches`` messages and
-    ``replay_bytes`` of payload (``buffer_bytes`` counts them), in increasing seq order, all below ``next_seq``.
+    ``replay_bytes`` of payload (``buffer_bytes`` counts them), with consecutive seqs (the replay finds a seq by
+    its offset from the first), all below ``next_seq``; the replay socket's own (ReplayRouter).
     """
 
     def __init__(self, ctx: Any, zmq: Any, endpoint: str, connect: bool, replay_endpoint: str,
-                 replay_batches: int, replay_bytes: int) -> None:
+                 replay_batches: int, replay_bytes: int, replay_budget: ReplayBudget | None = None,
+                 replay_peer_bytes: int = 1 << 20) -> None:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, SNDHWM)
         self.pub.setsockopt(zmq.LINGER, 500)
-        self.replay: Any = None
+        self.replay: ReplayRouter | None = None
         try:
             (self.pub.connect if connect else self.pub.bind)(endpoint)
             if replay_endpoint:
-                self.replay = ctx.socket(zmq.ROUTER)
-                self.replay.setsockopt(zmq.LINGER, 0)
-                self.replay.bind(replay_endpoint)
+                budget = replay_budget if replay_budget is not None else ReplayBudget(64 << 20)
+                self.replay = ReplayRouter(ctx, zmq, replay_endpoint, budget, replay_peer_bytes)
         except zmq.ZMQError:
             self.close()
             raise
         self.endpoint = endpoint if connect else self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT) if self.replay is not None else ""
+        self.replay_endpoint = self.replay.endpoint if self.replay is not None else ""
         self.replay_batches, self.replay_bytes = replay_batches, replay_bytes
         self.next_seq = first_seq()
         self.buffer: deque[tuple[bytes, int, bytes]] = deque()  # (topic, seq, payload)
@@ -83,25 +84,14 @@ class Channel:
         while len(self.buffer) > self.replay_batches or self.buffer_bytes > self.replay_bytes:
             self.buffer_bytes -= len(self.buffer.popleft()[2])
 
-    def serve_replay(self) -> None:
-        """Answer every replay request waiting (none: returns at once)."""
-        while self.replay is not None and self.replay.poll(0):
-            frames = self.replay.recv_multipart()
-            if len(frames) not in (3, 4) or frames[1] != b"" or len(frames[2]) != 8:
-                logger.warning("ignored a KV event replay request of %d frames (expected [identity, '', seq])",
-                               len(frames))
-                continue
-            identity, start = frames[0], int.from_bytes(frames[2], "big")
-            topic = frames[3] if len(frames) == 4 else None
-            for name, seq, payload in list(self.buffer):
-                if seq >= start and (topic is None or name == topic):
-                    self.replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-            self.replay.send_multipart((identity, b"", END_SEQ, b""))
+    def serve_replay(self) -> float | None:
+        """A round of the replay socket (ReplayRouter.serve): how soon to come back (None: nothing in progress)."""
+        return self.replay.serve(self.buffer) if self.replay is not None else None
 
     def close(self) -> None:
-        for sock in (self.pub, self.replay):
-            if sock is not None:
-                sock.close()
+        self.pub.close()
+        if self.replay is not None:
+            self.replay.close()
 
     def check_invariants(self) -> None:
         buffer = list(self.buffer)  # the thread appends; a copy is enough for a check in a quiet moment
@@ -111,3 +101,7 @@ class Channel:
             raise InvariantViolationError("the replay buffer is over its bounds or miscounted")
         if seqs != sorted(set(seqs)) or (seqs and seqs[-1] >= self.next_seq):
             raise InvariantViolationError("the replay buffer's sequence numbers are not increasing below next_seq")
+        if any(b != a + 1 for a, b in zip(seqs, seqs[1:], strict=False)):
+            raise InvariantViolationError("the replay buffer's sequence numbers are not consecutive")
+        if self.replay is not None:
+            self.replay.check_invariants()

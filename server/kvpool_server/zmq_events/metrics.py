@@ -36,5 +36,22 @@ class ZmqEventsCollector(Collector):
             "kvpool_kv_events_zmq_withheld_blocks",
             "Blocks stored and not published (an extra key, or a tenant without a model name)",
             value=p.wire.num_withheld)
+        replays = p.replay_counts()
+        yield CounterMetricFamily("kvpool_kv_events_zmq_replay_requests",
+                                  "Requests read on the replay socket (malformed ones too)", value=replays["requests"])
+        yield CounterMetricFamily("kvpool_kv_events_zmq_replay_malformed",
+                                  "Malformed replay requests (ignored; logged once per interval)",
+                                  value=replays["malformed"])
+        yield CounterMetricFamily(
+            "kvpool_kv_events_zmq_replay_refused",
+            "Replay requests answered with the end marker at once: too many peers with a replay in progress",
+            value=replays["refused"])
+        yield CounterMetricFamily(
+            "kvpool_kv_events_zmq_replay_truncated",
+            "Replays ended before a message larger than --kv-events-replay-queued-bytes", value=replays["truncated"])
+        yield GaugeMetricFamily(
+            "kvpool_kv_events_zmq_replay_held_bytes",
+            "Replay bytes the server holds for its peers (at most --kv-events-replay-queued-bytes)",
+            value=p.replay_budget.used)
         yield GaugeMetricFamily("kvpool_kv_events_zmq_queued_bytes",
                                 "Estimated bytes of batches waiting for the publisher thread", value=p.queued_bytes)

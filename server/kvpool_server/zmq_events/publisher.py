@@ -12,7 +12,9 @@ consumers expect of a publisher that lost events. A gap in the log's numbering (
 restated the same way. Neither the append path nor the event loop ever waits for the thread or a subscriber.
 
 The sockets, their sequence numbers (never lower than an earlier start's) and replay buffers are ``Channel``s
-(channel.py): one carrying every topic, or one per model name (--kv-events-socket-per-model).
+(channel.py): one carrying every topic, or one per model name (--kv-events-socket-per-model). Replays are served by
+the same thread in bounded rounds, and what they hold for peers is bounded in bytes per peer
+(--kv-events-replay-peer-bytes) and in all (--kv-events-replay-queued-bytes, ``ReplayBudget``; replay.py).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.kv_events import EventBatch, batch_bytes
 from kvpool_server.service.events import EventFeed
 from kvpool_server.zmq_events.channel import Channel, channel_endpoint
+from kvpool_server.zmq_events.replay import ReplayBudget
 from kvpool_server.zmq_events.wire import TopicMap, WireEvents, batch_object
 
 logger = logging.getLogger("kvpool_server.zmq_events")
-WAIT_S = 0.05  # the thread's longest wait for a batch before it looks at the replay socket again
+WAIT_S = 0.05  # the thread's longest wait for a batch before it looks at the replay socket again (sooner while a
+# replay is in progress: ReplayRouter.serve says when)
 
 
 class ZmqEventPublisher:
@@ -44,7 +48,8 @@ class ZmqEventPublisher:
 
     def __init__(self, feed: EventFeed, lock: threading.Lock, topics: TopicMap, *, endpoint: str, connect: bool,
                  replay_endpoint: str, layout: str, max_queue_bytes: int, replay_batches: int,
-                 replay_bytes: int, socket_per_model: bool = False) -> None:
+                 replay_bytes: int, socket_per_model: bool = False, replay_peer_bytes: int = 1 << 20,
+                 replay_queued_bytes: int = 64 << 20) -> None:
         import msgpack  # type: ignore[import-untyped]  # imported here: optional (requirements/server.txt)
         import zmq
 
@@ -55,10 +60,12 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context()
         self.channels: list[Channel] = []
         self.channel_of: dict[str, Channel] = {}  # model name -> the channel that carries its topics
+        self.replay_budget = ReplayBudget(replay_queued_bytes)  # shared by every channel's replay socket
         try:
             for i in range(len(topics.topics) if socket_per_model else 1):
                 self.channels.append(Channel(self._ctx, zmq, channel_endpoint(endpoint, i), connect,
-                                             channel_endpoint(replay_endpoint, i), replay_batches, replay_bytes))
+                                             channel_endpoint(replay_endpoint, i), replay_batches, replay_bytes,
+                                             self.replay_budget, replay_peer_bytes))
         except zmq.ZMQError:
             self._close_sockets()
             raise
@@ -77,6 +84,14 @@ class ZmqEventPublisher:
     @property
     def num_messages(self) -> int:
         return sum(c.num_messages for c in self.channels)
+
+    def replay_counts(self) -> dict[str, int]:
+        """The replay sockets' counters, summed: requests (malformed ones too), malformed, refused, truncated."""
+        routers = [c.replay for c in self.channels if c.replay is not None]
+        return {"requests": sum(r.num_requests for r in routers),
+                "malformed": sum(r.malformed.num_events for r in routers),
+                "refused": sum(r.num_refused for r in routers),
+                "truncated": sum(r.num_truncated for r in routers)}
 
     def endpoints(self) -> str:
         """Where it publishes (and replays), for the start line."""
@@ -114,6 +129,10 @@ class ZmqEventPublisher:
             raise InvariantViolationError("the queued batches are not in increasing seq order")
         for channel in self.channels:
             channel.check_invariants()
+        charged = sum(c.replay.charged for c in self.channels if c.replay is not None)
+        if charged != self.replay_budget.used or charged > self.replay_budget.total_bytes:
+            raise InvariantViolationError(f"replay bytes charged {charged} are not the budget's "
+                                          f"{self.replay_budget.used} within {self.replay_budget.total_bytes}")
         if set(self.channel_of) != {t.model for t in self.wire.topics.topics}:
             raise InvariantViolationError("a model name without a channel, or a channel for no model name")
 
@@ -137,18 +156,19 @@ class ZmqEventPublisher:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        wait_s = WAIT_S
         try:
             while True:
                 with self._cv:
-                    if not (self._queue or self._restate or self._stopping):
-                        self._cv.wait(WAIT_S)
+                    if not (self._queue or self._restate or self._stopping) and wait_s:
+                        self._cv.wait(wait_s)
                     batches = list(self._queue)
                     self._queue.clear()
                     self.queued_bytes = 0
                     restate, self._restate = self._restate, False
                     stopping = self._stopping
-                for channel in self.channels:
-                    channel.serve_replay()
+                hints = [h for h in (channel.serve_replay() for channel in self.channels) if h is not None]
+                wait_s = min(hints, default=WAIT_S)
                 if restate:
                     self._send_restate()
                 for batch in batches:
