@@ -43,10 +43,11 @@ class ChannelHeaders:
 
 
 def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, headers: ChannelHeaders,
-                 session_id: int, generation: int, seq: int) -> None:
-    """Serve the request record ``seq`` of a channel and write its reply (never raises for a bad record)."""
+                 session_id: int, generation: int, seq: int, prepared: Any = None) -> None:
+    """Serve the request record ``seq`` of a channel and write its reply (never raises for a bad record).
+    ``prepared``: the record as ``fair_channels`` copied it out, its prompt hashed (``Prepared``)."""
     memory_barrier()  # the record's loads after the seq's
-    header = views.req.tolist()  # one copy of the 16 words: what is read below cannot change under us
+    header = views.req.tolist() if prepared is None else prepared.header  # one copy: it cannot change under us
     op = header[fp.REQ_OP]
     call = scope.call(fp.OP_NAMES.get(op, "FastPath"), headers)
     try:
@@ -55,7 +56,7 @@ def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, head
                 raise InvalidArgumentError(
                     f"fast path: a record for seq {header[fp.REQ_SEQ]} generation {header[fp.REQ_GENERATION]}; this "
                     f"channel serves seq {seq} of generation {generation}")
-            answer = _apply(service, call, views, header, op, session_id)
+            answer = _apply(service, call, views, header, op, session_id, prepared)
     except Exception:
         write_error(views, seq, call.status)
         return
@@ -82,8 +83,9 @@ def _arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray,
     return ids, counts, tokens, buf[at:at + extra].tobytes()
 
 
-def _apply(service: KVPoolService, call: Any, views: fp.Views, header: list[int], op: int, session_id: int) -> Any:
-    ids, counts, tokens, extra = _arrays(views, header)
+def _apply(service: KVPoolService, call: Any, views: fp.Views, header: list[int], op: int, session_id: int,
+           prepared: Any = None) -> Any:
+    ids, counts, tokens, extra = _arrays(views, header) if prepared is None else prepared.arrays
     request_id = header[fp.REQ_REQUEST_ID] & U64
     arg0, arg1 = header[fp.REQ_ARG0] & U64, header[fp.REQ_ARG1]
     if op == fp.OP_APPEND:
@@ -99,7 +101,8 @@ def _apply(service: KVPoolService, call: Any, views: fp.Views, header: list[int]
     if op == fp.OP_REGISTER:
         if arg1 < 0:
             raise InvalidArgumentError(f"RegisterSequence public_prefix_len must be >= 0, got {arg1}")
-        return service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1, extra)
+        return service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1, extra,
+                                None if prepared is None else prepared.hashes)
     if op == fp.OP_FORK:
         if not 0 <= arg1 <= service.max_batch:
             raise InvalidArgumentError(f"Fork num_children must be in [0, max_batch={service.max_batch}], got {arg1}")

@@ -34,6 +34,7 @@ from kvpool import fastpath as fp
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.fastpath.channel import Channel, memory_barrier, new_name
+from kvpool_server.fastpath.fair_channels import FairChannels
 from kvpool_server.fastpath.handshake import is_local_peer, new_token, read_token
 from kvpool_server.fastpath.records import ChannelHeaders, serve_record
 from kvpool_server.service.errors import TooManyStreamsError
@@ -78,6 +79,7 @@ class FastPathServer:
         self.running = True
         self.thread = threading.Thread(target=self._run, name="kvpool-fastpath", daemon=True)
         self.served = 0
+        self.fair = FairChannels(service, self._note)  # the sessions' fair share of this thread (fair_channels.py)
 
     def start(self) -> None:
         self.thread.start()
@@ -174,7 +176,7 @@ class FastPathServer:
 
     def _serve_ready(self) -> bool:
         served = False
-        for channel in list(self.channels.values()):
+        for channel in self.fair.order(list(self.channels.values())):
             views = channel.views
             if views is None or channel.fenced:
                 continue
@@ -187,8 +189,12 @@ class FastPathServer:
                 channel.fence(fp.FENCED_PROTOCOL)
                 self._close(channel)
                 continue
+            if self.fair.defer(channel, views, seq):  # its prompt is hashed off this thread: the others first
+                continue
+            started = time.perf_counter()
             serve_record(self.service, self.scope, views, ChannelHeaders(channel.authorization), channel.session_id,
-                         channel.generation, seq)
+                         channel.generation, seq, self.fair.take(channel))
+            self.fair.charge(channel, time.perf_counter() - started)
             channel.last_seq = seq
             self.served += 1
             memory_barrier()
@@ -267,6 +273,7 @@ class FastPathServer:
                 except (KeyError, ValueError):
                     pass
             self.pending.pop(channel.token, None)
+            self.fair.forget(channel)
             channel.close()
 
     def _expire_pending(self) -> None:
