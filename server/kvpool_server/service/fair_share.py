@@ -36,7 +36,7 @@ DROP_S = 1e-6  # an entry decayed below this (seconds of work) is dropped at the
 PRUNE_S = 0.1  # how often entries of ended sessions and decayed ones are dropped
 LEVEL_S = 0.002  # the level is recomputed at most this often (it changes slowly: a time constant of TAU_S)
 RECENT_S = 0.002  # a session served within this is "asking now": heavy work of a more-used session waits for it
-MIN_SHARE = 0.1  # heavy work of a session that used less than this part of the server lately never waits
+MIN_SHARE = 0.05  # heavy work of a session that used less than this part of the server lately never waits
 
 
 def key_of(session_id: int, tenant: int | None, live: Container[int]) -> int:
