@@ -170,6 +170,13 @@ def main() -> None:
             registers = sum(c for _, _, c in floods_done[flood])
             line += f"   flooder: {registers / (args.rounds * args.phase_s):.0f} registers/s"
         print(line)
+    print("per round (each flood phase against the alone phase just before it):")
+    for (ends, _, _), name in zip(results, ("fast-path", "gRPC")):
+        for flood in floods:
+            ratios = [np.sum((ends >= fs + SKIP_S) & (ends < fe)) / max(1, np.sum((ends >= a + SKIP_S) & (ends < ae)))
+                      for (_, a, ae), (kind, fs, fe) in zip(phases[::2], phases[1::2]) if kind == f"flood-{flood}"]
+            print(f"  {name:<9} flood-{flood:<5} ratios {' '.join(f'{r:.2f}' for r in ratios)}  "
+                  f"median {np.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

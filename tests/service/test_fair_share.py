@@ -85,7 +85,7 @@ def test_chunked_hashes_equal_the_inline_ones() -> None:
         prompt = np.random.default_rng(0).integers(0, 50_000, 5000, dtype=np.uint32)
         for public, extra in ((0, b""), (800, b"lora"), (5000, b"")):
             done = threading.Event()
-            job = svc.hasher.submit(-1, None, prompt, public, extra, lambda job: done.set())
+            job = svc.hasher.submit(-1, None, prompt, public, extra, lambda job, done=done: done.set())
             assert job is not None and done.wait(30)
             assert job.hashes == prefix.prompt_hashes(None, prompt, public, extra)
         assert svc.hasher.submit(-1, None, np.zeros(1 << 17, np.uint32), 0, b"", print) is None  # too long: refused

@@ -54,8 +54,12 @@ async def take_turn(service: KVPoolService, call: Call, request: Any, max_wait_s
     loop = asyncio.get_running_loop()
     hashed = loop.create_future()
 
+    def resolve() -> None:
+        if not hashed.done():
+            hashed.set_result(None)
+
     def done(job: HashJob) -> None:  # on the hasher's thread
-        loop.call_soon_threadsafe(lambda: hashed.done() or hashed.set_result(None))
+        loop.call_soon_threadsafe(resolve)
 
     job = service.hasher.submit(key, call.caller.tenant_id, np.asarray(request.prompt_token_ids, dtype=np.uint32),
                                 request.public_prefix_len, request.cache_extra_key, done)

@@ -60,7 +60,8 @@ def _append(service: KVPoolService, call: Call, r: Any) -> AppendPlan:
 
 def _register(service: KVPoolService, call: Call, r: Any) -> Any:
     """``r``: the request, or a ``HashedRegister`` of it (its prompt hashed off the loop: fair_calls.py)."""
-    prompt, hashes = (r.prompt, r.hashes) if isinstance(r, HashedRegister) else (r.prompt_token_ids, None)
+    prompt: Any = r.prompt if isinstance(r, HashedRegister) else r.prompt_token_ids
+    hashes = r.hashes if isinstance(r, HashedRegister) else None
     return service.register(call, r.seq_id if r.HasField("seq_id") else None, r.session_id, r.request_id,
                             prompt, r.public_prefix_len, r.cache_extra_key, hashes)
 

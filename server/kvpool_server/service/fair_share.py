@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable
+from typing import Protocol
 
 TAU_S = 0.1  # the usage's time constant: what a session did longer ago than a few of these no longer counts
 ACTIVE_FRACTION = 0.01  # a session that used less than this part of the server lately does not share it
@@ -39,7 +40,13 @@ RECENT_S = 0.002  # a session served within this is "asking now": heavy work of 
 MIN_SHARE = 0.05  # heavy work of a session that used less than this part of the server lately never waits
 
 
-def key_of(session_id: int, tenant: int | None, live: Container[int]) -> int:
+class LiveSessions(Protocol):
+    """The session table, as far as the accountant reads it."""
+
+    def __contains__(self, session_id: int) -> bool: ...
+
+
+def key_of(session_id: int, tenant: int | None, live: LiveSessions) -> int:
     """The entry a call is charged to: its session while live, else its tenant's (-1 - tenant)."""
     return session_id if session_id and session_id in live else -1 - (tenant or 0)
 
@@ -48,7 +55,7 @@ class FairShare:
     """The per-session decayed usage (see the module docstring). Thread-safe: charged from the event loop, the
     fast-path thread and the hasher's thread."""
 
-    def __init__(self, live: Container[int], *, tau_s: float = TAU_S,
+    def __init__(self, live: LiveSessions, *, tau_s: float = TAU_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.live = live  # the session table (``in``): entries of ended sessions are pruned
         self.tau_s = tau_s

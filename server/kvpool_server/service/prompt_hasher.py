@@ -149,13 +149,10 @@ class PromptHasher:
         while True:
             with self.cond:
                 job = self._next()
-                while self.running:
-                    pause = fair.pause_s(job.key) if job is not None else None
-                    if pause is not None and pause <= 0:
-                        break
-                    self.cond.wait(None if pause is None else min(pause, MAX_PACE_S))
+                while self.running and (job is None or fair.pause_s(job.key) > 0):
+                    self.cond.wait(None if job is None else min(fair.pause_s(job.key), MAX_PACE_S))
                     job = self._next()
-                if not self.running:
+                if not self.running or job is None:
                     return
             started = time.perf_counter()
             try:
