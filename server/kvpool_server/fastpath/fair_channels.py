@@ -40,7 +40,7 @@ class Prepared(NamedTuple):
 
     @property
     def hashes(self) -> list[bytes] | None:
-        return self.job.hashes if self.job.done else None
+        return self.job.result
 
 
 class FairChannels:

@@ -32,7 +32,7 @@ class HashedRegister:
     def __init__(self, request: pb.RegisterSequenceRequest, job: HashJob) -> None:
         self.request = request
         self.prompt = job.prompt
-        self.hashes = job.hashes
+        self.hashes = job.result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.request, name)

@@ -35,7 +35,7 @@ TAU_S = 0.1  # the usage's time constant: what a session did longer ago than a f
 ACTIVE_FRACTION = 0.01  # a session that used less than this part of the server lately does not share it
 DROP_S = 1e-6  # an entry decayed below this (seconds of work) is dropped at the next prune
 PRUNE_S = 0.1  # how often entries of ended sessions and decayed ones are dropped
-LEVEL_S = 0.002  # the level is recomputed at most this often (it changes slowly: a time constant of TAU_S)
+LEVEL_S = 0.001  # the level (and who was served lately) is recomputed at most this often
 RECENT_S = 0.002  # a session served within this is "asking now": heavy work of a more-used session waits for it
 MIN_SHARE = 0.05  # heavy work of a session that used less than this part of the server lately never waits
 
@@ -65,6 +65,7 @@ class FairShare:
         self._pruned_at = 0.0
         self._level = math.inf
         self._level_at = -math.inf
+        self._recent: list[tuple[float, int]] = []  # (usage, key) of the keys charged within RECENT_S, least first
 
     # ---------------------------------------------------------------- charging
     def charge(self, key: int, seconds: float) -> None:
@@ -99,10 +100,16 @@ class FairShare:
         now = self.clock()
         if now - self._level_at < LEVEL_S:
             return self._level
+        self._refresh(now)
+        return self._level
+
+    def _refresh(self, now: float) -> None:
         tau = self.tau_s
         with self._lock:
-            usages = sorted(u * math.exp((at - now) / tau) for u, at in self._usage.values())
-        active = [u for u in usages if u >= ACTIVE_FRACTION * tau]
+            entries = [(u * math.exp((at - now) / tau), key, at) for key, (u, at) in self._usage.items()]
+        entries.sort()
+        self._recent = [(used, key) for used, key, at in entries if now - at <= RECENT_S]
+        active = [used for used, _, _ in entries if used >= ACTIVE_FRACTION * tau]
         level, remaining = math.inf, tau
         if len(active) >= 2:
             for i, used in enumerate(active):
@@ -112,7 +119,6 @@ class FairShare:
                     break
                 remaining -= used
         self._level, self._level_at = level, now
-        return level
 
     def wait_s(self, key: int) -> float:
         """0 when ``key`` is within its share; else how long until its usage has decayed to the level."""
@@ -135,11 +141,14 @@ class FairShare:
         return self.wait_s(key)
 
     def _lighter_recent(self, key: int, used: float) -> bool:
-        now, tau = self.clock(), self.tau_s
-        with self._lock:
-            entries = list(self._usage.items())
-        return any(other != key and now - at <= RECENT_S and u * math.exp((at - now) / tau) < used
-                   for other, (u, at) in entries)
+        """Another key, less used than ``used``, was charged within RECENT_S (as of the last refresh)."""
+        self.level()  # refreshes ``_recent`` when it is older than LEVEL_S
+        for other_used, other in self._recent:
+            if other_used >= used:
+                return False
+            if other != key:
+                return True
+        return False
 
     def __len__(self) -> int:
         return len(self._usage)

@@ -66,6 +66,11 @@ class HashJob:
         self.cancelled = False
         self.on_done = on_done
 
+    @property
+    def result(self) -> list[bytes] | None:
+        """The prompt's hashes once complete (None: not done, or hashing failed -- register hashes it itself)."""
+        return self.hashes if self.done and len(self.hashes) == self.num_blocks else None
+
     def step(self, num_blocks: int) -> None:
         """Hash the next ``num_blocks`` blocks (the chain carried on from the last one hashed)."""
         first, bs = len(self.hashes), self.block_size
@@ -145,32 +150,43 @@ class PromptHasher:
         return best
 
     def _run(self) -> None:
-        fair = self.fair
-        while True:
-            with self.cond:
-                job = self._next()
-                while self.running and (job is None or fair.pause_s(job.key) > 0):
-                    self.cond.wait(None if job is None else min(fair.pause_s(job.key), MAX_PACE_S))
-                    job = self._next()
-                if not self.running or job is None:
-                    return
-            started = time.perf_counter()
+        while self.running:
             try:
-                job.step(CHUNK_BLOCKS)
-            except Exception:  # a bug: the job ends without hashes (the transport hashes it inline then)
-                logger.exception("prompt hasher: hashing failed")
-                job.hashes, job.done = [], True
-            fair.charge(job.key, time.perf_counter() - started)
-            if job.done:
-                with self.cond:
-                    queue = self.jobs.get(job.key)
-                    if queue and queue[0] is job:
-                        queue.popleft()
-                        self.queued_tokens -= job.prompt.size
-                if not job.cancelled:
+                self._serve_one()
+            except Exception:  # a bug here must not end the thread: every long register would wait for it
+                logger.exception("prompt hasher: failed")
+                time.sleep(0.01)
+
+    def _serve_one(self) -> None:
+        """Wait for a job whose turn it is; hash one chunk of it; hand it over once complete."""
+        fair = self.fair
+        with self.cond:
+            job = self._next()
+            while self.running and (job is None or fair.pause_s(job.key) > 0):
+                self.cond.wait(None if job is None else min(fair.pause_s(job.key), MAX_PACE_S))
+                job = self._next()
+            if not self.running or job is None:
+                return
+        started = time.perf_counter()
+        try:
+            job.step(CHUNK_BLOCKS)
+        except Exception:  # a bug: the job ends without its hashes (``result`` None: register hashes inline)
+            logger.exception("prompt hasher: hashing failed")
+            job.done = True
+        fair.charge(job.key, time.perf_counter() - started)
+        if job.done:
+            with self.cond:
+                queue = self.jobs.get(job.key)
+                if queue and queue[0] is job:
+                    queue.popleft()
+                    self.queued_tokens -= job.prompt.size
+            if not job.cancelled:
+                try:
                     job.on_done(job)
-            if fair.level() != float("inf"):  # others are active: let a thread waiting for the GIL take it
-                time.sleep(GIL_GAP_S)
+                except Exception:  # its transport is gone (a stopped fast path, a closed loop): nobody waits
+                    logger.debug("prompt hasher: a finished job's transport is gone", exc_info=True)
+        if fair.level() != float("inf"):  # others are active: let a thread waiting for the GIL take it
+            time.sleep(GIL_GAP_S)
 
     def check_invariants(self) -> None:
         with self.cond:
