@@ -13,6 +13,7 @@ Never a wait on the thread. Bounded: at most one ``Prepared`` per live channel (
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -49,6 +50,8 @@ class FairChannels:
         self.fair = service.fair
         self.hasher = service.hasher
         self.wake = wake  # wakes the fast-path thread (a parked one too): a job is done
+        self.wake_lock = threading.Lock()  # a job's end (the hasher's thread) against close() (the server's stop)
+        self.closed = False
         self.prepared: dict[Channel, Prepared] = {}
         self._order: list[Channel] = []
         self._order_at = 0.0
@@ -86,7 +89,7 @@ class FairChannels:
         try:
             arrays = _arrays(views, header)
             job = self.hasher.submit(self.key(channel), channel.tenant, arrays[2], header[fp.REQ_ARG1], arrays[3],
-                                     lambda job: self.wake())
+                                     self._hashed)
         except KVPoolError:  # a record too big for the area (refused by serve_record); the hasher full (inline)
             return False
         if job is None:  # a prompt register refuses: serve_record does, with its status
@@ -98,6 +101,20 @@ class FairChannels:
     def take(self, channel: Channel) -> Prepared | None:
         """The record ``defer`` prepared, once (the thread serves it now)."""
         return self.prepared.pop(channel, None) if self.prepared else None
+
+    def _hashed(self, job: HashJob) -> None:
+        """On the hasher's thread: wake the fast-path thread -- never once ``close`` has run (its wake pipe's fd
+        is closed then, and may be another file's)."""
+        with self.wake_lock:
+            if not self.closed:
+                self.wake()
+
+    def close(self) -> None:
+        """The fast path stops: no more wakes; every job cancelled."""
+        with self.wake_lock:
+            self.closed = True
+        for channel in list(self.prepared):
+            self.forget(channel)
 
     def forget(self, channel: Channel) -> None:
         """The channel closed (or moved on): its job is cancelled, its copy dropped."""

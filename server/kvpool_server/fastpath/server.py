@@ -124,6 +124,7 @@ class FastPathServer:
                 channel.close()
             self.channels.clear()
             self.pending.clear()
+        self.fair.close()  # before the wake pipe closes: the hasher never writes to its fd after
         self.selector.close()
         self.listener.close()
         os.close(self.wake_r)
