@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32768)
     parser.add_argument("--floods", default="fast,grpc", help="the flooder's transports, one phase kind each")
     parser.add_argument("--pin", type=int, default=None, metavar="SERVER_CPU")
+    parser.add_argument("--flooder-cpu", type=int, default=None, help="the flooder on this CPU (default: with the "
+                        "other clients); to tell its client's work from the server's")
     parser.add_argument("--before", metavar="DIR", help="the server of an older tree unpacked in DIR")
     parser.add_argument("server_args", nargs="*", help="after --: extra kvpool-server flags")
     args = parser.parse_args()
@@ -146,7 +148,7 @@ def main() -> None:
                       for fast in (True, False)]
             flooders = {flood: pool.apply_async(flooder, ((
                 server.address, flood == "fast", [(s, e) for name, s, e in phases if name == f"flood-{flood}"],
-                args.prompt_tokens, cpus),)) for flood in floods}
+                args.prompt_tokens, cpus if args.flooder_cpu is None else {args.flooder_cpu}),)) for flood in floods}
             health = health_probe(server.address, end_at)
             results = [f.get(timeout=end_at - time.time() + 120) for f in fronts]
             floods_done = {flood: f.get(timeout=120) for flood, f in flooders.items()}

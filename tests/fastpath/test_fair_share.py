@@ -95,3 +95,34 @@ def test_a_long_prompt_register_refuses_is_refused_as_before(server_factory) -> 
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
         assert stub.Stats(pb.StatsRequest()).num_sequences == 0
+
+
+def test_the_invariants_hold_while_long_registers_are_deferred_and_after() -> None:
+    """In-process: the fast path's registry (a prepared record per deferred channel at most), the hasher's queue
+    and the accountant's entries, looked at while two sessions' long registers are hashed, and once they end."""
+    from kvpool_server.config import load_config
+    from kvpool_server.grpc_api.server import build_server
+
+    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "1",
+                                       "--address", "127.0.0.1:0", "--max-seq-len", str(1 << 18)]))
+    handle.start()
+    fast, service = handle.fast_path, handle.service
+    assert fast is not None
+    try:
+        clients = [KVPoolClient(f"127.0.0.1:{handle.port}", lease_ttl_s=30.0) for _ in range(2)]
+        threads = [threading.Thread(target=lambda c=c, i=i: [c.register_prompt(long_prompt(10 + i, 1 << 16))
+                                                             for _ in range(3)]) for i, c in enumerate(clients)]
+        for thread in threads:
+            thread.start()
+        while any(t.is_alive() for t in threads):
+            fast.check_invariants()
+            service.hasher.check_invariants()
+            service.fair.check_invariants()
+        assert all(c.fast_path_open for c in clients)
+        for client in clients:
+            client.close()
+        fast.check_invariants()
+        assert not fast.fair.prepared and service.hasher.queued_tokens == 0
+    finally:
+        handle.stop()
+        handle.pool.close()

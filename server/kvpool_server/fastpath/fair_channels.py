@@ -121,3 +121,11 @@ class FairChannels:
         prepared = self.prepared.pop(channel, None)
         if prepared is not None:
             self.hasher.cancel(prepared.job)
+
+    def check_invariants(self, live: list[Channel]) -> None:
+        """At most one ``Prepared`` per channel, only for live channels, each for the record after the last one
+        the channel served (``live``: the server's channels)."""
+        channels = {id(c) for c in live}
+        for channel, prepared in list(self.prepared.items()):
+            assert id(channel) in channels, "fair channels: a prepared record of a closed channel"
+            assert prepared.seq == channel.last_seq + 1, f"fair channels: record {prepared.seq} after {channel.last_seq}"

@@ -298,6 +298,7 @@ class FastPathServer:
                 assert channel.views is not None or channel.fenced
                 if channel.views is not None and not channel.fenced:
                     assert int(channel.views.ctl[fp.CTL_REP_SEQ]) == channel.last_seq
+            self.fair.check_invariants(list(self.channels.values()))
 
     def stats(self) -> dict[str, int]:
         with self.lock:
