@@ -36,7 +36,7 @@ ACTIVE_FRACTION = 0.01  # a session that used less than this part of the server 
 DROP_S = 1e-6  # an entry decayed below this (seconds of work) is dropped at the next prune
 PRUNE_S = 0.1  # how often entries of ended sessions and decayed ones are dropped
 LEVEL_S = 0.001  # the level (and who was served lately) is recomputed at most this often
-RECENT_S = 0.002  # a session served within this is "asking now": heavy work of a more-used session waits for it
+RECENT_S = 0.005  # a session served within this is "asking now": heavy work of a more-used session waits for it
 MIN_SHARE = 0.05  # heavy work of a session that used less than this part of the server lately never waits
 
 
