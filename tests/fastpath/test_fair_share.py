@@ -114,11 +114,11 @@ def test_the_invariants_hold_while_long_registers_are_deferred_and_after() -> No
                                                              for _ in range(3)]) for i, c in enumerate(clients)]
         for thread in threads:
             thread.start()
-        while any(t.is_alive() for t in threads):
-            fast.check_invariants()
+        while any(t.is_alive() for t in threads):  # the fast path's registry is checked between records: after
             service.hasher.check_invariants()
             service.fair.check_invariants()
         assert all(c.fast_path_open for c in clients)
+        fast.check_invariants()
         for client in clients:
             client.close()
         fast.check_invariants()
