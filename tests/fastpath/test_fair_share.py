@@ -49,20 +49,21 @@ def test_fast_path_serves_another_session_while_a_long_register_is_hashed(server
 
 
 def test_grpc_serves_another_session_while_long_registers_are_queued(server_factory) -> None:
-    """The flooder has 24 long registers in flight; once one has been answered (the rest have arrived), the other
-    session's register is applied before some of them (they await the hasher; the loop serves the other)."""
+    """The flooder has 32 long registers in flight; once one has been answered (the rest have arrived), the other
+    session's register -- on a connection of its own -- is applied before some of them (they await the hasher;
+    the loop serves the other)."""
     server = server_factory(*SERVER_ARGS)
-    with connect(server.address) as stub:
+    with connect(server.address) as stub, connect(server.address) as other:
         flood_session = stub.OpenSession(pb.OpenSessionRequest(client_name="flood")).session_id
-        other_session = stub.OpenSession(pb.OpenSessionRequest(client_name="other")).session_id
+        other_session = other.OpenSession(pb.OpenSessionRequest(client_name="other")).session_id
         request = pb.RegisterSequenceRequest(session_id=flood_session)
         request.prompt_token_ids.extend(long_prompt(2, LONG // 16).tolist())
-        futures = [stub.RegisterSequence.future(request, timeout=120) for _ in range(24)]
+        futures = [stub.RegisterSequence.future(request, timeout=120) for _ in range(32)]
         done = threading.Event()
         for future in futures:
             future.add_done_callback(lambda f: done.set())
         assert done.wait(120)
-        other_id = stub.RegisterSequence(pb.RegisterSequenceRequest(session_id=other_session), timeout=60).seq_id
+        other_id = other.RegisterSequence(pb.RegisterSequenceRequest(session_id=other_session), timeout=60).seq_id
         flood_ids = [f.result().seq_id for f in futures]
         assert other_id < max(flood_ids), ("every queued long register was applied before the other session's: "
                                            "the event loop hashed them inline")
