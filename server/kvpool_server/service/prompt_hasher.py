@@ -96,8 +96,9 @@ class PromptHasher:
         self.running = True
 
     def is_long(self, num_tokens: int) -> bool:
-        """A prompt hashed here, not inline: more than CHUNK_BLOCKS blocks to hash."""
-        return (num_tokens - 1) // self.block_size > CHUNK_BLOCKS
+        """A prompt hashed here, not inline: more than CHUNK_BLOCKS blocks to hash, and no longer than a register
+        takes (a longer one is refused by its size, before any per-token work: not copied here first)."""
+        return CHUNK_BLOCKS < (num_tokens - 1) // self.block_size and num_tokens <= self.prefix.max_seq_len
 
     def submit(self, key: int, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
                public_prefix_len: int, cache_extra_key: bytes,
