@@ -41,3 +41,12 @@ def test_bench_events_prints_the_rate_and_checks_the_index() -> None:
                      "--num-blocks", "512", timeout=300)
     assert re.search(r"subscriber\s+[\d,]+ block events/s", out), out
     assert "equal to a fresh snapshot: True" in out and re.search(r"dropped\s+0 re-snapshots", out), out
+
+
+def test_bench_fair_share_prints_each_frontend_alone_and_under_each_flood() -> None:
+    out = run_script("bench_fair_share.py", "--rounds", "1", "--phase-s", "1", "--prompt-tokens", "2048",
+                     timeout=300)
+    for phase in ("alone", "flood-fast", "flood-grpc"):
+        for frontend in ("fast-path", "gRPC"):
+            assert re.search(rf"^{phase}\s+{frontend}\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out
+    assert "NOT used" not in out and "flooder:" in out, out

@@ -89,12 +89,17 @@ class PrefixReuse:
                       public_prefix_len: int = 0, cache_extra_key: bytes = b"") -> list[bytes]:
         """The chain hashes a register of this prompt matches (checked as ``register`` checks it). Reads only the
         tenant's name (``TenantLedger.names`` only grows): the service may call it without the lock."""
+        prompt, salt, num_public = self.hash_input(tenant, prompt_token_ids, public_prefix_len, cache_extra_key)
+        return reusable_hashes(prompt, self.tables.block_size, salt, num_public, cache_extra_key)
+
+    def hash_input(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray, public_prefix_len: int = 0,
+                   cache_extra_key: bytes = b"") -> tuple[np.ndarray, bytes, int]:
+        """What ``prompt_hashes`` hashes -- the prompt (checked as ``register`` checks it), the tenant's salt, the
+        number of public blocks -- for a caller that hashes it in chunks (``reusable_hashes`` of it, chained)."""
         prompt = np.asarray(prompt_token_ids, dtype=np.uint32)
         check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
-        bs = self.tables.block_size
-        salt = self.tenants.names[tenant].encode()
-        return reusable_hashes(prompt, bs, salt, public_prefix_len // bs, cache_extra_key)
+        return prompt, self.tenants.names[tenant].encode(), public_prefix_len // self.tables.block_size
 
     def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
                       public_prefix_len: int = 0, cache_extra_key: bytes = b"",

@@ -110,11 +110,12 @@ class Deferred:
 
 
 def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, headers: ChannelHeaders,
-                 session_id: int, generation: int, seq: int) -> Deferred | None:
+                 session_id: int, generation: int, seq: int, prepared: Any = None) -> Deferred | None:
     """Serve the request record ``seq`` of a channel: its reply is written (None), or it is a ``Deferred`` to
-    settle on the event loop. Raises only for a bug of ours (the caller then answers INTERNAL, never again)."""
+    settle on the event loop. Raises only for a bug of ours (the caller then answers INTERNAL, never again).
+    ``prepared``: the record as ``fair_channels`` copied it out, its prompt hashed (``Prepared``)."""
     memory_barrier()  # the record's loads after the seq's
-    header = views.req.tolist()  # one copy of the 16 words: what is read below cannot change under us
+    header = views.req.tolist() if prepared is None else prepared.header  # one copy: it cannot change under us
     op = header[fp.REQ_OP]
     call = scope.call(fp.OP_NAMES.get(op, "FastPath"), headers)
     try:
@@ -127,7 +128,7 @@ def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, head
             raise InvalidArgumentError(
                 f"fast path: a record for seq {header[fp.REQ_SEQ]} generation {header[fp.REQ_GENERATION]}; this "
                 f"channel serves seq {seq} of generation {generation}")
-        invoke, on_loop = _invocation(service, call, views, header, op, session_id)
+        invoke, on_loop = _invocation(service, call, views, header, op, session_id, prepared)
         answer = None if on_loop else attempt(invoke)
     except BaseException as exc:
         call.__exit__(type(exc), exc, None)
@@ -163,12 +164,12 @@ def _arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray,
 
 
 def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list[int], op: int,
-                session_id: int) -> tuple[Any, bool]:
+                session_id: int, prepared: Any = None) -> tuple[Any, bool]:
     """The record as a call of the service (checked, its arrays copied out) -- ``invoke()`` may be called again,
     on the event loop, after a Wait -- and whether to call it on the loop from the start: a Free that may be
     released in chunks (``service.freeing``) releases them one loop callback each, as on gRPC (off the loop they
     would all go in one lock hold)."""
-    ids, counts, tokens, extra = _arrays(views, header)
+    ids, counts, tokens, extra = _arrays(views, header) if prepared is None else prepared.arrays
     request_id = header[fp.REQ_REQUEST_ID] & U64
     arg0, arg1 = header[fp.REQ_ARG0] & U64, header[fp.REQ_ARG1]
     if op == fp.OP_APPEND:
@@ -183,8 +184,9 @@ def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list
     if op == fp.OP_REGISTER:
         if arg1 < 0:
             raise InvalidArgumentError(f"RegisterSequence public_prefix_len must be >= 0, got {arg1}")
+        hashes = None if prepared is None else prepared.hashes
         return lambda: service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1,
-                                        extra), False
+                                        extra, hashes), False
     if op == fp.OP_FORK:
         if not 0 <= arg1 <= service.max_batch:
             raise InvalidArgumentError(f"Fork num_children must be in [0, max_batch={service.max_batch}], got {arg1}")

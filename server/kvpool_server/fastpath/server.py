@@ -43,6 +43,7 @@ from kvpool import fastpath as fp
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.fastpath.channel import Channel, memory_barrier, new_name
+from kvpool_server.fastpath.fair_channels import FairChannels
 from kvpool_server.fastpath.handshake import Handshake, Handshakes, is_local_peer, new_token
 from kvpool_server.fastpath.records import ChannelHeaders, serve_record, write_bug
 from kvpool_server.fastpath.registry import ChannelRegistry
@@ -86,6 +87,7 @@ class FastPathServer:
         self.running = True
         self.thread = threading.Thread(target=self._run, name="kvpool-fastpath", daemon=True)
         self.served = 0
+        self.fair = FairChannels(service, self._note)  # the sessions' fair share of this thread (fair_channels.py)
 
     def start(self) -> None:
         self.thread.start()
@@ -128,6 +130,7 @@ class FastPathServer:
             self.thread.join(5)
         self.registry.close_all()
         self.handshakes.close_all()
+        self.fair.close()  # before the wake pipe closes: the hasher never writes to its fd after
         self.selector.close()
         self.listener.close()
         os.close(self.wake_r)
@@ -184,7 +187,7 @@ class FastPathServer:
 
     def _serve_ready(self) -> bool:
         served = False
-        for channel in list(self.registry.channels.values()):
+        for channel in self.fair.order(list(self.registry.channels.values())):
             views = channel.views
             if views is None or channel.fenced:
                 continue
@@ -202,13 +205,17 @@ class FastPathServer:
                 channel.fence(fp.FENCED_PROTOCOL)
                 self._close(channel)
                 continue
+            if self.fair.defer(channel, views, seq):  # its prompt is hashed off this thread: the others first
+                continue
+            started = time.perf_counter()
             try:
                 deferred = serve_record(self.service, self.scope, views, ChannelHeaders(channel.authorization),
-                                        channel.session_id, channel.generation, seq)
+                                        channel.session_id, channel.generation, seq, self.fair.take(channel))
             except Exception as exc:  # a bug of ours, maybe after the record was applied: answered, never again
                 logger.exception("fast path: record %d of session %d failed", seq, channel.session_id)
                 self._answer_bug(channel, views, seq, exc)
                 deferred = None
+            self.fair.charge(channel, time.perf_counter() - started)
             if deferred is not None:
                 channel.deferred = (seq, deferred, deferred.start(self.loop, self.executor, self._note))
                 continue
@@ -298,6 +305,7 @@ class FastPathServer:
 
     def _close(self, channel: Channel) -> None:
         self.registry.remove(channel)
+        self.fair.forget(channel)
         if channel.sock is not None:
             try:
                 self.selector.unregister(channel.sock)
@@ -307,6 +315,7 @@ class FastPathServer:
 
     def check_invariants(self) -> None:
         self.registry.check_invariants()
+        self.fair.check_invariants(list(self.registry.channels.values()))
 
     def stats(self) -> dict[str, int]:
         return {**self.registry.counts(), "served": self.served, "handshakes": len(self.handshakes)}

@@ -13,6 +13,7 @@ transport uses) on the event loop.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Executor
 from typing import Any
 
@@ -20,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvpool_server.core import InvalidArgumentError
+from kvpool_server.grpc_api import fair_calls
 from kvpool_server.grpc_api.bulk import BulkRequest, split_bulk
 from kvpool_server.grpc_api.methods import Unary
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
@@ -65,6 +67,7 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         call = scope.call(rpc, MetadataHeaders(context))
         charged = 0
+        started = time.perf_counter()
         try:
             with call:
                 if len(raw) > BIG_MESSAGE_BYTES:
@@ -76,12 +79,17 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
                         request = parse(raw)
                     except DecodeError:
                         request = parse_request(request_cls, raw, rpc)  # raises with the message
+                parsed_s = time.perf_counter() - started
+                request = await fair_calls.take_turn(service, call, request, _max_wait_s(context))
+                started = time.perf_counter()
                 answer = await answer_of(lambda: invoke(service, call, request))
                 if isinstance(answer, Offload):
                     release, charged = charged, 0  # the copy holds the body: released when it ends
                     return await offloaded(executor, answer, lambda a: encode(service, a).SerializeToString(),
                                            (lambda: budget.release(release)) if release else None)
-                return encode(service, answer).SerializeToString()
+                reply = encode(service, answer).SerializeToString()
+                fair_calls.charge(service, call, request, parsed_s + time.perf_counter() - started)
+                return reply
         except Exception as exc:
             # The traceback's frames hold the body (a view of it, the decoded tokens): drop them now, not at the
             # next cyclic GC -- 16 failed 64 MiB WriteKVs otherwise stay resident.

@@ -22,6 +22,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.core import AppendPlan
 from kvpool_server.grpc_api import messages
+from kvpool_server.grpc_api.fair_calls import HashedRegister
 from kvpool_server.grpc_api.status import PEER_KEY
 from kvpool_server.fastpath.server import FastPathServer
 from kvpool_server.service.kvpool import KVPoolService
@@ -57,9 +58,12 @@ def _append(service: KVPoolService, call: Call, r: Any) -> AppendPlan:
     return service.append(call, r.seq_ids, r.num_tokens, r.token_ids, r.session_id, r.request_id)
 
 
-def _register(service: KVPoolService, call: Call, r: pb.RegisterSequenceRequest) -> Any:
+def _register(service: KVPoolService, call: Call, r: Any) -> Any:
+    """``r``: the request, or a ``HashedRegister`` of it (its prompt hashed off the loop: fair_calls.py)."""
+    prompt: Any = r.prompt if isinstance(r, HashedRegister) else r.prompt_token_ids
+    hashes = r.hashes if isinstance(r, HashedRegister) else None
     return service.register(call, r.seq_id if r.HasField("seq_id") else None, r.session_id, r.request_id,
-                            r.prompt_token_ids, r.public_prefix_len, r.cache_extra_key)
+                            prompt, r.public_prefix_len, r.cache_extra_key, hashes)
 
 
 def _fork(service: KVPoolService, call: Call, r: pb.ForkRequest) -> list[int]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from contextlib import aclosing
 from typing import Any
@@ -34,6 +35,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvpool_server.grpc_api import fair_calls
+from kvpool_server.grpc_api.fair_calls import MAX_TURN_WAIT_S
 from kvpool_server.grpc_api.handlers import parse_request
 from kvpool_server.grpc_api.methods import BidiStream, ServerStream
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
@@ -155,11 +158,16 @@ def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: Bid
                             return
                         entry.last_progress = loop.time()
                         with scope.call(rpc, headers, observe=False) as call:  # this message
+                            started = time.perf_counter()
                             try:
                                 request = parse(raw)
                             except DecodeError:
                                 request = parse_request(request_cls, raw, rpc)
+                            parsed_s = time.perf_counter() - started
+                            request = await fair_calls.take_turn(service, call, request, MAX_TURN_WAIT_S)
+                            started = time.perf_counter()
                             data = on_message(service, call, state, request).SerializeToString()
+                            fair_calls.charge(service, call, request, parsed_s + time.perf_counter() - started)
                         await write_or_gone(context, data)  # a killed client: a disconnect, not a bug
                         entry.last_progress = loop.time()
                 except asyncio.CancelledError:

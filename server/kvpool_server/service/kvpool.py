@@ -36,6 +36,7 @@ from kvpool_server.device.tier_pool import CopyTotals
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
 from kvpool_server.service.byte_budget import ByteBudget
+from kvpool_server.service.fair_share import FairShare
 from kvpool_server.service.freeing import Freeing, free_rows
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.invariant_checks import InvariantChecks
@@ -43,6 +44,7 @@ from kvpool_server.service.kv_copies import INLINE_BYTES, SequencePins, chunk_to
 from kvpool_server.service.kv_wire import ENVELOPE_BYTES, KVWire
 from kvpool_server.service.metrics import KVPoolMetrics
 from kvpool_server.service.offload import Offload
+from kvpool_server.service.prompt_hasher import PromptHasher
 from kvpool_server.service.reply_limits import ReplyLimits
 from kvpool_server.service.scope import Call
 from kvpool_server.service.sessions import SessionService
@@ -95,6 +97,8 @@ class KVPoolService:
         self.invariants = InvariantChecks(manager)
         self.chunk_tokens = chunk_tokens(pool.layout.token_bytes)
         self.inflight = ByteBudget(max(max_inflight_bytes, max_message_bytes))  # large request bodies at once
+        self.fair = FairShare(guard.sessions)  # each session's recent serving time: its share (fair_share.py)
+        self.hasher = PromptHasher(manager.prefix, manager.block_size, self.fair)  # long prompts, off the loop
 
     def reload_tokens(self) -> bool:
         """SIGHUP: re-read the tokens file (under the lock: it changes the tenants' limits)."""
@@ -106,7 +110,9 @@ class KVPoolService:
     # ---------------------------------------------------------------- sequences
     def register(self, call: Call, seq_id: int | None = None, session_id: int = 0, request_id: int = 0,
                  prompt_token_ids: Sequence[int] = (), public_prefix_len: int = 0,
-                 cache_extra_key: bytes = b"") -> Registered:
+                 cache_extra_key: bytes = b"", prompt_hashes: list[bytes] | None = None) -> Registered:
+        """``prompt_hashes``: the prompt's hashes from ``self.hasher`` (a job of this very prompt), else computed
+        here."""
         seq_id = arguments.new_seq_id(seq_id)
         if not session_id:
             self.sessions.refuse_if_drained("RegisterSequence")
@@ -114,8 +120,8 @@ class KVPoolService:
         tenant, manager, tier = call.caller.tenant_id, self.guard.manager, self.tier
         prompt = prompt_token_ids if len(prompt_token_ids) else None
 
-        hashes = None  # the prompt's chain hashes, computed here with the lock free (a bad prompt: None, refused
-        if prompt is not None:  # under the lock, after the fencing, as the core refuses it)
+        hashes = prompt_hashes  # the prompt's chain hashes, computed with the lock free (a bad prompt: None,
+        if prompt is not None and hashes is None:  # refused under the lock, after the fencing, as the core does)
             try:
                 hashes = manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
             except (KVPoolError, IndexError):

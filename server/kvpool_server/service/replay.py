@@ -37,8 +37,9 @@ DEFAULT_MAX_BYTES_PER_TENANT = 16 << 20
 
 
 def fingerprint(*parts: Any) -> bytes:
-    """A 16-byte digest of a request's arguments (ints, bytes, strings, int sequences and arrays, None)."""
-    digest = hashlib.blake2b(digest_size=16)
+    """A 16-byte digest of a request's arguments (ints, bytes, strings, int sequences and arrays, None): sha256's
+    first 16 bytes (sha256 has the CPU's instructions: a 32k-token prompt's 256 KiB in ~0.3 ms, blake2b's ~1 ms)."""
+    digest = hashlib.sha256()
     for part in parts:
         if part is None:
             digest.update(b"\x00N")
@@ -54,7 +55,7 @@ def fingerprint(*parts: Any) -> bytes:
             except OverflowError:  # ids of 2**63 and above (uint64 fields): the same bytes as their int64 wrap
                 array = np.asarray(part, dtype=np.uint64).view(np.int64)
             digest.update(b"\x00A%d:" % array.size + array.tobytes())
-    return digest.digest()
+    return digest.digest()[:16]
 
 
 def answer_bytes(answer: Any) -> int:

@@ -1,0 +1,77 @@
+"""A gRPC call's fair share (``service.fair``, fair_share.py): its turn before it runs, its cost after.
+
+    take_turn(service, call, request)   a session over its share awaits until it is within it (at most
+                                        MAX_TURN_WAIT_S, and never past the call's deadline): the event loop
+                                        serves the other sessions meanwhile; a RegisterSequence of a long prompt
+                                        has its hashes made on the hasher (prompt_hasher.py), awaited here, so
+                                        the loop does only the locked part -> ``HashedRegister``
+    charge(service, call, request, s)   the seconds the loop spent on the call (parse, serve, encode), charged to
+                                        its session (or its tenant's key without a live one)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_server.service.fair_share import key_of
+from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.service.prompt_hasher import HashJob
+from kvpool_server.service.scope import Call
+
+MAX_TURN_WAIT_S = 0.05  # the longest one call waits for its session's share (then it runs: no session starves)
+
+
+class HashedRegister:
+    """A RegisterSequenceRequest whose prompt the hasher has hashed: ``prompt`` (the job's copy) and ``hashes``
+    go to ``service.register``; every other field is the request's."""
+
+    def __init__(self, request: pb.RegisterSequenceRequest, job: HashJob) -> None:
+        self.request = request
+        self.prompt = job.prompt
+        self.hashes = job.result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.request, name)
+
+
+def call_key(service: KVPoolService, call: Call, request: Any) -> int:
+    return key_of(getattr(request, "session_id", 0), call.caller.tenant_id, service.guard.sessions)
+
+
+async def take_turn(service: KVPoolService, call: Call, request: Any, max_wait_s: float) -> Any:
+    """The request, once its session is within its share (a ``HashedRegister`` for a long prompt)."""
+    key = call_key(service, call, request)
+    wait = service.fair.wait_s(key)
+    if wait > 0:
+        await asyncio.sleep(min(wait, MAX_TURN_WAIT_S, max(0.0, max_wait_s)))
+    if not isinstance(request, pb.RegisterSequenceRequest) or not service.hasher.is_long(
+            len(request.prompt_token_ids)):
+        return request
+    loop = asyncio.get_running_loop()
+    hashed = loop.create_future()
+
+    def resolve() -> None:
+        if not hashed.done():
+            hashed.set_result(None)
+
+    def done(job: HashJob) -> None:  # on the hasher's thread
+        loop.call_soon_threadsafe(resolve)
+
+    job = service.hasher.submit(key, call.caller.tenant_id, np.asarray(request.prompt_token_ids, dtype=np.uint32),
+                                request.public_prefix_len, request.cache_extra_key, done)
+    if job is None:  # a prompt register refuses: it does so with its status
+        return request
+    try:
+        await hashed
+    except BaseException:  # cancelled: the job goes before its next chunk
+        service.hasher.cancel(job)
+        raise
+    return HashedRegister(request, job)
+
+
+def charge(service: KVPoolService, call: Call, request: Any, seconds: float) -> None:
+    service.fair.charge(call_key(service, call, request), seconds)

@@ -1,0 +1,195 @@
+"""PromptHasher: a long prompt's chain hashes, computed on a thread of their own ("kvpool-hasher") in chunks, a fair
+share of the server per session -- not on the event loop, not on the fast-path thread.
+
+A register's per-token work is its prompt's chain hashes (``PrefixReuse.prompt_hashes``: one sha256 of ~130 bytes a
+block, ~1.7 us each, and hashlib keeps the GIL for data under 2 KiB): 3.5 ms for 32k tokens, all of it holding the
+GIL. Done where the call arrives, it stalled every other caller of that thread (a fast-path record waits behind it)
+and of the process (the event loop waits for the GIL up to the 5 ms switch interval). Here::
+
+    transport: job = hasher.submit(key, tenant, prompt, ...)      prompts over CHUNK_BLOCKS blocks only
+               (gRPC: awaits job's future; fast path: serves the other channels, this one once job.done)
+    hasher:    the job of the least-used session (FairShare) whose session is within its share; CHUNK_BLOCKS
+               blocks of it; that time charged to its session; then, while another session is active, the GIL
+               given up for real (a sleep of GIL_GAP_S: a thread woken for a light call takes it at once)
+    transport: service.register(..., prompt_hashes=job.hashes)    the locked part only
+
+The hashes are those ``prompt_hashes`` gives (the same chain, cut into chunks: ``reusable_hashes`` of slices with
+the parent carried over), of the job's own copy of the prompt (the client cannot change it meanwhile), and the
+transport passes that same copy to ``register``. A prompt that ``register`` would refuse is not hashed
+(``submit`` answers None and the call goes on as before: refused, unchanged).
+
+Bounded: the queued jobs hold at most MAX_QUEUED_TOKENS tokens (4 bytes each, and 32 bytes a block of hashes);
+``submit`` refuses past that (RESOURCE_EXHAUSTED, nothing applied). A job cancelled (its channel closed, its call
+cancelled) is dropped before its next chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvpool_server.core.block_hash import NONE_HASH, chain_hashes
+from kvpool_server.core.errors import KVPoolError, QuotaExceededError
+from kvpool_server.core.prefix_reuse import PrefixReuse
+from kvpool_server.service.fair_share import FairShare
+
+logger = logging.getLogger(__name__)
+CHUNK_BLOCKS = 32  # blocks hashed between two looks at the others (~55 us); a prompt of at most this is hashed inline
+GIL_GAP_S = 20e-6  # after a chunk, while others are active: the GIL released this long (really ~70 us: timer slack)
+MAX_PACE_S = 0.005  # an over-share session's chunk waits at most this long before the share is looked at again
+MAX_QUEUED_TOKENS = 16 << 20  # the queued prompts' tokens, all jobs together (64 MiB of tokens + 32 MiB of hashes)
+
+
+class HashJob:
+    """One prompt's chain hashes, chunk after chunk. ``hashes`` is complete once ``done``; ``prompt`` is the copy
+    the transport registers."""
+
+    __slots__ = ("key", "prompt", "salt", "num_public", "extra", "block_size", "num_blocks", "hashes", "done",
+                 "cancelled", "on_done")
+
+    def __init__(self, key: int, prompt: np.ndarray, salt: bytes, num_public: int, extra: bytes, block_size: int,
+                 on_done: Callable[[HashJob], None]) -> None:
+        self.key = key
+        self.prompt = prompt
+        self.salt = salt
+        self.num_public = num_public
+        self.extra = extra
+        self.block_size = block_size
+        self.num_blocks = max(0, (prompt.size - 1) // block_size)  # reusable_hashes: all but the last token's
+        self.hashes: list[bytes] = []
+        self.done = False
+        self.cancelled = False
+        self.on_done = on_done
+
+    @property
+    def result(self) -> list[bytes] | None:
+        """The prompt's hashes once complete (None: not done, or hashing failed -- register hashes it itself)."""
+        return self.hashes if self.done and len(self.hashes) == self.num_blocks else None
+
+    def step(self, num_blocks: int) -> None:
+        """Hash the next ``num_blocks`` blocks (the chain carried on from the last one hashed)."""
+        first, bs = len(self.hashes), self.block_size
+        last = min(self.num_blocks, first + num_blocks)
+        self.hashes += chain_hashes(self.prompt[first * bs:last * bs], bs, self.salt,
+                                    self.hashes[-1] if first else NONE_HASH, self.extra,
+                                    max(0, self.num_public - first))
+        self.done = last == self.num_blocks
+
+
+class PromptHasher:
+    """The hasher's jobs by session key (each key's in order) and its thread, started on the first job.
+    Invariant: ``queued_tokens`` is the sum of the queued jobs' prompt sizes, at most MAX_QUEUED_TOKENS."""
+
+    def __init__(self, prefix: PrefixReuse, block_size: int, fair: FairShare) -> None:
+        self.prefix = prefix
+        self.block_size = block_size
+        self.fair = fair
+        self.cond = threading.Condition()
+        self.jobs: dict[int, deque[HashJob]] = {}
+        self.queued_tokens = 0
+        self.thread: threading.Thread | None = None
+        self.running = True
+
+    def is_long(self, num_tokens: int) -> bool:
+        """A prompt hashed here, not inline: more than CHUNK_BLOCKS blocks to hash, and no longer than a register
+        takes (a longer one is refused by its size, before any per-token work: not copied here first)."""
+        return CHUNK_BLOCKS < (num_tokens - 1) // self.block_size and num_tokens <= self.prefix.max_seq_len
+
+    def submit(self, key: int, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
+               public_prefix_len: int, cache_extra_key: bytes,
+               on_done: Callable[[HashJob], None]) -> HashJob | None:
+        """Queue the prompt's hashes; ``on_done(job)`` runs on the hasher's thread once they are complete. None:
+        a prompt ``register`` refuses (the caller registers it as before, to be refused with the same status)."""
+        try:
+            prompt, salt, num_public = self.prefix.hash_input(tenant, prompt_token_ids, public_prefix_len,
+                                                              cache_extra_key)
+        except (KVPoolError, IndexError):
+            return None
+        job = HashJob(key, np.array(prompt, dtype=np.uint32), salt, num_public, cache_extra_key, self.block_size,
+                      on_done)
+        with self.cond:
+            if self.queued_tokens + prompt.size > MAX_QUEUED_TOKENS:
+                raise QuotaExceededError(
+                    f"the prompt hasher holds {self.queued_tokens} tokens of queued prompts (at most "
+                    f"{MAX_QUEUED_TOKENS}): retry")
+            self.jobs.setdefault(key, deque()).append(job)
+            self.queued_tokens += prompt.size
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="kvpool-hasher", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+        return job
+
+    def cancel(self, job: HashJob) -> None:
+        job.cancelled = True  # dropped before its next chunk (its memory with it)
+
+    def stop(self) -> None:
+        with self.cond:
+            self.running = False
+            self.cond.notify()
+
+    # ---------------------------------------------------------------- the thread
+    def _next(self) -> HashJob | None:
+        """Under ``cond``: the first job of the least-used session that is within its share, cancelled jobs
+        dropped; None when there is none (then wait)."""
+        fair, best, best_usage = self.fair, None, 0.0
+        for key in list(self.jobs):
+            queue = self.jobs[key]
+            while queue and queue[0].cancelled:
+                self.queued_tokens -= queue.popleft().prompt.size
+            if not queue:
+                del self.jobs[key]
+                continue
+            usage = fair.usage(key)
+            if best is None or usage < best_usage:
+                best, best_usage = queue[0], usage
+        return best
+
+    def _run(self) -> None:
+        while self.running:
+            try:
+                self._serve_one()
+            except Exception:  # a bug here must not end the thread: every long register would wait for it
+                logger.exception("prompt hasher: failed")
+                time.sleep(0.01)
+
+    def _serve_one(self) -> None:
+        """Wait for a job whose turn it is; hash one chunk of it; hand it over once complete."""
+        fair = self.fair
+        with self.cond:
+            job = self._next()
+            while self.running and (job is None or fair.pause_s(job.key) > 0):
+                self.cond.wait(None if job is None else min(fair.pause_s(job.key), MAX_PACE_S))
+                job = self._next()
+            if not self.running or job is None:
+                return
+        started = time.perf_counter()
+        try:
+            job.step(CHUNK_BLOCKS)
+        except Exception:  # a bug: the job ends without its hashes (``result`` None: register hashes inline)
+            logger.exception("prompt hasher: hashing failed")
+            job.done = True
+        fair.charge(job.key, time.perf_counter() - started)
+        if job.done:
+            with self.cond:
+                queue = self.jobs.get(job.key)
+                if queue and queue[0] is job:
+                    queue.popleft()
+                    self.queued_tokens -= job.prompt.size
+            if not job.cancelled:
+                try:
+                    job.on_done(job)
+                except Exception:  # its transport is gone (a stopped fast path, a closed loop): nobody waits
+                    logger.debug("prompt hasher: a finished job's transport is gone", exc_info=True)
+        if fair.level() != float("inf"):  # others are active: let a thread waiting for the GIL take it
+            time.sleep(GIL_GAP_S)
+
+    def check_invariants(self) -> None:
+        with self.cond:
+            total = sum(j.prompt.size for q in self.jobs.values() for j in q)
+            assert total == self.queued_tokens <= MAX_QUEUED_TOKENS, f"hasher: {total} != {self.queued_tokens}"

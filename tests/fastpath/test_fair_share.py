@@ -1,0 +1,129 @@
+"""One session's long registers do not hold up another session's requests (issue 30, item 16), against a real
+server process, over both transports. The figure asserted is an order -- the server's sequence ids grow with the
+order in which registers are applied -- never a timing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from kvpool import fastpath as fp
+from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_client import KVPoolClient
+from tests.service.service_helpers import connect
+
+LONG = 1 << 20  # tokens: ~0.1 s of hashing on this machine, far longer than a cheap register's round trip
+SERVER_ARGS = ("--max-seq-len", str(2 * LONG), "--fast-path-area-bytes", str(8 << 20),
+               "--max-message-bytes", str(64 << 20))
+
+
+def long_prompt(seed: int, size: int = LONG) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, size, dtype=np.uint32)
+
+
+def test_fast_path_serves_another_session_while_a_long_register_is_hashed(server_factory) -> None:
+    """The flooder's record is published first; the other session's register, published after it, is applied
+    before it (the thread serves it while the long prompt is hashed off the thread)."""
+    server = server_factory(*SERVER_ARGS)
+    with KVPoolClient(server.address, lease_ttl_s=30.0) as flooder, \
+            KVPoolClient(server.address, lease_ttl_s=30.0) as other:
+        flooder.register()
+        other.register()  # both channels open
+        assert flooder.fast_path_open and other.fast_path_open
+        ctl = flooder._fast_channel.views.ctl  # type: ignore[union-attr]
+        published = int(ctl[fp.CTL_REQ_SEQ])
+        result: list[int] = []
+        flood = threading.Thread(target=lambda: result.append(flooder.register_prompt(long_prompt(1))[0]))
+        flood.start()
+        while int(ctl[fp.CTL_REQ_SEQ]) == published:  # the long register's record is published
+            time.sleep(0.0005)
+        other_id = other.register()
+        flood.join(60)
+        assert result, "the long register did not complete"
+        assert other_id < result[0], ("the other session's register was applied after the long register that was "
+                                      "published before it: the fast-path thread hashed the long prompt inline")
+        assert flooder.fast_path_open and other.fast_path_open  # both went over their channels
+
+
+def test_grpc_serves_another_session_while_long_registers_are_queued(server_factory) -> None:
+    """The flooder has 32 long registers in flight; once one has been answered (the rest have arrived), the other
+    session's register -- on a connection of its own -- is applied before some of them (they await the hasher;
+    the loop serves the other)."""
+    server = server_factory(*SERVER_ARGS)
+    with connect(server.address) as stub, connect(server.address) as other:
+        flood_session = stub.OpenSession(pb.OpenSessionRequest(client_name="flood")).session_id
+        other_session = other.OpenSession(pb.OpenSessionRequest(client_name="other")).session_id
+        request = pb.RegisterSequenceRequest(session_id=flood_session)
+        request.prompt_token_ids.extend(long_prompt(2, LONG // 16).tolist())
+        futures = [stub.RegisterSequence.future(request, timeout=120) for _ in range(32)]
+        done = threading.Event()
+        for future in futures:
+            future.add_done_callback(lambda f: done.set())
+        assert done.wait(120)
+        other_id = other.RegisterSequence(pb.RegisterSequenceRequest(session_id=other_session), timeout=60).seq_id
+        flood_ids = [f.result().seq_id for f in futures]
+        assert other_id < max(flood_ids), ("every queued long register was applied before the other session's: "
+                                           "the event loop hashed them inline")
+
+
+def test_a_long_register_over_each_transport_matches_the_inline_hashes(server_factory) -> None:
+    """Hashed on the hasher or inline, the same prompt finds the same cached blocks (the chain is the same)."""
+    server = server_factory(*SERVER_ARGS)
+    prompt = long_prompt(3, 2048 + 5)  # 128 blocks to hash: over CHUNK_BLOCKS
+    with KVPoolClient(server.address, lease_ttl_s=30.0) as fast, \
+            KVPoolClient(server.address, lease_ttl_s=30.0, fast_path=False) as slow:
+        seq_id, cached = slow.register_prompt(prompt)
+        assert cached == 0
+        slow.append(seq_id, len(prompt), token_ids=prompt)
+        slow.append(seq_id, 1, token_ids=[7])  # seals its full blocks: cached
+        for client in (fast, slow):
+            _, cached = client.register_prompt(prompt)
+            assert cached == (len(prompt) - 1) // 16 * 16
+        assert fast.fast_path_open
+
+
+def test_a_long_prompt_register_refuses_is_refused_as_before(server_factory) -> None:
+    server = server_factory("--max-seq-len", "4096")
+    with connect(server.address) as stub:
+        request = pb.RegisterSequenceRequest()
+        request.prompt_token_ids.extend(long_prompt(4, 5000).tolist())
+        try:
+            stub.RegisterSequence(request, timeout=30)
+            raise AssertionError("a prompt past --max-seq-len was accepted")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
+        assert stub.Stats(pb.StatsRequest()).num_sequences == 0
+
+
+def test_the_invariants_hold_while_long_registers_are_deferred_and_after() -> None:
+    """In-process: the fast path's registry (a prepared record per deferred channel at most), the hasher's queue
+    and the accountant's entries, looked at while two sessions' long registers are hashed, and once they end."""
+    from kvpool_server.config import load_config
+    from kvpool_server.grpc_api.server import build_server
+
+    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "1",
+                                       "--address", "127.0.0.1:0", "--max-seq-len", str(1 << 18)]))
+    handle.start()
+    fast, service = handle.fast_path, handle.service
+    assert fast is not None
+    try:
+        clients = [KVPoolClient(f"127.0.0.1:{handle.port}", lease_ttl_s=30.0) for _ in range(2)]
+        threads = [threading.Thread(target=lambda c=c, i=i: [c.register_prompt(long_prompt(10 + i, 1 << 16))
+                                                             for _ in range(3)]) for i, c in enumerate(clients)]
+        for thread in threads:
+            thread.start()
+        while any(t.is_alive() for t in threads):  # the fast path's registry is checked between records: after
+            service.hasher.check_invariants()
+            service.fair.check_invariants()
+        assert all(c.fast_path_open for c in clients)
+        fast.check_invariants()
+        for client in clients:
+            client.close()
+        fast.check_invariants()
+        assert not fast.fair.prepared and service.hasher.queued_tokens == 0
+    finally:
+        handle.stop()
+        handle.pool.close()
