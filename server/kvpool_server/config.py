@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.cli_flags import VLLM_SERVER_FLAGS, refuse_foreign_flags
 from kvpool.layout import DTYPES, KV_LAYOUTS, KVLayout
 from kvpool.tensor_parallel import check_split
 from kvpool_server.log_setup import LOG_FORMATS, LOG_LEVELS, JsonLogFormatter
@@ -335,9 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpool-server",
         description="kvpool: KV-cache block pool of one GPU (or host memory) as a gRPC service. "
         f"Every flag can also be set by an environment variable {ENV_PREFIX}<FLAG> (e.g. KVPOOL_POOL_BYTES).",
+        allow_abbrev=False,  # --port must not mean --port-file (kvpool.cli_flags)
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {server_version()}")
     add_arguments(parser, ServerConfig)
+    refuse_foreign_flags(parser, "kvpool-server", VLLM_SERVER_FLAGS)
     return parser
 
 
