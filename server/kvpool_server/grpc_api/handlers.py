@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.grpc_api.bulk import BulkRequest, split_bulk
 from kvpool_server.grpc_api.methods import Unary
+from kvpool_server.grpc_api.request_bounds import Bound, check_size, field_limits, max_request_bytes
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
 from kvpool_server.service.byte_budget import BIG_MESSAGE_BYTES, MAX_WAIT_S
 from kvpool_server.service.kvpool import KVPoolService
@@ -50,6 +51,13 @@ async def parse_big(request_cls: Any, raw: bytes, rpc: str, bulk: str, executor:
     return await asyncio.get_running_loop().run_in_executor(executor, parse_request, request_cls, raw, rpc)
 
 
+def request_bound(service: KVPoolService, request_cls: Any) -> Bound | None:
+    """The most bytes a valid ``request_cls`` can take under this server's limits (request_bounds.py)."""
+    limits = field_limits(max_seq_len=service.limits.max_seq_len, max_batch=service.max_batch,
+                          max_tokens_per_call=service.limits.max_tokens_per_call)
+    return max_request_bytes(request_cls.DESCRIPTOR, limits)
+
+
 def _max_wait_s(context: grpc.aio.ServicerContext) -> float:
     remaining = context.time_remaining()
     return MAX_WAIT_S if remaining is None else min(MAX_WAIT_S, remaining)
@@ -61,12 +69,14 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
     invoke, encode, bulk = method.invoke, method.encode, method.bulk
     parse = request_cls.FromString
     budget = service.inflight
+    bound = request_bound(service, request_cls)
 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         call = scope.call(rpc, MetadataHeaders(context))
         charged = 0
         try:
             with call:
+                check_size(bound, len(raw), rpc)  # before any parsing, any charge
                 if len(raw) > BIG_MESSAGE_BYTES:
                     await budget.acquire(len(raw), rpc, _max_wait_s(context))
                     charged = len(raw)
