@@ -33,7 +33,7 @@ _FIXED_BYTES = {FieldDescriptor.TYPE_FIXED32: 4, FieldDescriptor.TYPE_SFIXED32: 
 class Limit(NamedTuple):
     """A field's most elements (repeated) or bytes (bytes/string), and the setting that says so."""
 
-    count: int
+    most: int
     setting: str
 
 
@@ -64,7 +64,7 @@ def _value_bytes(field: FieldDescriptor, limits: Mapping[str, Limit]) -> int | N
         return _FIXED_BYTES[field.type]
     if field.type in (FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_STRING):
         limit = limits.get(field.name)
-        return None if limit is None else MAX_VARINT_BYTES + limit.count
+        return None if limit is None else MAX_VARINT_BYTES + limit.most
     if field.type in (FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_GROUP):
         return None
     return MAX_VARINT_BYTES  # every varint type (ints, bools, enums)
@@ -82,8 +82,8 @@ def max_request_bytes(descriptor: Descriptor, limits: Mapping[str, Limit]) -> Bo
             limit = limits.get(field.name)
             if limit is None:
                 return None
-            total += key + MAX_VARINT_BYTES + limit.count * (key + value)  # packed or not, at most this
-            why.append(f"{field.name} at most {limit.count:,} ({limit.setting})")
+            total += key + MAX_VARINT_BYTES + limit.most * (key + value)  # packed or not, at most this
+            why.append(f"{field.name} at most {limit.most:,} ({limit.setting})")
         else:
             total += key + value
             if field.name in limits:
