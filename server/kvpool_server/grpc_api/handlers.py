@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvpool_server.core import InvalidArgumentError
+from kvpool_server.grpc_api.admitted_reads import Charge, read_admitted
 from kvpool_server.grpc_api.bulk import BulkRequest, split_bulk
 from kvpool_server.grpc_api.methods import Unary
 from kvpool_server.grpc_api.request_bounds import Bound, check_size, field_limits, max_request_bytes
@@ -27,7 +28,7 @@ from kvpool_server.grpc_api.status import MetadataHeaders, abort
 from kvpool_server.service.byte_budget import BIG_MESSAGE_BYTES, MAX_WAIT_S
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.offload import Offload, Wait
-from kvpool_server.service.scope import CallScope
+from kvpool_server.service.scope import Call, CallScope
 
 
 
@@ -65,48 +66,73 @@ def _max_wait_s(context: grpc.aio.ServicerContext) -> float:
 
 def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, rpc: str,
                   method: Unary) -> grpc.RpcMethodHandler:
+    """``method`` as a raw-bytes handler. A method with a bulk field (WriteKV) is registered as stream-unary, so
+    that gRPC reads its body only once the byte budget admits it (``admitted_reads.read_admitted``); the client
+    still makes a unary call (the wire is the same)."""
     request_cls: Any = method.request_cls
     invoke, encode, bulk = method.invoke, method.encode, method.bulk
     parse = request_cls.FromString
     budget = service.inflight
     bound = request_bound(service, request_cls)
+    reserve = min(service.limits.max_message_bytes, budget.max_bytes)  # an unread body's most
+
+    async def serve(call: Call, raw: bytes, charge: Charge, context: grpc.aio.ServicerContext) -> bytes:
+        """The call, its body received: parse (a large body charged first), run the service, encode."""
+        check_size(bound, len(raw), rpc)  # before any parsing, any charge
+        if len(raw) > BIG_MESSAGE_BYTES:
+            if not charge.num_bytes:
+                await budget.acquire(len(raw), rpc, _max_wait_s(context))
+                charge.num_bytes = len(raw)
+            request = await parse_big(request_cls, raw, rpc, bulk, executor)
+        else:
+            try:
+                request = parse(raw)
+            except DecodeError:
+                request = parse_request(request_cls, raw, rpc)  # raises with the message
+        while True:
+            try:
+                answer = invoke(service, call, request)
+                break
+            except Wait as wait:
+                await wait.until
+        if isinstance(answer, Offload):  # the copy holds the body: released when it ends
+            return await _offloaded(service, executor, answer, encode, charge.hand_over())
+        return encode(service, answer).SerializeToString()
 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         call = scope.call(rpc, MetadataHeaders(context))
-        charged = 0
+        charge = Charge(budget)
         try:
             with call:
-                check_size(bound, len(raw), rpc)  # before any parsing, any charge
-                if len(raw) > BIG_MESSAGE_BYTES:
-                    await budget.acquire(len(raw), rpc, _max_wait_s(context))
-                    charged = len(raw)
-                    request = await parse_big(request_cls, raw, rpc, bulk, executor)
-                else:
-                    try:
-                        request = parse(raw)
-                    except DecodeError:
-                        request = parse_request(request_cls, raw, rpc)  # raises with the message
-                while True:
-                    try:
-                        answer = invoke(service, call, request)
-                        break
-                    except Wait as wait:
-                        await wait.until
-                if isinstance(answer, Offload):
-                    release, charged = charged, 0  # the copy holds the body: released when it ends
-                    return await _offloaded(service, executor, answer, encode,
-                                            (lambda: budget.release(release)) if release else None)
-                return encode(service, answer).SerializeToString()
+                return await serve(call, raw, charge, context)
         except Exception as exc:
             # The traceback's frames hold the body (a view of it, the decoded tokens): drop them now, not at the
             # next cyclic GC -- 16 failed 64 MiB WriteKVs otherwise stay resident.
             exc.__traceback__ = None
-            raw, request, answer = b"", None, None  # noqa: F841
+            raw = b""  # noqa: F841
             await abort(context, call.status)
         finally:
-            if charged:
-                budget.release(charged)
+            charge.release()
+        return b""  # not reached: abort raises
 
+    async def handle_unread(request_iterator: Any, context: grpc.aio.ServicerContext) -> bytes:
+        call = scope.call(rpc, MetadataHeaders(context))
+        charge = Charge(budget)
+        raw = b""
+        try:
+            with call:
+                raw = await read_admitted(context, charge, rpc, _max_wait_s(context), reserve)
+                return await serve(call, raw, charge, context)
+        except Exception as exc:
+            exc.__traceback__ = None
+            raw = b""  # noqa: F841
+            await abort(context, call.status)
+        finally:
+            charge.release()
+        return b""  # not reached: abort raises
+
+    if bulk:
+        return grpc.stream_unary_rpc_method_handler(handle_unread)
     return grpc.unary_unary_rpc_method_handler(handle)
 
 
