@@ -104,7 +104,8 @@ class ServerConfig:
     max_message_bytes: int = setting(64 * MiB, "largest gRPC message received or sent", min=64 << 10, size=True)
     max_inflight_bytes: int = setting(
         256 * MiB, "bytes of large request bodies (WriteKV and the like) being parsed or copied at once, over all "
-        "calls; at least --max-message-bytes", min=(4 * MiB, "max_message_bytes"), size=True)
+        "calls (a WriteKV's body is received only once admitted, charged at --max-message-bytes until its size is "
+        "known); at least --max-message-bytes", min=(4 * MiB, "max_message_bytes"), size=True)
     max_tokens_per_call: int = setting(
         1 << 17, "most tokens one AppendToken (or AppendTokenStream message) may hand out (more: INVALID_ARGUMENT); "
         "bounds how long one call holds the pool", min=1)
