@@ -4,11 +4,14 @@
 
 Two sections, each on a fresh server (host backend):
 
-- ``writes``: ``--writes`` concurrent WriteKVs of ``--write-mib`` each (one channel each), with Stats and Health
-  asked every 10 ms meanwhile; prints the server's peak RSS (VmHWM) over its RSS before the burst, and the slowest
-  Stats and Health answer. ``--max-inflight-bytes`` is the server's bound on large bodies received at once.
-- ``prompts``: one RegisterSequence of ``--prompt-tokens`` tokens (and one of an eighth of it), with Health asked
-  every 10 ms; prints how long the refusal took and the slowest Health answer.
+- ``writes``: ``--writes`` concurrent WriteKVs of ``--write-mib`` each (one channel each); prints the server's peak
+  RSS (VmHWM) over its RSS before the burst, and the slowest Stats and Health answer meanwhile.
+  ``--inflight-mib`` is the server's ``--max-inflight-bytes`` (at least ``--write-mib`` + 1).
+- ``prompts``: one RegisterSequence of an eighth of ``--prompt-tokens`` tokens, then one of all of them; prints how
+  long each refusal took and the slowest Health and Stats answer meanwhile.
+
+Stats and Health are asked every 10 ms by another process (``Prober``), so the client's own work does not delay
+them. ``PYTHONPATH=<a checkout>/server`` runs the server of that checkout instead (before/after figures).
 """
 
 from __future__ import annotations
