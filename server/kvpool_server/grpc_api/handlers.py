@@ -2,7 +2,9 @@
 
 Handlers are registered with no request deserializer and no response serializer, so the bytes of a request that
 does not parse never reach gRPC's own deserializer (which answers INTERNAL, logs a traceback and leaked ~16 KB a
-call on grpcio 1.84): here it is INVALID_ARGUMENT, nothing logged, nothing kept.
+call on grpcio 1.84): here it is INVALID_ARGUMENT, nothing logged, nothing kept. A body longer than any valid
+request of its method is refused by its length before it is parsed (``request_bounds``); a method with a bulk field
+(WriteKV) is read from gRPC only once the byte budget admits it (``admitted_reads``).
 
 Everything else -- admission, authentication, the status of an error, metrics -- is the call scope's
 (service/scope.py), and the locking, fencing, replay and events are the service's: this module only decodes,
