@@ -70,8 +70,8 @@ def test_concurrent_large_write_kvs_stay_within_the_byte_budget(server_factory):
         base = memory(server.pid, "VmRSS")
         # Bounds: after a burst, the base, the pool (written now) and three budgets of slack (the allocator's arenas of
         # the copy threads keep some; unbounded, the 16 bodies stayed: +330-390 MiB here); at the peak the bodies
-        # read at once (at most the budget; each held twice while gRPC hands it over: 2x) and as much again of
-        # slack for the allocator. The bodies waiting are not read: 16 x 64 KiB of flow-control window. When
+        # admitted (at most the budget), the one being handed over by gRPC (held twice for a moment) and slack for
+        # the allocator. The bodies waiting are not read: 16 x 64 KiB of flow-control window. When
         # gRPC received every body before the budget saw it, the peak was base + pool + ~16 x 2 bodies.
         after_bound = base + POOL + 3 * BUDGET
         peak_bound = base + POOL + 4 * BUDGET

@@ -77,6 +77,7 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
     budget = service.inflight
     bound = request_bound(service, request_cls)
     reserve = min(service.limits.max_message_bytes, budget.max_bytes)  # an unread body's most
+    reading = asyncio.Semaphore(1)  # one body of this method read from gRPC at a time (admitted_reads.py)
 
     async def serve(call: Call, raw: bytes, charge: Charge, context: grpc.aio.ServicerContext) -> bytes:
         """The call, its body received: parse (a large body charged first), run the service, encode."""
@@ -123,7 +124,7 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
         raw = b""
         try:
             with call:
-                raw = await read_admitted(context, charge, rpc, _max_wait_s(context), reserve)
+                raw = await read_admitted(context, charge, rpc, _max_wait_s(context), reserve, reading)
                 return await serve(call, raw, charge, context)
         except Exception as exc:
             exc.__traceback__ = None
