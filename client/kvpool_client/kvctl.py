@@ -40,6 +40,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kvpool.cli_flags import CLIENT_TARGET_FLAGS, refuse_foreign_flags
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from kvpool_client import credentials, diagnose, kvctl_drain
@@ -275,7 +276,7 @@ def _target_options(suppress: bool) -> credentials.SecretSafeParser:
     def default(value: object) -> object:
         return argparse.SUPPRESS if suppress else value
 
-    common = credentials.SecretSafeParser(add_help=False)
+    common = credentials.SecretSafeParser(add_help=False, allow_abbrev=False)
     common.add_argument("--target", default=default(os.environ.get("KVPOOL_TARGET", "127.0.0.1:50051")),
                         help="server address: HOST:PORT or unix:PATH (env KVPOOL_TARGET; default 127.0.0.1:50051)")
     common.add_argument("--unix-socket", metavar="PATH", default=default(None),
@@ -283,6 +284,7 @@ def _target_options(suppress: bool) -> credentials.SecretSafeParser:
     common.add_argument("--timeout", type=float, default=default(10.0), help="deadline of each RPC in seconds (default 10)")
     common.add_argument("--json", action="store_true", default=default(False), help="print JSON instead of text")
     credentials.add_options(common, suppress=suppress)
+    refuse_foreign_flags(common, "kvctl", CLIENT_TARGET_FLAGS)
     return common
 
 
@@ -290,21 +292,22 @@ def build_parser() -> argparse.ArgumentParser:
     common = _target_options(suppress=True)
     parser = credentials.SecretSafeParser(prog="kvctl", description=__doc__,
                                           parents=[_target_options(suppress=False)],
-                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+                                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                                          allow_abbrev=False)  # no prefix of a flag stands for it (cli_flags)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("stats", parents=[common], help="pool occupancy")
-    sub.add_parser("sessions", parents=[common], help="live sessions")
-    p = sub.add_parser("sequences", parents=[common], help="live sequences")
+    sub.add_parser("stats", parents=[common], allow_abbrev=False, help="pool occupancy")
+    sub.add_parser("sessions", parents=[common], allow_abbrev=False, help="live sessions")
+    p = sub.add_parser("sequences", parents=[common], allow_abbrev=False, help="live sequences")
     p.add_argument("--session", type=lambda t: int(t, 0), default=0, help="only this session's (0x... or decimal)")
-    p = sub.add_parser("block-table", parents=[common], help="one sequence's page table")
+    p = sub.add_parser("block-table", parents=[common], allow_abbrev=False, help="one sequence's page table")
     p.add_argument("seq_id", type=int)
-    p = sub.add_parser("health", parents=[common], help="gRPC health status")
+    p = sub.add_parser("health", parents=[common], allow_abbrev=False, help="gRPC health status")
     p.add_argument("--service", default="", help="service name ('' for the server as a whole)")
-    drain = sub.add_parser("drain", parents=[common], help="drain the server: NOT_SERVING, no new sessions (admin)")
+    drain = sub.add_parser("drain", parents=[common], allow_abbrev=False, help="drain the server: NOT_SERVING, no new sessions (admin)")
     drain.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for it to empty; exit 5, naming what is still live, if it does not")
     drain.add_argument("--resume", action="store_true", help="undo a drain: SERVING again, new sessions taken")
-    p = sub.add_parser("events", parents=[common], help="follow the server's KV event stream (admin with auth)")
+    p = sub.add_parser("events", parents=[common], allow_abbrev=False, help="follow the server's KV event stream (admin with auth)")
     p.add_argument("--from-seq", type=int, default=None, help="resume at this batch (else: a snapshot first)")
     p.add_argument("--batches", type=int, default=0, help="stop after this many batches (0: follow)")
     p.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: follow until Ctrl-C)")
@@ -313,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", metavar="ENDPOINT", default="",
                    help="with --zmq and --from-seq: first replay the kept messages from that seq (--kv-events-replay)")
     p.add_argument("--topic", default="", help="with --zmq: only this topic (kv@<pod>@<model>; a prefix filters)")
-    p = sub.add_parser("top", parents=[common], help="live view, refreshed in place")
+    p = sub.add_parser("top", parents=[common], allow_abbrev=False, help="live view, refreshed in place")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
     return parser

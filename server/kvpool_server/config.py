@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.cli_flags import VLLM_SERVER_FLAGS, refuse_foreign_flags
 from kvpool.layout import DTYPES, KV_LAYOUTS, KVLayout
 from kvpool.tensor_parallel import check_split
 from kvpool_server.log_setup import LOG_FORMATS, LOG_LEVELS, JsonLogFormatter
@@ -103,7 +104,8 @@ class ServerConfig:
     max_message_bytes: int = setting(64 * MiB, "largest gRPC message received or sent", min=64 << 10, size=True)
     max_inflight_bytes: int = setting(
         256 * MiB, "bytes of large request bodies (WriteKV and the like) being parsed or copied at once, over all "
-        "calls; at least --max-message-bytes", min=(4 * MiB, "max_message_bytes"), size=True)
+        "calls (a WriteKV's body is received only once admitted, charged at --max-message-bytes until its size is "
+        "known); at least --max-message-bytes", min=(4 * MiB, "max_message_bytes"), size=True)
     max_tokens_per_call: int = setting(
         1 << 17, "most tokens one AppendToken (or AppendTokenStream message) may hand out (more: INVALID_ARGUMENT); "
         "bounds how long one call holds the pool", min=1)
@@ -344,9 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpool-server",
         description="kvpool: KV-cache block pool of one GPU (or host memory) as a gRPC service. "
         f"Every flag can also be set by an environment variable {ENV_PREFIX}<FLAG> (e.g. KVPOOL_POOL_BYTES).",
+        allow_abbrev=False,  # --port must not mean --port-file (kvpool.cli_flags)
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {server_version()}")
     add_arguments(parser, ServerConfig)
+    refuse_foreign_flags(parser, "kvpool-server", VLLM_SERVER_FLAGS)
     return parser
 
 

@@ -13,7 +13,7 @@ import pytest
 from kvpool.layout import KVLayout
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.grpc_api.bulk import BulkRequest, split_bulk
-from kvpool_server.service.byte_budget import ByteBudget
+from kvpool_server.service.byte_budget import MAX_UNREAD_WAITERS, ByteBudget
 from kvpool_server.service.errors import Code, TooManyBytesError, status_of
 from kvpool_server.service.kv_wire import KVWire
 
@@ -50,6 +50,30 @@ def test_bodies_that_fit_are_charged_at_once_and_the_rest_wait_in_order():
         budget.check()
         budget.release(6 * MiB)
         assert budget.in_use == 0
+
+    run(scenario())
+
+
+def test_bodies_not_yet_read_wait_by_count_not_by_bytes():
+    """An unread body (charged at the largest message before gRPC reads it) costs no memory while it waits: up to
+    MAX_UNREAD_WAITERS wait, whatever their charge; the next is refused; they are granted in order."""
+    async def scenario() -> None:
+        budget = ByteBudget(8 * MiB)
+        await budget.acquire(8 * MiB, "WriteKV", unread=True)
+        waiters = [asyncio.create_task(budget.acquire(8 * MiB, "WriteKV", 30.0, unread=True))
+                   for _ in range(MAX_UNREAD_WAITERS)]
+        await asyncio.sleep(0)
+        assert budget.num_unread_waiting == MAX_UNREAD_WAITERS and budget.waiting_bytes == 0
+        budget.check()
+        with pytest.raises(TooManyBytesError, match="no room to wait"):
+            await budget.acquire(8 * MiB, "WriteKV", 30.0, unread=True)
+        for granted in range(MAX_UNREAD_WAITERS):
+            budget.release(8 * MiB)  # the next waiter is charged at once
+            assert (budget.in_use, budget.num_unread_waiting) == (8 * MiB, MAX_UNREAD_WAITERS - granted - 1)
+            budget.check()
+        await asyncio.gather(*waiters)
+        budget.release(8 * MiB)
+        assert (budget.in_use, budget.num_unread_waiting) == (0, 0)
 
     run(scenario())
 

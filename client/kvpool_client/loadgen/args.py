@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvpool.cli_flags import CLIENT_TARGET_FLAGS, refuse_foreign_flags
 from kvpool_client import diagnose
 from kvpool_client.credentials import SecretSafeParser
 from kvpool_client.loadgen import auth, preflight
@@ -18,7 +19,9 @@ WORKLOADS = ("standard", "shared-prefix", "chat")
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p = SecretSafeParser(prog="kvpool-loadgen", description=description,
-                         formatter_class=argparse.RawTextHelpFormatter)
+                         formatter_class=argparse.RawTextHelpFormatter,
+                         allow_abbrev=False)  # no prefix of a flag stands for it (kvpool.cli_flags)
+    refuse_foreign_flags(p, "kvpool-loadgen", CLIENT_TARGET_FLAGS)
     p.add_argument("--target", default=os.environ.get("KVPOOL_TARGET", "127.0.0.1:50051"),
                    help="server address: HOST:PORT or unix:PATH (env KVPOOL_TARGET; default %(default)s)")
     p.add_argument("--processes", "-p", type=int, default=2, help="client processes (default %(default)s)")

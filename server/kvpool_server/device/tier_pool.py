@@ -29,8 +29,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvpool_server.device.pool import KVPool
+from kvpool_server.log_limits import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+failures_log = RateLimitedLog(logger)  # a tier whose every copy fails logs a line (and traceback) per 10 s
 # The host tier is allocated (pinned) this much at a time, by a background thread: whatever one allocation stalls
 # is bounded by it (the H200 host pinned ~1.5 GB/s: ~45 ms a chunk, during which another thread's cudaMalloc may
 # wait: with 256 MiB chunks an AppendToken during the pinning took 130 ms); a run of copies never crosses a chunk (32 2-MiB
@@ -211,7 +213,7 @@ class TierPool:
         try:
             self._copy(pairs, to_host=True)
         except Exception:
-            logger.exception("host tier: a write-back of %d blocks failed", len(pairs))
+            failures_log.error_of("write-back", "host tier: a write-back of %d blocks failed", len(pairs), exc_info=True)
             return CopyTicket(ok=False)
         return CopyTicket(seconds=time.perf_counter() - start)
 

@@ -140,6 +140,10 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, Any]]:
         # Only the identity "compression": a compressed request is refused (UNIMPLEMENTED) before it is inflated,
         # so 2 MB of gzip on the wire cannot become 64 MiB of server memory.
         ("grpc.compression_enabled_algorithms_bitset", 1),
+        # No BDP probing: a stream's receive window stays 64 KiB until its handler asks for the message, so a WriteKV
+        # waiting for the byte budget is not received meanwhile (with it, each waiting stream's window grew to MiBs
+        # and 16 waiting 64 MiB bodies took ~900 MB; grpc_api/admitted_reads.py).
+        ("grpc.http2.bdp_probe", 0),
         # Ping every connection every keepalive_time_s, idle or not; a peer that does not answer within
         # keepalive_timeout_s is gone, and its calls (streams included) are cancelled.
         ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),

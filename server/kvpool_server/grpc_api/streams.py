@@ -37,7 +37,8 @@ from google.protobuf.message import DecodeError
 
 from kvpool_server.grpc_api import fair_calls
 from kvpool_server.grpc_api.fair_calls import MAX_TURN_WAIT_S
-from kvpool_server.grpc_api.handlers import parse_request
+from kvpool_server.grpc_api.handlers import parse_request, request_bound
+from kvpool_server.grpc_api.request_bounds import check_size
 from kvpool_server.grpc_api.methods import BidiStream, ServerStream
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status, StreamIdleError, TooManyStreamsError
@@ -133,6 +134,7 @@ def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: Bid
     request_cls: Any = method.request_cls
     on_message = method.message
     parse = request_cls.FromString
+    bound = request_bound(service, request_cls)
 
     async def handle(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         reason = "half-closed"
@@ -158,6 +160,7 @@ def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: Bid
                             return
                         entry.last_progress = loop.time()
                         with scope.call(rpc, headers, observe=False) as call:  # this message
+                            check_size(bound, len(raw), rpc)  # before parsing it
                             started = time.perf_counter()
                             try:
                                 request = parse(raw)

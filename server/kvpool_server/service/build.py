@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.tensor_parallel import group_block_bytes
 from kvpool_server.config import ConfigError, ServerConfig
 from kvpool_server.host_checks import check_environment, check_pool_fits, pool_error_message
 from kvpool_server.core import KVCacheManager, KVPoolError
@@ -47,7 +48,8 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
     except Exception as exc:
         raise StartupError(pool_error_message(config.backend, exc)) from exc
     try:
-        tier_blocks = config.host_tier_bytes // config.layout.block_bytes
+        # a block's bytes over every rank (more than the layout's when heads are replicated): the tier's slot
+        tier_blocks = config.host_tier_bytes // group_block_bytes(config.layout, config.tensor_parallel)
         manager = KVCacheManager(
             pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len, max_num_seqs=config.max_num_seqs,
             tenancy=bool(config.auth_tokens), host_tier_blocks=tier_blocks, host_tier_ready=0,

@@ -47,10 +47,15 @@ from kvpool_server.core.host_tier import NO_PAIRS, HostTier
 from kvpool_server.core.host_tier_events import host_stored
 from kvpool_server.core.tier_restore import StagedRestore
 from kvpool_server.device.tier_pool import CopyTicket, TierPool
+from kvpool_server.log_limits import RateLimitedLog
 from kvpool_server.service.auth import Identity
 from kvpool_server.service.guard import CoreGuard
 
 logger = logging.getLogger(__name__)
+# A copy that fails may fail at the rate of the calls (every offload): one line per kind per 10 s, with the count
+# of those held back (the failures are counted in Stats' host_tier all the same).
+failures_log = RateLimitedLog(logger)
+FAILURE_BACKOFF_S = 1.0  # the write-back thread idles this long after a write-back failed (not a busy retry loop)
 # The write-back thread plans (and a settle commits) at most this many blocks a lock hold: with 2 MiB blocks, a
 # chunk's copy is ~0.3 ms at host-link speed. On the H200 (bench_tier --sections append, four runs each) 8 against
 # 32 cut the thread's hold p99 from ~320 to 100-280 us and the decode step's p99 ratio from ~2.2x to ~1.3x (median).
@@ -79,6 +84,7 @@ class TierCopies:
         self.writebacks: list[tuple] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.num_failed_writebacks = 0  # write-back chunks that failed (or could not start), since start
 
     def flush(self) -> None:
         """Run the staged offloads; commit them when they completed, abort them when the copy raised. First, if
@@ -94,7 +100,8 @@ class TierCopies:
         try:
             self.memory.offload_blocks(pairs)
         except Exception as exc:
-            logger.warning("host tier: an offload of %d blocks failed (%s): they are dropped", len(slots), exc)
+            failures_log.warning_of("offload", "host tier: an offload of %d blocks failed (%s): they are dropped",
+                                 len(slots), exc)
             tier.abort(slots)
             return
         tier.commit(slots)
@@ -117,7 +124,8 @@ class TierCopies:
             self.memory.restore_blocks(staged.pairs)  # the lock is free: other calls run meanwhile
             restoring.ok = True
         except Exception as exc:
-            logger.warning("host tier: a restore of %d blocks failed (%s): a miss", len(staged.pairs), exc)
+            failures_log.warning_of("restore", "host tier: a restore of %d blocks failed (%s): a miss",
+                                 len(staged.pairs), exc)
         except BaseException:  # interrupted: nothing may stay staged
             with guard.lock:
                 self.finish_restore(restoring)
@@ -203,7 +211,9 @@ class TierCopies:
         try:
             ticket = self.memory.start_offload(pairs)
         except Exception as exc:  # closed, or the copy could not be queued
-            logger.warning("host tier: a write-back of %d blocks could not start (%s)", len(pairs), exc)
+            failures_log.warning_of("write-back start", "host tier: a write-back of %d blocks could not start (%s)",
+                                 len(pairs), exc)
+            self.num_failed_writebacks += 1
             if lock is None:
                 tier_writeback.finish(tier, pairs, ok=False)
             else:
@@ -233,7 +243,9 @@ class TierCopies:
                 break
             ok = self.memory.settle_writeback(ticket)  # waits; its bytes and seconds counted once
             if not ok:
-                logger.warning("host tier: a write-back of %d blocks failed: they are not kept", len(pairs))
+                failures_log.warning_of("write-back", "host tier: a write-back of %d blocks failed: they are not kept",
+                                     len(pairs))
+                self.num_failed_writebacks += 1
             tier_writeback.finish(self.tier, pairs, ok, entry[2] if len(entry) > 2 else None)
             del writebacks[0]
             settled += len(pairs)
@@ -243,12 +255,15 @@ class TierCopies:
 
     def _writeback_loop(self, lock: AbstractContextManager, max_blocks: int, idle_s: float) -> None:
         while not self._stop.is_set() and not self.memory.closed:
+            failed = self.num_failed_writebacks
             try:
                 moved = self.writeback_step(lock, max_blocks)
             except Exception:
                 logger.exception("host tier: the write-back thread failed; it stops")
                 return
-            if not moved:
+            if self.num_failed_writebacks != failed:  # a failing tier: retry the blocks later, not at once
+                self._stop.wait(FAILURE_BACKOFF_S)
+            elif not moved:
                 self._stop.wait(idle_s)
 
     def make_ready(self, num_ready: int) -> None:
