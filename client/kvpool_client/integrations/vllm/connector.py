@@ -30,6 +30,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         layout = model_layout(vllm_config, kv_cache_config)
         self.scheduler: KVPoolScheduler | None = None
         self.worker: KVPoolWorker | None = None
+        # kvpool is a cache: a block that failed to load is recomputed, never a failed request. vLLM reads the policy
+        # after it built the scheduler's connector, so this holds for every engine that loads this connector.
+        self._kv_transfer_config.kv_load_failure_policy = "recompute"
         if role == KVConnectorRole.SCHEDULER:
             name = f"vllm:{vllm_config.model_config.served_model_name or vllm_config.model_config.model}"
             self.scheduler = KVPoolScheduler(KVPoolLink(settings, layout, client_name=name[:128]),

@@ -5,9 +5,9 @@ warning, ``client`` becomes None (every lookup misses, nothing is stored) and a 
 again every ``retry_s``; a connection found logs once more. Each connection has a new ``generation``: state
 that belongs to an older one (sequences of a session the server has since ended) is dropped, not used.
 
-The one thing that does stop vLLM is a pool whose layout cannot hold the model's KV (LayoutMismatchError): that is
-a configuration error, raised from the first connection made at start-up (and logged, not retried, when it is
-first seen on a later one).
+What does stop vLLM is a kvpool that cannot serve it as configured (ConnectorConfigError): a pool whose layout
+cannot hold the model's KV, or a tenant that may not map the pool. That is a configuration error, raised from the
+first connection made at start-up (and logged, not retried, when it is first seen on a later one).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from kvpool_client import KVPoolClient, KVPoolClientError, RetryPolicy
 from kvpool_client.types import PoolDescription
 
-from .settings import ConnectorSettings, LayoutMismatchError, ModelLayout
+from .settings import ConnectorConfigError, ConnectorSettings, ModelLayout
 
 logger = logging.getLogger("kvpool_client.integrations.vllm")
 
@@ -53,7 +53,7 @@ class KVPoolLink:
         self._token = settings.token()  # read once, at start: a bad token file stops vLLM with its message
         try:
             self._connect()
-        except LayoutMismatchError:
+        except ConnectorConfigError:
             raise
         except LINK_ERRORS as error:
             self._went_down(f"kvpool at {settings.target} is not reachable ({type(error).__name__}: {error})")
@@ -66,8 +66,12 @@ class KVPoolLink:
             description = client.describe_pool()
             self.layout.check_pool(description.layout, self.settings.target)
             if description.tensor_parallel > 1:
-                raise LayoutMismatchError(f"KVPoolConnector: the pool at {self.settings.target} is split over "
-                                          f"{description.tensor_parallel} ranks; vLLM runs one")
+                raise ConnectorConfigError(f"KVPoolConnector: the pool at {self.settings.target} is split over "
+                                           f"{description.tensor_parallel} ranks; vLLM runs one")
+            if not (description.shm_name or description.cuda_ipc_handle):
+                raise ConnectorConfigError(
+                    f"KVPoolConnector: kvpool at {self.settings.target} does not let this tenant map its pool "
+                    "(may_attach = false in the tokens file): vLLM's workers copy blocks through the mapping")
         except BaseException:
             _close(client)
             raise
@@ -97,7 +101,7 @@ class KVPoolLink:
         while not self._stop.wait(self.settings.retry_s):
             try:
                 self._connect()
-            except LayoutMismatchError as error:
+            except ConnectorConfigError as error:
                 logger.error("%s", error)
                 return
             except LINK_ERRORS:

@@ -24,7 +24,11 @@ DTYPE_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bf
 MAX_CACHE_KEY_BYTES = 256  # RegisterSequenceRequest.cache_extra_key's bound
 
 
-class LayoutMismatchError(ValueError):
+class ConnectorConfigError(ValueError):
+    """kvpool is reachable but cannot serve this vLLM as configured: vLLM does not start (the message says why)."""
+
+
+class LayoutMismatchError(ConnectorConfigError):
     """The pool's layout cannot hold the model's KV (the message names both)."""
 
 

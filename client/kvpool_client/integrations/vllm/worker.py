@@ -17,6 +17,7 @@ pool's check, about a microsecond) or when the copy fails. A store that fails is
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ from .metadata import BlockCopy, KVPoolConnectorMetadata, KVPoolWorkerMetadata
 from .settings import ConnectorSettings, LayoutMismatchError, ModelLayout
 
 logger = logging.getLogger("kvpool_client.integrations.vllm")
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Fault injection for tests only: with this variable set to a path, a load fails while that file exists.
+FAULT_FILE_ENV = "KVPOOL_VLLM_FAIL_LOADS_FILE"
 
 
 def kv_views(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +169,9 @@ class KVPoolWorker:
         if len(pool_ids) != len(vllm_ids):
             raise ValueError("a copy pairs a different number of pool and vLLM blocks")
         if into_vllm:
+            fault = os.environ.get(FAULT_FILE_ENV)
+            if fault and os.path.exists(fault):
+                raise RuntimeError(f"a load failure injected by the test ({FAULT_FILE_ENV})")
             blocks = pool.index_select(0, pool_ids).to(device)  # [n, L, 2, B, H, D]: every layer at once
             for layer, (k, v) in enumerate(self._layers):
                 k[vllm_ids] = blocks[:, layer, 0]

@@ -1,0 +1,159 @@
+"""The host cost of KVPoolConnector in vLLM's own scheduler, at 0% hits (issue 31).
+
+vLLM's real ``Scheduler`` runs in this process with the connector's scheduler side on a real kvpool server (host
+pool, unix socket); the model runner is replaced by an answer of one sampled token per request (and the workers'
+``finished_sending`` for the stores the step's metadata carried), so what is timed is the scheduler and the
+connector only. Every prompt is new (0% hits). The same steps run with and without the connector; reported: the
+step time of each (p50, mean, and p50 of decode-only steps), the connector's share, and kvpool round trips, split
+into steps that admit new requests (one RegisterSequence each), steps that store finished requests (an append and
+a free at most) and steps that only decode (the bar: 0 on those).
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--requests 64] [--prompt 512] [--max-tokens 64]
+        [--batch 16] [--json out/bench_vllm_connector.json]
+
+Needs vLLM (make test-vllm installs it into .venv-vllm) and a kvpool-server beside the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_scheduler(model_dir: Path, target: str | None, num_blocks: int, batch: int):
+    import torch
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                             VllmConfig)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from tests.vllm.tiny_model import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS
+
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=4096,
+                        seed=0)
+    kv_transfer = None
+    if target:
+        kv_transfer = KVTransferConfig(kv_connector="KVPoolConnector",
+                                       kv_connector_module_path="kvpool_client.integrations.vllm",
+                                       kv_role="kv_both", kv_connector_extra_config={"target": target})
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    cache.num_gpu_blocks = num_blocks
+    config = VllmConfig(model_config=model, cache_config=cache,
+                        scheduler_config=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192,
+                                                         max_model_len=4096, is_encoder_decoder=False),
+                        device_config=DeviceConfig("cpu"), kv_transfer_config=kv_transfer)
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_DIM,
+                             dtype=torch.float32)
+    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)], spec)])
+    return Scheduler(vllm_config=config, kv_cache_config=kv_cache,
+                     structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE)
+
+
+def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Every request through vLLM's scheduler; one record per step: its seconds, whether it admitted new
+    requests, and the connector's round trips in it."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(32, sha256)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        scheduler.add_request(Request(f"r{i}", p, params, None, block_hasher=hasher))
+    connector = getattr(scheduler.connector, "scheduler", None)
+    steps = []
+    while scheduler.has_requests():
+        trips = connector.round_trips if connector else 0
+        stores = bool(connector and (connector._stores or connector._to_seal or connector._to_free))
+        start = time.perf_counter()
+        out = scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        meta = out.kv_connector_metadata
+        sending = {s.req_id for s in getattr(meta, "stores", ())}
+        runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                   sampled_token_ids=[[7] for _ in ids],
+                                   kv_connector_output=KVConnectorOutput(finished_sending=sending or None))
+        scheduler.update_from_output(out, runner)
+        steps.append({"s": time.perf_counter() - start, "new": bool(out.scheduled_new_reqs), "stores": stores,
+                      "trips": (connector.round_trips - trips) if connector else 0})
+    return steps
+
+
+def summary(steps: list[dict]) -> dict:
+    times = [s["s"] * 1e6 for s in steps]
+    new = [s for s in steps if s["new"]]
+    stores = [s for s in steps if s["stores"] and not s["new"]]
+    decode = [s for s in steps if not s["new"] and not s["stores"]]
+    decode_us = [s["s"] * 1e6 for s in decode]
+    return {"steps": len(steps), "p50_us": statistics.median(times), "mean_us": statistics.fmean(times),
+            "decode_only_p50_us": statistics.median(decode_us) if decode_us else 0.0,
+            "steps_with_new_requests": len(new), "round_trips_on_new_request_steps": sum(s["trips"] for s in new),
+            "max_round_trips_on_a_new_request_step": max((s["trips"] for s in new), default=0),
+            "steps_storing_finished_requests": len(stores),
+            "round_trips_on_storing_steps": sum(s["trips"] for s in stores),
+            "decode_only_steps": len(decode), "round_trips_on_decode_only_steps": sum(s["trips"] for s in decode)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    from tests.conftest import server_command, wait_serving
+    from tests.vllm.tiny_model import server_layout_args, write_tiny_llama
+
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    model = write_tiny_llama(work / "model")
+    sock = str(work / "kvpool.sock")
+    server = subprocess.Popen(server_command() + ["--backend", "host", "--num-blocks", "8192", "--unix-socket", sock,
+                                                  "--address", "", *server_layout_args()],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_serving(f"unix:{sock}", server)
+        prompts = [[(i * 7919 + j * 31) % 500 + 3 for j in range(args.prompt)] for i in range(args.requests)]
+        results = {}
+        for name, target in (("without", None), ("with", f"unix:{sock}"), ("without_again", None)):
+            scheduler = make_scheduler(model, target, 4096, args.batch)
+            if scheduler.connector is not None:  # its session and fast-path channel opened before the clock
+                client = scheduler.connector.scheduler.link.client
+                client.free(client.register())
+            # a distinct prompt set per run: 0% hits in kvpool and in vLLM's own cache
+            salt = len(results) * 100_000
+            results[name] = summary(run(scheduler, [[t + salt % 3 for t in p] for p in prompts], args.max_tokens))
+            if scheduler.connector is not None:
+                scheduler.connector.shutdown()
+        base = statistics.fmean([results["without"]["mean_us"], results["without_again"]["mean_us"]])
+        results["connector_mean_us_per_step"] = results["with"]["mean_us"] - base
+        results["connector_share"] = results["connector_mean_us_per_step"] / base
+        results["args"] = vars(args)
+        text = json.dumps(results, indent=2)
+        print(text)
+        if args.json:
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+            Path(args.json).write_text(text + "\n")
+    finally:
+        server.terminate()
+        server.wait(20)
+
+
+if __name__ == "__main__":
+    main()
