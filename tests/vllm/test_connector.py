@@ -85,7 +85,7 @@ def test_second_engine_gets_the_first_engines_prefix_from_kvpool(env):
 
 
 def test_both_engines_at_once(env):
-    a, b, plain, server = env["a"], env["b"], env["plain"], env["server"]
+    b, plain, server = env["b"], env["plain"], env["server"]
     sets = {"a": [prompt(30 + i, 700, prefix_seed=2) for i in range(3)],
             "b": [prompt(40 + i, 650, prefix_seed=2) for i in range(3)]}
     results: dict[str, dict] = {}
@@ -102,6 +102,32 @@ def test_both_engines_at_once(env):
     got = b.generate(again)
     assert got["outputs"] == plain.generate(again)["outputs"]
     assert got["num_cached"][0] >= PREFIX // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_a_prompt_is_shared_while_the_engine_that_computed_it_still_generates(env):
+    """Prompt blocks are stored after their prefill and sealed within a few steps, not when the request ends."""
+    a, b, plain, server = env["a"], env["b"], env["plain"], env["server"]
+    long_running = [prompt(55, 600, prefix_seed=5)]
+    worker = threading.Thread(target=lambda: a.generate(long_running, 1500))
+    worker.start()
+    seen_while_running = False
+
+    def found() -> bool:
+        nonlocal seen_while_running
+        with server.client("alpha") as alpha:
+            seq, hit = alpha.register_prompt(long_running[0])
+            alpha.free(seq)
+        seen_while_running = hit >= PREFIX and worker.is_alive()
+        return hit >= PREFIX
+    try:
+        wait_for(found, 300, "engine a's prompt matchable in kvpool")
+        other = [prompt(56, 640, prefix_seed=5)]
+        got = b.generate(other)
+    finally:
+        worker.join(600)
+    assert seen_while_running
+    assert got["num_cached"][0] >= PREFIX // BLOCK_SIZE * BLOCK_SIZE
+    assert got["outputs"] == plain.generate(other)["outputs"]
 
 
 def test_a_failed_load_is_recomputed_with_the_same_tokens(env):

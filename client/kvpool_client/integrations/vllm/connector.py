@@ -35,8 +35,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._kv_transfer_config.kv_load_failure_policy = "recompute"
         if role == KVConnectorRole.SCHEDULER:
             name = f"vllm:{vllm_config.model_config.served_model_name or vllm_config.model_config.model}"
+            # Prompt stores need a step's copies done before the next step is built: synchronous scheduling.
+            sync = not vllm_config.scheduler_config.async_scheduling
             self.scheduler = KVPoolScheduler(KVPoolLink(settings, layout, client_name=name[:128]),
-                                             layout.block_size)
+                                             layout.block_size, self._blocks_of if sync else None)
         else:
             self.worker = KVPoolWorker(settings, layout)
 
@@ -59,7 +61,11 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def _blocks_of(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "vLLM binds its KV cache manager before scheduling"
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler is not None:

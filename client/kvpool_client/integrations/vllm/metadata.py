@@ -30,11 +30,12 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):
     pool_id: str = ""
     loads: list[BlockCopy] = field(default_factory=list)  # before the forward pass: pool -> vLLM
     stores: list[BlockCopy] = field(default_factory=list)  # after it: vLLM -> pool (finished requests)
+    saves: list[BlockCopy] = field(default_factory=list)  # after it: vLLM -> pool (running requests' prompts)
 
 
 @dataclass
 class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
-    """The stores a worker could not make (their kvpool blocks hold no KV: the scheduler frees them unsealed)."""
+    """The stores and saves a worker could not make, by request (their kvpool blocks hold no KV: never sealed)."""
 
     failed_stores: set[str] = field(default_factory=set)
 

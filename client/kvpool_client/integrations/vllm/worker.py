@@ -4,9 +4,9 @@ KV cache -- every layer of a step's blocks in ``start_load_kv`` (before the forw
 
 The pool is mapped with the client library's ``attach()`` (shared memory on the host backend, CUDA IPC on a GPU)
 through a client of the worker's own (no session: it makes no sequence). vLLM's per-layer cache is viewed as
-``[num_blocks, block_size, num_kv_heads, head_size]`` for K and for V (``kv_views``: the CPU backend's
-``[num_blocks, heads, block_size, 2 * head]`` and the CUDA backends' ``[2, num_blocks, block_size, heads, head]`` /
-``[num_blocks, 2, ...]``), the pool as its logical ``[num_blocks, layers, 2, block_size, heads, head]``.
+``[num_blocks, block_size, num_kv_heads, head_size]`` for K and for V (``kv_views``: vLLM's
+``[num_blocks, heads, block_size, 2 * head]``, read as the CPU backend and the CUDA backends each read it), the
+pool as its logical ``[num_blocks, layers, 2, block_size, heads, head]``.
 
 A load is refused -- its blocks reported to vLLM, which recomputes them -- when the pool is not the one the
 scheduler's block ids belong to (``pool_id``: kvpool restarted), when the server process is gone (the attached
@@ -34,19 +34,21 @@ FAULT_FILE_ENV = "KVPOOL_VLLM_FAIL_LOADS_FILE"
 
 
 def kv_views(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer's vLLM cache tensor, each a view [num_blocks, block_size, num_kv_heads, head_size]."""
+    """K and V of one layer's vLLM cache tensor, each a view [num_blocks, block_size, num_kv_heads, head_size].
+
+    vLLM 0.32 gives every backend one logical shape [blocks, heads, block_size, 2 x head] (its stride order may
+    differ). The CPU backend reads a block's head as its K tokens, then its V tokens; the CUDA backends
+    (FlashAttention, FlashInfer, Triton) split the last dimension: K is [..., :head], V is [..., head:]."""
     shape = tuple(cache.shape)
-    if cache.dim() == 4 and shape[2] == block_size and shape[3] % 2 == 0:  # CPU: [N, H, B, 2D], K then V by token
+    if cache.dim() == 4 and shape[2] == block_size and shape[3] % 2 == 0:
         n, h, b, d2 = shape
-        kv = cache.view(n, h, 2, b, d2 // 2)
-        return kv[:, :, 0].permute(0, 2, 1, 3), kv[:, :, 1].permute(0, 2, 1, 3)
-    if cache.dim() == 5 and shape[0] == 2 and shape[2] == block_size:  # FlashAttention: [2, N, B, H, D]
-        return cache[0], cache[1]
-    if cache.dim() == 5 and shape[1] == 2 and shape[2] == block_size:  # FlashInfer: [N, 2, B, H, D]
-        return cache[:, 0], cache[:, 1]
+        if cache.device.type == "cpu":
+            kv = cache.view(n, h, 2, b, d2 // 2)
+            return kv[:, :, 0].permute(0, 2, 1, 3), kv[:, :, 1].permute(0, 2, 1, 3)
+        d = d2 // 2
+        return cache[..., :d].transpose(1, 2), cache[..., d:].transpose(1, 2)
     raise ValueError(f"KVPoolConnector: a vLLM KV cache tensor of shape {shape} (block size {block_size}) is in a "
-                     "layout it does not know (CPU [N, H, B, 2D], FlashAttention [2, N, B, H, D], FlashInfer "
-                     "[N, 2, B, H, D])")
+                     "layout it does not know ([blocks, heads, block_size, 2 x head])")
 
 
 class KVPoolWorker:
@@ -142,9 +144,11 @@ class KVPoolWorker:
             self._load_errors.update(load.vllm_blocks)
 
     def wait_for_save(self, meta: KVPoolConnectorMetadata | None) -> None:
+        """The step's stores (finished requests: each answered in ``finished_sending``) and saves (running
+        requests' prompt blocks, computed by this step's forward pass), in one copy."""
         stores = list(meta.stores if meta else ())
         self._finished_stores.update(store.req_id for store in stores)
-        stores = [store for store in stores if store.pool_blocks]
+        stores = [store for store in stores + list(meta.saves if meta else ()) if store.pool_blocks]
         if not stores:
             return
         assert meta is not None
