@@ -4,7 +4,8 @@ vLLM's real ``Scheduler`` runs in this process with the connector's scheduler si
 pool, unix socket); the model runner is replaced by an answer of one sampled token per request (and the workers'
 ``finished_sending`` for the stores the step's metadata carried), so what is timed is the scheduler and the
 connector only. Every prompt is new (0% hits). The same steps run with and without the connector; reported: the
-step time of each (p50, mean, and p50 of decode-only steps), the connector's share, and kvpool round trips, split
+step time of each (p50, mean, and p50 of decode-only steps), the time spent inside the connector's methods per
+step (p50, mean, by kind of step: timed around each call vLLM makes), and kvpool round trips, split
 into steps that admit new requests (one RegisterSequence each), steps that store finished requests (an append and
 a free at most) and steps that only decode (the bar: 0 on those).
 
@@ -76,10 +77,16 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     for i, p in enumerate(prompts):
         scheduler.add_request(Request(f"r{i}", p, params, None, block_hasher=hasher))
     connector = getattr(scheduler.connector, "scheduler", None)
+    spent = [0.0]  # seconds inside the connector's scheduler-side methods, this step
+    if scheduler.connector is not None:
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                     "request_finished", "update_connector_output", "has_pending_push_work"):
+            setattr(scheduler.connector, name, _timed(getattr(scheduler.connector, name), spent))
     steps = []
     while scheduler.has_requests():
         trips = connector.round_trips if connector else 0
         stores = bool(connector and (connector._stores or connector._to_seal or connector._to_free))
+        spent[0] = 0.0
         start = time.perf_counter()
         out = scheduler.schedule()
         ids = list(out.num_scheduled_tokens)
@@ -89,18 +96,36 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
                                    sampled_token_ids=[[7] for _ in ids],
                                    kv_connector_output=KVConnectorOutput(finished_sending=sending or None))
         scheduler.update_from_output(out, runner)
-        steps.append({"s": time.perf_counter() - start, "new": bool(out.scheduled_new_reqs), "stores": stores,
+        steps.append({"s": time.perf_counter() - start, "connector_s": spent[0], "new": bool(out.scheduled_new_reqs),
+                      "stores": stores,
                       "trips": (connector.round_trips - trips) if connector else 0})
     return steps
 
 
+def _timed(method, spent: list[float]):
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+    return timed
+
+
 def summary(steps: list[dict]) -> dict:
     times = [s["s"] * 1e6 for s in steps]
+    kinds = {"new_request_steps": [s for s in steps if s["new"]],
+             "storing_steps": [s for s in steps if s["stores"] and not s["new"]],
+             "decode_only_steps": [s for s in steps if not s["new"] and not s["stores"]]}
+    connector_us = {kind: {"p50": statistics.median([s["connector_s"] * 1e6 for s in group]) if group else 0.0,
+                           "mean": statistics.fmean([s["connector_s"] * 1e6 for s in group]) if group else 0.0}
+                    for kind, group in kinds.items()}
     new = [s for s in steps if s["new"]]
     stores = [s for s in steps if s["stores"] and not s["new"]]
     decode = [s for s in steps if not s["new"] and not s["stores"]]
     decode_us = [s["s"] * 1e6 for s in decode]
     return {"steps": len(steps), "p50_us": statistics.median(times), "mean_us": statistics.fmean(times),
+            "connector_us": connector_us,
             "decode_only_p50_us": statistics.median(decode_us) if decode_us else 0.0,
             "steps_with_new_requests": len(new), "round_trips_on_new_request_steps": sum(s["trips"] for s in new),
             "max_round_trips_on_a_new_request_step": max((s["trips"] for s in new), default=0),
