@@ -97,7 +97,7 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
                                    kv_connector_output=KVConnectorOutput(finished_sending=sending or None))
         scheduler.update_from_output(out, runner)
         steps.append({"s": time.perf_counter() - start, "connector_s": spent[0], "new": bool(out.scheduled_new_reqs),
-                      "stores": stores,
+                      "stores": stores, "loaded_blocks": sum(len(c.pool_blocks) for c in getattr(meta, "loads", ())),
                       "trips": (connector.round_trips - trips) if connector else 0})
     return steps
 
