@@ -87,7 +87,7 @@ $(VLLM_STAMP): requirements/vllm.txt common/pyproject.toml client/pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
 	touch $(VLLM_STAMP)
 
-# The real vLLM engines and a real kvpool server (tests/vllm/test_connector.py: about N min on 2 cores).
+# The real vLLM engines and a real kvpool server (tests/vllm/: about 4 min on 2 cores, after the install).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p tests.skip_summary tests/vllm
 

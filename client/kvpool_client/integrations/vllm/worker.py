@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -31,6 +32,25 @@ from .settings import ConnectorSettings, LayoutMismatchError, ModelLayout
 logger = logging.getLogger("kvpool_client.integrations.vllm")
 # Fault injection for tests only: with this variable set to a path, a load fails while that file exists.
 FAULT_FILE_ENV = "KVPOOL_VLLM_FAIL_LOADS_FILE"
+WARN_EVERY_S = 60.0  # a failure that repeats every step is logged once a minute, with the count since
+
+
+class RateLimitedLog:
+    """One warning per ``what`` at most every WARN_EVERY_S, saying how many were left out since: the log of a
+    worker whose kvpool is broken for hours stays a line a minute."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def warning(self, what: str, message: str, *args: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._last.get(what, -WARN_EVERY_S) < WARN_EVERY_S:
+            self._left_out[what] = self._left_out.get(what, 0) + 1
+            return
+        left_out, self._last[what] = self._left_out.pop(what, 0), now
+        suffix = f" ({left_out} more like it in the last {WARN_EVERY_S:g} s)" if left_out else ""
+        logger.warning(message + suffix, *args, exc_info=exc_info)
 
 
 def kv_views(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +86,7 @@ class KVPoolWorker:
         self._failed_stores: set[str] = set()
         self.blocks_loaded = 0
         self.blocks_stored = 0
+        self._log = RateLimitedLog()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -92,8 +113,8 @@ class KVPoolWorker:
                                         token=self._token)
             pool = self._client.attach()
         except LINK_ERRORS as error:
-            logger.warning("KVPoolConnector: cannot map kvpool's pool (%s: %s); loads are recomputed",
-                           type(error).__name__, error)
+            self._log.warning("map", "KVPoolConnector: cannot map kvpool's pool (%s: %s); loads are recomputed",
+                              type(error).__name__, error)
             self._detach()
             return False
         self._pool, self._pool_id = pool, pool_id(pool.description)
@@ -134,7 +155,7 @@ class KVPoolWorker:
         try:
             self._copy(loads, into_vllm=True)
         except Exception:  # noqa: BLE001  (any failure of a copy is a recompute, never a wrong token)
-            logger.warning("KVPoolConnector: a load from kvpool failed; vLLM recomputes it", exc_info=True)
+            self._log.warning("load", "KVPoolConnector: a load from kvpool failed; vLLM recomputes it", exc_info=True)
             self._failed(loads)
             return
         self.blocks_loaded += sum(len(load.pool_blocks) for load in loads)
@@ -159,7 +180,8 @@ class KVPoolWorker:
             if self._pool_tensor is not None and self._pool_tensor.is_cuda:
                 torch.cuda.current_stream().synchronize()  # in the pool before finished_sending lets it seal
         except Exception as error:  # noqa: BLE001  (a store that fails is a later miss: never sealed)
-            logger.warning("KVPoolConnector: a store into kvpool failed (%s: %s)", type(error).__name__, error)
+            self._log.warning("store", "KVPoolConnector: a store into kvpool failed (%s: %s)", type(error).__name__,
+                              error)
             self._failed_stores.update(store.req_id for store in stores)
             return
         self.blocks_stored += sum(len(store.pool_blocks) for store in stores)
