@@ -12,6 +12,9 @@ a free at most) and steps that only decode (the bar: 0 on those).
     .venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--requests 64] [--prompt 512] [--max-tokens 64]
         [--batch 16] [--json out/bench_vllm_connector.json]
 
+``--engines N``: instead, two real engines (tests/vllm/engine_driver.py: one with the connector, one without) run
+the same N rounds of new prompts, alternating, and the generation wall times are compared (throughput at 0% hits).
+
 Needs vLLM (make test-vllm installs it into .venv-vllm) and a kvpool-server beside the interpreter.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -141,7 +145,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--json")
+    parser.add_argument("--engines", type=int, default=0, help="rounds of the two-engine throughput comparison")
     args = parser.parse_args()
+    if args.engines:
+        return engines(args)
 
     from tests.conftest import server_command, wait_serving
     from tests.vllm.tiny_model import server_layout_args, write_tiny_llama
@@ -178,6 +185,44 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(20)
+
+
+def engines(args: argparse.Namespace) -> None:
+    """The same new prompts through an engine with the connector and one without, alternating; wall times."""
+    from tests.vllm.harness import Engine, KVPoolServer
+    from tests.vllm.tiny_model import write_tiny_llama
+
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-engines-"))
+    model = write_tiny_llama(work / "model")
+    server = KVPoolServer(work, str(work / "kvpool.sock"), num_blocks=8192)
+    server.start()
+    token = str(server.token_files["alpha"])
+    with_connector = Engine("with", model, work, "--target", server.address, "--token-file", token)
+    without = Engine("without", model, work)
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    try:
+        for engine in (with_connector, without):
+            engine.wait_ready()
+        for r in range(args.engines):
+            rng = random.Random(r)  # new prompts every round: 0% hits in kvpool and in vLLM's own cache
+            prompts = [[rng.randrange(3, 511) for _ in range(args.prompt)] for _ in range(args.requests)]
+            for name, engine in (("with", with_connector), ("without", without))[:: 1 if r % 2 else -1]:
+                start = time.perf_counter()
+                out = engine.generate(prompts, args.max_tokens)
+                times[name].append(time.perf_counter() - start)
+                assert not any(out["num_cached"]), "0% hits expected"
+    finally:
+        with_connector.stop()
+        without.stop()
+        server.stop()
+    tokens = args.requests * (args.prompt + args.max_tokens)
+    result = {name: {"seconds": t, "median_s": statistics.median(t),
+                     "tokens_per_s": tokens / statistics.median(t)} for name, t in times.items()}
+    result["with_over_without"] = result["with"]["median_s"] / result["without"]["median_s"]
+    result["args"] = vars(args)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
