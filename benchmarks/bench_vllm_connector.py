@@ -13,7 +13,8 @@ a free at most) and steps that only decode (the bar: 0 on those).
         [--batch 16] [--json out/bench_vllm_connector.json]
 
 ``--engines N``: instead, two real engines (tests/vllm/engine_driver.py: one with the connector, one without) run
-the same N rounds of new prompts, alternating, and the generation wall times are compared (throughput at 0% hits).
+the same N rounds of new prompts, alternating (``--one-at-a-time``: first one engine alone, then the other), and
+the generation wall times are compared (throughput at 0% hits).
 
 Needs vLLM (make test-vllm installs it into .venv-vllm) and a kvpool-server beside the interpreter.
 """
@@ -146,6 +147,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--json")
     parser.add_argument("--engines", type=int, default=0, help="rounds of the two-engine throughput comparison")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="with --engines: run the two engines one after the other, never both alive")
     args = parser.parse_args()
     if args.engines:
         return engines(args)
@@ -188,7 +191,8 @@ def main() -> None:
 
 
 def engines(args: argparse.Namespace) -> None:
-    """The same new prompts through an engine with the connector and one without, alternating; wall times."""
+    """The same new prompts through an engine with the connector and one without (alternating, both alive; or
+    ``--one-at-a-time``: each alone); the generation wall times."""
     from tests.vllm.harness import Engine, KVPoolServer
     from tests.vllm.tiny_model import write_tiny_llama
 
@@ -196,28 +200,44 @@ def engines(args: argparse.Namespace) -> None:
     model = write_tiny_llama(work / "model")
     server = KVPoolServer(work, str(work / "kvpool.sock"), num_blocks=8192)
     server.start()
-    token = str(server.token_files["alpha"])
-    with_connector = Engine("with", model, work, "--target", server.address, "--token-file", token)
-    without = Engine("without", model, work)
+    extra = {"with": ("--target", server.address, "--token-file", str(server.token_files["alpha"])), "without": ()}
     times: dict[str, list[float]] = {"with": [], "without": []}
+    # new prompts every round: 0% hits in kvpool and in vLLM's own cache
+    rounds = [[[rng.randrange(3, 511) for _ in range(args.prompt)] for _ in range(args.requests)]
+              for rng in (random.Random(r) for r in range(args.engines))]
+
+    def one_round(engine: Engine, name: str, prompts: list[list[int]]) -> None:
+        start = time.perf_counter()
+        out = engine.generate(prompts, args.max_tokens)
+        times[name].append(time.perf_counter() - start)
+        assert not any(out["num_cached"]), "0% hits expected"
+
     try:
-        for engine in (with_connector, without):
-            engine.wait_ready()
-        for r in range(args.engines):
-            rng = random.Random(r)  # new prompts every round: 0% hits in kvpool and in vLLM's own cache
-            prompts = [[rng.randrange(3, 511) for _ in range(args.prompt)] for _ in range(args.requests)]
-            for name, engine in (("with", with_connector), ("without", without))[:: 1 if r % 2 else -1]:
-                start = time.perf_counter()
-                out = engine.generate(prompts, args.max_tokens)
-                times[name].append(time.perf_counter() - start)
-                assert not any(out["num_cached"]), "0% hits expected"
+        if args.one_at_a_time:
+            for name in ("with", "without"):
+                engine = Engine(name, model, work, *extra[name])
+                try:
+                    engine.wait_ready()  # the start-up is not timed
+                    for prompts in rounds:
+                        one_round(engine, name, prompts)
+                finally:
+                    engine.stop()
+        else:
+            both = {name: Engine(name, model, work, *extra[name]) for name in extra}
+            try:
+                for engine in both.values():
+                    engine.wait_ready()
+                for r, prompts in enumerate(rounds):
+                    for name in ("with", "without")[:: 1 if r % 2 else -1]:
+                        one_round(both[name], name, prompts)
+            finally:
+                for engine in both.values():
+                    engine.stop()
     finally:
-        with_connector.stop()
-        without.stop()
         server.stop()
     tokens = args.requests * (args.prompt + args.max_tokens)
-    result = {name: {"seconds": t, "median_s": statistics.median(t),
-                     "tokens_per_s": tokens / statistics.median(t)} for name, t in times.items()}
+    result: dict = {name: {"seconds": t, "median_s": statistics.median(t),
+                           "tokens_per_s": tokens / statistics.median(t)} for name, t in times.items()}
     result["with_over_without"] = result["with"]["median_s"] / result["without"]["median_s"]
     result["args"] = vars(args)
     print(json.dumps(result, indent=2))
