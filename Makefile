@@ -52,7 +52,7 @@ help:
 	@echo "make docker-down        stop and remove the compose services and volumes"
 	@echo "make image-base         a local Debian base image (debootstrap + docker import, root) where no registry is reachable"
 	@echo "make image-smoke BASE=  build the images from BASE, run server + load generators (host pool, KV verified), SIGTERM"
-	@echo "make clean              remove .venv and caches"
+	@echo "make clean              remove .venv, .venv-vllm and caches"
 
 $(RUN_STAMP): $(RUN_REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -174,4 +174,4 @@ image-smoke:
 	bash scripts/image_smoke.sh $(BASE)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache .mypy_cache
