@@ -8,6 +8,7 @@ before kvpool is. The tests run in order and build on each other's kvpool state,
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import pytest
@@ -222,3 +223,29 @@ def test_kvpool_sigkilled_mid_generation_then_restarted(env):
     got = b.generate([prompt(111, 640, prefix_seed=4)])
     assert got["outputs"] == plain.generate([prompt(111, 640, prefix_seed=4)])["outputs"]
     assert got["num_cached"][0] >= PREFIX // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_a_crashed_engine_leaves_nothing_pinned_in_kvpool(env):
+    """SIGKILL an engine (its whole process group) while its requests hold kvpool sequences: the session ends with
+    its connection and kvpool frees them all (runs last: the engine stays dead)."""
+    a, server = env["a"], env["server"]
+    prompts = [prompt(120 + i, 600, prefix_seed=6) for i in range(4)]
+    worker = threading.Thread(target=lambda: _ignore_errors(a.generate, prompts, 1500))
+    worker.start()
+
+    def holding() -> bool:
+        with server.client() as client:
+            return client.stats().num_sequences > 0
+    wait_for(holding, 120, "engine a's requests hold kvpool sequences")
+    os.killpg(a.proc.pid, signal.SIGKILL)
+    worker.join(60)
+    settled(server)
+    with server.client() as client:
+        assert client.stats().num_blocks_used == 0  # every block it pinned or was storing: free or cached
+
+
+def _ignore_errors(fn, *args) -> None:
+    try:
+        fn(*args)
+    except (RuntimeError, OSError):
+        pass  # the engine was killed under it
