@@ -13,11 +13,18 @@ GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 SETUP := $(STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
 # `make run` needs only the runtime: the server, the client and the load generator (no test or lint toolchain).
 RUN_SETUP := $(RUN_STAMP) $(if $(filter 1,$(GPU)),$(GPU_STAMP))
+# vLLM for the CPU (requirements/vllm.txt, ~3.5 GB, ~6 min) in its own environment: tests/vllm/ run there (issue 31).
+# VLLM=0: make test leaves them out. VLLM_PIP_ARGS: extra pip options (e.g. an index that has the +cpu torch).
+VLLM ?= 1
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP_ARGS ?=
 # The proto is checked for breaking changes against this git ref (a release tag); skipped while it does not exist.
 BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
-.PHONY: help setup test run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking \
+.PHONY: help setup test test-vllm run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking \
 	compose-check docker-up docker-down monitoring-up image-base image-smoke clean
 
 help:
@@ -25,6 +32,7 @@ help:
 	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
 	@echo "                        (installs the runtime only: server, client, load generator; make setup adds the rest)"
 	@echo "make test               make lint, the whole test suite (no GPU needed), buf lint and buf breaking"
+	@echo "make test-vllm          tests/vllm/ (KVPoolConnector with the real vLLM, CPU) in .venv-vllm, installed first"
 	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/{core,service,grpc_api}"
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
 	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
@@ -45,7 +53,7 @@ help:
 	@echo "make docker-down        stop and remove the compose services and volumes"
 	@echo "make image-base         a local Debian base image (debootstrap + docker import, root) where no registry is reachable"
 	@echo "make image-smoke BASE=  build the images from BASE, run server + load generators (host pool, KV verified), SIGTERM"
-	@echo "make clean              remove .venv and caches"
+	@echo "make clean              remove .venv, .venv-vllm and caches"
 
 $(RUN_STAMP): $(RUN_REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +78,19 @@ test: $(SETUP)
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -p tests.skip_summary tests
 	@$(MAKE) --no-print-directory buf-breaking
+	$(if $(filter 1,$(VLLM)),@$(MAKE) --no-print-directory test-vllm)
+
+$(VLLM_STAMP): requirements/vllm.txt common/pyproject.toml client/pyproject.toml server/pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(VLLM_PIP_ARGS) -r requirements/vllm.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
+	touch $(VLLM_STAMP)
+
+# The real vLLM engines and a real kvpool server (tests/vllm/: about 4 min on 2 cores, after the install).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p tests.skip_summary tests/vllm
 
 lint: $(SETUP)
 	$(VENV)/bin/ruff check .
@@ -159,4 +180,4 @@ image-smoke:
 	bash scripts/image_smoke.sh $(BASE)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache .mypy_cache

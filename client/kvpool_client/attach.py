@@ -101,6 +101,11 @@ class AttachedPool:
                                        f"got {x.dtype}")
         return x
 
+    def check_live(self, what: str = "read") -> None:
+        """Raise ``ServerGoneError`` / ``SessionLostError`` as ``read_slots`` would: before raw-view copies that must
+        not touch a pool no live server holds (the check ``write_slots`` and the others make first)."""
+        self._check_server(what)
+
     def _check_server(self, what: str = "write") -> None:
         if self._liveness is not None:
             self._liveness.check(what)

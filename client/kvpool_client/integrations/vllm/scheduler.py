@@ -1,0 +1,268 @@
+"""The connector's scheduler side: look a prompt up in kvpool, pin what it holds, load it, store what vLLM computed.
+
+Lookups. Each request that may be cached gets one kvpool sequence, registered with its prompt when vLLM first asks
+how many tokens kvpool can give (``RegisterSequence`` with ``prompt_token_ids``: kvpool answers the run of full
+blocks it has cached, and the sequence pins them -- nothing evicts them until it is freed). The answer is kept, so
+vLLM may ask again and gets the same answer with no second call: as far as vLLM can tell the lookup has no side
+effect. The blocks beyond vLLM's own hit are the external tokens; once vLLM has allocated blocks for them, the
+step's metadata tells the workers to copy those pool blocks into vLLM's blocks before the forward pass.
+
+Stores. In the step that computes a prompt's full blocks (its prefill, or each chunk of it), they are appended to
+the request's sequence (with their token ids, so kvpool hashes them) and the workers copy them into the pool after
+that step's forward pass (``saves``). When the request finishes, its other full blocks are appended likewise, and
+vLLM keeps the request's blocks (``request_finished`` -> True) until a worker has copied them and said so
+(``finished_sending``). A block becomes matchable with its sequence's next append (docs/prefix-caching.md), made
+only once the copies are done: for a finished request one token more, then the sequence is freed (its blocks stay
+cached, evictable, for any frontend of the tenant); for a running request's prompt, one token more (its next
+token) in the next step that calls kvpool anyway, and at the latest ``SEAL_WITHIN_STEPS`` steps after its
+prefill. Prompt stores need vLLM's synchronous scheduling (a step's copies are done, and their failures reported,
+before the next step is built; the CPU backend always has it); with asynchronous scheduling only finished requests
+are stored.
+
+Round trips, all from the scheduler's thread (over the shared-memory fast path when kvpool is local): one
+``RegisterSequence`` per new request (plus a ``GetBlockTable`` when it hits), and per step at most one
+``AppendToken`` (every store, prompt store and seal of the step) and one ``Free``. A step that only decodes makes
+none, but for the forced seal. ``round_trips`` counts them (the benchmark and the tests read it).
+
+Failure is a miss: an unreachable or dead kvpool (``KVPoolLink``) answers 0 tokens and stores nothing, and state of
+an older connection is dropped. A load whose blocks a worker could not copy is reported to vLLM by that worker and
+recomputed; a store a worker could not make (``KVPoolWorkerMetadata``) poisons its sequence: never sealed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool_client import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError
+
+from .link import KVPoolLink
+from .metadata import BlockCopy, KVPoolConnectorMetadata, KVPoolWorkerMetadata
+from .requests import RequestState, Store, cache_key
+
+# A request's own failures (its prompt too long for the server, the tenant's quota or the pool full): a miss for it.
+REQUEST_ERRORS = (InvalidArgumentError, ResourceExhaustedError, PermissionDeniedError)
+SEAL_WITHIN_STEPS = 16
+
+
+class KVPoolScheduler:
+    def __init__(self, link: KVPoolLink, block_size: int, blocks_of: Any = None) -> None:
+        """``blocks_of(req_id)``: vLLM's block ids of a running request, for prompt stores (None: they are off)."""
+        self.link = link
+        self.block_size = block_size
+        self._blocks_of = blocks_of
+        self._requests: dict[str, RequestState] = {}
+        self._loads: list[BlockCopy] = []
+        self._stores: list[Store] = []  # finished requests' stores, for the next step
+        self._sent: dict[str, tuple[RequestState, int]] = {}  # finished stores the workers copy: (state, seal)
+        self._saving: dict[str, RequestState] = {}  # prompt stores sent, until the step's output said how they went
+        self._to_seal: list[tuple[RequestState, int]] = []  # finished requests' blocks to seal, then free
+        self._to_free: list[RequestState] = []
+        self._step = 0
+        self._trips_built = 0  # round_trips when the last step was built: more now = this step called kvpool
+        self.round_trips = 0
+
+    # ------------------------------------------------------------------ lookups and loads
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = self._lookup(request)
+        state.local_tokens = num_computed_tokens
+        if not self._live(state) or state.poisoned:
+            return 0, False
+        return max(0, state.kv_tokens - num_computed_tokens), False
+
+    def _lookup(self, request: Any) -> RequestState:
+        key = cache_key(request, self.link.settings.cache_key)
+        prompt = list(request.prompt_token_ids or ())
+        if key is None or len(prompt) <= self.block_size or self.link.client is None:
+            return RequestState()
+        state = self._register(prompt, key)
+        if state.seq_id is not None and self._blocks_of is not None:
+            state.request = request
+        if state.kv_tokens:
+            self.round_trips += 1
+            seq_id = state.seq_id
+            table = self.link.call("GetBlockTable", lambda c: c.block_table(seq_id))
+            if table is None:
+                state.kv_tokens = state.seq_tokens = 0  # a miss; the sequence goes with the link
+            else:
+                state.pool_blocks = [int(b) for b in table.block_ids[: state.kv_tokens // self.block_size]]  # type: ignore[attr-defined]
+        return state
+
+    def _register(self, prompt: list[int], key: bytes) -> RequestState:
+        self.round_trips += 1
+        found = self.link.call("RegisterSequence", lambda c: c.register_prompt(prompt, cache_extra_key=key),
+                               per_request=REQUEST_ERRORS)
+        if found is None:
+            return RequestState()
+        seq_id, cached = found  # type: ignore[misc]
+        return RequestState(seq_id, self.link.generation, kv_tokens=cached, seq_tokens=cached, key=key)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if num_external_tokens <= 0 or state is None:
+            return
+        vllm_blocks = blocks.get_block_ids()[0]
+        first = state.local_tokens // self.block_size
+        end = -(-(state.local_tokens + num_external_tokens) // self.block_size)
+        self._loads.append(BlockCopy(request.request_id, tuple(state.pool_blocks[first:end]),
+                                     tuple(vllm_blocks[first:end])))
+
+    # ------------------------------------------------------------------ finished requests
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.pop(request.request_id, None) or RequestState()
+        if not self._live(state):
+            state = RequestState()
+        tokens = list(request.all_token_ids)
+        full = min(len(block_ids), request.num_computed_tokens // self.block_size)
+        key = cache_key(request, self.link.settings.cache_key)
+        end = full * self.block_size
+        if key is None or self.link.client is None or state.poisoned or end <= state.kv_tokens:
+            if state.unsealed and not state.poisoned and len(tokens) > state.seq_tokens:
+                self._to_seal.append((state, tokens[state.seq_tokens]))  # its prompt blocks: in the pool already
+            else:
+                self._release(state)
+            return False, None
+        seal = tokens[end] if len(tokens) > end else 0
+        self._stores.append(Store(request.request_id, state, tokens[:end], seal, list(block_ids[:full]), key, False))
+        return True, None  # vLLM keeps the blocks until a worker copied them (finished_sending)
+
+    def update_connector_output(self, output: Any) -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        failed = meta.failed_stores if isinstance(meta, KVPoolWorkerMetadata) else set()
+        for req_id in failed:
+            if req_id in self._saving:
+                self._saving[req_id].poisoned = True
+        self._saving.clear()
+        for req_id in output.finished_sending or ():
+            sent = self._sent.pop(req_id, None)
+            if sent is None:
+                continue
+            if req_id in failed or not self._live(sent[0]):
+                self._release(sent[0])  # its new blocks hold no KV: freed unsealed, never matchable
+            else:
+                self._to_seal.append(sent)
+
+    def has_pending_work(self) -> bool:
+        """Seals and frees not made yet: vLLM keeps stepping until they are (then the blocks are matchable)."""
+        return self.link.client is not None and bool(self._to_seal or self._to_free)
+
+    # ------------------------------------------------------------------ the step
+    def build_connector_meta(self, scheduler_output: Any) -> KVPoolConnectorMetadata:
+        self._step += 1
+        meta = KVPoolConnectorMetadata(pool_id=self.link.pool_id, loads=self._loads)
+        self._loads = []
+        stores, self._stores = self._stores, []
+        saves = self._prompt_saves(scheduler_output) if self._blocks_of is not None else []
+        seals = self._prompt_seals({s.req_id for s in saves})
+        called = self.round_trips > self._trips_built  # lookups this step
+        forced = any(self._step - state.saved_step >= SEAL_WITHIN_STEPS for state in seals)
+        if stores or saves or self._to_seal or self._to_free or (seals and (called or forced)):
+            copies = self._flush(stores + saves, seals)
+            meta.stores = [c for c in copies if c.req_id not in self._requests]  # finished: answered
+            meta.saves = [c for c in copies if c.req_id in self._requests]  # running: prompt stores
+        self._trips_built = self.round_trips
+        return meta
+
+    def _prompt_saves(self, scheduler_output: Any) -> list[Store]:
+        """The prompt blocks this step computes that kvpool does not hold: stored after its forward pass."""
+        saves, before = [], None
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None or state.request is None or not self._live(state) or state.poisoned:
+                continue
+            prompt_len = len(state.request.prompt_token_ids)
+            if state.kv_tokens >= prompt_len - prompt_len % self.block_size:
+                continue  # the common case: every full block of the prompt is in kvpool already
+            before = before if before is not None else self._computed_before(scheduler_output)
+            computed = before[req_id] + scheduled
+            full = min(computed, prompt_len) // self.block_size
+            if full * self.block_size > state.kv_tokens:
+                saves.append(Store(req_id, state, list(state.request.prompt_token_ids[: full * self.block_size]), 0,
+                                   list(self._blocks_of(req_id)[:full]), state.key, True))
+        return saves
+
+    @staticmethod
+    def _computed_before(scheduler_output: Any) -> dict[str, int]:
+        """Each scheduled request's tokens computed before this step."""
+        cached = scheduler_output.scheduled_cached_reqs
+        before = dict(zip(cached.req_ids, map(int, cached.num_computed_tokens)))
+        before.update((new.req_id, int(new.num_computed_tokens)) for new in scheduler_output.scheduled_new_reqs)
+        return before
+
+    def _prompt_seals(self, appending: set[str]) -> list[RequestState]:
+        """Running requests whose stored prompt blocks were copied in an earlier step and await their seal (an
+        append made for them this step seals them anyway)."""
+        return [state for req_id, state in self._requests.items()
+                if state.unsealed and not state.poisoned and state.saved_step < self._step and req_id not in appending
+                and self._live(state) and len(state.tokens()) > state.seq_tokens]
+
+    def _flush(self, stores: list[Store], prompt_seals: list[RequestState]) -> list[BlockCopy]:
+        """The step's kvpool calls: registers for stores that have no sequence, one append (stores, prompt stores
+        and seals), one free. Returns the copies for the workers (a finished request's, with no blocks where
+        kvpool took none, is still answered)."""
+        seals, frees = self._to_seal, self._to_free
+        self._to_seal, self._to_free = [], []
+        for store in stores:
+            if store.state.seq_id is None:
+                store.state = self._register(store.tokens + [store.seal_token], store.key)
+        appending = [s for s in stores if self._live(s.state) and not s.state.poisoned
+                     and len(s.tokens) > s.state.kv_tokens]
+        taken = {id(s) for s in appending}
+        frees += [s.state for s in stores if not s.running and id(s) not in taken]
+        frees += [state for state, _ in seals if state.poisoned]
+        seals = [(state, token) for state, token in seals if self._live(state) and not state.poisoned]
+        seals += [(state, state.tokens()[state.seq_tokens]) for state in prompt_seals]
+        copies = {s.req_id: BlockCopy(s.req_id, (), ()) for s in stores if not s.running}
+        if appending or seals:
+            ids = [s.state.seq_id for s in appending] + [state.seq_id for state, _ in seals]
+            counts = [len(s.tokens) - s.state.seq_tokens for s in appending] + [1] * len(seals)
+            token_ids = [t for s in appending for t in s.tokens[s.state.seq_tokens:]] + [t for _, t in seals]
+            self.round_trips += 1
+            result = self.link.call("AppendToken", lambda c: c.append(ids, counts, token_ids=token_ids),
+                                    per_request=REQUEST_ERRORS)
+            running = {id(state) for state in prompt_seals}
+            frees += [state for state, _ in seals if id(state) not in running]  # sealed now, or never: done
+            if result is None:
+                frees += [s.state for s in appending if not s.running]
+                for state in [s.state for s in appending] + prompt_seals:
+                    state.poisoned = True  # what it appended (if anything) is never sealed
+            else:
+                for state in prompt_seals:
+                    state.seq_tokens, state.unsealed = state.seq_tokens + 1, False
+                for store in appending:
+                    copies[store.req_id] = self._copy(store, result.slots_of(store.state.seq_id))  # type: ignore[attr-defined]
+        self._free(frees)
+        return list(copies.values())
+
+    def _copy(self, store: Store, slots: Any) -> BlockCopy:
+        """The workers' copy for an append of ``store``'s tokens that kvpool answered with ``slots``."""
+        state, size = store.state, self.block_size
+        pool_blocks: list[int] = []
+        for slot in slots:
+            if not pool_blocks or pool_blocks[-1] != int(slot) // size:
+                pool_blocks.append(int(slot) // size)  # the block of a sealing token first, then whole blocks
+        copy = BlockCopy(store.req_id, tuple(pool_blocks), tuple(store.vllm_blocks[state.kv_tokens // size:]))
+        if store.running:
+            state.pool_blocks += pool_blocks
+            state.kv_tokens = state.seq_tokens = len(store.tokens)
+            state.unsealed, state.saved_step = True, self._step
+            self._saving[store.req_id] = state
+        else:
+            self._sent[store.req_id] = (state, store.seal_token)
+        return copy
+
+    def _release(self, state: RequestState) -> None:
+        if self._live(state):
+            self._to_free.append(state)
+
+    def _free(self, states: list[RequestState]) -> None:
+        ids = [s.seq_id for s in states if self._live(s)]
+        if ids:
+            self.round_trips += 1
+            self.link.call("Free", lambda c: c.free(ids), per_request=REQUEST_ERRORS)
+
+    def _live(self, state: RequestState) -> bool:
+        """The state's sequence exists on the connection in use (a reconnect ended the old session's)."""
+        return state.seq_id is not None and state.generation == self.link.generation and \
+            self.link.client is not None
