@@ -49,16 +49,17 @@ def test_fast_path_serves_another_session_while_a_long_register_is_hashed(server
 
 
 def test_grpc_serves_another_session_while_long_registers_are_queued(server_factory) -> None:
-    """The flooder has 32 long registers in flight; once one has been answered (the rest have arrived), the other
-    session's register -- on a connection of its own -- is applied before some of them (they await the hasher;
-    the loop serves the other)."""
+    """The flooder has 48 long registers in flight (~1 s of hashing in all, 12 M tokens: under the hasher's 16 M
+    bound); once one has been answered (the rest have arrived), the other session's register -- on a connection of
+    its own -- is applied before some of them (they await the hasher; the loop serves the other). The queue is long
+    enough that a test process descheduled for a while still finds the flood's registers waiting."""
     server = server_factory(*SERVER_ARGS)
     with connect(server.address) as stub, connect(server.address) as other:
         flood_session = stub.OpenSession(pb.OpenSessionRequest(client_name="flood")).session_id
         other_session = other.OpenSession(pb.OpenSessionRequest(client_name="other")).session_id
         request = pb.RegisterSequenceRequest(session_id=flood_session)
-        request.prompt_token_ids.extend(long_prompt(2, LONG // 16).tolist())
-        futures = [stub.RegisterSequence.future(request, timeout=120) for _ in range(32)]
+        request.prompt_token_ids.extend(long_prompt(2, LONG // 4).tolist())
+        futures = [stub.RegisterSequence.future(request, timeout=120) for _ in range(48)]
         done = threading.Event()
         for future in futures:
             future.add_done_callback(lambda f: done.set())
