@@ -32,7 +32,7 @@ help:
 	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
 	@echo "                        (installs the runtime only: server, client, load generator; make setup adds the rest)"
 	@echo "make test               make lint, the whole test suite (no GPU needed), buf lint and buf breaking"
-	@echo "make test-vllm          tests/vllm/ (KVPoolConnector with the real vLLM, CPU) in .venv-vllm, installed first"
+	@echo "make test-vllm          tests/vllm/ (KVPoolConnector with the real vLLM, CPU) and the torch tests in .venv-vllm"
 	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/{core,service,grpc_api}"
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
 	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
@@ -88,9 +88,14 @@ $(VLLM_STAMP): requirements/vllm.txt common/pyproject.toml client/pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
 	touch $(VLLM_STAMP)
 
-# The real vLLM engines and a real kvpool server (tests/vllm/: about 4 min on 2 cores, after the install).
+# The real vLLM engines and a real kvpool server (tests/vllm/: about 4 min on 2 cores, after the install), and the
+# tests that need PyTorch and transformers (the decode engine, its prefix reuse, the torch ops: skipped in .venv,
+# which has no torch; about 2 min), in the same environment: vLLM brings both.
+TORCH_TESTS := tests/client/test_engine.py tests/client/test_engine_prefix.py tests/client/test_engine_resume.py \
+	tests/client/test_engine_tp.py tests/client/test_integration_llama.py tests/client/test_torch_ops.py \
+	tests/client/test_flex_paged.py tests/benchmarks/test_bench_ttft.py tests/benchmarks/test_bench_engine.py
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -p tests.skip_summary tests/vllm
+	$(VLLM_PY) -m pytest -q -p tests.skip_summary tests/vllm $(TORCH_TESTS)
 
 lint: $(SETUP)
 	$(VENV)/bin/ruff check .
