@@ -189,16 +189,25 @@ class ReplayRouter:
             peer.cursor = None
         return False
 
-    def _send(self, peer: ReplayPeer, seq: int, payload: bytes, charge: int) -> str:
+    def _routed(self, send: Any) -> str:
+        """``send()`` the first frame of a message (NOBLOCK, ROUTER_MANDATORY): SENT, FULL (the peer's queue is
+        full) or GONE (the peer disconnected)."""
         zmq = self.zmq
         try:
-            self.sock.send(peer.identity, zmq.SNDMORE | zmq.NOBLOCK)  # the peer's queue is checked here, once
+            send()
         except zmq.Again:
             return FULL
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return GONE
             raise
+        return SENT
+
+    def _send(self, peer: ReplayPeer, seq: int, payload: bytes, charge: int) -> str:
+        zmq = self.zmq
+        routed = self._routed(lambda: self.sock.send(peer.identity, zmq.SNDMORE | zmq.NOBLOCK))  # checked once
+        if routed != SENT:
+            return routed
         self.sock.send(b"", zmq.SNDMORE)
         self.sock.send(seq.to_bytes(8, "big"), zmq.SNDMORE)
         tracker = self.sock.send(payload, copy=False, track=True)
@@ -210,16 +219,7 @@ class ReplayRouter:
         return SENT
 
     def _send_end(self, identity: bytes) -> str:
-        zmq = self.zmq
-        try:
-            self.sock.send_multipart((identity, b"", END_SEQ, b""), zmq.NOBLOCK)
-        except zmq.Again:
-            return FULL
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                return GONE
-            raise
-        return SENT
+        return self._routed(lambda: self.sock.send_multipart((identity, b"", END_SEQ, b""), self.zmq.NOBLOCK))
 
     def _reap(self, peer: ReplayPeer) -> None:
         """Uncharge the messages ZMQ is done with (in order: one still held keeps those after it charged)."""
