@@ -92,9 +92,9 @@ def vllm_caches(torch, num_blocks: int, layout: str) -> tuple[dict, list]:
     return caches, raws
 
 
-def raw_kv(raw, block: int, layout: str):
-    """K and V of one block from the memory-order tensor, [block_size, heads, head] each (no connector code)."""
-    b = raw[block] if layout == "NHD" else raw[block].transpose(0, 1)
+def raw_kv(raw, blocks: list, layout: str):
+    """K and V of ``blocks`` from the memory-order tensor, [n, block_size, heads, head] each (no connector code)."""
+    b = raw[blocks] if layout == "NHD" else raw[blocks].transpose(1, 2)
     return b[..., :HEAD], b[..., HEAD:]
 
 
@@ -138,12 +138,13 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
         print(f"[{layout}] FAILED: the store reported a failure (see the warning above)")
         return False
     pool = worker._pool_tensor  # the connector's own view of the mapped pool: [blocks, L, 2, B, H, D]
-    for i, (p, s) in enumerate(zip(pool_blocks, src)):
-        for layer in (range(LAYERS) if i < 4 or i == n - 1 else (0, LAYERS - 1)):
-            k, v = raw_kv(raws[layer], s, layout)
-            if not (same(pool[p, layer, 0], k) and same(pool[p, layer, 1], v)):
-                print(f"[{layout}] MISMATCH after store: pool block {p} layer {layer} != vLLM block {s}")
-                ok = False
+    pool_ids = torch.tensor(pool_blocks, device=pool.device)
+    for layer in range(LAYERS):  # every stored byte, against the raw tensor read without the connector's views
+        k, v = raw_kv(raws[layer], src, layout)
+        if not (same(pool[pool_ids, layer, 0], k) and same(pool[pool_ids, layer, 1], v)):
+            print(f"[{layout}] MISMATCH after store: layer {layer}, kvpool blocks {pool_blocks[:3]}.. != vLLM blocks "
+                  f"{src[0]}..")
+            ok = False
     untouched = [r[n].clone() for r in raws]
     worker.start_load_kv(load)
     sync(torch)
