@@ -19,6 +19,7 @@ only=${1:-all}  # "device": only the first step (copy kernel); "validate": every
                 # "tp": issue 26 (tensor-parallel shards: GPU tests, the TP engine, loadgen, decode step, copy bandwidth)
                 # "tier": issue 23 (the host tier: GPU tests, offload/restore vs pinned memcpy, hit rates)
                 # "fast": issue 21 (the fast path's tests and benchmarks, the core against vLLM's BlockPool)
+                # "vllm": issue 31 (the vLLM connector's CUDA data path, without vLLM: bench_vllm_gpu.py)
 step() { echo; echo "=== $1"; shift; "$@" || { echo "=== FAILED: $*"; status=1; }; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
@@ -192,6 +193,12 @@ if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N sha
     step "COW copy bandwidth per device, N shards copying at once" \
         bash -c "set -o pipefail; timeout 90 python3 benchmarks/tp_copy_bandwidth.py --backend gpu $TPDEV \
             --json $OUT/tp_copy_bandwidth.json 2>&1 | tee $OUT/tp_copy_bandwidth.log"
+    echo "=== gpu_check status $status"; exit $status
+fi
+if [ "$only" = vllm ]; then  # issue 31: the vLLM connector's worker on a GPU pool (CUDA IPC), vLLM's CUDA layouts
+    # carry=[".whl"]. Under a minute: a GPU server (Llama-3-8B layout), a 4,096-token prompt stored and loaded back.
+    step "vLLM connector, CUDA path: store/load 256 blocks of Llama-3-8B between vLLM-layout tensors (NHD, HND) and kvpool's pool, bytes verified, GB/s vs copy_" \
+        bash -c "set -o pipefail; timeout ${T_VLLM:-240} python3 benchmarks/bench_vllm_gpu.py 2>&1 | tee $OUT/vllm_gpu.log"
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device
