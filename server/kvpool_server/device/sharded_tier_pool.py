@@ -111,12 +111,6 @@ class ShardedTierPool(TierPool):
         ticket.nbytes = sum(t.nbytes for t in tickets)
         return ticket
 
-    def settle_writeback(self, ticket: CopyTicket) -> bool:
-        ok = ticket.wait()
-        if ok:
-            self._count(True, ticket.nbytes, ticket.seconds())
-        return ok
-
     def restore_blocks(self, pairs: Any) -> int:
         self._check_open()
         started = time.perf_counter()
