@@ -215,11 +215,13 @@ class FastPathServer:
                 logger.exception("fast path: record %d of session %d failed", seq, channel.session_id)
                 self._answer_bug(channel, views, seq, exc)
                 deferred = None
-            self.fair.charge(channel, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
             if deferred is not None:
                 channel.deferred = (seq, deferred, deferred.start(self.loop, self.executor, self._note))
+                self.fair.charge(channel, elapsed)
                 continue
             self._answered(channel, seq)
+            self.fair.charge(channel, elapsed)  # after the reply is published: not part of the client's wait
             served = True
             os.sched_yield()  # after every record: the event loop waits for one record at most, not a round
         return served
