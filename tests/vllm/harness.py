@@ -66,6 +66,17 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> dict:
         return self.ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
 
+    def start(self, prompts: list[list[int]], max_tokens: int, tokens: int) -> int:
+        """Add the requests and step until each has ``tokens`` output tokens; they stay running (nothing steps
+        them) until ``finish``. Needs an engine started with VLLM_ENABLE_V1_MULTIPROCESSING=0. Returns the steps."""
+        reply = self.ask({"op": "start", "prompts": prompts, "max_tokens": max_tokens, "tokens": tokens})
+        assert "error" not in reply, reply
+        return reply["steps"]
+
+    def finish(self) -> dict:
+        """Step the requests ``start`` left running to their end: the answer of ``generate``."""
+        return self.ask({"op": "finish"})
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

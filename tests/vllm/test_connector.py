@@ -2,7 +2,10 @@
 
 Three engine processes live for the whole module (an engine takes 30-80 s to start on two cores): ``plain`` has no
 connector (the reference outputs), ``a`` and ``b`` have the connector with tenant alpha's token; ``a`` is started
-before kvpool is. The tests run in order and build on each other's kvpool state, as a host's engines would.
+before kvpool is and runs its engine core in the driver's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``b`` has
+vLLM's default, a process of its own), so that a test can leave a's requests running (``Engine.start``: nothing
+steps them) while it checks kvpool, kills it or kills the engine. The tests run in order and build on each other's
+kvpool state, as a host's engines would.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 
 from tests.vllm.harness import Engine, KVPoolServer, wait_for  # noqa: E402
 from tests.vllm.tiny_model import BLOCK_SIZE, write_tiny_llama  # noqa: E402
+
+from kvpool_client.integrations.vllm.scheduler import SEAL_WITHIN_STEPS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 PREFIX = 544  # 17 blocks: more than 512 tokens in common
@@ -37,7 +42,7 @@ def env(tmp_path_factory):
     fault = work / "fail-loads"
     common = ("--target", server.address, "--token-file", str(server.token_files["alpha"]))
     engines = {"plain": Engine("plain", model, work),
-               "a": Engine("a", model, work, *common)}
+               "a": Engine("a", model, work, *common, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})}
     engines["a"].wait_ready()  # started while kvpool is absent
     server.start()
     engines["b"] = Engine("b", model, work, *common, env={"KVPOOL_VLLM_FAIL_LOADS_FILE": str(fault)})
@@ -106,29 +111,20 @@ def test_both_engines_at_once(env):
 
 
 def test_a_prompt_is_shared_while_the_engine_that_computed_it_still_generates(env):
-    """Prompt blocks are stored after their prefill and sealed within a few steps, not when the request ends."""
+    """Prompt blocks are stored after their prefill and sealed within SEAL_WITHIN_STEPS steps, not when the request
+    ends: engine a's request is stepped past that and left running while kvpool is asked and engine b served."""
     a, b, plain, server = env["a"], env["b"], env["plain"], env["server"]
     long_running = [prompt(55, 600, prefix_seed=5)]
-    worker = threading.Thread(target=lambda: a.generate(long_running, 1500))
-    worker.start()
-    seen_while_running = False
-
-    def found() -> bool:
-        nonlocal seen_while_running
-        with server.client("alpha") as alpha:
-            seq, hit = alpha.register_prompt(long_running[0])
-            alpha.free(seq)
-        seen_while_running = hit >= PREFIX and worker.is_alive()
-        return hit >= PREFIX
-    try:
-        wait_for(found, 300, "engine a's prompt matchable in kvpool")
-        other = [prompt(56, 640, prefix_seed=5)]
-        got = b.generate(other)
-    finally:
-        worker.join(600)
-    assert seen_while_running
+    a.start(long_running, 64, SEAL_WITHIN_STEPS + 2)
+    with server.client("alpha") as alpha:
+        seq, hit = alpha.register_prompt(long_running[0])
+        alpha.free(seq)
+    assert hit >= PREFIX // BLOCK_SIZE * BLOCK_SIZE
+    other = [prompt(56, 640, prefix_seed=5)]
+    got = b.generate(other)
     assert got["num_cached"][0] >= PREFIX // BLOCK_SIZE * BLOCK_SIZE
     assert got["outputs"] == plain.generate(other)["outputs"]
+    assert a.finish()["outputs"] == plain.generate(long_running, 64)["outputs"]
 
 
 def test_a_failed_load_is_recomputed_with_the_same_tokens(env):
@@ -202,17 +198,11 @@ def test_kvpool_sigkilled_mid_generation_then_restarted(env):
     a, b, plain, server = env["a"], env["b"], env["plain"], env["server"]
     prompts = [prompt(100 + i, 600, prefix_seed=1) for i in range(4)]  # prefix hits: loads in flight too
     want = plain.generate(prompts, 128)["outputs"]
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(a.generate(prompts, 128)))
-    worker.start()
-
-    def holding() -> bool:
-        with server.client() as client:
-            return client.stats().num_sequences > 0
-    wait_for(holding, 120, "engine a's requests hold kvpool sequences")
+    a.start(prompts, 128, 4)  # running, holding kvpool sequences
+    with server.client() as client:
+        assert client.stats().num_sequences >= len(prompts)
     server.kill()
-    worker.join(600)
-    assert result["outputs"] == want
+    assert a.finish()["outputs"] == want
     server.start()
     wait_for(lambda: a.log().count("connected to kvpool") >= 2, 60, "engine a reconnects to the new kvpool")
     later = [prompt(110, 600, prefix_seed=4)]
@@ -230,22 +220,12 @@ def test_a_crashed_engine_leaves_nothing_pinned_in_kvpool(env):
     its connection and kvpool frees them all (runs last: the engine stays dead)."""
     a, server = env["a"], env["server"]
     prompts = [prompt(120 + i, 600, prefix_seed=6) for i in range(4)]
-    worker = threading.Thread(target=lambda: _ignore_errors(a.generate, prompts, 1500))
-    worker.start()
-
-    def holding() -> bool:
-        with server.client() as client:
-            return client.stats().num_sequences > 0
-    wait_for(holding, 120, "engine a's requests hold kvpool sequences")
+    a.start(prompts, 1500, 4)  # running, holding kvpool sequences
+    with server.client() as client:
+        assert client.stats().num_sequences >= len(prompts)
     os.killpg(a.proc.pid, signal.SIGKILL)
-    worker.join(60)
+    a.proc.wait(60)
     settled(server)
     with server.client() as client:
         assert client.stats().num_blocks_used == 0  # every block it pinned or was storing: free or cached
 
-
-def _ignore_errors(fn, *args) -> None:
-    try:
-        fn(*args)
-    except (RuntimeError, OSError):
-        pass  # the engine was killed under it
