@@ -24,6 +24,8 @@ import grpc
 import numpy as np
 
 from kvpool import fastpath as fp
+from kvpool import fastpath_codec as codec
+from kvpool.fastpath_codec import memory_barrier
 from kvpool_client.errors import (
     ERROR_FOR_CODE,
     REASONS,
@@ -39,13 +41,6 @@ SPIN_S = 200e-6  # the reply usually comes within this (the server's work); afte
 PARK_SLICE_S = 0.05  # a parked wait looks again this often (a wake lost to store/load reordering costs this)
 CONNECT_TIMEOUT_S = 2.0
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-_barrier = threading.Lock()
-
-
-def memory_barrier() -> None:
-    """A full barrier between our store and our load of the other side's flag (see the server's)."""
-    _barrier.acquire()
-    _barrier.release()
 
 
 def is_local_target(target: str) -> bool:
@@ -144,10 +139,8 @@ class FastChannel:
         views = self._usable(method)
         seq = self.seq + 1
         write(views)
-        views.req[fp.REQ_SEQ] = seq
+        codec.publish_request(views, seq)
         ctl = views.ctl
-        memory_barrier()  # the record's stores before the seq's (x86 keeps them in order anyway; ARM does not)
-        ctl[fp.CTL_REQ_SEQ] = seq
         self.seq = seq
         memory_barrier()
         if ctl[fp.CTL_SERVER_PARKED]:
@@ -155,13 +148,10 @@ class FastChannel:
         return views, seq
 
     def _finish(self, views: fp.Views, read: Any, method: str) -> Any:
-        memory_barrier()  # the reply's loads after the seq's
-        rep = views.rep
-        code = int(rep[fp.REP_CODE])
-        if code:
-            n = min(max(int(rep[fp.REP_MSG_LEN]), 0), fp.MAX_MESSAGE_BYTES)
-            message = views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + n].tobytes().decode("utf-8", "replace")
-            raise error_for(code, message, int(rep[fp.REP_REASON]), method)
+        error = codec.reply_error(views)
+        if error is not None:
+            code, reason, message = error
+            raise error_for(code, message, reason, method)
         return read(views)
 
     def _usable(self, method: str) -> fp.Views:

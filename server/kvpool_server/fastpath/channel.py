@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import mmap
 import socket
-import threading
 
 from kvpool import fastpath as fp
+from kvpool.fastpath_codec import memory_barrier as memory_barrier  # the codec's, re-exported for the thread
 from kvpool_server.service.auth import Identity
 from kvpool_server.service.errors import SharedMemoryFullError
 from kvpool_server.shm_segments import CHANNEL_KIND, ShmFullError, create_segment, segment_name, unlink_segment
 
-_barrier = threading.Lock()
-
-
-def memory_barrier() -> None:
-    """A full barrier between our store and our load of the other side's flag (an uncontended lock's atomic
-    read-modify-write; x86 orders it fully). The parked side's timeout covers a platform where it would not."""
-    _barrier.acquire()
-    _barrier.release()
 
 
 class Channel:

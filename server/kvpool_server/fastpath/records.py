@@ -6,11 +6,12 @@ client cannot change a request while it is applied). Whatever goes wrong -- a ba
 id 0, a fenced session -- is an exception inside the scope, so it gets the same status as on gRPC and the core is
 left exactly as it was (the core validates fully before it changes anything). A reply that might not fit the reply
 area is refused before anything is applied (``append_reply_bound``: the real worst case). The reply is written in
-full, then published by ``CTL_REP_SEQ``.
+full, then published by ``CTL_REP_SEQ``. The bytes are the codec's (``kvpool.fastpath_codec``, the client's too):
+this module decides what is read, checked and answered.
 
-Every answer of the service is honoured as gRPC honours it (``service/offload.py``'s adapter): a value is written
-at once; an ``Offload`` or a ``Wait`` (a Free/Fork of a sequence with a copy in flight) makes the record a
-``Deferred``, settled on the event loop while the serving thread goes on with the other channels; its reply is
+Every answer of the service goes through the adapter gRPC's handlers use (``service/offload.honour``): a value is
+written at once; an ``Offload`` or a ``Wait`` (a Free/Fork of a sequence with a copy in flight) is a ``Pending``
+that makes the record a ``Deferred``, settled on the event loop while the serving thread goes on with the other channels; its reply is
 written once it has settled (``FastPathServer``). A Free that may take more than one lock hold is a ``Deferred``
 from the start: made on the loop, its chunks are released one loop callback each, as on gRPC.
 """
@@ -25,12 +26,13 @@ from typing import Any, cast
 import numpy as np
 
 from kvpool import fastpath as fp
+from kvpool import fastpath_codec as codec
 from kvpool_server.core import InvalidArgumentError
-from kvpool_server.fastpath.channel import memory_barrier
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
 from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, MAX_ROWS_PER_HOLD
 from kvpool_server.service.kvpool import KVPoolService, Registered
-from kvpool_server.service.offload import Offload, Wait, answer_of, attempt, offloaded
+from kvpool_server.service import offload as answers
+from kvpool_server.service.offload import Pending
 from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
 from kvpool_server.service.scope import Call, CallScope
 
@@ -55,21 +57,20 @@ class ChannelHeaders:
 
 
 class Deferred:
-    """A record whose answer is an Offload or a Wait (``answer``), or that is made on the loop from the start
-    (``answer`` None): its call scope stays open until ``settle`` (on the event loop) has the final answer -- or
-    the exception, whose status is then ``call.status``."""
+    """A record whose answer is not final yet (``pending``: the adapter's ``Pending`` -- an Offload, a Wait, or a
+    call made on the loop from the start): its call scope stays open until ``settle`` (on the event loop) has the
+    final answer -- or the exception, whose status is then ``call.status``."""
 
-    __slots__ = ("call", "op", "invoke", "answer", "failed")
+    __slots__ = ("call", "op", "pending", "answer", "failed")
 
-    def __init__(self, call: Call, op: int, invoke: Any, answer: Any) -> None:
-        self.call, self.op, self.invoke, self.answer = call, op, invoke, answer
+    def __init__(self, call: Call, op: int, pending: Pending) -> None:
+        self.call, self.op, self.pending = call, op, pending
+        self.answer: Any = None
         self.failed = False
 
     async def settle(self, executor: Any) -> None:
         try:
-            answer = await answer_of(self.invoke, self.answer)
-            if isinstance(answer, Offload):
-                answer = await offloaded(executor, answer, _same)
+            answer = await self.pending.settle(executor)
         except BaseException as exc:
             self.failed = True
             self.call.__exit__(type(exc), exc, None)
@@ -90,8 +91,7 @@ class Deferred:
             future = asyncio.run_coroutine_threadsafe(settling, loop)
         except RuntimeError:
             settling.close()  # never to be awaited, nor the Wait's
-            if isinstance(self.answer, Wait) and asyncio.iscoroutine(self.answer.until):
-                self.answer.until.close()
+            self.pending.close()
             exc = ServerShuttingDownError("kvpool-server is shutting down")
             self.failed = True
             self.call.__exit__(type(exc), exc, None)
@@ -114,8 +114,7 @@ def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, head
     """Serve the request record ``seq`` of a channel: its reply is written (None), or it is a ``Deferred`` to
     settle on the event loop. Raises only for a bug of ours (the caller then answers INTERNAL, never again).
     ``prepared``: the record as ``fair_channels`` copied it out, its prompt hashed (``Prepared``)."""
-    memory_barrier()  # the record's loads after the seq's
-    header = views.req.tolist() if prepared is None else prepared.header  # one copy: it cannot change under us
+    header = codec.request_header(views) if prepared is None else prepared.header  # one copy: it cannot change
     op = header[fp.REQ_OP]
     call = scope.call(fp.OP_NAMES.get(op, "FastPath"), headers)
     try:
@@ -129,38 +128,26 @@ def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, head
                 f"fast path: a record for seq {header[fp.REQ_SEQ]} generation {header[fp.REQ_GENERATION]}; this "
                 f"channel serves seq {seq} of generation {generation}")
         invoke, on_loop = _invocation(service, call, views, header, op, session_id, prepared)
-        answer = None if on_loop else attempt(invoke)
+        answer = answers.honour(invoke, _same, on_loop=on_loop)  # the one adapter, as gRPC's
     except BaseException as exc:
         call.__exit__(type(exc), exc, None)
         if not isinstance(exc, Exception):
             raise
         write_error(views, seq, call.status)
         return None
-    if on_loop or isinstance(answer, (Offload, Wait)):
-        return Deferred(call, op, invoke, answer)
+    if isinstance(answer, answers.Pending):
+        return Deferred(call, op, answer)
     call.__exit__(None, None, None)
     write_answer(views, seq, op, answer)
     return None
 
 
 def _arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
-    """The request's arrays, checked against the area and copied out of it."""
-    area = views.area_bytes
-    n_ids, n_counts, n_tokens, extra = (header[fp.REQ_N_IDS], header[fp.REQ_N_COUNTS], header[fp.REQ_N_TOKENS],
-                                        header[fp.REQ_EXTRA_LEN])
-    if not (0 <= n_ids <= area and 0 <= n_counts <= area and 0 <= n_tokens <= area and 0 <= extra <= area) or \
-            fp.request_bytes(n_ids, n_counts, n_tokens, extra) > area:
-        raise InvalidArgumentError(f"fast path: a request of {n_ids} ids, {n_counts} counts, {n_tokens} tokens and "
-                                   f"{extra} key bytes does not fit the {area}-byte request area")
-    buf = views.req_area
-    at = fp.HEADER_BYTES
-    ids = buf[at:at + 8 * n_ids].view(np.uint64).copy()
-    at += 8 * n_ids
-    counts = buf[at:at + 4 * n_counts].view(np.uint32).astype(np.int64)
-    at += fp.align8(4 * n_counts)
-    tokens = buf[at:at + 4 * n_tokens].view(np.uint32).copy()
-    at += fp.align8(4 * n_tokens)
-    return ids, counts, tokens, buf[at:at + extra].tobytes()
+    """The request's arrays, checked against the area and copied out of it (the codec's), or INVALID_ARGUMENT."""
+    try:
+        return codec.request_arrays(views, header)
+    except codec.RecordTooBig as exc:
+        raise InvalidArgumentError(str(exc)) from None
 
 
 def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list[int], op: int,
@@ -212,62 +199,33 @@ def _same(answer: Any) -> Any:
     return answer
 
 
-def _publish(views: fp.Views, seq: int) -> None:
-    views.rep[fp.REP_SEQ] = seq
-    memory_barrier()  # the reply's stores before the seq's (x86 keeps them in order anyway; ARM does not)
-    views.ctl[fp.CTL_REP_SEQ] = seq  # published: the whole reply is written
-
-
 def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
     """An OK reply. Its size is checked before anything is written: a reply that would not fit raises (a bug of
     ours: the bounds checked before the call should have refused it) and leaves the area as it was."""
-    rep, area = views.rep, views.rep_area
     if op == fp.OP_APPEND:
         slots, new, copies = answer.slot_mapping, answer.new_block_ids, answer.copies
         needed = fp.reply_bytes(0, slots.size, new.size, copies.shape[0], 0)
         if needed > views.area_bytes:
             raise AssertionError(f"kvpool bug: an append's reply of {needed} bytes passed its bound "
                                  f"(area {views.area_bytes})")
-        rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0  # code, reason, message length
-        at = fp.HEADER_BYTES
-        area[at:at + 8 * slots.size].view(np.int64)[:] = slots
-        at += 8 * slots.size
-        if new.size:
-            area[at:at + 4 * new.size].view(np.int32)[:] = new
-            at += fp.align8(4 * new.size)
-        if copies.shape[0]:
-            area[at:at + 8 * copies.shape[0]].view(np.int32)[:] = copies.reshape(-1)
-        rep[fp.REP_N_SLOTS:fp.REP_N_CHILDREN + 1] = (slots.size, new.size, copies.shape[0], 0)
+        codec.write_append_reply(views, slots, new, copies)
     elif op == fp.OP_FORK:
         children = np.asarray(answer, dtype=np.uint64)
         if fp.reply_bytes(0, 0, 0, 0, children.size) > views.area_bytes:
             raise AssertionError(f"kvpool bug: a Fork's reply of {children.size} children passed its bound")
-        rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0
-        area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * children.size].view(np.uint64)[:] = children
-        rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = 0
-        rep[fp.REP_N_CHILDREN] = children.size
+        codec.write_children_reply(views, children)
+    elif isinstance(answer, Registered):
+        codec.write_values_reply(views, answer.seq_id, answer.num_cached_tokens)
+    elif isinstance(answer, (int, np.integer)):
+        codec.write_values_reply(views, int(answer))
     else:
-        if isinstance(answer, Registered):
-            value0, value1 = int(np.uint64(answer.seq_id).view(np.int64)), answer.num_cached_tokens
-        elif isinstance(answer, (int, np.integer)):
-            value0, value1 = int(answer), 0
-        else:
-            raise AssertionError(f"kvpool bug: the fast path has no reply for a {type(answer).__name__} answer")
-        rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0
-        rep[fp.REP_VALUE0], rep[fp.REP_VALUE1] = value0, value1
-        rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
-    _publish(views, seq)
+        raise AssertionError(f"kvpool bug: the fast path has no reply for a {type(answer).__name__} answer")
+    codec.publish_reply(views, seq)
 
 
 def write_error(views: fp.Views, seq: int, status: Status) -> None:
-    rep, area = views.rep, views.rep_area
-    message = status.message.encode("utf-8", "replace")[:min(fp.MAX_MESSAGE_BYTES, area.size - fp.HEADER_BYTES)]
-    area[fp.HEADER_BYTES:fp.HEADER_BYTES + len(message)] = np.frombuffer(message, np.uint8)
-    rep[fp.REP_CODE] = int(status.code) or int(Code.INTERNAL)  # an error reply never reads as OK
-    rep[fp.REP_REASON] = fp.REASONS.index(status.reason) if status.reason in fp.REASONS else 0
-    rep[fp.REP_MSG_LEN] = len(message)
-    rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
-    _publish(views, seq)
+    codec.write_error_reply(views, int(status.code) or int(Code.INTERNAL), status.reason, status.message)
+    codec.publish_reply(views, seq)  # an error reply never reads as OK: its code is never 0
 
 
 def write_bug(views: fp.Views, seq: int, exc: BaseException) -> None:

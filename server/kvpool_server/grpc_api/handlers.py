@@ -8,7 +8,8 @@ request of its method is refused by its length before it is parsed (``request_bo
 
 Everything else -- admission, authentication, the status of an error, metrics -- is the call scope's
 (service/scope.py), and the locking, fencing, replay and events are the service's: this module only decodes,
-encodes and runs the service's ``Offload`` / ``Wait`` answers (service/offload.py) on the event loop.
+encodes, and hands every answer of the service to the one adapter (``offload.honour``, shared with the fast
+path), whose ``Pending`` (an ``Offload`` / ``Wait``) it awaits on the event loop.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvpool_server.grpc_api.request_bounds import Bound, check_size, field_limit
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
 from kvpool_server.service.byte_budget import BIG_MESSAGE_BYTES, MAX_WAIT_S
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.service.offload import Offload, answer_of, offloaded
+from kvpool_server.service import offload as answers
 from kvpool_server.service.scope import Call, CallScope
 
 
@@ -98,11 +99,14 @@ def unary_handler(service: KVPoolService, scope: CallScope, executor: Executor, 
         parsed_s = time.perf_counter() - started
         request = await fair_calls.take_turn(service, call, request, _max_wait_s(context))
         started = time.perf_counter()
-        answer = await answer_of(lambda: invoke(service, call, request))
-        if isinstance(answer, Offload):  # the copy holds the body: released when it ends
-            return await offloaded(executor, answer, lambda a: encode(service, a).SerializeToString(),
-                                   charge.hand_over())
-        reply = encode(service, answer).SerializeToString()
+        # every answer kind through the one adapter; an Offload's copy holds the body: released when it ends
+        reply = answers.honour(lambda: invoke(service, call, request),
+                               lambda answer: encode(service, answer).SerializeToString(),
+                               hand_over=charge.hand_over)
+        if isinstance(reply, answers.Pending):
+            pending, reply = reply, await reply.settle(executor)
+            if pending.offloaded:
+                return reply
         fair_calls.charge(service, call, request, parsed_s + time.perf_counter() - started)
         return reply
 

@@ -1,0 +1,187 @@
+"""The fast path's record codec: how a request and a reply record are written and read, the one definition both sides
+use (the server in kvpool_server/fastpath/records.py, the client in kvpool_client/fastpath_records.py and
+fastpath.py). The words and offsets are kvpool.fastpath's; docs/fast-path.md has the picture.
+
+    request   write_request (client) -> publish_request (client) -> request_header, request_arrays (server)
+    reply     write_append_reply / write_children_reply / write_values_reply / write_error_reply (server)
+              -> publish_reply (server) -> reply_error, read_append_reply, read_children, read_values (client)
+
+What a side decides stays with it: the server's bounds (``append_reply_bound``, which error is whose status) and the
+client's types. The codec checks only what a reader must check before it reads: a request's counts against its area
+(``RecordTooBig``); the server trusts nothing it reads, so ``request_arrays`` copies the arrays out of the segment.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvpool import fastpath as fp
+
+WRAP = 1 << 64  # a uint64 field is written as the int64 word with the same bits
+_barrier = threading.Lock()
+
+
+class RecordTooBig(ValueError):
+    """A request whose counts pass its area: nothing of it is read."""
+
+
+def memory_barrier() -> None:
+    """A full barrier between our store and our load of the other side's flag (an uncontended lock's atomic
+    read-modify-write; x86 orders it fully). The parked side's timeout covers a platform where it would not."""
+    _barrier.acquire()
+    _barrier.release()
+
+
+def _word(value: int) -> int:
+    return value - WRAP if value >= 1 << 63 else value
+
+
+# ---------------------------------------------------------------- requests
+def write_request(views: fp.Views, op: int, request_id: int, generation: int, *, ids: Any = None, counts: Any = None,
+                  tokens: Any = None, extra: bytes = b"", arg0: int = 0, arg1: int = 0) -> None:
+    """Write a request record's arrays and header (not yet published): ``ids`` uint64, ``counts`` and ``tokens``
+    uint32, ``extra`` bytes, each array on an 8-byte boundary after the header."""
+    area, req = views.req_area, views.req
+    n_ids = 0 if ids is None else ids.size
+    n_counts = 0 if counts is None else counts.size
+    n_tokens = 0 if tokens is None else tokens.size
+    at = fp.HEADER_BYTES
+    if n_ids:
+        area[at:at + 8 * n_ids].view(np.uint64)[:] = ids
+    at += 8 * n_ids
+    if n_counts:
+        area[at:at + 4 * n_counts].view(np.uint32)[:] = counts
+    at += fp.align8(4 * n_counts)
+    if n_tokens:
+        area[at:at + 4 * n_tokens].view(np.uint32)[:] = tokens
+    at += fp.align8(4 * n_tokens)
+    if extra:
+        area[at:at + len(extra)] = np.frombuffer(extra, np.uint8)
+    req[:fp.REQ_SEQ] = (op, _word(request_id), generation, n_ids, n_counts, n_tokens, _word(arg0), arg1, len(extra))
+
+
+def publish_request(views: fp.Views, seq: int) -> None:
+    """Publish the written request as ``seq``: its seq word, then (after the barrier) ``CTL_REQ_SEQ``."""
+    views.req[fp.REQ_SEQ] = seq
+    memory_barrier()  # the record's stores before the seq's (x86 keeps them in order anyway; ARM does not)
+    views.ctl[fp.CTL_REQ_SEQ] = seq
+
+
+def request_header(views: fp.Views) -> list[int]:
+    """The request's header words as Python ints: one copy, so that it cannot change under its reader."""
+    memory_barrier()  # the record's loads after the seq's
+    return views.req.tolist()
+
+
+def request_arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
+    """The request's arrays (ids uint64, counts int64, tokens uint32, extra bytes), their counts checked against the
+    area (``RecordTooBig``) and copied out of it."""
+    area = views.area_bytes
+    n_ids, n_counts, n_tokens, extra = (header[fp.REQ_N_IDS], header[fp.REQ_N_COUNTS], header[fp.REQ_N_TOKENS],
+                                        header[fp.REQ_EXTRA_LEN])
+    if not (0 <= n_ids <= area and 0 <= n_counts <= area and 0 <= n_tokens <= area and 0 <= extra <= area) or \
+            fp.request_bytes(n_ids, n_counts, n_tokens, extra) > area:
+        raise RecordTooBig(f"fast path: a request of {n_ids} ids, {n_counts} counts, {n_tokens} tokens and "
+                           f"{extra} key bytes does not fit the {area}-byte request area")
+    buf = views.req_area
+    at = fp.HEADER_BYTES
+    ids = buf[at:at + 8 * n_ids].view(np.uint64).copy()
+    at += 8 * n_ids
+    counts = buf[at:at + 4 * n_counts].view(np.uint32).astype(np.int64)
+    at += fp.align8(4 * n_counts)
+    tokens = buf[at:at + 4 * n_tokens].view(np.uint32).copy()
+    at += fp.align8(4 * n_tokens)
+    return ids, counts, tokens, buf[at:at + extra].tobytes()
+
+
+# ---------------------------------------------------------------- replies: the server writes
+def write_append_reply(views: fp.Views, slots: np.ndarray, new: np.ndarray, copies: np.ndarray) -> None:
+    """An OK append reply: slots int64, new block ids int32, copies int32 [c, 2]. The caller has checked that it
+    fits (``fp.reply_bytes``)."""
+    rep, area = views.rep, views.rep_area
+    rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0  # code, reason, message length
+    at = fp.HEADER_BYTES
+    area[at:at + 8 * slots.size].view(np.int64)[:] = slots
+    at += 8 * slots.size
+    if new.size:
+        area[at:at + 4 * new.size].view(np.int32)[:] = new
+        at += fp.align8(4 * new.size)
+    if copies.shape[0]:
+        area[at:at + 8 * copies.shape[0]].view(np.int32)[:] = copies.reshape(-1)
+    rep[fp.REP_N_SLOTS:fp.REP_N_CHILDREN + 1] = (slots.size, new.size, copies.shape[0], 0)
+
+
+def write_children_reply(views: fp.Views, children: np.ndarray) -> None:
+    """An OK Fork reply: the children's ids, uint64. The caller has checked that it fits."""
+    rep = views.rep
+    rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0
+    views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * children.size].view(np.uint64)[:] = children
+    rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = 0
+    rep[fp.REP_N_CHILDREN] = children.size
+
+
+def write_values_reply(views: fp.Views, value0: int, value1: int = 0) -> None:
+    """An OK reply of two values (register: seq_id as its int64 bits, num_cached_tokens; free: blocks freed)."""
+    rep = views.rep
+    rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0
+    rep[fp.REP_VALUE0], rep[fp.REP_VALUE1] = _word(value0), value1
+    rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
+
+
+def write_error_reply(views: fp.Views, code: int, reason: str, message: str) -> None:
+    """An error reply: ``code`` (nonzero), ``reason`` (a kvpool-error reason, "" when none or unknown) and the
+    message, cut to ``MAX_MESSAGE_BYTES`` (and to the area)."""
+    rep, area = views.rep, views.rep_area
+    data = message.encode("utf-8", "replace")[:min(fp.MAX_MESSAGE_BYTES, area.size - fp.HEADER_BYTES)]
+    area[fp.HEADER_BYTES:fp.HEADER_BYTES + len(data)] = np.frombuffer(data, np.uint8)
+    rep[fp.REP_CODE] = code
+    rep[fp.REP_REASON] = fp.REASONS.index(reason) if reason in fp.REASONS else 0
+    rep[fp.REP_MSG_LEN] = len(data)
+    rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
+
+
+def publish_reply(views: fp.Views, seq: int) -> None:
+    """Publish the written reply as ``seq``: its seq word, then (after the barrier) ``CTL_REP_SEQ``."""
+    views.rep[fp.REP_SEQ] = seq
+    memory_barrier()  # the reply's stores before the seq's (x86 keeps them in order anyway; ARM does not)
+    views.ctl[fp.CTL_REP_SEQ] = seq  # published: the whole reply is written
+
+
+# ---------------------------------------------------------------- replies: the client reads
+def reply_error(views: fp.Views) -> tuple[int, int, str] | None:
+    """The published reply's error -- (code, reason index, message) -- or None when it is OK."""
+    memory_barrier()  # the reply's loads after the seq's
+    rep = views.rep
+    code = int(rep[fp.REP_CODE])
+    if not code:
+        return None
+    n = min(max(int(rep[fp.REP_MSG_LEN]), 0), fp.MAX_MESSAGE_BYTES)
+    return code, int(rep[fp.REP_REASON]), views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + n].tobytes().decode(
+        "utf-8", "replace")
+
+
+def read_append_reply(views: fp.Views) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An OK append reply's slots, new block ids and copies [c, 2], each int64 and a copy."""
+    rep, area = views.rep, views.rep_area
+    n_slots, n_new, n_copies = rep[fp.REP_N_SLOTS:fp.REP_N_COPIES + 1].tolist()
+    at = fp.HEADER_BYTES
+    slots = area[at:at + 8 * n_slots].view(np.int64).copy()
+    at += 8 * n_slots
+    new = area[at:at + 4 * n_new].view(np.int32).astype(np.int64)
+    at += fp.align8(4 * n_new)
+    copies = area[at:at + 8 * n_copies].view(np.int32).astype(np.int64).reshape(-1, 2)
+    return slots, new, copies
+
+
+def read_children(views: fp.Views) -> list[int]:
+    """An OK Fork reply's children."""
+    n = int(views.rep[fp.REP_N_CHILDREN])
+    return views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * n].view(np.uint64).tolist()
+
+
+def read_values(views: fp.Views) -> tuple[int, int]:
+    """An OK reply's two values, the first as its uint64 (a register's seq_id; a free's count is never negative)."""
+    return int(views.rep[fp.REP_VALUE0]) & (WRAP - 1), int(views.rep[fp.REP_VALUE1])
