@@ -16,6 +16,7 @@ from kvpool_server.core.seq_index import SequenceIndex
 from kvpool_server.core.session_members import SessionMembers
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import TenantLedger
+from kvpool_server.core.tier_stats import tier_stats
 from kvpool_server.core.token_chains import TokenChains
 from kvpool_server.core.types import PoolStats
 
@@ -169,21 +170,3 @@ def stats(manager: KVCacheManager) -> PoolStats:
         **(tier_stats(tier) if tier is not None else {}),
     )
 
-
-def tier_stats(tier: HostTier) -> dict[str, int]:
-    """The host tier's fields of PoolStats."""
-    return dict(
-        host_tier_blocks_total=tier.num_slots,
-        host_tier_blocks_ready=tier.num_ready,
-        host_tier_blocks_cached=tier.num_committed,
-        host_tier_blocks_offloaded=tier.num_offloaded,
-        host_tier_blocks_restored=tier.num_restored,
-        host_tier_copy_failures=tier.num_offload_failed + tier.num_restore_failed,
-        host_tier_blocks_used=tier.num_used,
-        host_tier_blocks_written_back=tier.num_written_back,
-        host_tier_offload_failures=tier.num_offload_failed,
-        host_tier_blocks_fenced=tier.num_restore_failed,
-        host_tier_blocks_torn=tier.num_torn,
-        host_tier_blocks_dropped=tier.num_dropped,
-        host_tier_evictions_unkept=tier.num_unkept,
-    )

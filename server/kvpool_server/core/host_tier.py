@@ -53,7 +53,7 @@ class HostTier:
     no block of that hash, medium "" (the pool's) when an offload fails (the pool's copy is gone already). The
     pool's own eviction of a block the tier keeps is no event (``spill`` returns only the hashes that are gone).
 
-    Counters (``num_*``, since start; ``checks.tier_stats`` puts them in PoolStats, Stats.host_tier): offloaded
+    Counters (``num_*``, since start; ``tier_stats.TIER_FIGURES`` put them in PoolStats, Stats.host_tier): offloaded
     (of them written back), restored, offload and restore failures (the latter fenced), torn, dropped, unkept.
 
     ::

@@ -9,6 +9,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core import AppendPlan, PoolStats
 from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvpool_server.core.sessions import Session
+from kvpool_server.core.tier_stats import TIER_FIGURES, TierFigure
 from kvpool_server.device.tier_pool import CopyTotals
 from kvpool_server.service.kvpool import PoolDescription, RankShard
 from kvpool_server.service.tenant_usage import TenantUsage
@@ -53,18 +54,17 @@ def stats_response(stats: PoolStats, block_bytes: int, copies: CopyTotals | None
 
 
 def host_tier_stats(s: PoolStats, block_bytes: int, copies: CopyTotals) -> pb.HostTierStats:
-    return pb.HostTierStats(
-        num_blocks=s.host_tier_blocks_total, bytes_total=s.host_tier_blocks_total * block_bytes,
-        num_blocks_ready=s.host_tier_blocks_ready, bytes_ready=s.host_tier_blocks_ready * block_bytes,
-        num_blocks_used=s.host_tier_blocks_used, num_blocks_cached=s.host_tier_blocks_cached,
-        num_blocks_offloaded=s.host_tier_blocks_offloaded, num_blocks_written_back=s.host_tier_blocks_written_back,
-        num_blocks_restored=s.host_tier_blocks_restored,
-        bytes_offloaded=copies.bytes_offloaded, offload_seconds=copies.offload_seconds,
-        bytes_restored=copies.bytes_restored, restore_seconds=copies.restore_seconds,
-        num_offload_failures=s.host_tier_offload_failures, num_blocks_fenced=s.host_tier_blocks_fenced,
-        num_blocks_torn=s.host_tier_blocks_torn, num_blocks_dropped=s.host_tier_blocks_dropped,
-        num_evictions_unkept=s.host_tier_evictions_unkept,
-    )
+    """StatsResponse.host_tier: each field as its declaration says (core/tier_stats.py)."""
+    fields: dict[str, Any] = {f.proto: _figure(f, s, block_bytes, copies) for f in TIER_FIGURES if f.proto}
+    return pb.HostTierStats(**fields)
+
+
+def _figure(f: TierFigure, s: PoolStats, block_bytes: int, copies: CopyTotals) -> Any:
+    if f.copies:
+        return getattr(copies, f.copies)
+    if f.per_block:
+        return getattr(s, f.per_block) * block_bytes
+    return getattr(s, f.stat)
 
 
 def stats_with_tenants(answer: tuple[PoolStats, list[TenantUsage]], block_bytes: int,

@@ -156,21 +156,9 @@ class PoolCollector(Collector):
                                 value=pool(lambda s: s.prefix_query_tokens)),
             CounterMetricFamily("kvpool_prefix_cache_hits", "Of those, tokens found cached (hit rate: the ratio of "
                                 "the two counters' rates)", value=pool(lambda s: s.prefix_hit_tokens)),
-            gauge("kvpool_host_tier_blocks", "Blocks of the host tier (--host-tier-bytes; 0: none)",
-                  pool(lambda s: s.host_tier_blocks_total)),
-            gauge("kvpool_host_tier_blocks_ready", "Of those, allocated (pinned) so far (the tier is allocated in the "
-                  "background)", pool(lambda s: s.host_tier_blocks_ready)),
-            gauge("kvpool_host_tier_blocks_cached", "Host-tier blocks holding a matchable block",
-                  pool(lambda s: s.host_tier_blocks_cached)),
             CounterMetricFamily("kvpool_prefix_cache_host_hits", "Of the prefix cache hits, tokens restored from the "
                                 "host tier", value=pool(lambda s: s.prefix_host_hit_tokens)),
-            CounterMetricFamily("kvpool_host_tier_offloaded_blocks", "Blocks copied into the host tier (write-backs "
-                                "included)", value=pool(lambda s: s.host_tier_blocks_offloaded)),
-            CounterMetricFamily("kvpool_host_tier_restored_blocks", "Blocks copied back from the host tier",
-                                value=pool(lambda s: s.host_tier_blocks_restored)),
-            CounterMetricFamily("kvpool_host_tier_copy_failures", "Blocks of host-tier copies that failed (dropped)",
-                                value=pool(lambda s: s.host_tier_copy_failures)),
-            *tier_families(pool, copied),
+            *tier_families(pool, copied, self.block_bytes),
             gauge("kvpool_sessions", "Live sessions", sess(lambda g: g.num_live)),
             gauge("kvpool_ended_session_blocks", "Blocks still held by sequences of ended sessions (must be 0)",
                   sess(lambda g: g.num_blocks_held_by_ended)),
@@ -190,10 +178,6 @@ class PoolCollector(Collector):
                 gauge("kvpool_pool_size_bytes", "Bytes of the whole pool",
                       pool(lambda s: s.num_blocks_total * block_bytes)),
                 gauge("kvpool_used_bytes", "Bytes of the used blocks", pool(lambda s: s.num_blocks_used * block_bytes)),
-                gauge("kvpool_host_tier_size_bytes", "Bytes of the host tier (0: none)",
-                      pool(lambda s: s.host_tier_blocks_total * block_bytes)),
-                gauge("kvpool_host_tier_ready_bytes", "Of those, allocated (pinned) so far",
-                      pool(lambda s: s.host_tier_blocks_ready * block_bytes)),
             ]
         return families
 
