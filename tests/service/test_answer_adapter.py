@@ -158,6 +158,6 @@ def test_no_transport_names_an_answer_kind_only_the_adapter_does():
         for path in sorted((SERVER / package).glob("*.py")):
             named = _names(path) & {"Offload", "Wait", "_attempt", "_offloaded"}
             assert not named, f"{path.relative_to(SERVER)} handles an answer kind itself: {sorted(named)}"
-    for module in TRANSPORTS:
+    for module in (*TRANSPORTS, "kvpool_server.grpc_api.streams"):  # and a stream's messages
         path = SERVER / Path(*module.split(".")[1:]).with_suffix(".py")
         assert "honour" in _names(path), f"{module} does not call the adapter"

@@ -7,7 +7,8 @@ Its life::
 
     open(call) -> state             once, before the first message is read (raise to refuse the stream)
     message(call, state, request)   per message, on the event loop, in a call scope of its own (admitted,
-                                    authenticated again, its refusals counted) like a unary call
+                                    authenticated again, its refusals counted) like a unary call, its answer
+                                    through the one adapter (service/offload.honour)
     close(state, reason)            exactly once, however the stream ended, right when it ends:
         "half-closed"  no more messages: the client finished sending (every message answered; the call ends OK)
                        -- or its connection closed: a SIGKILLed client's socket is closed by its kernel at once,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from dataclasses import dataclass
 from contextlib import aclosing
 from typing import Any
@@ -42,6 +44,7 @@ from kvpool_server.grpc_api.request_bounds import check_size
 from kvpool_server.grpc_api.methods import BidiStream, ServerStream
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status, StreamIdleError, TooManyStreamsError
+from kvpool_server.service import offload as answers
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
 
@@ -127,6 +130,10 @@ async def write_or_gone(context: grpc.aio.ServicerContext, data: bytes) -> None:
         raise asyncio.CancelledError(f"the client went away ({type(exc).__name__} on a write)") from None
 
 
+def _serialized(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
 def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: BidiStream,
                  streams: OpenStreams) -> grpc.RpcMethodHandler:
     """``method`` as a stream-stream handler of raw bytes: one response per request, in order."""
@@ -169,7 +176,9 @@ def bidi_handler(service: KVPoolService, scope: CallScope, rpc: str, method: Bid
                             parsed_s = time.perf_counter() - started
                             request = await fair_calls.take_turn(service, call, request, MAX_TURN_WAIT_S)
                             started = time.perf_counter()
-                            data = on_message(service, call, state, request).SerializeToString()
+                            data = answers.honour(partial(on_message, service, call, state, request), _serialized)
+                            if isinstance(data, answers.Pending):  # a Wait (an Offload has no stream reply)
+                                data = await data.settle(None)
                             fair_calls.charge(service, call, request, parsed_s + time.perf_counter() - started)
                         await write_or_gone(context, data)  # a killed client: a disconnect, not a bug
                         entry.last_progress = loop.time()
