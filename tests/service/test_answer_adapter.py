@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -125,9 +126,9 @@ def test_each_transport_hands_every_answer_kind_to_the_one_adapter(watched_adapt
                     client.append(ids, 1)
                     assert client.free(ids) == BIG_FREE
                     held.hold()
-                    read = _in_thread(lambda: reader.read_kv(seq))
+                    read = _in_thread(partial(reader.read_kv, seq))
                     assert held.entered.wait(20), "the ReadKV's copy did not start"
-                    freeing = _in_thread(lambda: client.free([seq]))  # waits for the copy: a Wait
+                    freeing = _in_thread(partial(client.free, [seq]))  # waits for the copy: a Wait
                     transport = TRANSPORTS[1] if fast else TRANSPORTS[0]
                     for _ in range(2000):  # until the Free has met the pin (not timed: at most 20 s)
                         if (transport, "wait") in watched_adapter or freeing.done():
