@@ -36,6 +36,8 @@ the floors below take plain arguments (rows, counts, a budget, arrays) and retur
        host_tier_events.py the host tier's medium and its one-block BlockStored
        block_hash.py       chain hashes of token blocks (sha256; defined in kvpool-common's kvpool.block_hash)
     0  types.py            AppendPlan, PoolStats, UNLIMITED (results, immutable)
+       pool_figures.py     POOL_FIGURES: each pool figure declared once (PoolStats / proto / client name, metric)
+       tier_stats.py       TIER_FIGURES: each host-tier figure declared once; tier_stats(tier) (read by checks)
        kv_event_types.py   BlockStored, BlockRemoved, AllBlocksCleared (records)
        errors.py           the exception tree
 """

@@ -8,6 +8,7 @@ from typing import Any, TypeVar, cast
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core import AppendPlan, PoolStats
 from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvpool_server.core.pool_figures import POOL_FIGURES
 from kvpool_server.core.sessions import Session
 from kvpool_server.core.tier_stats import TIER_FIGURES, TierFigure
 from kvpool_server.device.tier_pool import CopyTotals
@@ -30,24 +31,8 @@ def append_response(plan: AppendPlan, response_cls: type[R]) -> R:
 
 def stats_response(stats: PoolStats, block_bytes: int, copies: CopyTotals | None = None) -> pb.StatsResponse:
     """The pool's stats; ``host_tier`` set when the pool has a host tier (``copies``: its copy totals)."""
-    response = pb.StatsResponse(
-        num_blocks_total=stats.num_blocks_total,
-        num_blocks_free=stats.num_blocks_free,
-        num_blocks_used=stats.num_blocks_used,
-        utilization=stats.utilization,
-        num_tokens=stats.num_tokens,
-        num_slots_unused=stats.num_slots_unused,
-        internal_fragmentation=stats.internal_fragmentation,
-        num_blocks_shared=stats.num_blocks_shared,
-        num_copies=stats.num_copies,
-        num_sequences=stats.num_sequences,
-        block_size=stats.block_size,
-        block_bytes=block_bytes,
-        num_blocks_evictable=stats.num_blocks_evictable,
-        prefix_query_tokens=stats.prefix_query_tokens,
-        prefix_hit_tokens=stats.prefix_hit_tokens,
-        prefix_host_hit_tokens=stats.prefix_host_hit_tokens,
-    )
+    fields: dict[str, Any] = {f.name: getattr(stats, f.name) for f in POOL_FIGURES}  # core/pool_figures.py
+    response = pb.StatsResponse(block_bytes=block_bytes, **fields)
     if stats.host_tier_blocks_total:
         response.host_tier.CopyFrom(host_tier_stats(stats, block_bytes, copies or CopyTotals()))
     return response

@@ -19,6 +19,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from prometheus_client import (
@@ -30,11 +31,13 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpool_server.core.pool_figures import POOL_FIGURES
 from kvpool_server.core.types import PoolStats
 from kvpool_server.device.tier_pool import CopyTotals
+from kvpool_server.service.figure_metrics import figure_family
 from kvpool_server.service.tier_metrics import tier_families
 
 KVPOOL_SERVICE = "kvpool.v1.KVPoolService"
@@ -133,31 +136,7 @@ class PoolCollector(Collector):
             return GaugeMetricFamily(name, doc, value=value)
 
         families: list[Metric] = [
-            gauge("kvpool_blocks", "Blocks in the pool (its capacity)", pool(lambda s: s.num_blocks_total)),
-            gauge("kvpool_blocks_free", "Blocks on the free list", pool(lambda s: s.num_blocks_free)),
-            gauge("kvpool_blocks_used", "Blocks referenced by at least one sequence", pool(lambda s: s.num_blocks_used)),
-            gauge("kvpool_blocks_evictable", "Cached blocks no sequence holds (prefix cache; allocatable, LRU first)",
-                  pool(lambda s: s.num_blocks_evictable)),
-            gauge("kvpool_blocks_shared", "Blocks referenced by more than one sequence (fork sharing)",
-                  pool(lambda s: s.num_blocks_shared)),
-            gauge("kvpool_usage_ratio", "Used blocks / all blocks", pool(lambda s: s.utilization)),
-            gauge("kvpool_sequences", "Live sequences", pool(lambda s: s.num_sequences)),
-            gauge("kvpool_tokens", "Tokens over all live sequences (a shared token counts once per sequence)",
-                  pool(lambda s: s.num_tokens)),
-            gauge("kvpool_slots_unused", "Token slots inside used blocks that hold no token (counted once a block)",
-                  pool(lambda s: s.num_slots_unused)),
-            gauge("kvpool_internal_fragmentation_ratio", "Unused slots / slots of used blocks",
-                  pool(lambda s: s.internal_fragmentation)),
-            gauge("kvpool_block_size_tokens", "Tokens a block holds", pool(lambda s: s.block_size)),
-            CounterMetricFamily("kvpool_cow_copies", "Copy-on-write block copies since start",
-                                value=pool(lambda s: s.num_copies)),
-            CounterMetricFamily("kvpool_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
-                                "(RegisterSequence with prompt_token_ids; vLLM's prefix_cache_queries)",
-                                value=pool(lambda s: s.prefix_query_tokens)),
-            CounterMetricFamily("kvpool_prefix_cache_hits", "Of those, tokens found cached (hit rate: the ratio of "
-                                "the two counters' rates)", value=pool(lambda s: s.prefix_hit_tokens)),
-            CounterMetricFamily("kvpool_prefix_cache_host_hits", "Of the prefix cache hits, tokens restored from the "
-                                "host tier", value=pool(lambda s: s.prefix_host_hit_tokens)),
+            *(figure_family(f, pool(attrgetter(f.name))) for f in POOL_FIGURES),
             *tier_families(pool, copied, self.block_bytes),
             gauge("kvpool_sessions", "Live sessions", sess(lambda g: g.num_live)),
             gauge("kvpool_ended_session_blocks", "Blocks still held by sequences of ended sessions (must be 0)",

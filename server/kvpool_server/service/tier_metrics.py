@@ -1,19 +1,21 @@
 """The host tier's Prometheus families, one per figure its declaration (core/tier_stats.py) names a metric for
-(``metrics.PoolCollector`` adds them; every name is listed in docs/metrics.md): its blocks, its use, what it lost (failed, fenced, torn, dropped, unkept), and its copies' bytes and
-seconds (bandwidth = ``rate(kvpool_host_tier_offloaded_bytes_total) / rate(kvpool_host_tier_offload_seconds_total)``).
-Read at scrape time, as the pool's gauges are: the blocks from ``PoolStats``, the bytes and seconds from
-``TierPool.copy_totals``. Without a host tier every value is 0."""
+(``metrics.PoolCollector`` adds them; every name is listed in docs/metrics.md): its blocks, its use, what it lost
+(failed, fenced, torn, dropped, unkept), and its copies' bytes and seconds (bandwidth =
+``rate(kvpool_host_tier_offloaded_bytes_total) / rate(kvpool_host_tier_offload_seconds_total)``). Read at scrape
+time, as the pool's gauges are: the blocks from ``PoolStats``, the bytes and seconds from ``TierPool.copy_totals``.
+Without a host tier every value is 0."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kvpool_server.core.tier_stats import TIER_FIGURES
 from kvpool_server.core.types import PoolStats
 from kvpool_server.device.tier_pool import CopyTotals
+from kvpool_server.service.figure_metrics import figure_family
 
 
 def tier_families(pool: Callable[[Callable[[PoolStats], float]], float | None],
@@ -31,8 +33,7 @@ def tier_families(pool: Callable[[Callable[[PoolStats], float]], float | None],
             value = pool(_times(attrgetter(f.per_block), block_bytes or 0))
         else:
             value = pool(attrgetter(f.stat))
-        family = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
-        families.append(family(f.metric, f.help, value=value))
+        families.append(figure_family(f, value))
     return families
 
 
