@@ -1,10 +1,10 @@
 """The host tier's figures, each declared once: where the core reads it, its ``PoolStats`` field, its field of the
 proto's ``HostTierStats`` and its Prometheus family. What follows from this table, and nothing else spells them:
 
-    core       checks.tier_stats          PoolStats's host_tier_* fields, read from the HostTier (``read``)
+    core       tier_stats(tier)           PoolStats's host_tier_* fields, read from the HostTier (``read``)
     proto      grpc_api/messages.py       StatsResponse.host_tier, field by field (``proto``)
     metrics    service/tier_metrics.py    one family per figure with a ``metric``
-    checked    tests/core/test_tier_stats_declaration.py: PoolStats's fields, the proto's HostTierStats and the
+    checked    tests/proto/test_stats_figures.py: PoolStats's fields, the proto's HostTierStats and the
                client's HostTierStats (kvpool_client/types.py) hold exactly the declared ones (a test, because
                those are typed records -- a generated one would be opaque to mypy -- and the proto is the wire)
 

@@ -1,5 +1,6 @@
 """How a service method says "not on the event loop" or "not now" -- and the one adapter, ``honour``, through which
-every transport (the gRPC handlers, the fast path's records) turns every answer kind into its reply.
+every transport (the gRPC unary handler, a stream's message, the fast path's records) turns every answer kind into
+its reply.
 
 The answer kinds of a service method:
 
@@ -15,7 +16,7 @@ The answer kinds of a service method:
     if isinstance(reply, Pending):                # an Offload or a Wait (or ``on_loop``): not final yet
         reply = await reply.settle(executor)      # on the event loop: Waits awaited, the Offload run, encoded
 
-gRPC's unary handler calls ``honour`` on the loop and awaits a ``Pending`` there; the fast path's thread calls it
+gRPC's handlers call ``honour`` on the loop and await a ``Pending`` there; the fast path's thread calls it
 first and hands a ``Pending`` to the loop (its reply is written once settled). A new answer kind is added here,
 in ``honour`` and ``Pending.settle``, and no transport can miss it: neither handles a kind itself
 (tests/service/test_answer_adapter.py drives every kind through both and fences the transports' sources).
