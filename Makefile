@@ -25,7 +25,7 @@ BUF_AGAINST ?= v0.1.0
 GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
 
 .PHONY: help setup test test-vllm run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking \
-	compose-check docker-up docker-down monitoring-up image-base image-smoke clean
+	dist compose-check docker-up docker-down monitoring-up image-base image-smoke clean
 
 help:
 	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
@@ -46,6 +46,7 @@ help:
 	@echo "make experiments-prefix prefix caching: token hit rate against the pool size, JSON + PNG (about 10 min)"
 	@echo "make experiments-tier   the host tier: prompts needing 4x the pool, hit rate with / without the tier (about 5 min)"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
+	@echo "make dist               the sdist and the wheel of the kvpool project into dist/ (pip's build; tests/packaging installs them)"
 	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
 	@echo "make compose-check      validate docker/compose.yaml (and --profile monitoring) with compose, no engine needed"
 	@echo "make docker-up          server and load generator under docker compose (GPU host)"
@@ -55,11 +56,15 @@ help:
 	@echo "make image-smoke BASE=  build the images from BASE, run server + load generators (host pool, KV verified), SIGTERM"
 	@echo "make clean              remove .venv, .venv-vllm and caches"
 
-$(RUN_STAMP): $(RUN_REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
+# The root project (pyproject.toml) installed editable with the extras `make run` needs, in the same pip command as
+# the pins (requirements/), so that pip checks the pins satisfy the extras. The three distributions of before
+# (kvpool-common, -client, -server) are removed from an old .venv: their paths would shadow the editable install.
+OLD_DISTS := kvpool-common kvpool-client kvpool-server
+$(RUN_STAMP): $(RUN_REQS) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/server.txt -r requirements/loadgen.txt
-	$(PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
+	$(PY) -m pip uninstall -q -y $(OLD_DISTS) 2>/dev/null || true
+	$(PY) -m pip install -q -r requirements/server.txt -r requirements/loadgen.txt -e ".[server,loadgen]"
 	touch $(RUN_STAMP)
 
 $(STAMP): $(RUN_STAMP) $(REQS)
@@ -80,12 +85,13 @@ test: $(SETUP)
 	@$(MAKE) --no-print-directory buf-breaking
 	$(if $(filter 1,$(VLLM)),@$(MAKE) --no-print-directory test-vllm)
 
-$(VLLM_STAMP): requirements/vllm.txt common/pyproject.toml client/pyproject.toml server/pyproject.toml
+$(VLLM_STAMP): requirements/vllm.txt pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q $(VLLM_PIP_ARGS) -r requirements/vllm.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
+	$(VLLM_PY) -m pip uninstall -q -y $(OLD_DISTS) 2>/dev/null || true
+	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall -e .
 	touch $(VLLM_STAMP)
 
 # The real vLLM engines and a real kvpool server (tests/vllm/: about 4 min on 2 cores, after the install), and the
@@ -123,7 +129,7 @@ bench-service: $(SETUP)
 	$(PY) benchmarks/bench_service.py $(shell [ $$(nproc) -ge 2 ] && echo --pin)
 
 # Issue 22: the decode engine on kvpool's pool against the same engine with an in-process cache (docs/results.md).
-# PyTorch and transformers are not in requirements/ (pip install -e 'client[torch]'); without CUDA: BENCH_ENGINE_ARGS="--device cpu --tiny".
+# PyTorch and transformers are not in requirements/ (pip install -e '.[torch]'); without CUDA: BENCH_ENGINE_ARGS="--device cpu --tiny".
 bench-engine: $(SETUP)
 	$(PY) benchmarks/bench_engine.py $(BENCH_ENGINE_ARGS)
 
@@ -159,6 +165,9 @@ experiments-tier: $(SETUP)
 experiments-quick: $(SETUP)
 	$(PY) benchmarks/experiments.py capacity --requests 200 --pool-blocks 512 --json out/exp-quick/capacity.json
 	$(PY) benchmarks/experiments.py sharing --completions 24 --json out/exp-quick/sharing.json
+
+dist: $(SETUP)
+	$(PY) -m build --outdir dist .
 
 proto: $(SETUP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=common --pyi_out=common --grpc_python_out=common protos/kvpool/v1/kvpool.proto

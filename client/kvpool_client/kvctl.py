@@ -264,7 +264,7 @@ def _text(table: Table) -> str:
 # ---------------------------------------------------------------------------------------------- entry point
 def version() -> str:
     try:
-        return importlib.metadata.version("kvpool-client")
+        return importlib.metadata.version("kvpool")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 

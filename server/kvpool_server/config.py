@@ -334,9 +334,9 @@ class ServerConfig:
 
 
 def server_version() -> str:
-    """The installed kvpool-server distribution's version ("unknown" when run from a bare source tree)."""
+    """The installed kvpool distribution's version ("unknown" when run from a bare source tree)."""
     try:
-        return importlib.metadata.version("kvpool-server")
+        return importlib.metadata.version("kvpool")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 

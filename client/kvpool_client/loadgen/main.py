@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
             plot_memory(summary, args.plot)
         except ImportError as error:  # matplotlib is the loadgen extra; the run itself does not need it
-            print(f"kvpool-loadgen: no plot ({error}); pip install 'kvpool-client[loadgen]'", file=sys.stderr)
+            print(f"kvpool-loadgen: no plot ({error}); pip install 'kvpool[loadgen]'", file=sys.stderr)
     if summary.get("interrupted"):
         return 128 + signal.Signals[summary["interrupted"]]
     return 0 if summary["ok"] else 1

@@ -73,7 +73,7 @@ def build_info() -> dict[str, str]:
         except PackageNotFoundError:
             return "unknown"
 
-    return {"version": of("kvpool-server"), "python": platform.python_version(), "grpcio": of("grpcio")}
+    return {"version": of("kvpool"), "python": platform.python_version(), "grpcio": of("grpcio")}
 
 
 def locked_stats(manager: Any, lock: threading.Lock) -> Callable[[], PoolStats]:
