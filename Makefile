@@ -20,22 +20,24 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP_ARGS ?=
-# The proto is checked for breaking changes against this git ref (a release tag); skipped while it does not exist.
-BUF_AGAINST ?= v0.1.0
-GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
+# The proto is checked for breaking changes against this descriptor image of the released proto (committed; replaced
+# at a release by make proto-baseline, deliberately). tests/proto/test_wire_compat.py runs the same check in make test.
+PROTO_BASELINE ?= $(firstword $(wildcard protos/released/*.json))
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: help setup test test-vllm run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking \
+.PHONY: help setup test test-vllm run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking proto-baseline \
 	dist compose-check docker-up docker-down monitoring-up image-base image-smoke clean
 
 help:
 	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
 	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
 	@echo "                        (installs the runtime only: server, client, load generator; make setup adds the rest)"
-	@echo "make test               make lint, the whole test suite (no GPU needed), buf lint and buf breaking"
+	@echo "make test               make lint, the whole test suite (no GPU needed: buf lint and buf breaking too)"
 	@echo "make test-vllm          tests/vllm/ (KVPoolConnector with the real vLLM, CPU) and the torch tests in .venv-vllm"
 	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/{core,service,grpc_api}"
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
-	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
+	@echo "make buf-breaking       buf breaking: protos/ against the released proto's image ($(PROTO_BASELINE))"
+	@echo "make proto-baseline     at a release only: protos/ becomes the released proto (protos/released/kvpool-VERSION.json)"
 	@echo "make bench              in-process core benchmark; the whole cycle vs vLLM's BlockPool with VLLM_SRC=DIR"
 	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
 	@echo "make bench-engine       decode engine on the pool vs in-process cache (needs PyTorch, transformers; CUDA: Llama-3-8B)"
@@ -82,7 +84,6 @@ setup: $(SETUP)
 test: $(SETUP)
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -p tests.skip_summary tests
-	@$(MAKE) --no-print-directory buf-breaking
 	$(if $(filter 1,$(VLLM)),@$(MAKE) --no-print-directory test-vllm)
 
 $(VLLM_STAMP): requirements/vllm.txt pyproject.toml
@@ -111,11 +112,14 @@ lint-proto: $(SETUP)
 	cd protos && ../$(VENV)/bin/buf lint
 
 buf-breaking: $(SETUP)
-	@if [ -z "$(GIT_DIR)" ]; then echo "buf breaking: skipped (not a git checkout)"; \
-	elif ! ref=$$(git rev-parse -q --verify "$(BUF_AGAINST)^{commit}"); then \
-		echo "buf breaking: skipped, no git ref $(BUF_AGAINST) (tag the release, or make test BUF_AGAINST=<ref>)"; \
-	else echo "buf breaking: protos/ against $(BUF_AGAINST) ($$ref)"; \
-		cd protos && ../$(VENV)/bin/buf breaking --against "$(GIT_DIR)#ref=$$ref,subdir=protos"; fi
+	@echo "buf breaking: protos/ against $(PROTO_BASELINE)"
+	cd protos && ../$(VENV)/bin/buf breaking --against ../$(PROTO_BASELINE)
+
+# A release's step: the image of the proto as released, the baseline every later change is checked against.
+proto-baseline: $(SETUP)
+	rm -f protos/released/*.json
+	$(VENV)/bin/buf build protos --exclude-source-info -o '-#format=json' | $(PY) -c \
+		'import json, sys; print(json.dumps(json.load(sys.stdin), indent=1))' > protos/released/kvpool-$(VERSION).json
 
 run: $(RUN_SETUP)
 	$(PY) scripts/run_demo.py
