@@ -1,6 +1,6 @@
 """kvpool-loadgen: P client processes keep C requests in flight against a kvpool server until N complete.
 
-    kvpool-loadgen --target unix:/tmp/kvpool.sock                       # the seed's defaults
+    kvpool-loadgen --target unix:/tmp/kvpool.sock                       # the defaults: 2 processes, 8 in flight, 100 uniform
     kvpool-loadgen --lengths sharegpt --mode beam --beam-width 4 --json out/beam4.json --plot out/beam4.png
 
 Exit status: 0 when every request completed and verified with 0 KV errors and the server's invariants hold;
