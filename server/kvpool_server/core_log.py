@@ -30,6 +30,7 @@ from typing import TextIO
 from kvpool_server.log_limits import RateLimitedLog
 
 MAX_LINE_BYTES = 8192
+END = b"\x00kvpool-core-log-end\n"  # written by stop() after everything else: the reader's last line
 CORE_LINE = re.compile(r"^([EWIF])\d{4} [\d:.]+\s+\d+ (\S+:\d+)\] ?(.*)$")
 LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "I": logging.INFO, "F": logging.CRITICAL}
 # (source file, text) of core lines kvpool reports better itself: dropped.
@@ -44,6 +45,7 @@ class CoreLogCapture:
     def __init__(self) -> None:
         self._saved_fd: int | None = None
         self._read_fd: int | None = None
+        self._end_fd: int | None = None  # a write end of our own: stop() ends the reader through it
         self._thread: threading.Thread | None = None
         self._real_stderr: TextIO | None = None
         self._limited = RateLimitedLog(logger)
@@ -56,7 +58,7 @@ class CoreLogCapture:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # a full pipe loses a core line; it never blocks a gRPC thread
         os.dup2(write_fd, 2)
-        os.close(write_fd)
+        self._end_fd = write_fd
         self._read_fd = read_fd
         sys.stderr = self._real_stderr
         faulthandler.enable(self._real_stderr)  # a crash's traceback goes to the real stderr, not the pipe
@@ -64,12 +66,17 @@ class CoreLogCapture:
         self._thread.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """The real stderr back on fd 2; the lines still in the pipe logged (the reader ends at EOF)."""
-        if self._saved_fd is None:
+        """The real stderr back on fd 2; the lines still in the pipe logged. The reader ends at the END line written
+        after them (not at EOF: a child process may hold a copy of the old fd 2)."""
+        if self._saved_fd is None or self._end_fd is None:
             return
-        os.dup2(self._saved_fd, 2)  # the pipe's last write end closes: the reader reads what is left, then EOF
+        os.dup2(self._saved_fd, 2)
         os.close(self._saved_fd)
         self._saved_fd = None
+        os.set_blocking(self._end_fd, True)
+        os.write(self._end_fd, END)
+        os.close(self._end_fd)
+        self._end_fd = None
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -84,6 +91,8 @@ class CoreLogCapture:
                     lines.append(pending)
                     pending = b""
                 for line in lines:
+                    if line + b"\n" == END:
+                        return
                     self.emit(line[:MAX_LINE_BYTES].decode("utf-8", "backslashreplace"))
         if pending:
             self.emit(pending[:MAX_LINE_BYTES].decode("utf-8", "backslashreplace"))
