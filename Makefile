@@ -20,22 +20,24 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP_ARGS ?=
-# The proto is checked for breaking changes against this git ref (a release tag); skipped while it does not exist.
-BUF_AGAINST ?= v0.1.0
-GIT_DIR := $(shell git rev-parse --path-format=absolute --git-common-dir 2>/dev/null)
+# The proto is checked for breaking changes against this descriptor image of the released proto (committed; replaced
+# at a release by make proto-baseline, deliberately). tests/proto/test_wire_compat.py runs the same check in make test.
+PROTO_BASELINE ?= $(firstword $(wildcard protos/released/*.json))
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: help setup test test-vllm run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking \
-	compose-check docker-up docker-down monitoring-up image-base image-smoke clean
+.PHONY: help setup test test-vllm run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking proto-baseline \
+	dist compose-check docker-up docker-down monitoring-up image-base image-smoke clean
 
 help:
 	@echo "make setup              create .venv and install everything make test needs (CuPy too where there is a GPU; GPU=0|1)"
 	@echo "make run                start a server (GPU if present, else host memory), run the 100-completion simulation"
 	@echo "                        (installs the runtime only: server, client, load generator; make setup adds the rest)"
-	@echo "make test               make lint, the whole test suite (no GPU needed), buf lint and buf breaking"
+	@echo "make test               make lint, the whole test suite (no GPU needed: buf lint and buf breaking too)"
 	@echo "make test-vllm          tests/vllm/ (KVPoolConnector with the real vLLM, CPU) and the torch tests in .venv-vllm"
 	@echo "make lint               ruff on the tree, mypy on common/ and server/kvpool_server/{core,service,grpc_api}"
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
-	@echo "make buf-breaking       buf breaking against BUF_AGAINST=$(BUF_AGAINST) (skipped while that ref does not exist)"
+	@echo "make buf-breaking       buf breaking: protos/ against the released proto's image ($(PROTO_BASELINE))"
+	@echo "make proto-baseline     at a release only: protos/ becomes the released proto (protos/released/kvpool-VERSION.json)"
 	@echo "make bench              in-process core benchmark; the whole cycle vs vLLM's BlockPool with VLLM_SRC=DIR"
 	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
 	@echo "make bench-engine       decode engine on the pool vs in-process cache (needs PyTorch, transformers; CUDA: Llama-3-8B)"
@@ -46,6 +48,7 @@ help:
 	@echo "make experiments-prefix prefix caching: token hit rate against the pool size, JSON + PNG (about 10 min)"
 	@echo "make experiments-tier   the host tier: prompts needing 4x the pool, hit rate with / without the tier (about 5 min)"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
+	@echo "make dist               the sdist and the wheel of the kvpool project into dist/ (pip's build; tests/packaging installs them)"
 	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
 	@echo "make compose-check      validate docker/compose.yaml (and --profile monitoring) with compose, no engine needed"
 	@echo "make docker-up          server and load generator under docker compose (GPU host)"
@@ -55,11 +58,15 @@ help:
 	@echo "make image-smoke BASE=  build the images from BASE, run server + load generators (host pool, KV verified), SIGTERM"
 	@echo "make clean              remove .venv, .venv-vllm and caches"
 
-$(RUN_STAMP): $(RUN_REQS) common/pyproject.toml client/pyproject.toml server/pyproject.toml
+# The root project (pyproject.toml) installed editable with the extras `make run` needs, in the same pip command as
+# the pins (requirements/), so that pip checks the pins satisfy the extras. The three distributions of before
+# (kvpool-common, -client, -server) are removed from an old .venv: their paths would shadow the editable install.
+OLD_DISTS := kvpool-common kvpool-client kvpool-server
+$(RUN_STAMP): $(RUN_REQS) pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/server.txt -r requirements/loadgen.txt
-	$(PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
+	$(PY) -m pip uninstall -q -y $(OLD_DISTS) 2>/dev/null || true
+	$(PY) -m pip install -q -r requirements/server.txt -r requirements/loadgen.txt -e ".[server,loadgen]"
 	touch $(RUN_STAMP)
 
 $(STAMP): $(RUN_STAMP) $(REQS)
@@ -77,15 +84,15 @@ setup: $(SETUP)
 test: $(SETUP)
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -q -p tests.skip_summary tests
-	@$(MAKE) --no-print-directory buf-breaking
 	$(if $(filter 1,$(VLLM)),@$(MAKE) --no-print-directory test-vllm)
 
-$(VLLM_STAMP): requirements/vllm.txt common/pyproject.toml client/pyproject.toml server/pyproject.toml
+$(VLLM_STAMP): requirements/vllm.txt pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q $(VLLM_PIP_ARGS) -r requirements/vllm.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall -e common -e client -e server
+	$(VLLM_PY) -m pip uninstall -q -y $(OLD_DISTS) 2>/dev/null || true
+	$(VLLM_PY) -m pip install -q --no-deps --force-reinstall -e .
 	touch $(VLLM_STAMP)
 
 # The real vLLM engines and a real kvpool server (tests/vllm/: about 4 min on 2 cores, after the install), and the
@@ -105,11 +112,14 @@ lint-proto: $(SETUP)
 	cd protos && ../$(VENV)/bin/buf lint
 
 buf-breaking: $(SETUP)
-	@if [ -z "$(GIT_DIR)" ]; then echo "buf breaking: skipped (not a git checkout)"; \
-	elif ! ref=$$(git rev-parse -q --verify "$(BUF_AGAINST)^{commit}"); then \
-		echo "buf breaking: skipped, no git ref $(BUF_AGAINST) (tag the release, or make test BUF_AGAINST=<ref>)"; \
-	else echo "buf breaking: protos/ against $(BUF_AGAINST) ($$ref)"; \
-		cd protos && ../$(VENV)/bin/buf breaking --against "$(GIT_DIR)#ref=$$ref,subdir=protos"; fi
+	@echo "buf breaking: protos/ against $(PROTO_BASELINE)"
+	cd protos && ../$(VENV)/bin/buf breaking --against ../$(PROTO_BASELINE)
+
+# A release's step: the image of the proto as released, the baseline every later change is checked against.
+proto-baseline: $(SETUP)
+	rm -f protos/released/*.json
+	$(VENV)/bin/buf build protos --exclude-source-info -o '-#format=json' | $(PY) -c \
+		'import json, sys; print(json.dumps(json.load(sys.stdin), indent=1))' > protos/released/kvpool-$(VERSION).json
 
 run: $(RUN_SETUP)
 	$(PY) scripts/run_demo.py
@@ -123,7 +133,7 @@ bench-service: $(SETUP)
 	$(PY) benchmarks/bench_service.py $(shell [ $$(nproc) -ge 2 ] && echo --pin)
 
 # Issue 22: the decode engine on kvpool's pool against the same engine with an in-process cache (docs/results.md).
-# PyTorch and transformers are not in requirements/ (pip install -e 'client[torch]'); without CUDA: BENCH_ENGINE_ARGS="--device cpu --tiny".
+# PyTorch and transformers are not in requirements/ (pip install -e '.[torch]'); without CUDA: BENCH_ENGINE_ARGS="--device cpu --tiny".
 bench-engine: $(SETUP)
 	$(PY) benchmarks/bench_engine.py $(BENCH_ENGINE_ARGS)
 
@@ -159,6 +169,9 @@ experiments-tier: $(SETUP)
 experiments-quick: $(SETUP)
 	$(PY) benchmarks/experiments.py capacity --requests 200 --pool-blocks 512 --json out/exp-quick/capacity.json
 	$(PY) benchmarks/experiments.py sharing --completions 24 --json out/exp-quick/sharing.json
+
+dist: $(SETUP)
+	$(PY) -m build --outdir dist .
 
 proto: $(SETUP)
 	$(PY) -m grpc_tools.protoc -I protos --python_out=common --pyi_out=common --grpc_python_out=common protos/kvpool/v1/kvpool.proto

@@ -3,7 +3,7 @@
 
 1. start `kvpool-server` on its default backend (auto: the GPU when there is one, host shared memory otherwise)
    on a unix socket in a fresh temporary directory, and wait until gRPC health says SERVING;
-2. run `kvpool-loadgen` with the seed's defaults (extra arguments to this script are passed on to it), which
+2. run `kvpool-loadgen` with its defaults (2 processes, 8 in flight, 100 uniform requests) (extra arguments to this script are passed on to it), which
    prints the dashboard and writes out/demo/summary.json and out/demo/memory.png (or under $KVPOOL_DEMO_OUT);
 3. check the pool is empty again, SIGTERM the server and check it exits 0.
 

@@ -10,6 +10,7 @@ from kvpool_client.events import EventGapError, EventIndex, IndexedBlock
 from kvpool_client.errors import (
     AlreadyExistsError,
     AttachNotAllowedError,
+    ConnectionFailedError,
     DeadlineExceededError,
     FailedPreconditionError,
     InternalError,
@@ -47,6 +48,7 @@ __all__ = [
     "AsyncEventFollower",
     "AsyncKVPoolClient",
     "AttachNotAllowedError",
+    "ConnectionFailedError",
     "BlockTable",
     "DeadlineExceededError",
     "EventFollower",

@@ -49,7 +49,7 @@ class AsyncKVPoolClient(FastPathCommands):
         return grpc.aio.insecure_channel(target, options=options)
 
     def _run(self, call: plan.Plan[R]) -> Awaitable[R]:
-        return plan.run_async(call, self._make)
+        return plan.run_async(call, self._make, self._explain)
 
     def _start_keep_alive(self) -> None:
         self._keep_alive = asyncio.get_running_loop().create_task(keep_alive_task(self._session,

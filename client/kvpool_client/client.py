@@ -58,7 +58,7 @@ class KVPoolClient(FastPathCommands):
         return grpc.insecure_channel(target, options=options)
 
     def _run(self, call: plan.Plan[R]) -> R:
-        return plan.run(call, self._make)
+        return plan.run(call, self._make, self._explain)
 
     def _start_keep_alive(self) -> None:
         self._keep_alive = KeepAliveThread(self._session, self._keep_alive_method())

@@ -28,8 +28,9 @@ from grpc_health.v1 import health_pb2_grpc
 from kvpool.layout import KVLayout
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_client import convert, rpcs
-from kvpool_client.errors import DeadlineExceededError, UnavailableError
+from kvpool_client import convert, diagnose, rpcs
+from kvpool_client.errors import (ConnectionFailedError, DeadlineExceededError, InvalidArgumentError, KVPoolClientError,
+                                  UnavailableError)
 from kvpool_client.command import command
 from kvpool_client.plan import Pause, Plan
 from kvpool_client.retry import RetryPolicy, call_with_retries
@@ -81,11 +82,14 @@ class KVPoolCommands(SessionCommands, ABC):
         mutual TLS (docs/security.md)."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
+        if channel is None and (path := diagnose.path_message(target, diagnose.LIBRARY)) is not None:
+            raise InvalidArgumentError(path, method="KVPoolClient")  # gRPC would look it up as a host name
         self.target = target
         self.timeout = timeout
         self.retry = retry
         options = convert.channel_options(options)
         credentials = convert.channel_credentials(tls_ca, tls_cert, tls_key)
+        self._tls = credentials is not None
         self._channel = channel or self._open_channel(target, options, credentials)
         self._metadata = convert.call_metadata(options) if channel is None else ()  # unknown limit: 4 MiB assumed
         self._auth_metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -111,6 +115,14 @@ class KVPoolCommands(SessionCommands, ABC):
         return functools.partial(self._stub.KeepAlive, metadata=self._auth_metadata)
 
     # ---------------------------------------------------------------- plumbing
+    def _explain(self, error: KVPoolClientError) -> KVPoolClientError:
+        """A failure to connect, explained as kvctl explains it (diagnose.py), in this library's words."""
+        if type(error) is not UnavailableError or not diagnose.is_connect_failure(error.details):
+            return error
+        problem = diagnose.explain(self.target, error.details, self._tls, diagnose.LIBRARY)
+        return ConnectionFailedError(f"{problem.message} (gRPC: {error.details})", grpc_details=error.details,
+                                     permanent=problem.permanent, method=error.method)
+
     def _stub_method(self, rpc: rpcs.Rpc) -> Callable:
         return getattr(self._health if rpc.stub == rpcs.HEALTH_STUB else self._stub, rpc.stub_method)
 

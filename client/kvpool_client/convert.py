@@ -43,6 +43,7 @@ def channel_options(options: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, 
     ]
 
 
+QUOTAS = ("max_blocks", "max_sequences", "max_sessions")  # TenantUsage fields with presence: unset = no limit
 RECEIVE_LIMIT_KEY = "kvpool-max-receive-bytes"  # the server refuses a mutation whose reply could exceed this
 
 
@@ -143,7 +144,8 @@ def sequence_info(r: pb.SequenceInfo) -> SequenceInfo:
 
 # ---------------------------------------------------------------- reads
 def pool_stats(r: pb.StatsResponse) -> PoolStats:
-    tenants = tuple(TenantUsage(**{f.name: getattr(t, f.name) for f in fields(TenantUsage)}) for t in r.tenants)
+    tenants = tuple(TenantUsage(**{f.name: getattr(t, f.name) if f.name not in QUOTAS or t.HasField(f.name) else None
+                                   for f in fields(TenantUsage)}) for t in r.tenants)
     tier = HostTierStats(**{f.name: getattr(r.host_tier, f.name) for f in fields(HostTierStats)}) \
         if r.HasField("host_tier") else None
     return PoolStats(**{f.name: getattr(r, f.name) for f in fields(PoolStats) if f.name not in ("tenants", "host_tier")},

@@ -130,13 +130,22 @@ def read_token_file(path: str | Path) -> str:
     return words[0]
 
 
-def _read_pem(path: str, what: str) -> bytes:
+def _read_pem(path: str, what: str, flag: str = "") -> bytes:
+    """A PEM file's bytes; CredentialsError when it cannot be read, is not PEM, or holds the other kind of PEM
+    (a private key given as a certificate, or the reverse: gRPC would say only that it cannot connect)."""
     try:
         data = Path(path).read_bytes()
     except OSError as error:
         raise CredentialsError(f"cannot read {what} {path}: {error.strerror}") from None
     if b"-----BEGIN" not in data:
         raise CredentialsError(f"{what} {path} is not PEM (no '-----BEGIN' line)")
+    wants_key = flag == "--tls-key"
+    has_key, has_cert = b"PRIVATE KEY-----" in data, b"-----BEGIN CERTIFICATE-----" in data
+    if flag and wants_key and not has_key:
+        raise CredentialsError(f"{flag} {path} holds no private key (a certificate?): give the client's key file")
+    if flag and not wants_key and not has_cert:
+        found = "a private key" if has_key else "no certificate"
+        raise CredentialsError(f"{flag} {path} holds {found}, not a certificate: give {what}'s PEM file")
     return data
 
 
@@ -165,7 +174,7 @@ def from_values(token_file: str | None = None, tls_ca: str | None = None, tls_ce
     for name, what in (("tls_ca", "the CA certificate"), ("tls_cert", "the client certificate"),
                        ("tls_key", "the client key")):
         path = paths[name]
-        pems[name] = _read_pem(path, what) if path else None
+        pems[name] = _read_pem(path, what, "--" + name.replace("_", "-")) if path else None
         if path:
             where[name] = path
     server_name = tls_server_name or env.get(ENV_TLS["tls_server_name"]) or None

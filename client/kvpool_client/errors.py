@@ -9,6 +9,8 @@
      ├─ ResourceExhaustedError        RESOURCE_EXHAUSTED   not enough free blocks now (retry after a Free)
      ├─ FailedPreconditionError       FAILED_PRECONDITION  valid, but the state forbids it (write to a shared block)
      ├─ UnavailableError              UNAVAILABLE          server down, restarting or shutting down
+     │   ├─ ConnectionFailedError                          could not connect: the message names the cause and the
+     │   │                                                 fix (diagnose.py: no server, TLS mismatch, metrics port)
      │   └─ ServerGoneError                                the keep-alive lost the server for longer than the lease
      ├─ DeadlineExceededError         DEADLINE_EXCEEDED    the call's deadline passed (a TimeoutError)
      ├─ InternalError                 INTERNAL             a server bug, e.g. a violated invariant
@@ -84,6 +86,18 @@ class FailedPreconditionError(KVPoolClientError):
 
 class UnavailableError(KVPoolClientError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class ConnectionFailedError(UnavailableError):
+    """The client could not connect to its target. ``details`` says why and what to do (diagnose.py: nothing
+    listening, a socket path without ``unix:``, plaintext to a TLS port or TLS to a plaintext one, a missing client
+    certificate, a CA that did not sign the server's certificate, the metrics port given as the target);
+    ``grpc_details`` is gRPC's own string. ``permanent``: waiting will not cure it, so it is not retried."""
+
+    def __init__(self, details: str, *, grpc_details: str = "", permanent: bool = False, method: str = "") -> None:
+        super().__init__(details, method=method)
+        self.grpc_details = grpc_details
+        self.permanent = permanent
 
 
 class ServerGoneError(UnavailableError):

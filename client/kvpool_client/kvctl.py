@@ -74,7 +74,8 @@ class Ctl:
     def connect(self) -> None:
         """Fail fast, and say what happened, when no server answers at the target (diagnose.py): one Health call,
         which fails at once on a refused connection or a TLS mismatch and waits at most CONNECT_TIMEOUT_S."""
-        problem = diagnose.probe(self.channel, self.target, min(CONNECT_TIMEOUT_S, self.timeout), self.creds.tls)
+        problem = diagnose.probe(self.channel, self.target, min(CONNECT_TIMEOUT_S, self.timeout), self.creds.tls,
+                                 self.creds.tls_server_name)
         if problem is not None:
             raise ConnectionError(problem.message)
 
@@ -264,7 +265,7 @@ def _text(table: Table) -> str:
 # ---------------------------------------------------------------------------------------------- entry point
 def version() -> str:
     try:
-        return importlib.metadata.version("kvpool-client")
+        return importlib.metadata.version("kvpool")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 

@@ -1,7 +1,10 @@
 """``kvctl top``: poll Stats and show usage, rates and latency, refreshed in place (``rich``), or JSON lines.
 
-Rates come from the difference of two Stats replies over the time between them; latency is that of the Stats call
-itself as kvctl measures it (the server's own RPC latency is on its metrics endpoint, docs/metrics.md).
+Rates come from the difference of two Stats replies over the time between them, of counters that only grow (CoW
+copies, prompt tokens looked up in the prefix cache and those found, host-tier offloads and restores): a rate of a
+level such as the tokens held would mix appends and frees into a number that means neither (``-262/s``). Latency is
+that of the Stats call itself as kvctl measures it (the server's own RPC latency and its appended-tokens counter
+are on its metrics endpoint, docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -25,15 +28,23 @@ class Sample:
     latency_s: float
 
 
+RATES = ("cow_copies_per_s", "prefix_lookup_tokens_per_s", "prefix_hit_tokens_per_s", "tier_offloads_per_s",
+         "tier_restores_per_s")
+
+
 def rates(prev: Sample, cur: Sample) -> dict[str, float]:
-    """Per-second changes between two samples (tokens and sequences can fall: frees)."""
+    """Per-second growth of the counters of two samples (each only grows while the server lives)."""
     dt = max(cur.at - prev.at, 1e-9)
     a, b = prev.stats, cur.stats
+    tier_a, tier_b = a.host_tier, b.host_tier
     return {
-        "tokens_per_s": (b.num_tokens - a.num_tokens) / dt,
-        "blocks_per_s": (b.num_blocks_used - a.num_blocks_used) / dt,
-        "sequences_per_s": (b.num_sequences - a.num_sequences) / dt,
-        "cow_copies_per_s": (b.num_copies - a.num_copies) / dt,
+        "cow_copies_per_s": max(0, b.num_copies - a.num_copies) / dt,
+        "prefix_lookup_tokens_per_s": max(0, b.prefix_query_tokens - a.prefix_query_tokens) / dt,
+        "prefix_hit_tokens_per_s": max(0, b.prefix_hit_tokens - a.prefix_hit_tokens) / dt,
+        "tier_offloads_per_s": (max(0, tier_b.num_blocks_offloaded - tier_a.num_blocks_offloaded) / dt
+                                if tier_a and tier_b else 0.0),
+        "tier_restores_per_s": (max(0, tier_b.num_blocks_restored - tier_a.num_blocks_restored) / dt
+                                if tier_a and tier_b else 0.0),
     }
 
 
@@ -49,8 +60,8 @@ def snapshot(samples: deque[Sample]) -> dict:
         "usage_ratio": s.utilization, "bytes_used": s.num_blocks_used * s.block_bytes, "sequences": s.num_sequences,
         "tokens": s.num_tokens, "internal_fragmentation_ratio": s.internal_fragmentation,
         "blocks_shared": s.num_blocks_shared, "cow_copies": s.num_copies,
-        **(rates(samples[-2], cur) if len(samples) > 1 else dict.fromkeys(
-            ("tokens_per_s", "blocks_per_s", "sequences_per_s", "cow_copies_per_s"), 0.0)),
+        "host_tier": s.host_tier is not None,
+        **(rates(samples[-2], cur) if len(samples) > 1 else dict.fromkeys(RATES, 0.0)),
         "stats_latency_ms_p50": float(np.percentile(latencies, 50)),
         "stats_latency_ms_max": float(latencies.max()),
     }
@@ -73,11 +84,16 @@ def render(view: dict, target: str, interval: float):  # -> rich renderable
                   f"{view['bytes_used'] / (1 << 20):,.2f} MiB used, {view['blocks_free']:,} free, "
                   f"{view['blocks_evictable']:,} evictable")
     table.add_row("evictable", f"{view['blocks_evictable']:,}", "prefix cache, held by no sequence (allocatable)")
-    table.add_row("sequences", f"{view['sequences']:,}", f"{view['sequences_per_s']:+,.1f}/s")
-    table.add_row("tokens", f"{view['tokens']:,}", f"{view['tokens_per_s']:+,.0f}/s")
+    table.add_row("sequences", f"{view['sequences']:,}", "live")
+    table.add_row("tokens", f"{view['tokens']:,}", "held by live sequences")
+    table.add_row("prefix lookups", f"{view['prefix_lookup_tokens_per_s']:,.0f}/s",
+                  f"prompt tokens looked up; {view['prefix_hit_tokens_per_s']:,.0f}/s found cached")
     table.add_row("fragmentation", f"{100 * view['internal_fragmentation_ratio']:.2f}%", "internal (last blocks)")
     table.add_row("shared blocks", f"{view['blocks_shared']:,}", "")
     table.add_row("CoW copies", f"{view['cow_copies']:,}", f"{view['cow_copies_per_s']:,.1f}/s")
+    if view["host_tier"]:
+        table.add_row("host tier", f"{view['tier_offloads_per_s']:,.1f}/s",
+                      f"blocks offloaded; {view['tier_restores_per_s']:,.1f}/s restored")
     table.add_row("Stats latency", f"{view['stats_latency_ms_p50']:.2f} ms", f"p50; max {view['stats_latency_ms_max']:.2f} ms")
     return table
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
-from kvpool_client.errors import from_rpc_error
+from kvpool_client.errors import KVPoolClientError, from_rpc_error
 from kvpool_client.rpcs import Rpc
 
 R = TypeVar("R")
@@ -55,6 +55,7 @@ class Exchange(NamedTuple):
 
 Step = Attempt | Pause | Exchange
 Plan = Generator[Step, Any, R]
+Explain = Callable[[KVPoolClientError], KVPoolClientError]
 
 
 class Steps:
@@ -62,8 +63,9 @@ class Steps:
     back to the plan; a grpc.RpcError raised inside is thrown into the plan as the client's exception. When the
     iteration ends, ``result`` holds what the plan returned."""
 
-    def __init__(self, plan: Plan[Any]) -> None:
+    def __init__(self, plan: Plan[Any], explain: Explain | None = None) -> None:
         self._plan = plan
+        self._explain = explain
         self._step: Step | None = None
         self._answer: Any = None
         self._error: BaseException | None = None
@@ -88,24 +90,27 @@ class Steps:
         if not isinstance(error, grpc.RpcError):  # grpc.aio.AioRpcError is one too
             return False
         self._error = from_rpc_error(error, self._step.rpc.name)
+        if self._explain is not None:
+            self._error = self._explain(self._error)
         return True
 
     def _reply(self, answer: Any) -> None:
         self._answer = answer
 
 
-def run(plan: Plan[R], make: Callable[[Step], Any]) -> R:
-    """The plan's result, each step made by the blocking ``make`` (a call's response; None for a pause)."""
-    steps = Steps(plan)
+def run(plan: Plan[R], make: Callable[[Step], Any], explain: Explain | None = None) -> R:
+    """The plan's result, each step made by the blocking ``make`` (a call's response; None for a pause);
+    ``explain`` may replace a call's exception before the plan sees it (a failure to connect, explained)."""
+    steps = Steps(plan, explain)
     for step in steps:
         with steps as reply:
             reply(make(step))
     return steps.result
 
 
-async def run_async(plan: Plan[R], make: Callable[[Step], Awaitable[Any]]) -> R:
+async def run_async(plan: Plan[R], make: Callable[[Step], Awaitable[Any]], explain: Explain | None = None) -> R:
     """``run`` for asyncio: each step is awaited."""
-    steps = Steps(plan)
+    steps = Steps(plan, explain)
     for step in steps:
         with steps as reply:
             reply(await make(step))

@@ -64,8 +64,8 @@ def call_with_retries(rpc: Rpc, request: Any, timeout: float, policy: RetryPolic
             deadline = time.monotonic() + timeout  # each attempt of a deduplicated mutation has the whole timeout
         try:
             return (yield Attempt(rpc, request, time_left(deadline, rpc.name)))
-        except retried:
-            if attempt + 1 >= attempts:
+        except retried as error:
+            if attempt + 1 >= attempts or getattr(error, "permanent", False):  # waiting would not cure it
                 raise
         yield Pause(min(policy.backoff(attempt), max(0.0, deadline - time.monotonic())) if not deduplicated
                     else policy.backoff(attempt))

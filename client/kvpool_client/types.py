@@ -65,15 +65,16 @@ class BlockTable:
 
 @dataclass(frozen=True)
 class TenantUsage:
-    """One tenant's share of the pool and its quotas (0: no limit), as Stats reports it."""
+    """One tenant's share of the pool and its quotas, as Stats reports it: a quota of None is no limit, 0 is none
+    allowed (as in the server's tokens file)."""
 
     tenant: str
     num_sequences: int
     num_blocks: int  # distinct blocks its sequences hold
     num_sessions: int
-    max_blocks: int
-    max_sequences: int
-    max_sessions: int
+    max_blocks: int | None
+    max_sequences: int | None
+    max_sessions: int | None
     reserved_blocks: int
 
 

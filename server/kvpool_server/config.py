@@ -32,9 +32,10 @@ from kvpool_server.settings import (
     add_arguments,
     check_settings,
     parse_bytes,
-    read_settings,
+    read_sources,
     setting,
 )
+from kvpool_server.config_file import CONFIG_ENV, read_config_file
 
 __all__ = [
     "BACKENDS", "BYTES_FORMS", "DEFAULT_POOL_BYTES", "DTYPES", "ENV_PREFIX", "LOG_FORMATS", "LOG_LEVELS",
@@ -334,9 +335,9 @@ class ServerConfig:
 
 
 def server_version() -> str:
-    """The installed kvpool-server distribution's version ("unknown" when run from a bare source tree)."""
+    """The installed kvpool distribution's version ("unknown" when run from a bare source tree)."""
     try:
-        return importlib.metadata.version("kvpool-server")
+        return importlib.metadata.version("kvpool")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
@@ -349,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # --port must not mean --port-file (kvpool.cli_flags)
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {server_version()}")
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help=f"read settings from this TOML file (keys: the settings' names, e.g. pool_bytes = "
+                        f"\"1GiB\"); flags and {ENV_PREFIX}* variables override it (env {CONFIG_ENV})")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the merged settings as TOML, each with where it came from, and exit")
     add_arguments(parser, ServerConfig)
     refuse_foreign_flags(parser, "kvpool-server", VLLM_SERVER_FLAGS)
     return parser
@@ -359,13 +365,25 @@ def build_parser() -> argparse.ArgumentParser:
 OTHER_TOOLS_VARIABLES = (
     "KVPOOL_TARGET", "KVPOOL_TOKEN", "KVPOOL_TOKEN_FILE", "KVPOOL_ADMIN_TOKEN", "KVPOOL_ADMIN_TOKEN_FILE",
     "KVPOOL_CLIENT_", "KVPOOL_LOADGEN_", "KVPOOL_HEALTH_", "KVPOOL_PROMETHEUS_", "KVPOOL_GRAFANA_", "KVPOOL_IMAGE_",
-    "KVPOOL_PORT", "KVPOOL_BENCH_", "KVPOOL_TEST_", "KVPOOL_DEMO_", "KVPOOL_LLAMA_", "KVPOOL_GPU",
+    "KVPOOL_PORT", "KVPOOL_BENCH_", "KVPOOL_TEST_", "KVPOOL_DEMO_", "KVPOOL_LLAMA_", "KVPOOL_GPU", CONFIG_ENV,
 )
 
 
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
-    """Flags (``argv``) over ``KVPOOL_*`` variables (``environ``, default os.environ) over defaults, validated.
-    Pure: what the settings name on this host (files, CPUs, memory) is ``host_checks``' to check, at start."""
+    """Flags (``argv``) over ``KVPOOL_*`` variables (``environ``, default os.environ) over the ``--config`` file
+    over defaults, validated. Pure but for reading that file: what the settings name on this host (files, CPUs,
+    memory) is ``host_checks``' to check, at start."""
+    return load_config_and_sources(argv, environ)[0]
+
+
+def load_config_and_sources(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                            ) -> tuple[ServerConfig, dict[str, str]]:
+    """``load_config``'s config, and where each given setting came from (``--print-config``)."""
     environ = os.environ if environ is None else environ
-    values = read_settings(ServerConfig, build_parser().parse_args(argv), environ)
-    return ServerConfig(**values).validate()
+    args = build_parser().parse_args(argv)
+    path = args.config or environ.get(CONFIG_ENV) or None
+    file_values = read_config_file(path, ServerConfig) if path else None
+    values, sources = read_sources(ServerConfig, args, environ, file_values, path or "")
+    return ServerConfig(**values).validate(), sources
+
+

@@ -16,7 +16,9 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpool_server.config import OTHER_TOOLS_VARIABLES, ConfigError, ServerConfig, load_config
+from kvpool_server.config import OTHER_TOOLS_VARIABLES, ConfigError, ServerConfig, load_config_and_sources
+from kvpool_server.config_file import render
+from kvpool_server.core_log import CoreLogCapture
 from kvpool_server.host_checks import check_environment
 from kvpool_server.log_setup import configure_logging, fatal_line, requested_log_format
 from kvpool_server.grpc_api.server import ServerHandle, build_server
@@ -171,19 +173,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     otherwise be silently ignored)."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
-        config = load_config(args)
+        config, sources = load_config_and_sources(args)
+        if "--print-config" in args:  # the merged settings, checked as a start checks them, then no start
+            print(render(config, sources), end="")
+            sys.exit(0)
         check_environment(config)  # the files and CPUs it names (before serve pins threads to them)
     except ConfigError as exc:
         print(fatal_line(str(exc), requested_log_format(args, os.environ)), file=sys.stderr)
         sys.exit(2)
+    core_log = CoreLogCapture()  # gRPC C-core's lines through the logging configured next (core_log.py)
+    core_log.start()
     configure_logging(config.log_level, config.log_format)
     for warning in unknown_variables(ServerConfig, os.environ, OTHER_TOOLS_VARIABLES):
         logger.warning("%s", warning)
     try:
         code = serve(config)
     except StartupError as exc:
+        core_log.stop()  # the core's own line about it first, if kvpool does not say it better
         print(fatal_line(str(exc), config.log_format), file=sys.stderr)
         sys.exit(1)
+    core_log.stop()
     sys.exit(code)
 
 

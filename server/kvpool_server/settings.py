@@ -3,8 +3,8 @@ that carries its own help, bounds and choices (in ``field.metadata``, the way vL
 their fields in place). From those fields alone come:
 
 * the command line: ``--<name with dashes>`` for each field (``add_arguments``), its help and default in ``--help``;
-* the environment: ``KVPOOL_<NAME>`` for each field (``read_settings``); a flag beats its variable, which beats the
-  field's default;
+* the environment: ``KVPOOL_<NAME>`` for each field (``read_sources``); a flag beats its variable, which beats the
+  --config file's value (config_file.py), which beats the field's default;
 * the checks: one loop (``check_settings``) over every field's choices and bounds, with one message form --
   ``--flag must be >= 1, got 0``, ``--flag must be in (0, 1], got 1.5``, ``--flag must be one of a, b, got 'c'``.
 
@@ -190,19 +190,24 @@ def unknown_variables(cls: type, environ: Mapping[str, str], others: Sequence[st
     return warnings
 
 
-def read_settings(cls: type, args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
-    """The values given for ``cls``'s settings: each flag in ``args``, else its ``KVPOOL_*`` variable; settings given
-    neither are left out (the field's default applies)."""
+def read_sources(cls: type, args: argparse.Namespace, environ: Mapping[str, str],
+                 file_values: Mapping[str, Any] | None = None,
+                 file_name: str = "") -> tuple[dict[str, Any], dict[str, str]]:
+    """The values given for ``cls``'s settings -- each flag in ``args``, else its ``KVPOOL_*`` variable, else the
+    config file's value (``file_values``, config_file.py); settings given none are left out (the field's default
+    applies) -- and for each where it came from: ``flag --x``, ``env KVPOOL_X``, ``file F``."""
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for s in settings_of(cls):
         value = getattr(args, s.name)
-        if value is None:
-            raw = environ.get(s.env)
-            if raw is None:
-                continue
-            value = _parse_env(s, raw)
-        values[s.name] = value
-    return values
+        source = f"flag {s.flag}"
+        if value is None and (raw := environ.get(s.env)) is not None:
+            value, source = _parse_env(s, raw), f"env {s.env}"
+        if value is None and file_values and s.name in file_values:
+            value, source = file_values[s.name], f"file {file_name}"
+        if value is not None:
+            values[s.name], sources[s.name] = value, source
+    return values, sources
 
 
 _EXPECTED = {int: "an integer", float: "a number such as 0.5", str: "text"}

@@ -1,6 +1,6 @@
 """FlexAttention reading a pool's K/V where they lie (``kernels/flex_paged.py``), on the host pool of a real server in
 both orders, against the float64 reference: decode with GQA, and causal prefill. Runs where PyTorch has FlexAttention
-(``kvpool-client[torch]``); the GPU case is in test_kernels_gpu.py."""
+(``kvpool[torch]``); the GPU case is in test_kernels_gpu.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A real model whose KV cache is kvpool: HF LlamaForCausalLM (small random config), greedy and beam search with
 K/V written into the pool per layer and attention read from it, against the unmodified model's own attention.
 
-Runs where PyTorch and transformers are installed (``kvpool-client[torch]``): on the host pool with float32 on the
+Runs where PyTorch and transformers are installed (``kvpool[torch]``): on the host pool with float32 on the
 CPU, and on the GPU pool with float16/bfloat16 when CUDA is there (``scripts/gpu_check.sh datapath``)."""
 
 from __future__ import annotations

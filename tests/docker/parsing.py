@@ -21,7 +21,7 @@ COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 class PipInstall:
     text: str
     files: list[str]  # after -r, as written ("requirements/server.txt")
-    local: list[str]  # ./dir projects, without "./" ("client")
+    local: list[str]  # local projects: "." (the root project, extras dropped) or ./dir without "./" ("client")
     packages: list[str]  # specifiers given directly ("nvidia-cuda-runtime-cu12==12.9.79")
     no_deps: bool
 
@@ -42,6 +42,8 @@ def pip_installs(shell: str) -> list[PipInstall]:
                 install.no_deps = True
             elif word.startswith("-"):
                 raise ValueError(f"pip option {word!r} not understood here: {command!r}")
+            elif word == "." or word.startswith(".["):
+                install.local.append(".")
             elif word.startswith("./"):
                 install.local.append(word[2:].rstrip("/"))
             else:

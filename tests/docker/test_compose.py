@@ -150,9 +150,22 @@ def test_build_targets_exist(config):
         assert build["target"] == target and target in stages
 
 
-def test_configuration_by_environment(compose_bin, clean_env, config):
-    server_env = config["services"]["server"]["environment"]
-    assert server_env["KVPOOL_ADDRESS"] == "0.0.0.0:50051"
+CONFIG_FILE = REPO / "docker" / "kvpool.toml"
+
+
+def server_file_config(config: dict, environ: dict | None = None):
+    """kvpool-server's own loader on the compose server's command (--config, the file mounted from docker/) and
+    its environment."""
+    server_config = pytest.importorskip("kvpool_server.config")
+    server = config["services"]["server"]
+    [mount] = [v for v in server["volumes"] if v["target"] == server["command"][1]]
+    assert Path(mount["source"]) == CONFIG_FILE and mount["read_only"], mount
+    return server_config.load_config(["--config", str(CONFIG_FILE)], environ=environ or {})
+
+
+def test_configuration_by_a_file_and_the_environment(compose_bin, clean_env, config):
+    assert config["services"]["server"]["command"] == ["--config", "/etc/kvpool/kvpool.toml"]
+    assert server_file_config(config).address == "0.0.0.0:50051"
     for service in config["services"].values():
         assert all(key.startswith("KVPOOL_") for key in service["environment"])
     overridden = load_config(compose_bin, clean_env, KVPOOL_BACKEND="host", KVPOOL_POOL_BYTES="1GiB",
@@ -162,12 +175,11 @@ def test_configuration_by_environment(compose_bin, clean_env, config):
 
 
 def test_server_settings_are_valid_for_kvpool_server(config):
-    """The server's environment in compose is accepted by kvpool-server's own configuration loader."""
-    server_config = pytest.importorskip("kvpool_server.config")
+    """The server's file and environment in compose are accepted by kvpool-server's own configuration loader."""
     env = config["services"]["server"]["environment"]
-    loaded = server_config.load_config([], environ=env)
-    assert loaded.address == "0.0.0.0:50051"
-    assert loaded.unix_socket == env["KVPOOL_UNIX_SOCKET"]
+    loaded = server_file_config(config, env)
+    assert loaded.address == "0.0.0.0:50051" and loaded.insecure and loaded.metrics_address == "0.0.0.0:9400"
+    assert loaded.unix_socket == "/run/kvpool/kvpool.sock" and loaded.backend == env["KVPOOL_BACKEND"]
 
 
 def test_loadgen_command_is_accepted_by_kvpool_loadgen(compose_bin, clean_env, config):
@@ -185,7 +197,7 @@ def test_loadgen_command_is_accepted_by_kvpool_loadgen(compose_bin, clean_env, c
 
 def test_unix_socket_lives_on_a_shared_named_volume(config):
     services = config["services"]
-    socket_path = services["server"]["environment"]["KVPOOL_UNIX_SOCKET"]
+    socket_path = server_file_config(config).unix_socket
     socket_dir = str(Path(socket_path).parent)
 
     def volume_at(service: dict, target: str) -> str:

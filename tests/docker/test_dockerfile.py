@@ -49,7 +49,7 @@ def test_client_target_is_slim_python_without_cuda(dockerfile):
     files = requirement_closure([f for p in installs for f in p.files])
     assert "requirements/gpu.txt" not in files
     assert not [pkg for p in installs for pkg in p.packages], "the client image installs no CUDA packages"
-    assert {path for p in installs for path in p.local} == {"common", "client"}
+    assert {path for p in installs for path in p.local} == {"."}
 
 
 def test_every_target_runs_as_a_non_root_user(dockerfile):
@@ -63,10 +63,8 @@ def test_entrypoints_are_the_console_scripts(dockerfile):
     assert json.loads(dockerfile.last("server", "ENTRYPOINT")) == ["kvpool-server"]
     assert json.loads(dockerfile.last("loadgen", "ENTRYPOINT")) == ["kvpool-loadgen"]
     assert json.loads(dockerfile.last("client", "ENTRYPOINT")) == ["kvpool-loadgen"]
-    server_scripts = tomllib.loads((REPO / "server/pyproject.toml").read_text())["project"]["scripts"]
-    client_scripts = tomllib.loads((REPO / "client/pyproject.toml").read_text())["project"]["scripts"]
-    assert "kvpool-server" in server_scripts
-    assert "kvpool-loadgen" in client_scripts
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "kvpool-server" in scripts and "kvpool-loadgen" in scripts
 
 
 def test_server_listens_on_all_interfaces_inside_the_container(dockerfile):
@@ -90,22 +88,18 @@ def test_cuda_headers_for_run_time_kernel_compilation(dockerfile):
             assert version.startswith(cuda_version + "."), f"{packages[name]} does not match CUDA {cuda_version}"
 
 
-def test_install_steps_use_the_readmes_requirements_files(dockerfile):
-    """Same dependency files and local packages as the README's "Install by hand" section."""
-    reference = readme_pip_installs()
-    reference_files = requirement_closure([f for p in reference for f in p.files]) - DEV_ONLY
-    assert reference_files, "no `pip install -r` found in README.md"
-
+def test_install_steps_are_the_pins_then_the_root_project(dockerfile):
+    """The pinned requirements files (never the developers' own), then the root project with --no-deps; the README's
+    install section installs the same root project (its extras pull the same dependencies: tests/packaging)."""
+    runtime_files = {str(p.relative_to(REPO)) for p in (REPO / "requirements").glob("*.txt")} - DEV_ONLY
     docker_installs = [p for target in TARGETS for p in dockerfile.pip_installs(target)]
     docker_files = requirement_closure([f for p in docker_installs for f in p.files])
-    assert docker_files == reference_files, f"Dockerfile {sorted(docker_files)}, README {sorted(reference_files)}"
-
-    reference_local = {path for p in reference for path in p.local}
-    docker_local = {path for p in docker_installs for path in p.local}
-    assert docker_local == reference_local, f"local packages: Dockerfile {docker_local}, README {reference_local}"
-    for install in docker_installs:
-        if install.local:
-            assert install.no_deps, f"local packages go in with --no-deps (deps come from the files): {install.text}"
+    assert docker_files and docker_files <= runtime_files, sorted(docker_files)
+    for target in TARGETS:
+        local = [p for p in dockerfile.pip_installs(target) if p.local]
+        assert [p.local for p in local] == [["."]], f"{target}: the root project, once: {local}"
+        assert local[0].no_deps, f"the project goes in with --no-deps (deps come from the pins): {local[0].text}"
+    assert {path for p in readme_pip_installs() for path in p.local} == {"."}, "README: pip install the root project"
 
     extra = {_package_name(spec) for p in docker_installs for spec in p.packages}
     assert extra <= CONTAINER_ONLY_PACKAGES, f"packages installed outside the requirements files: {extra}"
@@ -131,7 +125,7 @@ def test_copy_sources_exist_and_survive_dockerignore(dockerfile):
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
         kept = [f for f in files if not dockerignored(f.relative_to(REPO).as_posix(), rules)]
         assert kept, f"COPY {source}: everything in it is excluded by .dockerignore"
-    for needed in ("client/pyproject.toml", "server/pyproject.toml", "requirements/server.txt",
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "requirements/server.txt",
                    "docker/healthcheck.py", "server/kvpool_server/__init__.py", "client/kvpool_client/__init__.py"):
         assert not dockerignored(needed, rules), f"{needed} is excluded from the build context"
 

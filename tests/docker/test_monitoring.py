@@ -70,13 +70,12 @@ def test_mounted_files_exist(monitoring_config):
 
 
 def test_prometheus_scrapes_the_servers_metrics_address(monitoring_config):
-    server_env = monitoring_config["services"]["server"]["environment"]
-    port = server_env["KVPOOL_METRICS_ADDRESS"].rsplit(":", 1)[1]
-    text = (MONITORING / "prometheus.yml").read_text()
-    assert f'"server:{port}"' in text and "metrics_path: /metrics" in text
-    from kvpool_server.config import load_config
+    from tests.docker.test_compose import server_file_config
 
-    assert load_config([], environ=server_env).metrics_host_port() == ("0.0.0.0", int(port))
+    server = server_file_config(monitoring_config, monitoring_config["services"]["server"]["environment"])
+    host, port = server.metrics_host_port()
+    text = (MONITORING / "prometheus.yml").read_text()
+    assert f'"server:{port}"' in text and "metrics_path: /metrics" in text and host == "0.0.0.0"
 
 
 def test_grafana_datasource_is_the_one_the_dashboard_uses():

@@ -90,3 +90,20 @@ def test_a_draining_server_is_called_draining(server, tmp_path):
 def test_a_socket_path_without_unix(tmp_path):
     rc, _, output = loadgen(str(tmp_path / "kvpool.sock"), tmp_path, *RUN)
     assert rc == 2 and f"unix:{tmp_path / 'kvpool.sock'}" in output
+
+
+def test_a_non_admin_token_as_the_admin_token_is_named(secured, tmp_path):
+    """Issue 35 item 6: not "CheckInvariants needs --admin-token" (no such flag) but what is wrong with the token."""
+    server, tls = secured
+    rc, summary, output = loadgen(server.address, tmp_path, *RUN, *tls, "--token-file", str(tmp_path / "token-a"),
+                                  "--admin-token-file", str(tmp_path / "token-b"))
+    assert rc == 0 and not summary["end"]["invariants_checked"], output
+    assert f"the token of {tmp_path / 'token-b'} is not an admin's" in output and "--admin-token)" not in output
+
+
+def test_a_wrong_token_gets_a_hint(secured, tmp_path):
+    server, tls = secured
+    (tmp_path / "wrong-token").write_text("tok-nobody\n")
+    rc, _, output = loadgen(server.address, tmp_path, *RUN, *tls, "--token-file", str(tmp_path / "wrong-token"))
+    assert rc == 2 and "UNAUTHENTICATED" in output
+    assert f"the server does not know the token from {tmp_path / 'wrong-token'}" in output and "tok-nobody" not in output

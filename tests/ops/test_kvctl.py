@@ -144,8 +144,23 @@ def test_top_json_lines_and_rates(server, capsys):
                          "--interval", "0.05")
     lines = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and len(lines) == 2
-    assert lines[-1]["blocks_used"] == 3 and lines[-1]["tokens"] == 33 and lines[-1]["tokens_per_s"] == 0
-    assert lines[-1]["stats_latency_ms_p50"] > 0
+    assert lines[-1]["blocks_used"] == 3 and lines[-1]["tokens"] == 33 and lines[-1]["stats_latency_ms_p50"] > 0
+    assert lines[-1]["cow_copies_per_s"] == lines[-1]["prefix_lookup_tokens_per_s"] == 0
+
+
+def test_top_rates_are_of_counters_that_only_grow():
+    """Issue 35 item 6: no net-change rate (frees made 'tokens' fall: -262/s); a counter's growth only."""
+    from kvpool_client.kvctl_top import Sample, rates
+    from kvpool_client.types import PoolStats
+
+    def stats(tokens, copies, looked_up, hit):
+        return PoolStats(64, 0, 64, 1.0, tokens, 0, 0.0, 0, copies, 3, 16, 8192, prefix_query_tokens=looked_up,
+                         prefix_hit_tokens=hit)
+
+    got = rates(Sample(0.0, stats(1000, 5, 100, 40), 0.001), Sample(2.0, stats(476, 9, 900, 440), 0.001))
+    assert got == {"cow_copies_per_s": 2.0, "prefix_lookup_tokens_per_s": 400.0, "prefix_hit_tokens_per_s": 200.0,
+                   "tier_offloads_per_s": 0.0, "tier_restores_per_s": 0.0}
+    assert all(rate >= 0 for rate in got.values())
 
 
 def test_top_live_view_renders(server):

@@ -163,3 +163,31 @@ def test_a_name_the_server_certificate_does_not_carry(secured, capsys):
     assert code == EXIT_NO_SERVER and "--tls-server-name" in err, err
     code, out, err = kvctl(capsys, "--target", server.address, *tls, "--tls-server-name", "localhost", "health")
     assert code == 0 and "SERVING" in out, err
+
+
+def test_a_key_given_as_the_ca_or_a_certificate_as_the_key(secured, capsys):
+    """Issue 35 item 6: not "give the server's address" after a failed handshake, but which file is wrong."""
+    server, files, _ = secured
+    code, _, err = kvctl(capsys, "--target", server.address, "--tls-ca", files["client.key"], "health")
+    assert code == EXIT_USAGE and f"--tls-ca {files['client.key']} holds a private key, not a certificate" in err
+    code, _, err = kvctl(capsys, "--target", server.address, "--tls-ca", files["ca.pem"], "--tls-cert",
+                         files["client.pem"], "--tls-key", files["client.pem"], "health")
+    assert code == EXIT_USAGE and "--tls-key" in err and "holds no private key" in err
+
+
+def test_a_server_name_mismatch_names_the_name(secured, capsys):
+    server, _, tls = secured
+    code, _, err = kvctl(capsys, "--target", server.address, *tls, "--tls-server-name", "not-the-server", "health")
+    assert code == EXIT_NO_SERVER and "'not-the-server'" in err, err
+
+
+def test_the_metrics_port_as_the_target(server_factory, capsys):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server_factory("--metrics-address", f"127.0.0.1:{port}")
+    code, _, err = kvctl(capsys, "--target", f"127.0.0.1:{port}", "stats")
+    assert code == EXIT_NO_SERVER and "answered in HTTP/1" in err and "metrics port" in err
+    assert "Expected SETTINGS frame" not in err.split("(gRPC")[0]

@@ -205,3 +205,15 @@ def test_kvpool_server_process_serves_metrics(server_factory, tmp_path):
     assert got[("kvpool_blocks_used", ())] == stats.num_blocks_used == 2
     assert got[("kvpool_appended_tokens_total", ())] == 20
     assert got[("kvpool_rpc_duration_seconds_count", (("code", "OK"), ("method", "AppendToken")))] == 1
+
+
+def test_only_metrics_is_served_every_other_path_is_404(grpc_server_with_metrics):
+    """Issue 35 item 6: the exposition at /metrics only (prometheus_client's app answers any path)."""
+    import urllib.error
+
+    _, http, _ = grpc_server_with_metrics
+    assert "kvpool_blocks_used" in urllib.request.urlopen(f"http://127.0.0.1:{http.port}/metrics", timeout=5).read().decode()
+    for path in ("/", "/metricsx", "/favicon.ico", "/metrics/../x"):
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(f"http://127.0.0.1:{http.port}{path}", timeout=5)
+        assert caught.value.code == 404 and b"/metrics" in caught.value.read()

@@ -1,4 +1,4 @@
-"""One Python floor, said the same everywhere (issue 19, item 6): every pyproject's requires-python and classifiers,
+"""One Python floor, said the same everywhere (issue 19, item 6): the project's requires-python and classifiers,
 and the README, agree, and the floor is at least 3.11 (tomllib, asyncio.Task.uncancel())."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PYPROJECTS = [ROOT / name / "pyproject.toml" for name in ("common", "client", "server")]
+PYPROJECTS = [ROOT / "pyproject.toml"]  # the one project (its extras are the server, the GPU, vLLM)
 
 
 def floor_of(pyproject: Path) -> tuple[int, int]:

@@ -25,3 +25,9 @@ def test_hash_of_a_token_from_stdin_and_argv():
     assert run("hash", stdin="tok-a\n").stdout.strip() == hash_token("tok-a") == run("hash", "tok-a").stdout.strip()
     new = run("new").stdout.split()
     assert len(new) == 2 and hash_token(new[0]) == new[1]
+
+
+def test_help_exits_0_and_says_what_each_command_does():
+    for flag in ("--help", "-h"):
+        result = run(flag)
+        assert result.returncode == 0 and "kvpool-token new" in result.stdout and "sha256" in result.stdout

@@ -1,1 +1,1 @@
-"""Frontends whose KV cache is kvpool (optional extra ``kvpool-client[torch]``: PyTorch, transformers, Triton)."""
+"""Frontends whose KV cache is kvpool (optional extra ``kvpool[torch]``: PyTorch, transformers, Triton)."""

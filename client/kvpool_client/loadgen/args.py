@@ -86,7 +86,7 @@ def _version() -> str:
     try:
         from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
 
-        return version("kvpool-client")
+        return version("kvpool")
     except PackageNotFoundError:
         return "unknown"
 
@@ -100,7 +100,7 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         try:
             import matplotlib  # noqa: F401, PLC0415  (the loadgen extra; checked now, not after the run)
         except ImportError:
-            p.error("--plot needs matplotlib, which is not installed: pip install 'kvpool-client[loadgen]' "
+            p.error("--plot needs matplotlib, which is not installed: pip install 'kvpool[loadgen]' "
                     "(or leave out --plot)")
     if a.kv_path == "grpc" and a.verify == "table":
         p.error("--verify table reads the mapped pool; with --kv-path grpc verification is by ReadKV (--verify readkv)")

@@ -51,7 +51,7 @@ def _pct(x: float) -> str:
 
 def _invariants(end: dict[str, Any]) -> str:
     if not end.get("invariants_checked", True):
-        return "not checked (CheckInvariants needs --admin-token)"
+        return f"not checked ({end.get('invariants_error') or 'CheckInvariants needs an admin token'})"
     return "ok" if end["invariants_ok"] else "VIOLATED: " + end.get("invariants_error", "")
 
 

@@ -1,6 +1,6 @@
 """kvpool-loadgen: P client processes keep C requests in flight against a kvpool server until N complete.
 
-    kvpool-loadgen --target unix:/tmp/kvpool.sock                       # the seed's defaults
+    kvpool-loadgen --target unix:/tmp/kvpool.sock                       # the defaults: 2 processes, 8 in flight, 100 uniform
     kvpool-loadgen --lengths sharegpt --mode beam --beam-width 4 --json out/beam4.json --plot out/beam4.png
 
 Exit status: 0 when every request completed and verified with 0 KV errors and the server's invariants hold;
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -21,8 +22,8 @@ from typing import Any
 import grpc
 
 from kvpool_client.client import KVPoolClient
-from kvpool_client.credentials import CredentialsError
-from kvpool_client.errors import InternalError, KVPoolClientError
+from kvpool_client.credentials import ENV_TOKEN, ENV_TOKEN_FILE, CredentialsError
+from kvpool_client.errors import InternalError, KVPoolClientError, PermissionDeniedError, UnauthenticatedError
 from kvpool_client.loadgen import prefix_summary as prefix
 from kvpool_client.loadgen import auth, preflight
 from kvpool_client.loadgen import tenants as tenancy
@@ -83,7 +84,31 @@ def end_state(a: argparse.Namespace, main_token: str | None) -> EndState:
         except KVPoolClientError as error:
             if error.code is not grpc.StatusCode.PERMISSION_DENIED:
                 raise
-            return EndState(after, True, "", False)
+            return EndState(after, True, unchecked_reason(a), False)
+
+
+def unchecked_reason(a: argparse.Namespace) -> str:
+    """Why CheckInvariants was refused, and what to do: the admin token given is not an admin's, or none was."""
+    if a.admin_token:
+        where = a.admin_token_file or "KVPOOL_ADMIN_TOKEN"
+        return (f"the token of {where} is not an admin's: CheckInvariants needs a token with role = \"admin\" in "
+                "the server's tokens file")
+    return "CheckInvariants needs an admin token: --admin-token-file FILE (env KVPOOL_ADMIN_TOKEN_FILE)"
+
+
+def auth_hint(error: BaseException, a: argparse.Namespace) -> str:
+    """What to do about a refused token, from what this run was given (kvctl says the same)."""
+    if isinstance(error, PermissionDeniedError):
+        return "; that call needs an admin token: --admin-token-file FILE (role = \"admin\" in the tokens file)"
+    if not isinstance(error, UnauthenticatedError):
+        return ""
+    given = a.token_file or (ENV_TOKEN_FILE if os.environ.get(ENV_TOKEN_FILE) else None) or (
+        ENV_TOKEN if os.environ.get(ENV_TOKEN) else None)
+    if given is None:
+        return (f"; the server asks for a token (--auth-tokens): give --token-file FILE (env {ENV_TOKEN_FILE}) or "
+                f"set {ENV_TOKEN}")
+    return (f"; the server does not know the token from {given} (mistyped, revoked, or another server's tokens "
+            "file): check it against the server's --auth-tokens file (kvpool-token hash TOKEN gives its line)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(args)
     except (KVPoolClientError, preflight.NoServerError, preflight.NoRoomError, tenancy.TokenFileError,
             CredentialsError) as error:
-        print(f"kvpool-loadgen: {error}", file=sys.stderr)
+        print(f"kvpool-loadgen: {error}{auth_hint(error, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the workers ran, after them, or a second Ctrl-C: stop at once
         print("\nkvpool-loadgen: interrupted; no summary (a first Ctrl-C during the run stops it with one)",
@@ -114,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
             plot_memory(summary, args.plot)
         except ImportError as error:  # matplotlib is the loadgen extra; the run itself does not need it
-            print(f"kvpool-loadgen: no plot ({error}); pip install 'kvpool-client[loadgen]'", file=sys.stderr)
+            print(f"kvpool-loadgen: no plot ({error}); pip install 'kvpool[loadgen]'", file=sys.stderr)
     if summary.get("interrupted"):
         return 128 + signal.Signals[summary["interrupted"]]
     return 0 if summary["ok"] else 1

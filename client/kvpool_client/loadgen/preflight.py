@@ -62,7 +62,7 @@ def connect(client: KVPoolClient, target: str, timeout: float = CONNECT_TIMEOUT_
 def _probe(target: str, creds: Credentials, timeout: float) -> diagnose.Problem | None:
     channel = creds.channel(target)
     try:
-        return diagnose.probe(channel, target, timeout, creds.tls)
+        return diagnose.probe(channel, target, timeout, creds.tls, creds.tls_server_name)
     finally:
         channel.close()
 

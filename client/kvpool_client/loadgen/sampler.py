@@ -43,7 +43,7 @@ class StatsSampler:
         self.tenant_series: dict[str, dict[str, list[float]]] = {
             name: {field: [] for field in TENANT_FIELDS} for name in tenants
         }
-        self.quotas: dict[str, int] = {}  # tenant -> max_blocks (0: none), as Stats last reported it
+        self.quotas: dict[str, int | None] = {}  # tenant -> max_blocks (None: no limit), as Stats last reported it
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpool-stats-sampler", daemon=True)

@@ -57,14 +57,14 @@ def tenant_of(tenants: Sequence[tuple[str, str]], token: str | None) -> str:
 
 def tenant_summary(
     tenant_series: dict[str, dict[str, list[float]]],
-    quotas: dict[str, int],
+    quotas: dict[str, int | None],
     workers: Sequence[dict[str, Any]],
     t0: float,
     t1: float,
     process_tenants: Sequence[str] = (),
 ) -> dict[str, dict[str, Any]]:
     """Per tenant: blocks held (peak and time-average over [t0, t1], from the sampler's TenantUsage), live
-    sequences, its max_blocks quota (0: none), and its processes' counts (completions, sequences, quota refusals);
+    sequences, its max_blocks quota (None: no limit; 0: none allowed), and its processes' counts (completions, sequences, quota refusals);
     ``workers``: the workers' summaries (a failed one's counts so far too), ``process_tenants``: each process's."""
     out: dict[str, dict[str, Any]] = {}
     for name, series in tenant_series.items():
@@ -78,7 +78,7 @@ def tenant_summary(
                 counts[key] = counts.get(key, 0) + value
         out[name] = {
             "processes": sum(1 for tenant in process_tenants if tenant == name),
-            "max_blocks": quotas.get(name, 0),
+            "max_blocks": quotas.get(name),
             "peak_blocks": int(blocks.max()) if blocks.size else 0,
             "avg_blocks": time_weighted_mean(t, blocks, t0, t1),
             "peak_sequences": int(seqs.max()) if seqs.size else 0,
@@ -100,7 +100,7 @@ def render_tenants(tenants: dict[str, dict[str, Any]]) -> list[str]:
     lines = [" tenant           procs  blocks peak (quota)  time-avg  seqs peak  completions  sequences  "
              "quota refusals"]
     for name, u in tenants.items():
-        quota = f"({u['max_blocks']})" if u["max_blocks"] else "(-)"
+        quota = "(-)" if u["max_blocks"] is None else f"({u['max_blocks']})"  # -: no limit
         lines.append(
             f"   {name:<14} {u['processes']:>5} {u['peak_blocks']:>7,} {quota:<8} {u['avg_blocks']:>10.1f} "
             f"{u['peak_sequences']:>10,} {u['completions']:>12,} {u['sequences']:>10,} {u['quota_refusals']:>15,}"

@@ -5,7 +5,7 @@ seed run the same requests (the interleaving of processes still differs).
 
 Lengths. A request has a prompt and an output; its sequence grows to ``prompt_len + output_len`` tokens, never more
 than ``max_len``:
-  uniform   the seed's: prompt uniform in [4, 32], *target* (prompt + output) uniform in [32, max_len=256];
+  uniform   the default: prompt uniform in [4, 32], *target* (prompt + output) uniform in [32, max_len=256];
             output = target - prompt (at least 1).
   sharegpt  lognormal prompt (mean 161, sigma 1.0) and output (mean 338, sigma 0.8), clipped to max_len=2048.
   alpaca    lognormal prompt (mean 19, sigma 0.6) and output (mean 58, sigma 0.8), clipped to max_len=2048.

@@ -150,6 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     """``kvpool-token hash TOKEN`` (or the token on stdin): its sha256 line for the tokens file;
     ``kvpool-token new``: a random token, then its digest."""
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] in (["-h"], ["--help"]):
+        print("usage: kvpool-token hash TOKEN | kvpool-token new\n\n"
+              "  new         print a random token, then its sha256 line for the server's tokens file\n"
+              "  hash TOKEN  print the sha256 line of TOKEN (or of the token on stdin's first line)\n\n"
+              "The tokens file (kvpool-server --auth-tokens) holds the sha256 lines only: docs/security.md.")
+        return
     if args[:1] == ["new"]:
         token = secrets.token_urlsafe(32)
         print(token)

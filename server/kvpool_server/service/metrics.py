@@ -76,7 +76,7 @@ def build_info() -> dict[str, str]:
         except PackageNotFoundError:
             return "unknown"
 
-    return {"version": of("kvpool-server"), "python": platform.python_version(), "grpcio": of("grpcio")}
+    return {"version": of("kvpool"), "python": platform.python_version(), "grpcio": of("grpcio")}
 
 
 def locked_stats(manager: Any, lock: threading.Lock) -> Callable[[], PoolStats]:
@@ -277,4 +277,21 @@ def start_metrics_server(address: str, registry: CollectorRegistry) -> MetricsHT
         hint = {errno.EADDRINUSE: ": another process listens there", errno.EADDRNOTAVAIL: ": not an address of "
                 "this host"}.get(exc.errno or 0, "")
         raise OSError(exc.errno, f"cannot serve metrics on {address}: {exc.strerror}{hint}") from exc
+    server.set_app(_only_metrics(server.get_app()))  # prometheus_client's own app answers every path
     return MetricsHTTPServer(server, thread)
+
+
+METRICS_PATHS = ("/metrics", "/metrics/")
+
+
+def _only_metrics(app: Any) -> Any:
+    """The exposition at /metrics only; any other path is 404 naming /metrics (a scraper or a person pointed at
+    the wrong path learns it, rather than getting the metrics from anywhere)."""
+
+    def serve(environ: dict, start_response: Any) -> Any:
+        if environ.get("PATH_INFO", "") in METRICS_PATHS:
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"kvpool-server: not found; the Prometheus metrics are at /metrics\n"]
+
+    return serve

@@ -13,9 +13,9 @@ class TenantUsage(NamedTuple):
     num_sequences: int
     num_blocks: int
     num_sessions: int
-    max_blocks: int  # 0: no quota
-    max_sequences: int
-    max_sessions: int
+    max_blocks: int | None  # None: no limit; 0: none allowed (the tokens file's own meaning)
+    max_sequences: int | None
+    max_sessions: int | None
     reserved_blocks: int
 
 
@@ -27,6 +27,6 @@ def tenant_usage(ledger: TenantLedger, sessions: SessionTable, tenant: int | Non
         lim = ledger.limits[t]
         usage.append(TenantUsage(
             ledger.names[t], ledger.num_sequences[t], ledger.num_blocks[t], sessions.num_sessions(t),
-            lim.max_blocks or 0, lim.max_sequences or 0, lim.max_sessions or 0, lim.reserved_blocks,
+            lim.max_blocks, lim.max_sequences, lim.max_sessions, lim.reserved_blocks,
         ))
     return usage
