@@ -86,6 +86,21 @@ def test_heavy_work_gives_way_to_a_lighter_session_served_just_now_but_keeps_its
     assert share.usage(1) < MIN_SHARE * TAU_S and share.pause_s(1) == 0
 
 
+def test_heavy_work_gives_way_to_a_light_session_even_a_more_used_one_but_not_to_other_heavy_work() -> None:
+    """A frontend stepping back to back can use more of the server than a flooder's hashing does; the flooder's
+    chunks still wait for it (it has no heavy work). Against another session with heavy work, usages decide."""
+    share, clock = fair({1, 2, 3})
+    share.charge(1, 0.3 * TAU_S, heavy=True)  # the flooder's chunks
+    share.charge(2, 0.6 * TAU_S)  # a frontend's steps: more than the flooder, and light
+    assert share.wait_s(1) == 0  # within its share
+    assert share.pause_s(1) > 0
+    clock.now += 100 * TAU_S
+    share.charge(1, 0.3 * TAU_S, heavy=True)
+    share.charge(3, 0.6 * TAU_S, heavy=True)  # more used, and heavy: the flooder's chunks do not wait for it
+    assert share.pause_s(1) == 0 and share.pause_s(3) > 0
+    share.check_invariants()
+
+
 def test_entries_are_bounded_by_the_live_sessions_and_tenants() -> None:
     live = {1, 2}
     share, clock = fair(live)
