@@ -81,8 +81,8 @@ class FairChannels:
         return self._order
 
     def charge(self, channel: Channel, seconds: float) -> None:
-        """A record's serving time, on the thread: added up per channel, folded by ``order`` (at most ORDER_S
-        later)."""
+        """A record's serving time, on the thread: added up per channel, folded by the first ``order`` ORDER_S or
+        more after the last fold (or when the channel closes)."""
         spent = self.spent
         spent[channel] = spent.get(channel, 0.0) + seconds
 

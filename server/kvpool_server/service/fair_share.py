@@ -21,12 +21,14 @@ with no heavy work of its own within HEAVY_S (a frontend stepping back to back, 
 steps take) -- but never while its own usage is under MIN_SHARE of the server: heavy work is never starved, and a
 flood of it costs the frontends that step meanwhile about MIN_SHARE of the server.
 
-Bounded: one entry (and one "heavy lately" time) per key charged, keys being live sessions (``live``: a session id no longer there is charged
-to its tenant's key, -1 - tenant) or one per tenant for calls without a session; entries of ended sessions and
-entries decayed below ``DROP_S`` go at the next prune (every ``PRUNE_S``, from ``charge``).
+Bounded: one entry (and one "heavy lately" time) per key charged, keys being live sessions (``live``: a session
+id no longer there is charged to its tenant's key, -1 - tenant) or one per tenant for calls without a session;
+entries of ended sessions and entries decayed below ``DROP_S`` go at the next prune (every ``PRUNE_S``, from
+``charge``), heavy times with their entry or once older than HEAVY_S.
 
 Invariants (``check_invariants``): every entry's usage is >= 0 and finite; every session key is in ``live`` once
-pruned; there are at most ``len(live)`` session entries plus one per tenant.
+pruned; there are at most ``len(live)`` session entries plus one per tenant; every heavy time is of a key that
+has an entry.
 """
 
 from __future__ import annotations
