@@ -15,11 +15,7 @@ the flooder's registers/s, and the ratio under each flood to alone.
     .venv/bin/python benchmarks/bench_fair_share.py --rounds 3 --phase-s 3 --pin 0
     (--pin SERVER_CPU: the server on that CPU, every client on the others; --before DIR: the server of an older
     tree unpacked in DIR -- ``git archive REV server common | tar -x -C DIR`` -- instead of this tree's)
-
-``--record-cost N``: instead, the fair share's own cost on the fast-path thread per record -- a pass's
-``FairChannels.order`` and the record's ``charge``, two channels, N records -- in a process of this tree and, with
---before DIR, one of DIR's, alternating, seven times each (median and minimum, in microseconds of the thread's
-CPU time).
+(the fair share's own cost per fast-path record: bench_fair_cost.py)
 """
 
 from __future__ import annotations
@@ -28,9 +24,6 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
-import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -129,50 +122,6 @@ def counted_s(phases: list[tuple[str, float, float]], kind: str) -> float:
     return sum(end - start - SKIP_S for name, start, end in phases if name == kind)
 
 
-class Seat:
-    """What FairChannels reads of a channel: its session and tenant."""
-
-    def __init__(self, session_id: int) -> None:
-        self.session_id, self.tenant = session_id, None
-
-
-def record_cost_once(records: int) -> float:
-    """Microseconds per record of the fair share's work on the fast-path thread, with whichever tree is on the
-    path: each record one pass's ``order`` of two channels and one ``charge``."""
-    from kvpool_server.config import ServerConfig
-    from kvpool_server.fastpath.fair_channels import FairChannels
-    from kvpool_server.service.build import build_service
-
-    service, _ = build_service(ServerConfig(backend="host", num_blocks=256, head_dim=1).validate())
-    try:
-        seats = [Seat(service.guard.sessions.open().session_id) for _ in range(2)]
-        fair = FairChannels(service, lambda: None)
-        started = time.thread_time()  # this thread's CPU time: a loaded machine's preemptions do not count
-        for i in range(records):
-            for _ in fair.order(seats):  # type: ignore[arg-type]
-                pass
-            fair.charge(seats[i & 1], 20e-6)  # type: ignore[arg-type]
-        return (time.thread_time() - started) / records * 1e6
-    finally:
-        service.hasher.stop()
-        service.guard.pool.close()
-
-
-def record_cost(records: int, before: str | None) -> None:
-    trees = {"this tree": None, **({f"before ({before})": before} if before else {})}
-    costs: dict[str, list[float]] = {name: [] for name in trees}
-    for _ in range(7):
-        for name, tree in trees.items():
-            env = dict(os.environ)
-            if tree:
-                env["PYTHONPATH"] = ":".join((f"{tree}/server", f"{tree}/common", env.get("PYTHONPATH", "")))
-            out = subprocess.run([sys.executable, __file__, "--record-cost-once", str(records)], env=env,
-                                 capture_output=True, text=True, check=True).stdout
-            costs[name].append(float(out.split()[-1]))
-    for name, values in costs.items():
-        print(f"{name}: {statistics.median(values):.2f} us a record (median of 7; minimum {min(values):.2f})")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
@@ -185,17 +134,8 @@ def main() -> None:
     parser.add_argument("--flooder-cpu", type=int, default=None, help="the flooder on this CPU (default: with the "
                         "other clients); to tell its client's work from the server's")
     parser.add_argument("--before", metavar="DIR", help="the server of an older tree unpacked in DIR")
-    parser.add_argument("--record-cost", type=int, metavar="N", help="the fair share's cost per fast-path record "
-                        "instead (N records a run)")
-    parser.add_argument("--record-cost-once", type=int, help=argparse.SUPPRESS)
     parser.add_argument("server_args", nargs="*", help="after --: extra kvpool-server flags")
     args = parser.parse_args()
-    if args.record_cost_once:
-        print(f"{record_cost_once(args.record_cost_once):.3f}")
-        return
-    if args.record_cost:
-        record_cost(args.record_cost, args.before and os.path.abspath(args.before))
-        return
     cpus = None
     if args.pin is not None:
         os.environ["KVPOOL_BENCH_SERVER_CPUS"] = str(args.pin)
