@@ -15,6 +15,7 @@ the flooder's registers/s, and the ratio under each flood to alone.
     .venv/bin/python benchmarks/bench_fair_share.py --rounds 3 --phase-s 3 --pin 0
     (--pin SERVER_CPU: the server on that CPU, every client on the others; --before DIR: the server of an older
     tree unpacked in DIR -- ``git archive REV server common | tar -x -C DIR`` -- instead of this tree's)
+(the fair share's own cost per fast-path record: bench_fair_cost.py)
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -34,9 +37,19 @@ SKIP_S = 0.3  # the start of a phase, not counted (the flooder starting or stopp
 RESET_EVERY = 4000  # steps; below the server's --max-seq-len: free and register again (its time left out)
 
 
+def phases_of(plan: Any, ready: Any) -> list[tuple[str, float, float]]:
+    """Once this worker is set up: say so, and wait for the parent's phases (made once every worker is set up, so
+    that a loaded machine's slow start-up never eats into the first phases)."""
+    ready.put(os.getpid())
+    while "phases" not in plan:
+        time.sleep(0.01)
+    return list(plan["phases"])
+
+
 def frontend(args: tuple) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Steps until ``end_at``: (each step's end time, its latency, whether the fast path was used)."""
-    address, num_seqs, fast, start_at, end_at, cpus = args
+    """Steps from the first phase to the end of the last: (each step's end time, its latency, whether the fast
+    path was used)."""
+    address, num_seqs, fast, cpus, plan, ready = args
     if cpus:
         os.sched_setaffinity(0, cpus)
     from kvpool_client import KVPoolClient
@@ -46,6 +59,8 @@ def frontend(args: tuple) -> tuple[np.ndarray, np.ndarray, bool]:
         ids = [client.register() for _ in range(num_seqs)]
         client.append(ids, 1)
         used_fast = client.fast_path_open
+        phases = phases_of(plan, ready)
+        start_at, end_at = phases[0][1], phases[-1][2]
         time.sleep(max(0.0, start_at - time.time()))
         while (now := time.time()) < end_at:
             t0 = time.perf_counter()
@@ -61,7 +76,7 @@ def frontend(args: tuple) -> tuple[np.ndarray, np.ndarray, bool]:
 def flooder(args: tuple) -> list[tuple[float, float, int]]:
     """During each (start, end) window: registers of ``prompt_tokens`` tokens and frees, back to back, over
     the fast path or gRPC; (start, end, registers) a window."""
-    address, fast, windows, prompt_tokens, cpus = args
+    address, fast, prompt_tokens, cpus, plan, ready = args
     if cpus:
         os.sched_setaffinity(0, cpus)
     from kvpool_client import KVPoolClient
@@ -69,7 +84,8 @@ def flooder(args: tuple) -> list[tuple[float, float, int]]:
     rng = np.random.default_rng(0)
     done = []
     with KVPoolClient(address, fast_path=fast, lease_ttl_s=60.0) as client:
-        for start, end in windows:
+        kind = "flood-fast" if fast else "flood-grpc"
+        for start, end in [(s, e) for name, s, e in phases_of(plan, ready) if name == kind]:
             time.sleep(max(0.0, start - time.time()))
             count = 0
             while time.time() < end:
@@ -133,22 +149,33 @@ def main() -> None:
     server = Server(kind, ["--max-seq-len", str(2 * args.prompt_tokens), "--max-sessions", "64",
                            *args.server_args], "unix")
     ctx = mp.get_context("spawn")
-    start_at = time.time() + 3.0
-    phases, at = [], start_at
-    for _ in range(args.rounds):
-        for flood in floods:
-            phases += [("alone", at, at + args.phase_s), (f"flood-{flood}", at + args.phase_s, at + 2 * args.phase_s)]
-            at += 2 * args.phase_s
-    end_at = at
     print(f"{os.cpu_count()} CPUs; server pinned to {args.pin}; {kind}; frontends of {args.seqs} sequences; "
           f"flooder: {args.prompt_tokens}-token registers; {args.rounds} rounds of {args.phase_s:g} s phases")
     try:
-        with ctx.Pool(2 + len(floods)) as pool:
-            fronts = [pool.apply_async(frontend, ((server.address, args.seqs, fast, start_at, end_at, cpus),))
+        with ctx.Manager() as manager, ctx.Pool(2 + len(floods)) as pool:
+            plan, ready = manager.dict(), manager.Queue()
+            fronts = [pool.apply_async(frontend, ((server.address, args.seqs, fast, cpus, plan, ready),))
                       for fast in (True, False)]
             flooders = {flood: pool.apply_async(flooder, ((
-                server.address, flood == "fast", [(s, e) for name, s, e in phases if name == f"flood-{flood}"],
-                args.prompt_tokens, cpus if args.flooder_cpu is None else {args.flooder_cpu}),)) for flood in floods}
+                server.address, flood == "fast", args.prompt_tokens,
+                cpus if args.flooder_cpu is None else {args.flooder_cpu}, plan, ready),)) for flood in floods}
+            workers, set_up = [*fronts, *flooders.values()], 0
+            while set_up < len(workers):  # every worker set up; one that failed meanwhile raises here
+                try:
+                    ready.get(timeout=1)
+                    set_up += 1
+                except queue.Empty:
+                    for worker in workers:
+                        if worker.ready():
+                            worker.get()
+            phases, at = [], time.time() + 1.5
+            for _ in range(args.rounds):
+                for flood in floods:
+                    phases += [("alone", at, at + args.phase_s),
+                               (f"flood-{flood}", at + args.phase_s, at + 2 * args.phase_s)]
+                    at += 2 * args.phase_s
+            end_at = at
+            plan["phases"] = phases
             health = health_probe(server.address, end_at)
             results = [f.get(timeout=end_at - time.time() + 120) for f in fronts]
             floods_done = {flood: f.get(timeout=120) for flood, f in flooders.items()}

@@ -125,8 +125,9 @@ class ServerConfig:
         64, "most open SubscribeEvents streams (they are not counted by --max-streams); more are refused with "
         "RESOURCE_EXHAUSTED", min=1)
     max_event_subscribers_per_tenant: int = setting(
-        16, "most open SubscribeEvents streams of one tenant (without --auth-tokens every caller is one tenant), so "
-        "that one tenant's idle subscribers cannot take every place; more are refused with RESOURCE_EXHAUSTED", min=1)
+        16, "with --auth-tokens, most open SubscribeEvents streams of one tenant, so that one tenant's idle "
+        "subscribers cannot take every place; more are refused with RESOURCE_EXHAUSTED (without --auth-tokens every "
+        "caller is one tenant and only --max-event-subscribers applies)", min=1)
     # KV events on vLLM's ZMQ wire, for llm-d's indexer and Dynamo's router (docs/scale-out.md; zmq_events/).
     kv_events_publish: str = setting(
         "", "publish KV events on vLLM's ZMQ wire: a PUB socket bound to this endpoint, e.g. tcp://127.0.0.1:5557 "

@@ -50,3 +50,10 @@ def test_bench_fair_share_prints_each_frontend_alone_and_under_each_flood() -> N
         for frontend in ("fast-path", "gRPC"):
             assert re.search(rf"^{phase}\s+{frontend}\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), out
     assert "NOT used" not in out and "flooder:" in out, out
+
+
+def test_bench_fair_cost_prints_the_cost_per_record_and_per_step() -> None:
+    out = run_script("bench_fair_cost.py", "--records", "1000", timeout=300)
+    assert re.search(r"^this tree: [\d.]+ us a record \(median of 7; minimum [\d.]+\)$", out, re.M), out
+    out = run_script("bench_fair_cost.py", "--steps", "20", "--runs", "1", timeout=300)
+    assert re.search(r"^this tree: [\d.]+ us of the fast-path thread a step \(median of 1", out, re.M), out

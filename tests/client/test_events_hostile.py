@@ -108,3 +108,28 @@ def test_one_tenants_idle_subscribers_leave_room_for_the_others(server_factory, 
     for stream in [*held, other]:
         stream.cancel()
     channel.close()
+
+
+def test_without_tokens_the_servers_bound_is_the_only_one(server_factory) -> None:
+    """Without --auth-tokens every caller is the one tenant: --max-event-subscribers (5 here) subscribers are
+    served although --max-event-subscribers-per-tenant is 2 (the per-tenant bound protects tenants from each other,
+    and there is no other); the sixth is refused naming --max-event-subscribers."""
+    server = server_factory("--max-event-subscribers", "5", "--max-event-subscribers-per-tenant", "2")
+    channel = grpc.insecure_channel(server.address)
+    stub = As(channel, None)
+    held = []
+    try:
+        for _ in range(5):
+            stream = stub.SubscribeEvents(pb.SubscribeEventsRequest())
+            assert next(iter(stream)).snapshot  # counted by the server from here
+            held.append(stream)
+        try:
+            next(iter(stub.SubscribeEvents(pb.SubscribeEventsRequest())))
+            raise AssertionError("a sixth subscriber was served past --max-event-subscribers=5")
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+            assert "--max-event-subscribers=5" in error.details(), error.details()
+    finally:
+        for stream in held:
+            stream.cancel()
+        channel.close()

@@ -48,26 +48,53 @@ def test_fast_path_serves_another_session_while_a_long_register_is_hashed(server
         assert flooder.fast_path_open and other.fast_path_open  # both went over their channels
 
 
-def test_grpc_serves_another_session_while_long_registers_are_queued(server_factory) -> None:
-    """The flooder has 48 long registers in flight (~1 s of hashing in all, 12 M tokens: under the hasher's 16 M
-    bound); once one has been answered (the rest have arrived), the other session's register -- on a connection of
-    its own -- is applied before some of them (they await the hasher; the loop serves the other). The queue is long
-    enough that a test process descheduled for a while still finds the flood's registers waiting."""
-    server = server_factory(*SERVER_ARGS)
-    with connect(server.address) as stub, connect(server.address) as other:
-        flood_session = stub.OpenSession(pb.OpenSessionRequest(client_name="flood")).session_id
-        other_session = other.OpenSession(pb.OpenSessionRequest(client_name="other")).session_id
-        request = pb.RegisterSequenceRequest(session_id=flood_session)
-        request.prompt_token_ids.extend(long_prompt(2, LONG // 4).tolist())
-        futures = [stub.RegisterSequence.future(request, timeout=120) for _ in range(48)]
-        done = threading.Event()
-        for future in futures:
-            future.add_done_callback(lambda f: done.set())
-        assert done.wait(120)
-        other_id = other.RegisterSequence(pb.RegisterSequenceRequest(session_id=other_session), timeout=60).seq_id
-        flood_ids = [f.result().seq_id for f in futures]
-        assert other_id < max(flood_ids), ("every queued long register was applied before the other session's: "
-                                           "the event loop hashed them inline")
+def test_grpc_hashes_a_light_sessions_long_register_before_a_flooders_queued_ones() -> None:
+    """In-process, to see the hasher's queue: a flooder's 48 long registers have all reached the hasher and some
+    are still queued; then another session's long register (128 blocks to hash) is submitted. The hasher takes the
+    least-used session's job next, so it is applied before every queued one but the one being hashed. Without the
+    fair share (the hasher first come, first served) it is applied after all of them. Ids give the order in
+    which registers are applied."""
+    from kvpool_server.config import load_config
+    from kvpool_server.grpc_api.server import build_server
+
+    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "1",
+                                       "--address", "127.0.0.1:0", *SERVER_ARGS]))
+    handle.start()
+    hasher, submitted = handle.service.hasher, []
+    submit = hasher.submit
+
+    def counted(key, *args, **kwargs):  # noqa: ANN001, ANN202 -- the real submit, counted
+        job = submit(key, *args, **kwargs)
+        submitted.append(key)
+        return job
+
+    hasher.submit = counted  # type: ignore[method-assign]
+    try:
+        address = f"127.0.0.1:{handle.port}"
+        with connect(address) as stub, connect(address) as other:
+            flood_session = stub.OpenSession(pb.OpenSessionRequest(client_name="flood")).session_id
+            other_session = other.OpenSession(pb.OpenSessionRequest(client_name="other")).session_id
+            request = pb.RegisterSequenceRequest(session_id=flood_session)
+            request.prompt_token_ids.extend(long_prompt(2, LONG // 4).tolist())
+            futures = [stub.RegisterSequence.future(request, timeout=120) for _ in range(48)]
+            deadline = time.monotonic() + 120
+            while len(submitted) < len(futures) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert len(submitted) == len(futures), "the flood's registers did not all reach the hasher"
+            with hasher.cond:
+                queued = len(hasher.jobs.get(flood_session, ()))  # the one being hashed among them
+            assert queued >= 3, f"the hasher kept up with the flood ({queued} queued): the test tells nothing"
+            light = pb.RegisterSequenceRequest(session_id=other_session)
+            light.prompt_token_ids.extend(long_prompt(5, 2048 + 5).tolist())
+            other_id = other.RegisterSequence(light, timeout=120).seq_id
+            flood_ids = [f.result().seq_id for f in futures]
+        after = sum(seq_id > other_id for seq_id in flood_ids)
+        assert after >= queued - 2, (f"{after} of the {queued} flood registers queued before the other session's "
+                                     "long register were applied after it: the hasher did not take the least-used "
+                                     "session's job first")
+    finally:
+        handle.stop()
+        handle.pool.close()
 
 
 def test_a_long_register_over_each_transport_matches_the_inline_hashes(server_factory) -> None:
@@ -128,3 +155,52 @@ def test_the_invariants_hold_while_long_registers_are_deferred_and_after() -> No
     finally:
         handle.stop()
         handle.pool.close()
+
+
+class Seat:
+    """What the fast path's order reads of a channel: its session and tenant."""
+
+    def __init__(self, session_id: int) -> None:
+        self.session_id, self.tenant = session_id, None
+
+
+def test_fast_path_order_is_round_robin_until_a_session_is_over_its_share() -> None:
+    """FairChannels on a clock stepped by hand: a record's seconds are only added up on the thread (no lock) and
+    folded into the accountant at the next pass ORDER_S later; while nobody is over its share the pass serves the
+    channels as they are (the same list, whatever the usages); a session over its share has its channel served
+    after the others'; once its usage decayed, round-robin again. Closing a channel folds its seconds."""
+    from kvpool_server.config import ServerConfig
+    from kvpool_server.fastpath.fair_channels import ORDER_S, FairChannels
+    from kvpool_server.service.build import build_service
+    from kvpool_server.service.fair_share import TAU_S, FairShare
+
+    svc, _ = build_service(ServerConfig(backend="host", num_blocks=256, head_dim=1).validate())
+    try:
+        now = [100.0]
+        svc.fair = FairShare(svc.guard.sessions, clock=lambda: now[0])
+        fair = FairChannels(svc, lambda: None)
+        flooder, light, lighter = (Seat(svc.guard.sessions.open().session_id) for _ in range(3))
+        channels = [flooder, light, lighter]
+        assert fair.order(channels) is channels
+        fair.charge(light, 0.3 * TAU_S)  # less than the whole server together: nobody is over
+        fair.charge(lighter, 0.1 * TAU_S)
+        assert svc.fair.usage(light.session_id) == 0  # added up, not charged yet
+        now[0] += 2 * ORDER_S
+        assert fair.order(channels) is channels  # folded; nobody over: as given
+        assert svc.fair.usage(light.session_id) > 0 and not fair.spent
+        now[0] += 20 * TAU_S  # all decayed
+        fair.charge(flooder, 0.99 * TAU_S)  # over what the others leave (0.95)
+        fair.charge(light, 0.03 * TAU_S)
+        fair.charge(lighter, 0.02 * TAU_S)
+        now[0] += 2 * ORDER_S
+        assert fair.order(channels) == [light, lighter, flooder]  # over its share: after the others
+        assert fair.order(channels) == [light, lighter, flooder]  # the same until the next fold
+        now[0] += 20 * TAU_S
+        assert fair.order(channels) is channels  # decayed: round-robin again
+        fair.charge(flooder, 0.01)
+        fair.forget(flooder)  # closed: its seconds are charged now
+        assert flooder not in fair.spent and svc.fair.usage(flooder.session_id) > 0
+        fair.check_invariants(channels)
+    finally:
+        svc.hasher.stop()
+        svc.guard.pool.close()

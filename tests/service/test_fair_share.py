@@ -52,6 +52,31 @@ def test_a_flooder_is_held_to_what_the_others_leave_and_a_light_session_never_wa
     assert share.wait_s(1) == 0  # decayed to its level: its turn
 
 
+def test_over_share_names_only_the_sessions_over_it() -> None:
+    """Empty -- the fast path then serves its channels round-robin -- while nobody is over, even with unequal
+    usages; the flooder alone once it is."""
+    share, clock = fair({1, 2, 3})
+    share.charge_many({1: 0.5 * TAU_S, 2: 0.3 * TAU_S, 3: 0.1 * TAU_S})  # less than the whole server together
+    assert share.over_share() == {}
+    clock.now += 100 * TAU_S
+    share.charge_many({1: 0.99 * TAU_S, 2: 0.03 * TAU_S, 3: 0.02 * TAU_S})
+    assert list(share.over_share()) == [1]
+    clock.now += 100 * TAU_S
+    assert share.over_share() == {}  # decayed
+
+
+def test_charge_many_is_a_charge_of_each() -> None:
+    one, clock_one = fair({1, 2})
+    many, clock_many = fair({1, 2})
+    for share, clock in ((one, clock_one), (many, clock_many)):
+        share.charge(1, 0.02)
+        clock.now += 0.05
+    one.charge(1, 0.01)
+    one.charge(2, 0.03)
+    many.charge_many({1: 0.01, 2: 0.03})
+    assert math.isclose(one.usage(1), many.usage(1)) and math.isclose(one.usage(2), many.usage(2))
+
+
 def test_heavy_work_gives_way_to_a_lighter_session_served_just_now_but_keeps_its_minimum() -> None:
     share, clock = fair({1, 2})
     share.charge(1, 0.5 * TAU_S)
@@ -59,6 +84,21 @@ def test_heavy_work_gives_way_to_a_lighter_session_served_just_now_but_keeps_its
     assert share.pause_s(1) > 0 and share.pause_s(2) == 0
     clock.now += 0.5  # its usage decayed below MIN_SHARE of the server: it runs, whoever asks
     assert share.usage(1) < MIN_SHARE * TAU_S and share.pause_s(1) == 0
+
+
+def test_heavy_work_gives_way_to_a_light_session_even_a_more_used_one_but_not_to_other_heavy_work() -> None:
+    """A frontend stepping back to back can use more of the server than a flooder's hashing does; the flooder's
+    chunks still wait for it (it has no heavy work). Against another session with heavy work, usages decide."""
+    share, clock = fair({1, 2, 3})
+    share.charge(1, 0.3 * TAU_S, heavy=True)  # the flooder's chunks
+    share.charge(2, 0.6 * TAU_S)  # a frontend's steps: more than the flooder, and light
+    assert share.wait_s(1) == 0  # within its share
+    assert share.pause_s(1) > 0
+    clock.now += 100 * TAU_S
+    share.charge(1, 0.3 * TAU_S, heavy=True)
+    share.charge(3, 0.6 * TAU_S, heavy=True)  # more used, and heavy: the flooder's chunks do not wait for it
+    assert share.pause_s(1) == 0 and share.pause_s(3) > 0
+    share.check_invariants()
 
 
 def test_entries_are_bounded_by_the_live_sessions_and_tenants() -> None:

@@ -1,20 +1,23 @@
 """FairChannels: the fast-path thread's fair share across sessions (``service.fair``, docs/fast-path.md).
 
-    each pass    the channels in order of their sessions' recent usage, least first (re-sorted every ORDER_S):
-                 a flooding session's channel is served after the others'
-    a record     its serving time is charged to its session (``charge``)
+    a record     its serving time is added to its channel's raw seconds (``charge``: no lock, no exp -- the
+                 thread's cost per record is a dict update)
+    every ORDER_S the raw seconds are folded into the sessions' decayed usage (``FairShare.charge_many``: one
+                 lock), and the order is decided again: while no session is over its share (the usual case),
+                 each pass serves the channels as they are, round-robin, and costs nothing; while some are,
+                 their channels come after the others', the most-used last (re-sorted every ORDER_S)
     a register   of a prompt over CHUNK_BLOCKS blocks: copied out of the segment (header, arrays) and its hashes
                  queued on the hasher (``prompt_hasher``); the channel is skipped -- the thread serves the others
                  -- until the hashes are there (the hasher wakes the thread), then the record is served from that
                  copy with those hashes (``serve_record(prepared=...)``): the client cannot change it meanwhile
 
-Never a wait on the thread. Bounded: at most one ``Prepared`` per live channel (``forget`` when it closes).
+Never a wait on the thread. Bounded: at most one ``Prepared`` and one raw-seconds entry per live channel (``forget``
+when it closes: its seconds are folded then).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,7 +31,7 @@ from kvpool_server.service.fair_share import key_of
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.prompt_hasher import HashJob
 
-ORDER_S = 0.001  # the channels' order is recomputed at most this often
+ORDER_S = 0.001  # the raw seconds are folded, and the channels' order decided, at most this often
 
 
 class Prepared(NamedTuple):
@@ -53,25 +56,46 @@ class FairChannels:
         self.wake_lock = threading.Lock()  # a job's end (the hasher's thread) against close() (the server's stop)
         self.closed = False
         self.prepared: dict[Channel, Prepared] = {}
-        self._order: list[Channel] = []
-        self._order_at = 0.0
+        self.spent: dict[Channel, float] = {}  # channel -> seconds served since the last fold (this thread's)
+        self._over: dict[int, float] = {}  # key -> usage of the sessions over their share, as of the last fold
+        self._order: list[Channel] | None = None  # the pass's order while some session is over; None: as given
+        self._folded_at = 0.0
 
     def key(self, channel: Channel) -> int:
         return key_of(channel.session_id, channel.tenant, self.service.guard.sessions)
 
     def order(self, channels: list[Channel]) -> list[Channel]:
-        """``channels`` (the live ones), the least-used sessions' first."""
-        if len(channels) < 2:
+        """``channels`` (the live ones) in the order this pass serves them: as given while no session is over its
+        share; else those sessions' channels after the others', the most-used last."""
+        now = self.fair.clock()
+        if now - self._folded_at >= ORDER_S:
+            self._folded_at = now
+            self.fold()
+            self._over = self.fair.over_share()
+            self._order = None
+        if not self._over or len(channels) < 2:
             return channels
-        now = time.monotonic()
-        if now - self._order_at >= ORDER_S or len(self._order) != len(channels):
-            usage = self.fair.usage
-            self._order = sorted(channels, key=lambda c: usage(c.session_id))
-            self._order_at = now
+        if self._order is None or len(self._order) != len(channels):
+            over, key = self._over, self.key
+            self._order = sorted(channels, key=lambda c: over.get(key(c), 0.0))  # stable: the others as given
         return self._order
 
     def charge(self, channel: Channel, seconds: float) -> None:
-        self.fair.charge(self.key(channel), seconds)
+        """A record's serving time, on the thread: added up per channel, folded by the first ``order`` ORDER_S or
+        more after the last fold (or when the channel closes)."""
+        spent = self.spent
+        spent[channel] = spent.get(channel, 0.0) + seconds
+
+    def fold(self) -> None:
+        """The channels' raw seconds into their sessions' decayed usage, under the accountant's lock once."""
+        if not self.spent:
+            return
+        spent, self.spent = self.spent, {}
+        by_key: dict[int, float] = {}
+        for channel, seconds in spent.items():
+            key = self.key(channel)
+            by_key[key] = by_key.get(key, 0.0) + seconds
+        self.fair.charge_many(by_key)
 
     def defer(self, channel: Channel, views: fp.Views, seq: int) -> bool:
         """True: not now -- the record's prompt is being hashed (the thread serves the other channels)."""
@@ -79,7 +103,7 @@ class FairChannels:
         if prepared is not None:
             if prepared.seq == seq:
                 return not prepared.job.done
-            self.forget(channel)
+            self._drop(channel)
         if int(views.req[fp.REQ_OP]) != fp.OP_REGISTER or not self.hasher.is_long(int(views.req[fp.REQ_N_TOKENS])):
             return False
         memory_barrier()  # the record's loads after the seq's
@@ -114,18 +138,28 @@ class FairChannels:
         with self.wake_lock:
             self.closed = True
         for channel in list(self.prepared):
-            self.forget(channel)
+            self._drop(channel)
+        self.fold()
 
     def forget(self, channel: Channel) -> None:
-        """The channel closed (or moved on): its job is cancelled, its copy dropped."""
+        """The channel closed: its seconds folded, its job cancelled, its copy dropped."""
+        if channel in self.spent:
+            self.fold()
+        self._drop(channel)
+
+    def _drop(self, channel: Channel) -> None:
+        """The channel's prepared record, if any, is no longer wanted: its job cancelled, its copy dropped."""
         prepared = self.prepared.pop(channel, None)
         if prepared is not None:
             self.hasher.cancel(prepared.job)
 
     def check_invariants(self, live: list[Channel]) -> None:
         """At most one ``Prepared`` per channel, only for live channels, each for the record after the last one
-        the channel served (``live``: the server's channels)."""
+        the channel served (``live``: the server's channels); raw seconds only of live channels, >= 0."""
         channels = {id(c) for c in live}
+        for channel, seconds in list(self.spent.items()):
+            assert id(channel) in channels, "fair channels: raw seconds of a closed channel"
+            assert seconds >= 0, f"fair channels: {seconds} s spent"
         for channel, prepared in list(self.prepared.items()):
             assert id(channel) in channels, "fair channels: a prepared record of a closed channel"
             assert prepared.seq == channel.last_seq + 1, f"fair channels: record {prepared.seq} after {channel.last_seq}"

@@ -60,7 +60,9 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         events = EventFeed(sessions.server_epoch, manager.allocator.cache, config.event_buffer_batches,
                            medium="GPU" if pool.backend == "gpu" else "CPU",
                            max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes,
-                           max_subscribers_per_tenant=config.max_event_subscribers_per_tenant)
+                           # without tokens every caller is one tenant: only --max-event-subscribers bounds
+                           max_subscribers_per_tenant=config.max_event_subscribers_per_tenant if config.auth_tokens
+                           else None)
         guards: list[CoreGuard] = []  # the guard, for the host tier's background allocation to lock
         tier = start_host_tier(manager, pool, guards) if tier_blocks else None
         guard = CoreGuard(manager, pool, sessions, ReplyCache(), events, tier.flush if tier is not None else None,

@@ -8,10 +8,12 @@ subscription, transport-neutral (an async iterator of batches); the gRPC handler
 ``OpenStreams`` entries: they are idle by design (no events, no progress), so the idle sweep must not end them;
 they end when the client cancels or the server drains (checked every ``POLL_S``).
 
-Subscribers are bounded in all and per tenant. At most ``--max-event-subscribers`` follow at once, and at most
-``--max-event-subscribers-per-tenant`` of one tenant (the caller's; without --auth-tokens every caller is the one
-tenant ""), so that one tenant's idle subscribers -- reading, so never shed -- cannot lock the others out: past its
-own bound a tenant's new subscriber sheds one of the tenant's own blocked subscribers (as below) or is refused.
+Subscribers are bounded in all and per tenant. At most ``--max-event-subscribers`` follow at once, and with
+--auth-tokens at most ``--max-event-subscribers-per-tenant`` of one tenant (the caller's), so that one tenant's idle
+subscribers -- reading, so never shed -- cannot lock the others out: past its own bound a tenant's new subscriber
+sheds one of the tenant's own blocked subscribers (as below) or is refused. Without --auth-tokens every caller is
+the one tenant "", there is no other to protect, and ``--max-event-subscribers`` is the only bound
+(``max_subscribers_per_tenant`` None).
 
 Slow consumers are shed. A subscriber that does not read its
 stream ends up with its transport blocked on a write (gRPC's flow-control window is full), which ``follow`` sees as
@@ -53,18 +55,19 @@ class Subscriber:
 class EventFeed:
     """The event log, the wake-up of its subscribers, and their caps.
 
-    Invariant: at most ``max_subscribers`` subscribers, at most ``max_subscribers_per_tenant`` of one tenant
-    (``follow`` makes room or refuses before it adds one)."""
+    Invariant: at most ``max_subscribers`` subscribers, at most ``max_subscribers_per_tenant`` of one tenant when
+    that is set (``follow`` makes room or refuses before it adds one)."""
 
     def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000, medium: str = "",
                  max_subscribers: int = 64, max_bytes: int = DEFAULT_EVENT_LOG_BYTES,
-                 max_subscribers_per_tenant: int = 16) -> None:
+                 max_subscribers_per_tenant: int | None = 16) -> None:
         self.log = KVEventLog(epoch, capacity, max_bytes)  # --event-buffer-batches, --event-buffer-bytes
         self.log.attach(cache)
         self.cache = cache
         self.medium = medium  # "GPU" or "CPU": where the pool is (vLLM's kv_events field)
         self.max_subscribers = max_subscribers  # --max-event-subscribers
-        self.max_subscribers_per_tenant = max_subscribers_per_tenant  # --max-event-subscribers-per-tenant
+        # --max-event-subscribers-per-tenant with --auth-tokens; None without (one tenant: max_subscribers only)
+        self.max_subscribers_per_tenant = max_subscribers_per_tenant
         self._subscribers: dict[asyncio.Task | None, Subscriber] = {}  # open streams (on the loop thread only)
         self._shed: weakref.WeakKeyDictionary[asyncio.Task, SlowSubscriberError] = weakref.WeakKeyDictionary()
         # What subscribers wait on, made on the loop on first use: the event, its loop and that loop's thread.
@@ -90,10 +93,11 @@ class EventFeed:
         """Before a subscriber of ``tenant`` joins: at the tenant's cap, shed the tenant's subscriber blocked the
         longest (at least ``SHED_AFTER_S``), else refuse; at the server's cap, the same among all subscribers."""
         now = time.monotonic()
-        of_tenant = self.num_subscribers_of(tenant)
-        if of_tenant < self.max_subscribers_per_tenant and self.num_subscribers < self.max_subscribers:
+        per_tenant = self.max_subscribers_per_tenant
+        of_tenant = self.num_subscribers_of(tenant) if per_tenant is not None else 0
+        at_tenant_cap = per_tenant is not None and of_tenant >= per_tenant
+        if not at_tenant_cap and self.num_subscribers < self.max_subscribers:
             return
-        at_tenant_cap = of_tenant >= self.max_subscribers_per_tenant
         blocked = [s for s in self._subscribers.values()
                    if s.blocked_since is not None and s.shed is None and now - s.blocked_since >= SHED_AFTER_S
                    and (s.tenant == tenant or not at_tenant_cap)]

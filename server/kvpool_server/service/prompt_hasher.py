@@ -174,7 +174,7 @@ class PromptHasher:
         except Exception:  # a bug: the job ends without its hashes (``result`` None: register hashes inline)
             logger.exception("prompt hasher: hashing failed")
             job.done = True
-        fair.charge(job.key, time.perf_counter() - started)
+        fair.charge(job.key, time.perf_counter() - started, heavy=True)  # heavy: gives way to light work
         if job.done:
             with self.cond:
                 queue = self.jobs.get(job.key)
