@@ -6,8 +6,8 @@ pool, unix socket); the model runner is replaced by an answer of one sampled tok
 connector only. Every prompt is new (0% hits). The same steps run with and without the connector; reported: the
 step time of each (p50, mean, and p50 of decode-only steps), the time spent inside the connector's methods per
 step (p50, mean, by kind of step: timed around each call vLLM makes), and kvpool round trips, split
-into steps that admit new requests (one RegisterSequence each), steps that store finished requests (an append and
-a free at most) and steps that only decode (the bar: 0 on those).
+into steps that admit new requests (one RegisterSequences for all of them, an append and a free), steps that
+store finished requests (an append and a free at most) and steps that only decode (the bar: 0 on those).
 
     .venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--requests 64] [--prompt 512] [--max-tokens 64]
         [--batch 16] [--json out/bench_vllm_connector.json]
@@ -90,6 +90,7 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     steps = []
     while scheduler.has_requests():
         trips = connector.round_trips if connector else 0
+        registers = connector.registers if connector else 0
         stores = bool(connector and (connector._stores or connector._to_seal or connector._to_free))
         spent[0] = 0.0
         start = time.perf_counter()
@@ -103,7 +104,8 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
         scheduler.update_from_output(out, runner)
         steps.append({"s": time.perf_counter() - start, "connector_s": spent[0], "new": bool(out.scheduled_new_reqs),
                       "stores": stores, "loaded_blocks": sum(len(c.pool_blocks) for c in getattr(meta, "loads", ())),
-                      "trips": (connector.round_trips - trips) if connector else 0})
+                      "trips": (connector.round_trips - trips) if connector else 0,
+                      "registers": (connector.registers - registers) if connector else 0})
     return steps
 
 
@@ -134,6 +136,8 @@ def summary(steps: list[dict]) -> dict:
             "decode_only_p50_us": statistics.median(decode_us) if decode_us else 0.0,
             "steps_with_new_requests": len(new), "round_trips_on_new_request_steps": sum(s["trips"] for s in new),
             "max_round_trips_on_a_new_request_step": max((s["trips"] for s in new), default=0),
+            "max_registers_in_a_step": max((s["registers"] for s in steps), default=0),
+            "registers": sum(s["registers"] for s in steps),
             "steps_storing_finished_requests": len(stores),
             "round_trips_on_storing_steps": sum(s["trips"] for s in stores),
             "decode_only_steps": len(decode), "round_trips_on_decode_only_steps": sum(s["trips"] for s in decode)}
