@@ -151,6 +151,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--json")
     parser.add_argument("--engines", type=int, default=0, help="rounds of the two-engine throughput comparison")
+    parser.add_argument("--before", help="with --engines: a third engine with the connector of this checkout "
+                        "(its client/ directory), for a before/after comparison in one run")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="with --engines: run the two engines one after the other, never both alive")
     args = parser.parse_args()
@@ -205,7 +207,11 @@ def engines(args: argparse.Namespace) -> None:
     server = KVPoolServer(work, str(work / "kvpool.sock"), num_blocks=8192)
     server.start()
     extra = {"with": ("--target", server.address, "--token-file", str(server.token_files["alpha"])), "without": ()}
-    times: dict[str, list[float]] = {"with": [], "without": []}
+    envs: dict[str, dict[str, str]] = {}
+    if args.before:  # a third engine: the connector of another checkout (its client/), the same server
+        extra = {"before": extra["with"], **extra}
+        envs["before"] = {"PYTHONPATH": f"{Path(args.before).resolve() / 'client'}{os.pathsep}{ROOT}"}
+    times: dict[str, list[float]] = {name: [] for name in extra}
     # new prompts every round: 0% hits in kvpool and in vLLM's own cache
     rounds = [[[rng.randrange(3, 511) for _ in range(args.prompt)] for _ in range(args.requests)]
               for rng in (random.Random(r) for r in range(args.engines))]
@@ -218,8 +224,8 @@ def engines(args: argparse.Namespace) -> None:
 
     try:
         if args.one_at_a_time:
-            for name in ("with", "without"):
-                engine = Engine(name, model, work, *extra[name])
+            for name in extra:
+                engine = Engine(name, model, work, *extra[name], env=envs.get(name))
                 try:
                     engine.wait_ready()  # the start-up is not timed
                     for prompts in rounds:
@@ -227,12 +233,12 @@ def engines(args: argparse.Namespace) -> None:
                 finally:
                     engine.stop()
         else:
-            both = {name: Engine(name, model, work, *extra[name]) for name in extra}
+            both = {name: Engine(name, model, work, *extra[name], env=envs.get(name)) for name in extra}
             try:
                 for engine in both.values():
                     engine.wait_ready()
                 for r, prompts in enumerate(rounds):
-                    for name in ("with", "without")[:: 1 if r % 2 else -1]:
+                    for name in list(extra)[:: 1 if r % 2 else -1]:
                         one_round(both[name], name, prompts)
             finally:
                 for engine in both.values():
@@ -242,7 +248,9 @@ def engines(args: argparse.Namespace) -> None:
     tokens = args.requests * (args.prompt + args.max_tokens)
     result: dict = {name: {"seconds": t, "median_s": statistics.median(t),
                            "tokens_per_s": tokens / statistics.median(t)} for name, t in times.items()}
-    result["with_over_without"] = result["with"]["median_s"] / result["without"]["median_s"]
+    for name in extra:
+        if name != "without":
+            result[f"{name}_over_without"] = result[name]["median_s"] / result["without"]["median_s"]
     result["args"] = vars(args)
     print(json.dumps(result, indent=2))
     if args.json:

@@ -38,7 +38,10 @@ recomputed; a store a worker could not make (``KVPoolWorkerMetadata``) poisons i
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
+
+import numpy as np
 
 from kvpool_client import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError
 
@@ -83,11 +86,15 @@ class KVPoolScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
         if state is None:
-            if self._lookup_step == self._step and self._cacheable(request) is not None:
+            if self._cacheable(request) is None:
+                self._unlooked.pop(request.request_id, None)
+                state = self._requests[request.request_id] = RequestState()  # a miss, without asking kvpool
+            elif self._lookup_step == self._step:
                 self._unlooked[request.request_id] = request
                 return None, False  # this step's one lookup is made: vLLM asks again next step
-            self._lookup(request)
-            state = self._requests[request.request_id]
+            else:
+                self._lookup(request)
+                state = self._requests[request.request_id]
         state.local_tokens = num_computed_tokens
         if not self._live(state) or state.poisoned:
             return 0, False
@@ -103,20 +110,19 @@ class KVPoolScheduler:
         """Look ``request`` up, and with it the other requests vLLM queued that are not looked up yet (at most
         ``max_lookups`` requests and ``LOOKUP_TOKENS`` prompt tokens in all, ``request`` first): one
         RegisterSequences, whose reply carries the cached blocks."""
-        batch, keys, tokens = [], [], 0
-        for other in [request] + [r for r in self._unlooked.values() if r is not request]:
-            self._unlooked.pop(other.request_id, None)
+        self._unlooked.pop(request.request_id, None)
+        batch, keys, tokens = [request], [self._cacheable(request) or b""], len(request.prompt_token_ids)
+        for other in list(itertools.islice(self._unlooked.values(), self.max_lookups - 1)):  # in vLLM's order
             key = self._cacheable(other)
+            if key is not None and tokens + len(other.prompt_token_ids) > LOOKUP_TOKENS:
+                break  # it and those after it: the next step's
+            del self._unlooked[other.request_id]
             if key is None:
                 self._requests[other.request_id] = RequestState()
-            elif len(batch) < self.max_lookups and (not batch or tokens + len(other.prompt_token_ids) <= LOOKUP_TOKENS):
-                batch.append(other)
-                keys.append(key)
-                tokens += len(other.prompt_token_ids)
-            else:
-                self._unlooked[other.request_id] = other  # the next step's
-        if not batch:
-            return
+                continue
+            batch.append(other)
+            keys.append(key)
+            tokens += len(other.prompt_token_ids)
         self._lookup_step = self._step
         found = self._register_many([list(r.prompt_token_ids) for r in batch], keys)
         for other, state in zip(batch, found):
@@ -235,7 +241,7 @@ class KVPoolScheduler:
         append made for them this step seals them anyway)."""
         return [state for req_id, state in self._requests.items()
                 if state.unsealed and not state.poisoned and state.saved_step < self._step and req_id not in appending
-                and self._live(state) and len(state.tokens()) > state.seq_tokens]
+                and self._live(state) and state.num_tokens() > state.seq_tokens]
 
     def _flush(self, stores: list[Store], prompt_seals: list[RequestState]) -> list[BlockCopy]:
         """The step's kvpool calls: registers for stores that have no sequence, one append (stores, prompt stores
@@ -254,7 +260,7 @@ class KVPoolScheduler:
         frees += [s.state for s in stores if not s.running and id(s) not in taken]
         frees += [state for state, _ in seals if state.poisoned]
         seals = [(state, token) for state, token in seals if self._live(state) and not state.poisoned]
-        seals += [(state, state.tokens()[state.seq_tokens]) for state in prompt_seals]
+        seals += [(state, state.token(state.seq_tokens)) for state in prompt_seals]
         copies = {s.req_id: BlockCopy(s.req_id, (), ()) for s in stores if not s.running}
         if appending or seals:
             ids = [s.state.seq_id for s in appending] + [state.seq_id for state, _ in seals]
@@ -280,10 +286,8 @@ class KVPoolScheduler:
     def _copy(self, store: Store, slots: Any) -> BlockCopy:
         """The workers' copy for an append of ``store``'s tokens that kvpool answered with ``slots``."""
         state, size = store.state, self.block_size
-        pool_blocks: list[int] = []
-        for slot in slots:
-            if not pool_blocks or pool_blocks[-1] != int(slot) // size:
-                pool_blocks.append(int(slot) // size)  # the block of a sealing token first, then whole blocks
+        blocks = np.asarray(slots, dtype=np.int64) // size  # the block of a sealing token first, then whole blocks
+        pool_blocks: list[int] = blocks[np.r_[True, blocks[1:] != blocks[:-1]]].tolist() if blocks.size else []
         copy = BlockCopy(store.req_id, tuple(pool_blocks), tuple(store.vllm_blocks[state.kv_tokens // size:]))
         if store.running:
             state.pool_blocks += pool_blocks
