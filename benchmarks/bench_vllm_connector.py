@@ -209,7 +209,8 @@ def engines(args: argparse.Namespace) -> None:
     extra = {"with": ("--target", server.address, "--token-file", str(server.token_files["alpha"])), "without": ()}
     envs: dict[str, dict[str, str]] = {}
     if args.before:  # a third engine: the connector of another checkout (its client/), the same server
-        extra = {"before": extra["with"], **extra}
+        extra = {"before": ("--target", server.address, "--token-file", str(server.token_files["beta"])), **extra}
+        # another tenant: it shares no block with "with" (both see 0% hits)
         envs["before"] = {"PYTHONPATH": f"{Path(args.before).resolve() / 'client'}{os.pathsep}{ROOT}"}
     times: dict[str, list[float]] = {name: [] for name in extra}
     # new prompts every round: 0% hits in kvpool and in vLLM's own cache
