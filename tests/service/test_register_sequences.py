@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool_client import InvalidArgumentError, KVPoolClient, ResourceExhaustedError
+from kvpool_client import InvalidArgumentError, KVPoolClient
 from tests.security.tenant_helpers import As, write_tokens
 
 BS = 16
