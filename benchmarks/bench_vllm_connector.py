@@ -6,8 +6,8 @@ pool, unix socket); the model runner is replaced by an answer of one sampled tok
 connector only. Every prompt is new (0% hits). The same steps run with and without the connector; reported: the
 step time of each (p50, mean, and p50 of decode-only steps), the time spent inside the connector's methods per
 step (p50, mean, by kind of step: timed around each call vLLM makes), and kvpool round trips, split
-into steps that admit new requests (one RegisterSequence each), steps that store finished requests (an append and
-a free at most) and steps that only decode (the bar: 0 on those).
+into steps that admit new requests (one RegisterSequences for all of them, an append and a free), steps that
+store finished requests (an append and a free at most) and steps that only decode (the bar: 0 on those).
 
     .venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--requests 64] [--prompt 512] [--max-tokens 64]
         [--batch 16] [--json out/bench_vllm_connector.json]
@@ -90,6 +90,7 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     steps = []
     while scheduler.has_requests():
         trips = connector.round_trips if connector else 0
+        registers = connector.registers if connector else 0
         stores = bool(connector and (connector._stores or connector._to_seal or connector._to_free))
         spent[0] = 0.0
         start = time.perf_counter()
@@ -103,7 +104,8 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
         scheduler.update_from_output(out, runner)
         steps.append({"s": time.perf_counter() - start, "connector_s": spent[0], "new": bool(out.scheduled_new_reqs),
                       "stores": stores, "loaded_blocks": sum(len(c.pool_blocks) for c in getattr(meta, "loads", ())),
-                      "trips": (connector.round_trips - trips) if connector else 0})
+                      "trips": (connector.round_trips - trips) if connector else 0,
+                      "registers": (connector.registers - registers) if connector else 0})
     return steps
 
 
@@ -134,6 +136,8 @@ def summary(steps: list[dict]) -> dict:
             "decode_only_p50_us": statistics.median(decode_us) if decode_us else 0.0,
             "steps_with_new_requests": len(new), "round_trips_on_new_request_steps": sum(s["trips"] for s in new),
             "max_round_trips_on_a_new_request_step": max((s["trips"] for s in new), default=0),
+            "max_registers_in_a_step": max((s["registers"] for s in steps), default=0),
+            "registers": sum(s["registers"] for s in steps),
             "steps_storing_finished_requests": len(stores),
             "round_trips_on_storing_steps": sum(s["trips"] for s in stores),
             "decode_only_steps": len(decode), "round_trips_on_decode_only_steps": sum(s["trips"] for s in decode)}
@@ -147,6 +151,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--json")
     parser.add_argument("--engines", type=int, default=0, help="rounds of the two-engine throughput comparison")
+    parser.add_argument("--before", help="with --engines: a third engine with the connector of this checkout "
+                        "(its client/ directory), for a before/after comparison in one run")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="with --engines: run the two engines one after the other, never both alive")
     args = parser.parse_args()
@@ -201,7 +207,12 @@ def engines(args: argparse.Namespace) -> None:
     server = KVPoolServer(work, str(work / "kvpool.sock"), num_blocks=8192)
     server.start()
     extra = {"with": ("--target", server.address, "--token-file", str(server.token_files["alpha"])), "without": ()}
-    times: dict[str, list[float]] = {"with": [], "without": []}
+    envs: dict[str, dict[str, str]] = {}
+    if args.before:  # a third engine: the connector of another checkout (its client/), the same server
+        extra = {"before": ("--target", server.address, "--token-file", str(server.token_files["beta"])), **extra}
+        # another tenant: it shares no block with "with" (both see 0% hits)
+        envs["before"] = {"PYTHONPATH": f"{Path(args.before).resolve() / 'client'}{os.pathsep}{ROOT}"}
+    times: dict[str, list[float]] = {name: [] for name in extra}
     # new prompts every round: 0% hits in kvpool and in vLLM's own cache
     rounds = [[[rng.randrange(3, 511) for _ in range(args.prompt)] for _ in range(args.requests)]
               for rng in (random.Random(r) for r in range(args.engines))]
@@ -214,8 +225,8 @@ def engines(args: argparse.Namespace) -> None:
 
     try:
         if args.one_at_a_time:
-            for name in ("with", "without"):
-                engine = Engine(name, model, work, *extra[name])
+            for name in extra:
+                engine = Engine(name, model, work, *extra[name], env=envs.get(name))
                 try:
                     engine.wait_ready()  # the start-up is not timed
                     for prompts in rounds:
@@ -223,12 +234,12 @@ def engines(args: argparse.Namespace) -> None:
                 finally:
                     engine.stop()
         else:
-            both = {name: Engine(name, model, work, *extra[name]) for name in extra}
+            both = {name: Engine(name, model, work, *extra[name], env=envs.get(name)) for name in extra}
             try:
                 for engine in both.values():
                     engine.wait_ready()
                 for r, prompts in enumerate(rounds):
-                    for name in ("with", "without")[:: 1 if r % 2 else -1]:
+                    for name in list(extra)[:: 1 if r % 2 else -1]:
                         one_round(both[name], name, prompts)
             finally:
                 for engine in both.values():
@@ -238,7 +249,9 @@ def engines(args: argparse.Namespace) -> None:
     tokens = args.requests * (args.prompt + args.max_tokens)
     result: dict = {name: {"seconds": t, "median_s": statistics.median(t),
                            "tokens_per_s": tokens / statistics.median(t)} for name, t in times.items()}
-    result["with_over_without"] = result["with"]["median_s"] / result["without"]["median_s"]
+    for name in extra:
+        if name != "without":
+            result[f"{name}_over_without"] = result[name]["median_s"] / result["without"]["median_s"]
     result["args"] = vars(args)
     print(json.dumps(result, indent=2))
     if args.json:

@@ -42,6 +42,7 @@ from kvpool_client.types import (
     InvariantReport,
     PoolDescription,
     PoolStats,
+    RegisteredSequence,
 )
 
 P = ParamSpec("P")
@@ -161,6 +162,19 @@ class KVPoolCommands(SessionCommands, ABC):
         request.prompt_token_ids.extend(np.asarray(prompt_token_ids, dtype=np.uint32).tolist())
         response = yield from self._call(rpcs.REGISTER_SEQUENCE, request, timeout)
         return response.seq_id, response.num_cached_tokens
+
+    @command
+    def register_prompts(self, prompts: Sequence[Sequence[int] | np.ndarray], *,
+                         cache_extra_keys: Sequence[bytes] = (),
+                         timeout: float | None = None) -> Plan[list[RegisteredSequence]]:
+        """``register_prompt`` for each prompt, in one call (RegisterSequences, over gRPC): all are registered or
+        none (the first refusal's error). Each answer carries its cached blocks (no ``block_table`` call needed).
+        At most the server's --max-batch prompts and --max-tokens-per-call tokens in all. ``cache_extra_keys``:
+        one per prompt, or none."""
+        session = yield from self._session_fields(rpcs.REGISTER_SEQUENCES.name, timeout)
+        request = convert.register_many_request(prompts, cache_extra_keys, **session)
+        response = yield from self._call(rpcs.REGISTER_SEQUENCES, request, timeout)
+        return convert.registered_sequences(response)
 
     @command
     def append(

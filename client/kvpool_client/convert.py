@@ -24,6 +24,7 @@ from kvpool_client.types import (
     PoolDescription,
     PoolShard,
     PoolStats,
+    RegisteredSequence,
     SequenceInfo,
     SessionInfo,
     TenantUsage,
@@ -91,6 +92,23 @@ def register_request(seq_id: int | None, *, public_prefix_len: int = 0, cache_ex
     if seq_id is not None:
         request.seq_id = seq_id
     return request
+
+
+def register_many_request(prompts: Sequence[Sequence[int] | np.ndarray], cache_extra_keys: Sequence[bytes],
+                          **session: int) -> pb.RegisterSequencesRequest:
+    """One SequencePrompt per prompt, its key ``cache_extra_keys[i]`` (or none at all: b"" each)."""
+    if cache_extra_keys and len(cache_extra_keys) != len(prompts):
+        raise InvalidArgumentError(f"{len(cache_extra_keys)} cache_extra_keys for {len(prompts)} prompts: give one "
+                                   "per prompt, or none")
+    keys = cache_extra_keys or [b""] * len(prompts)
+    return pb.RegisterSequencesRequest(prompts=[
+        pb.SequencePrompt(prompt_token_ids=np.asarray(p, dtype=np.uint32).tolist(), cache_extra_key=k)
+        for p, k in zip(prompts, keys)], **session)
+
+
+def registered_sequences(response: pb.RegisterSequencesResponse) -> list[RegisteredSequence]:
+    return [RegisteredSequence(s.seq_id, s.num_cached_tokens, np.asarray(s.cached_block_ids, dtype=np.int32))
+            for s in response.sequences]
 
 
 def append_args(

@@ -31,6 +31,7 @@ class Rpc:
 
 
 REGISTER_SEQUENCE = Rpc("RegisterSequence", idempotent=False, renews_lease=True)
+REGISTER_SEQUENCES = Rpc("RegisterSequences", idempotent=False, renews_lease=True)
 APPEND_TOKEN = Rpc("AppendToken", idempotent=False, renews_lease=True)
 FORK = Rpc("Fork", idempotent=False, renews_lease=True)
 FREE = Rpc("Free", idempotent=False, renews_lease=True)

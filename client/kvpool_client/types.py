@@ -47,6 +47,16 @@ class AppendResult:
 
 
 @dataclass(frozen=True)
+class RegisteredSequence:
+    """One sequence of ``register_prompts``: it starts with ``num_cached_tokens`` cached tokens, held by the blocks
+    ``cached_block_ids`` (int32, logical order: ``num_cached_tokens // block_size`` of them)."""
+
+    seq_id: int
+    num_cached_tokens: int
+    cached_block_ids: np.ndarray
+
+
+@dataclass(frozen=True)
 class BlockTable:
     """A sequence's page table: ``block_ids[i]`` holds tokens [i * block_size, (i + 1) * block_size)."""
 

@@ -1,5 +1,5 @@
 """Real processes for the vLLM tests: vLLM engines (engine_driver.py) and a kvpool server that can be SIGKILLed and
-started again on the same unix socket, with a tokens file of two tenants."""
+started again on the same unix socket, with a tokens file of three tenants (gamma with a small max_blocks)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from tests.vllm.tiny_model import server_layout_args
 ENGINE_START_TIMEOUT_S = 600.0  # two cores, several engines starting together
 DRIVER = Path(__file__).with_name("engine_driver.py")
 ROOT = Path(__file__).resolve().parents[2]
-TENANTS = ("alpha", "beta")
+TENANTS = ("alpha", "beta", "gamma")
+QUOTA_BLOCKS = 12  # gamma's max_blocks: a prompt of 13 full blocks or more cannot be stored
+LIMITS = {"gamma": [f"max_blocks = {QUOTA_BLOCKS}"]}
 
 
 class Engine:
@@ -108,7 +110,7 @@ class KVPoolServer:
             token = f"token-of-{tenant}-{os.getpid()}"
             self.token_files[tenant].write_text(token + "\n")
             self.token_files[tenant].chmod(0o600)
-            lines += [f"[tenants.{tenant}]", "may_attach = true", ""]
+            lines += [f"[tenants.{tenant}]", "may_attach = true", *LIMITS.get(tenant, []), ""]
             lines += ["[[tokens]]", f'sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"',
                       f'tenant = "{tenant}"', ""]
         self.tokens_file.write_text("\n".join(lines))

@@ -1,4 +1,4 @@
-"""KVPoolConnector with the real vLLM (CPU) and a real kvpool server (host pool, block size 32, two tenants).
+"""KVPoolConnector with the real vLLM (CPU) and a real kvpool server (host pool, block size 32, three tenants).
 
 Three engine processes live for the whole module (an engine takes 30-80 s to start on two cores): ``plain`` has no
 connector (the reference outputs), ``a`` and ``b`` have the connector with tenant alpha's token; ``a`` is started
@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` installs it (CPU) and runs these")
 
-from tests.vllm.harness import Engine, KVPoolServer, wait_for  # noqa: E402
+from tests.vllm.harness import QUOTA_BLOCKS, Engine, KVPoolServer, wait_for  # noqa: E402
 from tests.vllm.tiny_model import BLOCK_SIZE, write_tiny_llama  # noqa: E402
 
 from kvpool_client.integrations.vllm.scheduler import SEAL_WITHIN_STEPS  # noqa: E402
@@ -48,7 +48,7 @@ def env(tmp_path_factory):
     engines["b"] = Engine("b", model, work, *common, env={"KVPOOL_VLLM_FAIL_LOADS_FILE": str(fault)})
     for engine in engines.values():
         engine.wait_ready()
-    yield {"server": server, "fault": fault, **engines}
+    yield {"server": server, "fault": fault, "model": model, "work": work, **engines}
     for engine in engines.values():
         engine.stop()
     server.stop()
@@ -229,3 +229,40 @@ def test_a_crashed_engine_leaves_nothing_pinned_in_kvpool(env):
     with server.client() as client:
         assert client.stats().num_blocks_used == 0  # every block it pinned or was storing: free or cached
 
+
+
+def test_a_tenants_quota_makes_stores_misses_never_errors(env):
+    """An engine whose tenant (gamma) has max_blocks = QUOTA_BLOCKS: a prompt store over it is refused by kvpool
+    (RESOURCE_EXHAUSTED) and is a miss for that request alone -- the same tokens as without the connector, the link
+    kept, nothing of the refused store left in kvpool -- while a prompt within the quota is stored and found (runs
+    after engine a is gone: its CPU goes to this engine's start)."""
+    server, plain = env["server"], env["plain"]
+    q = Engine("quota", env["model"], env["work"], "--target", server.address, "--token-file",
+               str(server.token_files["gamma"]), env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    try:
+        q.wait_ready()
+        big = [prompt(131 + i, 640, prefix_seed=7) for i in range(2)]  # 20 full blocks each: over the quota
+        small = [prompt(130, 200)]  # 6 full blocks: within it
+        with server.client("alpha") as alpha:
+            alpha_before = alpha.stats()
+        assert q.generate(big, 16)["outputs"] == plain.generate(big, 16)["outputs"]
+        assert q.generate(small, 16)["outputs"] == plain.generate(small, 16)["outputs"]
+        again = q.generate(big, 16)  # looked up again: still a miss in kvpool (vLLM's own cache may hit)
+        assert again["outputs"] == plain.generate(big, 16)["outputs"]
+        settled(server)
+        with server.client("gamma") as gamma:
+            usage = gamma.stats().tenants[0]
+            seq, small_hit = gamma.register_prompt(small[0])
+            gamma.free(seq)
+            seq, big_hit = gamma.register_prompt(big[0])
+            gamma.free(seq)
+        assert (usage.tenant, usage.max_blocks, usage.num_sequences, usage.num_blocks) == ("gamma", QUOTA_BLOCKS, 0, 0)
+        assert small_hit == (200 - 1) // BLOCK_SIZE * BLOCK_SIZE  # stored: the quota did not stop the link
+        assert big_hit == 0  # refused whole, never sealed: nothing of it matchable
+        log = q.log()
+        assert "KVPoolConnector:" not in log, log[-3000:]  # no warning: the link stayed up, no store "failed"
+        with server.client("alpha") as alpha:
+            alpha_after = alpha.stats()
+        assert alpha_after.num_blocks_used == alpha_before.num_blocks_used == 0  # the pool holds nothing pinned
+    finally:
+        q.stop()

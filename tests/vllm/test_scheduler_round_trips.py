@@ -1,6 +1,8 @@
 """kvpool round trips in vLLM's own scheduler (in this process, no model: benchmarks/bench_vllm_connector.py's
-harness) on a real kvpool server: none on a step that only decodes, one RegisterSequence per new request plus at
-most one AppendToken and one Free a step; the same prompts again on a fresh vLLM find their blocks in kvpool."""
+harness) on a real kvpool server: none on a step that only decodes; on a step that admits new requests one
+RegisterSequences for all of them (its reply carries the cached blocks: no GetBlockTable), one AppendToken and one
+Free at most, whatever the number of requests; the same prompts again on a fresh vLLM find their blocks in
+kvpool. A request past a lookup's bounds waits one step for the next lookup."""
 
 from __future__ import annotations
 
@@ -12,26 +14,55 @@ from benchmarks.bench_vllm_connector import make_scheduler, run, summary  # noqa
 from tests.conftest import start_server  # noqa: E402
 from tests.vllm.tiny_model import BLOCK_SIZE, server_layout_args, write_tiny_llama  # noqa: E402
 
+from kvpool_client.integrations.vllm import scheduler as connector_scheduler  # noqa: E402
+
+PROMPTS = [[(i * 7919 + j * 31) % 500 + 3 for j in range(300)] for i in range(12)]
+
+
+def check_steps(steps: list[dict]) -> None:
+    figures = summary(steps)
+    assert figures["decode_only_steps"] > 0 and figures["round_trips_on_decode_only_steps"] == 0, figures
+    for step in steps:
+        assert step["registers"] <= 1, step  # the step's lookups: one call (every store here has a sequence)
+        if step["new"]:
+            assert step["trips"] <= 3, step  # one RegisterSequences, one append, one free: not one per request
+        elif step["stores"]:
+            assert step["trips"] <= 2, step
+
 
 def test_round_trips_per_step_and_a_second_scheduler_loads_from_kvpool(tmp_path):
     server = start_server(tmp_path, "--num-blocks", "2048", *server_layout_args(), unix=True)
     try:
         model = write_tiny_llama(tmp_path / "model")
-        prompts = [[(i * 7919 + j * 31) % 500 + 3 for j in range(300)] for i in range(8)]
-        first = make_scheduler(model, server.address, 1024, 4)
-        steps = run(first, prompts, 8)
+        first = make_scheduler(model, server.address, 1024, 6)
+        steps = run(first, PROMPTS, 8)
         first.connector.shutdown()
-        figures = summary(steps)
-        assert figures["decode_only_steps"] > 0 and figures["round_trips_on_decode_only_steps"] == 0, figures
-        for step in steps:
-            if step["new"]:
-                assert step["trips"] <= 4 + 2, step  # 4 registers (misses: no block table), one append, one free
-            elif step["stores"]:
-                assert step["trips"] <= 2, step
+        check_steps(steps)
+        assert summary(steps)["registers"] == 2  # 12 requests, 6 a step: two lookups
         assert not any(step["loaded_blocks"] for step in steps)
-        second = make_scheduler(model, server.address, 1024, 4)
-        again = run(second, prompts, 8)
+        second = make_scheduler(model, server.address, 1024, 6)
+        again = run(second, PROMPTS, 8)
         second.connector.shutdown()
-        assert sum(step["loaded_blocks"] for step in again) == 8 * (299 // BLOCK_SIZE)
+        check_steps(again)
+        assert sum(step["loaded_blocks"] for step in again) == len(PROMPTS) * (299 // BLOCK_SIZE)
+    finally:
+        server.stop()
+
+
+def test_requests_past_a_lookups_bounds_are_looked_up_the_next_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(connector_scheduler, "LOOKUP_TOKENS", 2 * 300)  # two prompts a lookup
+    server = start_server(tmp_path, "--num-blocks", "2048", *server_layout_args(), unix=True)
+    try:
+        model = write_tiny_llama(tmp_path / "model")
+        first = make_scheduler(model, server.address, 1024, 6)
+        steps = run(first, PROMPTS[:6], 8)
+        first.connector.shutdown()
+        check_steps(steps)
+        assert summary(steps)["registers"] == 3
+        assert [s["registers"] for s in steps[:3]] == [1, 1, 1]  # admitted two a step
+        second = make_scheduler(model, server.address, 1024, 6)
+        again = run(second, PROMPTS[:6], 8)
+        second.connector.shutdown()
+        assert sum(step["loaded_blocks"] for step in again) == 6 * (299 // BLOCK_SIZE)
     finally:
         server.stop()

@@ -60,6 +60,42 @@ class RegisterSequenceResponse(_message.Message):
     num_cached_tokens: int
     def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
+class RegisterSequencesRequest(_message.Message):
+    __slots__ = ("session_id", "request_id", "prompts")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    request_id: int
+    prompts: _containers.RepeatedCompositeFieldContainer[SequencePrompt]
+    def __init__(self, session_id: _Optional[int] = ..., request_id: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[SequencePrompt, _Mapping]]] = ...) -> None: ...
+
+class SequencePrompt(_message.Message):
+    __slots__ = ("prompt_token_ids", "public_prefix_len", "cache_extra_key")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    public_prefix_len: int
+    cache_extra_key: bytes
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., public_prefix_len: _Optional[int] = ..., cache_extra_key: _Optional[bytes] = ...) -> None: ...
+
+class RegisterSequencesResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[RegisteredSequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[RegisteredSequence, _Mapping]]] = ...) -> None: ...
+
+class RegisteredSequence(_message.Message):
+    __slots__ = ("seq_id", "num_cached_tokens", "cached_block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_cached_tokens: int
+    cached_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., cached_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class AppendTokenRequest(_message.Message):
     __slots__ = ("seq_ids", "num_tokens", "session_id", "request_id", "token_ids")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class KVPoolServiceStub:
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterSequenceRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterSequenceResponse.FromString,
                 _registered_method=True)
+        self.RegisterSequences = channel.unary_unary(
+                '/kvpool.v1.KVPoolService/RegisterSequences',
+                request_serializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterSequencesRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterSequencesResponse.FromString,
+                _registered_method=True)
         self.AppendToken = channel.unary_unary(
                 '/kvpool.v1.KVPoolService/AppendToken',
                 request_serializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenRequest.SerializeToString,
@@ -138,6 +143,17 @@ class KVPoolServiceServicer:
 
     def RegisterSequence(self, request, context):
         """RegisterSequence creates an empty sequence (0 tokens, no blocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterSequences(self, request, context):
+        """RegisterSequences registers one sequence per prompt, as that many RegisterSequence calls with
+        prompt_token_ids would, in one call and all or none: every prompt is checked first, and one that is refused
+        (INVALID_ARGUMENT, PERMISSION_DENIED, the tenant's max_sequences: RESOURCE_EXHAUSTED) refuses the whole call,
+        nothing registered. The reply carries each sequence's cached blocks (no GetBlockTable needed): a scheduler
+        looks up every new request of its step in one round trip. gRPC only (not a fast-path record).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -292,6 +308,11 @@ def add_KVPoolServiceServicer_to_server(servicer, server):
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterSequenceRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterSequenceResponse.SerializeToString,
             ),
+            'RegisterSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSequences,
+                    request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterSequencesRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_kvpool__pb2.RegisterSequencesResponse.SerializeToString,
+            ),
             'AppendToken': grpc.unary_unary_rpc_method_handler(
                     servicer.AppendToken,
                     request_deserializer=kvpool_dot_v1_dot_kvpool__pb2.AppendTokenRequest.FromString,
@@ -411,6 +432,33 @@ class KVPoolService:
             '/kvpool.v1.KVPoolService/RegisterSequence',
             kvpool_dot_v1_dot_kvpool__pb2.RegisterSequenceRequest.SerializeToString,
             kvpool_dot_v1_dot_kvpool__pb2.RegisterSequenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.KVPoolService/RegisterSequences',
+            kvpool_dot_v1_dot_kvpool__pb2.RegisterSequencesRequest.SerializeToString,
+            kvpool_dot_v1_dot_kvpool__pb2.RegisterSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,7 @@ from kvpool_server.grpc_api.fair_calls import HashedRegister
 from kvpool_server.grpc_api.status import PEER_KEY
 from kvpool_server.fastpath.server import FastPathServer
 from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.service.register_batch import PromptToRegister
 from kvpool_server.service.scope import Call
 
 
@@ -64,6 +65,17 @@ def _register(service: KVPoolService, call: Call, r: Any) -> Any:
     hashes = r.hashes if isinstance(r, HashedRegister) else None
     return service.register(call, r.seq_id if r.HasField("seq_id") else None, r.session_id, r.request_id,
                             prompt, r.public_prefix_len, r.cache_extra_key, hashes)
+
+
+def _register_many(service: KVPoolService, call: Call, r: pb.RegisterSequencesRequest) -> Any:
+    prompts = [PromptToRegister(p.prompt_token_ids, p.public_prefix_len, p.cache_extra_key) for p in r.prompts]
+    return service.register_many(call, prompts, r.session_id, r.request_id)
+
+
+def _registered_many(service: KVPoolService, answer: Any) -> pb.RegisterSequencesResponse:
+    return pb.RegisterSequencesResponse(sequences=[
+        pb.RegisteredSequence(seq_id=a.seq_id, num_cached_tokens=a.num_cached_tokens,
+                              cached_block_ids=a.cached_block_ids.tolist()) for a in answer])
 
 
 def _fork(service: KVPoolService, call: Call, r: pb.ForkRequest) -> list[int]:
@@ -111,6 +123,7 @@ RPCS: dict[str, Unary | BidiStream | ServerStream] = {
     "RegisterSequence": Unary(
         pb.RegisterSequenceRequest, _register,
         lambda s, a: pb.RegisterSequenceResponse(seq_id=a.seq_id, num_cached_tokens=a.num_cached_tokens)),
+    "RegisterSequences": Unary(pb.RegisterSequencesRequest, _register_many, _registered_many),
     "AppendToken": Unary(
         pb.AppendTokenRequest, _append, lambda s, plan: messages.append_response(plan, pb.AppendTokenResponse)),
     "AppendTokenStream": BidiStream(

@@ -45,6 +45,8 @@ from kvpool_server.service.kv_wire import ENVELOPE_BYTES, KVWire
 from kvpool_server.service.metrics import KVPoolMetrics
 from kvpool_server.service.offload import Offload
 from kvpool_server.service.prompt_hasher import PromptHasher
+from kvpool_server.service import register_batch
+from kvpool_server.service.register_batch import PromptToRegister, RegisteredPrompt
 from kvpool_server.service.reply_limits import ReplyLimits
 from kvpool_server.service.scope import Call
 from kvpool_server.service.sessions import SessionService
@@ -144,6 +146,36 @@ class KVPoolService:
             if restoring is not None and not restoring.finished:  # refused or replayed before apply: settle it
                 with self.guard.lock:
                     tier.finish_restore(restoring)  # type: ignore[union-attr]
+
+    def register_many(self, call: Call, prompts: Sequence[PromptToRegister], session_id: int = 0,
+                      request_id: int = 0) -> tuple[RegisteredPrompt, ...]:
+        """RegisterSequences: a sequence per prompt, all or none (register_batch.py says how)."""
+        register_batch.check_batch(prompts, self.max_batch, self.limits.max_tokens_per_call)
+        self.limits.check_reply(register_batch.reply_bytes(prompts, self.guard.manager.block_size),
+                                register_batch.RPC, call.headers, register_batch.ITEM_BYTES, "prompts")
+        if not session_id:
+            self.sessions.refuse_if_drained(register_batch.RPC)
+        tenant, manager, tier = call.caller.tenant_id, self.guard.manager, self.tier
+        hashes = [register_batch.checked_hashes(call.caller, manager, i, p) for i, p in enumerate(prompts)]
+        restoring = [] if tier is None else [tier.start_restore(self.guard, call.caller, session_id, tenant,
+                                                                p.prompt_token_ids, h) for p, h in zip(prompts, hashes)]
+
+        def apply() -> tuple[RegisteredPrompt, ...]:
+            for r in restoring:
+                tier.finish_restore(r)  # type: ignore[union-attr]
+            register_batch.check_room(manager, tenant, len(prompts))
+            ids = [manager.register(None, session_id, tenant, p.prompt_token_ids, p.public_prefix_len,
+                                    p.cache_extra_key, h) for p, h in zip(prompts, hashes)]
+            return tuple(register_batch.registered(manager, seq_id, tenant) for seq_id in ids)
+
+        request = ("register_many", *(x for p in prompts for x in p))
+        try:
+            return self.guard.mutate(call.caller, session_id, request_id, request, apply)
+        finally:
+            if any(r is not None and not r.finished for r in restoring):
+                with self.guard.lock:
+                    for r in restoring:
+                        tier.finish_restore(r)  # type: ignore[union-attr]
 
     def append(self, call: Call, seq_ids: Sequence[int], num_tokens: Sequence[int] = (),
                token_ids: Sequence[int] = (), session_id: int = 0, request_id: int = 0) -> AppendPlan:

@@ -38,7 +38,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             # Prompt stores need a step's copies done before the next step is built: synchronous scheduling.
             sync = not vllm_config.scheduler_config.async_scheduling
             self.scheduler = KVPoolScheduler(KVPoolLink(settings, layout, client_name=name[:128]),
-                                             layout.block_size, self._blocks_of if sync else None)
+                                             layout.block_size, self._blocks_of if sync else None,
+                                             vllm_config.scheduler_config.max_num_seqs)
         else:
             self.worker = KVPoolWorker(settings, layout)
 
@@ -51,6 +52,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         return False  # no per-layer hook does any work: whole blocks before and after the forward pass
 
     # ------------------------------------------------------------------ scheduler side
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -30,8 +30,12 @@ class RequestState:
     poisoned: bool = False
     saved_step: int = -1  # the step whose forward pass computed (and whose workers copied) the unsealed blocks
 
-    def tokens(self) -> list[int]:
-        return list(self.request.all_token_ids) if self.request is not None else []
+    def num_tokens(self) -> int:
+        """The request's tokens so far (its prompt and outputs), 0 without it."""
+        return len(self.request.all_token_ids) if self.request is not None else 0
+
+    def token(self, position: int) -> int:
+        return int(self.request.all_token_ids[position])
 
 
 @dataclass

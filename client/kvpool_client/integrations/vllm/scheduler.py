@@ -1,11 +1,16 @@
 """The connector's scheduler side: look a prompt up in kvpool, pin what it holds, load it, store what vLLM computed.
 
-Lookups. Each request that may be cached gets one kvpool sequence, registered with its prompt when vLLM first asks
-how many tokens kvpool can give (``RegisterSequence`` with ``prompt_token_ids``: kvpool answers the run of full
-blocks it has cached, and the sequence pins them -- nothing evicts them until it is freed). The answer is kept, so
-vLLM may ask again and gets the same answer with no second call: as far as vLLM can tell the lookup has no side
-effect. The blocks beyond vLLM's own hit are the external tokens; once vLLM has allocated blocks for them, the
-step's metadata tells the workers to copy those pool blocks into vLLM's blocks before the forward pass.
+Lookups. Each request that may be cached gets one kvpool sequence, registered with its prompt (kvpool answers the
+run of full blocks it has cached, and the sequence pins them -- nothing evicts them until it is freed). vLLM asks
+per request, inside its ``schedule()``; the first time it asks in a step, that request and every other request
+vLLM queued since (``on_new_request``) that is not looked up yet -- at most ``max_lookups`` requests (vLLM's
+``max_num_seqs``) and ``LOOKUP_TOKENS`` prompt tokens -- are registered in one ``RegisterSequences`` call, whose
+reply carries each sequence's cached block ids. A request vLLM asks about later in the same step that is in no
+lookup yet (it came past the bounds) is answered None, "ask again": vLLM skips it this step and it is looked up
+first in the next. The answers are kept, so vLLM may ask again and gets the same answer with no second call: as
+far as vLLM can tell the lookup has no side effect. The blocks beyond vLLM's own hit are the external tokens;
+once vLLM has allocated blocks for them, the step's metadata tells the workers to copy those pool blocks into
+vLLM's blocks before the forward pass.
 
 Stores. In the step that computes a prompt's full blocks (its prefill, or each chunk of it), they are appended to
 the request's sequence (with their token ids, so kvpool hashes them) and the workers copy them into the pool after
@@ -19,10 +24,12 @@ prefill. Prompt stores need vLLM's synchronous scheduling (a step's copies are d
 before the next step is built; the CPU backend always has it); with asynchronous scheduling only finished requests
 are stored.
 
-Round trips, all from the scheduler's thread (over the shared-memory fast path when kvpool is local): one
-``RegisterSequence`` per new request (plus a ``GetBlockTable`` when it hits), and per step at most one
-``AppendToken`` (every store, prompt store and seal of the step) and one ``Free``. A step that only decodes makes
-none, but for the forced seal. ``round_trips`` counts them (the benchmark and the tests read it).
+Round trips, all from the scheduler's thread (``RegisterSequences`` over gRPC, the others over the shared-memory
+fast path when kvpool is local), per step and whatever the number of requests: at most one ``RegisterSequences``
+for the step's lookups, one more for the stores of finished requests that have no sequence yet (their lookup
+missed: a short prompt, kvpool away), one ``AppendToken`` (every store, prompt store and seal of the step) and
+one ``Free``. A step that only decodes makes none, but for the forced seal. ``round_trips`` counts them, and
+``registers`` the ``RegisterSequences`` (the benchmark and the tests read them).
 
 Failure is a miss: an unreachable or dead kvpool (``KVPoolLink``) answers 0 tokens and stores nothing, and state of
 an older connection is dropped. A load whose blocks a worker could not copy is reported to vLLM by that worker and
@@ -31,7 +38,10 @@ recomputed; a store a worker could not make (``KVPoolWorkerMetadata``) poisons i
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
+
+import numpy as np
 
 from kvpool_client import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError
 
@@ -42,15 +52,21 @@ from .requests import RequestState, Store, cache_key
 # A request's own failures (its prompt too long for the server, the tenant's quota or the pool full): a miss for it.
 REQUEST_ERRORS = (InvalidArgumentError, ResourceExhaustedError, PermissionDeniedError)
 SEAL_WITHIN_STEPS = 16
+MAX_LOOKUPS = 256  # requests in one lookup, at most (and at most the server's --max-batch, 4,096 by default)
+LOOKUP_TOKENS = 32768  # prompt tokens in one lookup, at most (a longer prompt goes alone; --max-tokens-per-call)
 
 
 class KVPoolScheduler:
-    def __init__(self, link: KVPoolLink, block_size: int, blocks_of: Any = None) -> None:
-        """``blocks_of(req_id)``: vLLM's block ids of a running request, for prompt stores (None: they are off)."""
+    def __init__(self, link: KVPoolLink, block_size: int, blocks_of: Any = None, max_lookups: int = 256) -> None:
+        """``blocks_of(req_id)``: vLLM's block ids of a running request, for prompt stores (None: they are off).
+        ``max_lookups``: the most requests one lookup takes (vLLM's ``max_num_seqs``: the most a step admits)."""
         self.link = link
         self.block_size = block_size
+        self.max_lookups = max(1, min(max_lookups, MAX_LOOKUPS))
         self._blocks_of = blocks_of
         self._requests: dict[str, RequestState] = {}
+        self._unlooked: dict[str, Any] = {}  # vLLM's queued requests not looked up yet (on_new_request)
+        self._lookup_step = -1  # the step whose lookup was made
         self._loads: list[BlockCopy] = []
         self._stores: list[Store] = []  # finished requests' stores, for the next step
         self._sent: dict[str, tuple[RequestState, int]] = {}  # finished stores the workers copy: (state, seal)
@@ -60,43 +76,72 @@ class KVPoolScheduler:
         self._step = 0
         self._trips_built = 0  # round_trips when the last step was built: more now = this step called kvpool
         self.round_trips = 0
+        self.registers = 0  # of them RegisterSequences: at most one a step for lookups, one for stores
 
     # ------------------------------------------------------------------ lookups and loads
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def on_new_request(self, request: Any) -> None:
+        """vLLM queued ``request``: looked up with the step's other new requests when vLLM first asks for one."""
+        self._unlooked[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = self._lookup(request)
+            if self._cacheable(request) is None:
+                self._unlooked.pop(request.request_id, None)
+                state = self._requests[request.request_id] = RequestState()  # a miss, without asking kvpool
+            elif self._lookup_step == self._step:
+                self._unlooked[request.request_id] = request
+                return None, False  # this step's one lookup is made: vLLM asks again next step
+            else:
+                self._lookup(request)
+                state = self._requests[request.request_id]
         state.local_tokens = num_computed_tokens
         if not self._live(state) or state.poisoned:
             return 0, False
         return max(0, state.kv_tokens - num_computed_tokens), False
 
-    def _lookup(self, request: Any) -> RequestState:
-        key = cache_key(request, self.link.settings.cache_key)
-        prompt = list(request.prompt_token_ids or ())
-        if key is None or len(prompt) <= self.block_size or self.link.client is None:
-            return RequestState()
-        state = self._register(prompt, key)
-        if state.seq_id is not None and self._blocks_of is not None:
-            state.request = request
-        if state.kv_tokens:
-            self.round_trips += 1
-            seq_id = state.seq_id
-            table = self.link.call("GetBlockTable", lambda c: c.block_table(seq_id))
-            if table is None:
-                state.kv_tokens = state.seq_tokens = 0  # a miss; the sequence goes with the link
-            else:
-                state.pool_blocks = [int(b) for b in table.block_ids[: state.kv_tokens // self.block_size]]  # type: ignore[attr-defined]
-        return state
+    def _cacheable(self, request: Any) -> bytes | None:
+        """The request's ``cache_extra_key`` when kvpool may hold its prompt (and is reachable), else None."""
+        if self.link.client is None or len(request.prompt_token_ids or ()) <= self.block_size:
+            return None
+        return cache_key(request, self.link.settings.cache_key)
 
-    def _register(self, prompt: list[int], key: bytes) -> RequestState:
+    def _lookup(self, request: Any) -> None:
+        """Look ``request`` up, and with it the other requests vLLM queued that are not looked up yet (at most
+        ``max_lookups`` requests and ``LOOKUP_TOKENS`` prompt tokens in all, ``request`` first): one
+        RegisterSequences, whose reply carries the cached blocks."""
+        self._unlooked.pop(request.request_id, None)
+        batch, keys, tokens = [request], [self._cacheable(request) or b""], len(request.prompt_token_ids)
+        for other in list(itertools.islice(self._unlooked.values(), self.max_lookups - 1)):  # in vLLM's order
+            key = self._cacheable(other)
+            if key is not None and tokens + len(other.prompt_token_ids) > LOOKUP_TOKENS:
+                break  # it and those after it: the next step's
+            del self._unlooked[other.request_id]
+            if key is None:
+                self._requests[other.request_id] = RequestState()
+                continue
+            batch.append(other)
+            keys.append(key)
+            tokens += len(other.prompt_token_ids)
+        self._lookup_step = self._step
+        found = self._register_many([list(r.prompt_token_ids) for r in batch], keys)
+        for other, state in zip(batch, found):
+            if state.seq_id is not None and self._blocks_of is not None:
+                state.request = other
+            self._requests[other.request_id] = state
+
+    def _register_many(self, prompts: list[list[int]], keys: list[bytes]) -> list[RequestState]:
+        """One RegisterSequences for ``prompts``: a state each (a miss each when the call failed)."""
         self.round_trips += 1
-        found = self.link.call("RegisterSequence", lambda c: c.register_prompt(prompt, cache_extra_key=key),
+        self.registers += 1
+        found = self.link.call("RegisterSequences", lambda c: c.register_prompts(prompts, cache_extra_keys=keys),
                                per_request=REQUEST_ERRORS)
         if found is None:
-            return RequestState()
-        seq_id, cached = found  # type: ignore[misc]
-        return RequestState(seq_id, self.link.generation, kv_tokens=cached, seq_tokens=cached, key=key)
+            return [RequestState() for _ in prompts]
+        generation, size = self.link.generation, self.block_size
+        return [RequestState(r.seq_id, generation, kv_tokens=r.num_cached_tokens, seq_tokens=r.num_cached_tokens,
+                             key=key, pool_blocks=[int(b) for b in r.cached_block_ids[: r.num_cached_tokens // size]])
+                for r, key in zip(found, keys)]  # type: ignore[attr-defined]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -110,6 +155,7 @@ class KVPoolScheduler:
 
     # ------------------------------------------------------------------ finished requests
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._unlooked.pop(request.request_id, None)
         state = self._requests.pop(request.request_id, None) or RequestState()
         if not self._live(state):
             state = RequestState()
@@ -195,7 +241,7 @@ class KVPoolScheduler:
         append made for them this step seals them anyway)."""
         return [state for req_id, state in self._requests.items()
                 if state.unsealed and not state.poisoned and state.saved_step < self._step and req_id not in appending
-                and self._live(state) and len(state.tokens()) > state.seq_tokens]
+                and self._live(state) and state.num_tokens() > state.seq_tokens]
 
     def _flush(self, stores: list[Store], prompt_seals: list[RequestState]) -> list[BlockCopy]:
         """The step's kvpool calls: registers for stores that have no sequence, one append (stores, prompt stores
@@ -203,16 +249,18 @@ class KVPoolScheduler:
         kvpool took none, is still answered)."""
         seals, frees = self._to_seal, self._to_free
         self._to_seal, self._to_free = [], []
-        for store in stores:
-            if store.state.seq_id is None:
-                store.state = self._register(store.tokens + [store.seal_token], store.key)
+        unregistered = [s for s in stores if s.state.seq_id is None and self.link.client is not None]
+        if unregistered:  # finished requests kvpool has no sequence of (their lookup missed): one register
+            found = self._register_many([s.tokens + [s.seal_token] for s in unregistered], [s.key for s in unregistered])
+            for store, state in zip(unregistered, found):
+                store.state = state
         appending = [s for s in stores if self._live(s.state) and not s.state.poisoned
                      and len(s.tokens) > s.state.kv_tokens]
         taken = {id(s) for s in appending}
         frees += [s.state for s in stores if not s.running and id(s) not in taken]
         frees += [state for state, _ in seals if state.poisoned]
         seals = [(state, token) for state, token in seals if self._live(state) and not state.poisoned]
-        seals += [(state, state.tokens()[state.seq_tokens]) for state in prompt_seals]
+        seals += [(state, state.token(state.seq_tokens)) for state in prompt_seals]
         copies = {s.req_id: BlockCopy(s.req_id, (), ()) for s in stores if not s.running}
         if appending or seals:
             ids = [s.state.seq_id for s in appending] + [state.seq_id for state, _ in seals]
@@ -238,10 +286,8 @@ class KVPoolScheduler:
     def _copy(self, store: Store, slots: Any) -> BlockCopy:
         """The workers' copy for an append of ``store``'s tokens that kvpool answered with ``slots``."""
         state, size = store.state, self.block_size
-        pool_blocks: list[int] = []
-        for slot in slots:
-            if not pool_blocks or pool_blocks[-1] != int(slot) // size:
-                pool_blocks.append(int(slot) // size)  # the block of a sealing token first, then whole blocks
+        blocks = np.asarray(slots, dtype=np.int64) // size  # the block of a sealing token first, then whole blocks
+        pool_blocks: list[int] = blocks[np.r_[True, blocks[1:] != blocks[:-1]]].tolist() if blocks.size else []
         copy = BlockCopy(store.req_id, tuple(pool_blocks), tuple(store.vllm_blocks[state.kv_tokens // size:]))
         if store.running:
             state.pool_blocks += pool_blocks

@@ -202,9 +202,11 @@ class KVPoolWorker:
             for layer, (k, v) in enumerate(self._layers):
                 k[vllm_ids] = blocks[:, layer, 0]
                 v[vllm_ids] = blocks[:, layer, 1]
-        else:
-            blocks = torch.stack([torch.stack((k[vllm_ids], v[vllm_ids]), dim=1) for k, v in self._layers], dim=1)
-            pool[pool_ids] = blocks.to(pool.device)
+        else:  # gathered from vLLM's layout and scattered into the pool's, layer by layer: no staging copy
+            pool_ids = pool_ids.to(pool.device)
+            for layer, (k, v) in enumerate(self._layers):
+                pool[:, layer, 0].index_copy_(0, pool_ids, k.index_select(0, vllm_ids).to(pool.device))
+                pool[:, layer, 1].index_copy_(0, pool_ids, v.index_select(0, vllm_ids).to(pool.device))
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done, self._finished_stores = self._finished_stores, set()

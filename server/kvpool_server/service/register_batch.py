@@ -1,0 +1,94 @@
+"""RegisterSequences: one RegisterSequence per prompt, in one call and all or none (a scheduler's step of lookups).
+
+    registered = service.register_many(call, [PromptToRegister(tokens, 0, key), ...], session_id, request_id)
+    registered[i].seq_id, registered[i].num_cached_tokens, registered[i].cached_block_ids
+
+All or none: every prompt is checked before anything changes -- its own arguments as RegisterSequence checks them
+(``check_batch`` here and the core's ``check_register_args`` through ``prompt_hashes``), the tenant's
+``share_prefixes`` for a public prefix, then under the lock the tenant's ``max_sequences`` and the server's
+``--max-num-seqs`` for all of them at once (``check_room``) -- and a refusal of any refuses the call with that
+prompt's status, nothing registered. Past those checks a register cannot fail (prefix reuse takes fewer blocks
+rather than exceed a quota), so the batch is applied in one lock hold.
+
+Bounds: at most ``--max-batch`` prompts and ``--max-tokens-per-call`` prompt tokens in all; the reply holds one id
+and one count per prompt and at most ``(len(prompt) - 1) // block_size`` block ids each (checked against the
+reply limit before anything is applied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvpool_server.core import InvalidArgumentError
+from kvpool_server.core.manager import KVCacheManager
+from kvpool_server.core.tenants import DEFAULT_TENANT
+from kvpool_server.core.errors import KVPoolError, OutOfBlocksError
+from kvpool_server.service.auth import Identity, check_may_share_prefixes
+
+RPC = "RegisterSequences"
+ITEM_BYTES = 24  # a reply's sequence: an id, a count and their keys, beside its block ids (5 bytes each at most)
+
+
+class PromptToRegister(NamedTuple):
+    prompt_token_ids: Sequence[int]
+    public_prefix_len: int
+    cache_extra_key: bytes
+
+
+class RegisteredPrompt(NamedTuple):
+    seq_id: int
+    num_cached_tokens: int
+    cached_block_ids: np.ndarray  # int32, num_cached_tokens // block_size of them
+
+
+def check_batch(prompts: Sequence[PromptToRegister], max_batch: int, max_tokens_per_call: int) -> int:
+    """The batch's own bounds (INVALID_ARGUMENT); returns its prompt tokens in all."""
+    if not prompts:
+        raise InvalidArgumentError(f"{RPC} needs at least one prompt")
+    if len(prompts) > max_batch:
+        raise InvalidArgumentError(f"{RPC} takes at most max_batch={max_batch} prompts, got {len(prompts)}")
+    total = 0
+    for i, prompt in enumerate(prompts):
+        if not len(prompt.prompt_token_ids):
+            raise InvalidArgumentError(f"{RPC} prompts[{i}] has no prompt_token_ids (register an empty sequence "
+                                       "with RegisterSequence)")
+        total += len(prompt.prompt_token_ids)
+    if total > max_tokens_per_call:
+        raise InvalidArgumentError(f"{RPC} of {total} prompt tokens: at most --max-tokens-per-call="
+                                   f"{max_tokens_per_call} tokens a call (split the prompts over several calls)")
+    return total
+
+
+def checked_hashes(caller: Identity, manager: KVCacheManager, index: int, prompt: PromptToRegister) -> list[bytes]:
+    """Prompt ``index`` checked as RegisterSequence checks it (its refusal names it), and its chain hashes."""
+    try:
+        check_may_share_prefixes(caller, prompt.public_prefix_len)
+        return manager.prefix.prompt_hashes(caller.tenant_id, prompt.prompt_token_ids, prompt.public_prefix_len,
+                                            prompt.cache_extra_key)
+    except KVPoolError as error:
+        error.args = (f"{RPC} prompts[{index}]: {error}",)
+        raise
+
+
+def reply_bytes(prompts: Sequence[PromptToRegister], block_size: int) -> int:
+    """The most bytes the reply can take."""
+    return 64 + sum(ITEM_BYTES + 5 * max(0, (len(p.prompt_token_ids) - 1) // block_size) for p in prompts)
+
+
+def check_room(manager: KVCacheManager, tenant: int | None, num: int) -> None:
+    """``num`` more sequences fit the tenant's ``max_sequences`` and the server's rows (RESOURCE_EXHAUSTED)."""
+    manager.tenants.check_new_sequences(DEFAULT_TENANT if tenant is None or not manager.tenancy else tenant, num)
+    tables = manager.tables
+    if tables.num_live_rows() + num > tables.max_num_seqs:
+        raise OutOfBlocksError(f"{RPC}: {num} more sequences would exceed max_num_seqs={tables.max_num_seqs} "
+                               f"({tables.num_live_rows()} are live)")
+
+
+def registered(manager: KVCacheManager, seq_id: int, tenant: int | None) -> RegisteredPrompt:
+    """What a new sequence starts with: its cached tokens and their blocks."""
+    num_tokens = manager.num_tokens(seq_id, tenant)
+    blocks = manager.block_table(seq_id, tenant)[: num_tokens // manager.block_size].astype(np.int32)
+    return RegisteredPrompt(seq_id, num_tokens, blocks)
