@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from kvpool.layout import KVLayout  # noqa: E402
 from kvpool_server.core import KVCacheManager  # noqa: E402
 from kvpool_server.device import create_pool  # noqa: E402
-from kvpool_server.device.create import create_tier_pool  # noqa: E402
+from kvpool_server.offload.create import create_tier_pool  # noqa: E402
 
 LLAMA = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 2 MiB blocks
 SMALL = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")  # 32 KiB blocks

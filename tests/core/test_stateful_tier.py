@@ -40,7 +40,7 @@ class TieredMachine(ManagerMachine):
         self.fail_next = False
         self.writebacks: list[np.ndarray] = []  # planned write-backs whose copy has not run yet (in flight)
 
-    # The service's part (service/tier_copies.py): offloads before anything writes into the evicted blocks.
+    # The service's part (offload/tier_copies.py): offloads before anything writes into the evicted blocks.
     def flush(self) -> None:
         tier = self.manager.host_tier
         assert tier is not None

@@ -9,7 +9,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core import AppendPlan, PoolStats
 from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvpool_server.core.sessions import Session
-from kvpool_server.device.tier_pool import CopyTotals
+from kvpool_server.offload.tier_pool import CopyTotals
 from kvpool_server.service.kvpool import PoolDescription, RankShard
 from kvpool_server.service.tenant_usage import TenantUsage
 

@@ -4,15 +4,17 @@ in its constructor -- the whole server below any transport (grpc_api/server.py a
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from kvpool.tensor_parallel import group_block_bytes
 from kvpool_server.config import ConfigError, ServerConfig
 from kvpool_server.host_checks import check_environment, check_pool_fits, pool_error_message
+from kvpool_server.offload.create import create_tier_pool
+from kvpool_server.offload.tier_copies import TierCopies
 from kvpool_server.core import KVCacheManager, KVPoolError
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.device import create_pool
-from kvpool_server.device.create import create_tier_pool
 from kvpool_server.service.admission import Admission
 from kvpool_server.service.auth import Authenticator, TokensFileError
 from kvpool_server.service.events import EventFeed
@@ -21,7 +23,6 @@ from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.metrics import KVPoolMetrics
 from kvpool_server.service.replay import ReplyCache
 from kvpool_server.service.sessions import SessionService
-from kvpool_server.service.tier_copies import TierCopies
 from kvpool_server.shm_segments import reap_stale_segments
 
 
@@ -61,16 +62,10 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
                            medium="GPU" if pool.backend == "gpu" else "CPU",
                            max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes,
                            max_subscribers_per_tenant=config.max_event_subscribers_per_tenant)
-        guards: list[CoreGuard] = []  # the guard, for the host tier's background allocation to lock
-        tier = start_host_tier(manager, pool, guards) if tier_blocks else None
-        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events, tier.flush if tier is not None else None,
-                          tier.settle if tier is not None else None)
-        guards.append(guard)
-        if tier is not None:
-            with guard.lock:
-                tier.make_ready(tier.memory.ready_slots)  # chunks made before the guard was there
-            if config.host_tier_writeback_blocks:
-                tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
+        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
+        tier = start_host_tier(manager, pool, guard.lock) if tier_blocks else None
+        if tier is not None and config.host_tier_writeback_blocks:
+            tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
         sessions_service = SessionService(guard, metrics, on_drain, max_sessions=config.max_sessions,
                                           max_message_bytes=config.max_message_bytes)
         service = KVPoolService(
@@ -90,14 +85,14 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         raise
 
 
-def start_host_tier(manager: KVCacheManager, pool: Any, guards: list[CoreGuard]) -> TierCopies:
+def start_host_tier(manager: KVCacheManager, pool: Any, lock: AbstractContextManager) -> TierCopies:
     """The host tier (``--host-tier-bytes``): its memory allocated in the background (serving starts at once), each
-    chunk handed to the core's tier under the guard's lock (once ``guards`` holds the guard) as it is there."""
-    assert manager.host_tier is not None
+    chunk handed to the core's tier under ``lock`` (the guard's) as it is there."""
+    tier = manager.host_tier
+    assert tier is not None
 
     def on_ready(num_ready: int) -> None:
-        if guards:
-            with guards[0].lock:
-                manager.host_tier.make_ready(num_ready)  # type: ignore[union-attr]
+        with lock:
+            tier.make_ready(num_ready)
 
-    return TierCopies(manager, create_tier_pool(pool, manager.host_tier.num_slots, on_ready=on_ready))
+    return TierCopies(manager, create_tier_pool(pool, tier.num_slots, on_ready=on_ready))

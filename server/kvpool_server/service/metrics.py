@@ -34,8 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpool_server.core.types import PoolStats
-from kvpool_server.device.tier_pool import CopyTotals
-from kvpool_server.service.tier_metrics import tier_families
+from kvpool_server.offload.tier_pool import CopyTotals
+from kvpool_server.offload.metrics import tier_families
 
 KVPOOL_SERVICE = "kvpool.v1.KVPoolService"
 # RPC latency buckets: 50 us .. 10 s. A decode step over a unix socket takes ~0.1-1 ms; a big ReadKV, tens of ms.

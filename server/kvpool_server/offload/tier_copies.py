@@ -1,13 +1,14 @@
 """TierCopies: the host tier's copies, in the order the core's plans need them, none of them (but the rare waits
 below) while the guard's lock is held.
 
-    tier.flush()                                    # under the lock, after every mutation that may evict
-    restoring = tier.start_restore(guard, caller, session_id, tenant, prompt, hashes)   # a register, unlocked
+    answer = tier.call(apply)                       # under the lock: every mutation (settle, apply, flush)
+    restoring = tier.start_restore(lock, fence, tenant, prompt, hashes)   # a register, staged then copied unlocked
     ... under the lock, in the register's hold: tier.finish_restore(restoring), then the core's register ...
 
 The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
-- an evicted block is copied out *before* anything writes into it: ``flush`` runs right after the core's call and
-  before the plan's clearing and copy-on-write copies (``KVPoolService.append``), and the copy has completed when
+- an evicted block is copied out *before* anything writes into it: ``flush`` runs right after the core's call
+  (``call``, even when it raised) and before the plan's clearing and copy-on-write copies
+  (``KVPoolService.append``), once a call, and the copy has completed when
   ``offload_blocks`` returns; only then is the slot committed (matchable). A copy that raises aborts its slots.
 - a restore is staged under the lock (fresh pool blocks held by nobody's table and not in the prefix cache, its host
   slots pinned), copied with the lock released (other calls go on: a decode step never waits behind a restore's
@@ -26,8 +27,8 @@ lock released it builds the chunk's events and queues its copy, or waits for the
 evicts blocks whose content the tier already holds, and its call copies nothing. With the write-back on, an
 eviction the write-back did not reach first is dropped from the tier (``HostTier.offload_on_evict`` off: a later
 miss) rather than copied under the lock, and an eviction of a block whose write-back is in flight (queued or not
-yet) tears that slot (aborted when the chunk settles) rather than wait; ``settle`` (the guard's ``before_apply``)
-commits the oldest chunk if its copy completed before each call, so that few are torn.
+yet) tears that slot (aborted when the chunk settles) rather than wait; ``settle`` (``call``, before each
+mutation) commits the oldest chunk if its copy completed, so that few are torn.
 With offload on eviction (write-back driven by hand), ``flush`` waits for such a copy instead. The events of a write-back (BlockStored "CPU", a
 BlockRemoved of a dropped slot) are published with the next call's batch. Without the write-back (0), offloads run
 on eviction and hold the lock across their copy: with 2 MiB blocks ~50 us a block at host-link speed.
@@ -37,8 +38,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import numpy as np
 
@@ -46,11 +48,10 @@ from kvpool_server.core import KVCacheManager, tier_writeback
 from kvpool_server.core.host_tier import NO_PAIRS, HostTier
 from kvpool_server.core.host_tier_events import host_stored
 from kvpool_server.core.tier_restore import StagedRestore
-from kvpool_server.device.tier_pool import CopyTicket, TierPool
 from kvpool_server.log_limits import RateLimitedLog
-from kvpool_server.service.auth import Identity
-from kvpool_server.service.guard import CoreGuard
+from kvpool_server.offload.tier_pool import CopyTicket, TierPool
 
+A = TypeVar("A")
 logger = logging.getLogger(__name__)
 # A copy that fails may fail at the rate of the calls (every offload): one line per kind per 10 s, with the count
 # of those held back (the failures are counted in Stats' host_tier all the same).
@@ -86,6 +87,17 @@ class TierCopies:
         self._thread: threading.Thread | None = None
         self.num_failed_writebacks = 0  # write-back chunks that failed (or could not start), since start
 
+    def call(self, apply: Callable[[], A]) -> A:
+        """A mutation's core call, under the guard's lock, in the order the tier needs: ``settle`` (so that its
+        evictions find the completed write-backs committed), ``apply()``, then ``flush`` -- even when it raised --
+        before the caller's device work (the plan's clearing and copy-on-write copies) writes into an evicted
+        block."""
+        self.settle()
+        try:
+            return apply()
+        finally:
+            self.flush()
+
     def flush(self) -> None:
         """Run the staged offloads; commit them when they completed, abort them when the copy raised. First, if
         the call evicted a block a write-back is copying, wait for that copy."""
@@ -106,14 +118,15 @@ class TierCopies:
             return
         tier.commit(slots)
 
-    def start_restore(self, guard: CoreGuard, caller: Identity, session_id: int, tenant: int | None,
+    def start_restore(self, lock: AbstractContextManager, fence: Callable[[], None], tenant: int | None,
                       prompt: Sequence[int] | np.ndarray, hashes: list[bytes]) -> Restoring | None:
-        """Bring the prompt's host-tier blocks back into the pool, for a register: stage under the guard's lock
-        (after its fencing), copy with the lock released, and return what ``finish_restore`` settles -- under the
-        lock, in the hold of the register whose match then finds the blocks. None: nothing to restore.
-        ``hashes``: the prompt's ``prefix.prompt_hashes``, computed by the caller with the lock free."""
-        with guard.lock:
-            guard.fence(caller, session_id)
+        """Bring the prompt's host-tier blocks back into the pool, for a register: stage under ``lock`` (the
+        guard's; after ``fence()``, the caller's session fenced), copy with the lock released, and return what
+        ``finish_restore`` settles -- under the lock, in the hold of the register whose match then finds the
+        blocks. None: nothing to restore. ``hashes``: the prompt's ``prefix.prompt_hashes``, computed by the caller
+        with the lock free."""
+        with lock:
+            fence()
             self.settle()
             staged = self.manager.prefix.stage_restore(tenant, prompt, hashes=hashes)
             self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
@@ -127,7 +140,7 @@ class TierCopies:
             failures_log.warning_of("restore", "host tier: a restore of %d blocks failed (%s): a miss",
                                  len(staged.pairs), exc)
         except BaseException:  # interrupted: nothing may stay staged
-            with guard.lock:
+            with lock:
                 self.finish_restore(restoring)
             raise
         return restoring
@@ -224,7 +237,7 @@ class TierCopies:
         return ticket
 
     def settle(self) -> None:
-        """Before a call that may evict (the guard's ``before_apply``; under the lock): commit the oldest
+        """Before a call that may evict (``call``; under the lock): commit the oldest
         write-back if its copy completed, so that an eviction finds its blocks in the tier (not torn: a torn slot
         is lost). One chunk at most: the write-back thread settles the rest (a call pays for ``WRITEBACK_CHUNK_BLOCKS``
         commits at most)."""

@@ -16,7 +16,7 @@ from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
 from tests.service.service_helpers import BLOCK_SIZE
-from tests.service.test_service_host_tier import (
+from tests.offload.test_service_host_tier import (
     InFlight,
     PROMPT_BLOCKS,
     check,
@@ -164,7 +164,7 @@ def test_with_the_write_back_on_an_eviction_never_waits_and_never_copies_under_t
 
 
 def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(tiered) -> None:
-    """The guard's before_apply (``TierCopies.settle``) commits a completed write-back before the call's own
+    """``TierCopies.call`` (``settle``, before every mutation's core call) commits a completed write-back before the call's own
     evictions: its blocks are kept (not torn) and come back with their KV."""
     svc, scope = tiered
     assert svc.tier is not None
@@ -179,7 +179,7 @@ def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(
         ticket = svc.tier.memory.start_offload(pairs)
         assert ticket.wait()  # the copy completed (what the write-back thread waits for, outside the lock)
         svc.tier.writebacks.append((ticket, pairs))
-    assert svc.guard.before_apply == svc.tier.settle  # before every guarded call; a restore's staging settles too
+    # ``TierCopies.call`` settles before every mutation's core call; a restore's staging settles too
     evict_everything(svc, scope)
     assert tier.num_torn == 0 and tier.num_written_back == PROMPT_BLOCKS
     seq, cached = prefill(svc, scope, prompt_of(0), tag=99)

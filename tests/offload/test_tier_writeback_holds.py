@@ -14,10 +14,10 @@ from kvpool_server.core import tier_writeback
 from kvpool_server.core.host_tier import HostTier
 from kvpool_server.core.host_tier_events import host_stored
 from kvpool_server.core.kv_event_types import BlockStored
-from kvpool_server.device.tier_pool import CopyTicket
+from kvpool_server.offload.tier_pool import CopyTicket
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
-from tests.service.test_service_host_tier import PROMPT_BLOCKS, check, free, make, prefill, prompt_of
+from tests.offload.test_service_host_tier import PROMPT_BLOCKS, check, free, make, prefill, prompt_of
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_settling_stops_at_the_first_write_back_in_flight_and_a_call_settles_one
             pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, 2)
             assert len(pairs) == 2
             svc.tier.writebacks.append((ticket, pairs))
-        svc.tier.settle()  # what the guard runs before each call: one chunk at most
+        svc.tier.settle()  # what ``TierCopies.call`` runs before each call: one chunk at most
         assert tier.num_written_back == 2 and [t.asked for t in tickets] == [1, 0, 0, 0]
         assert svc.tier.finish_writebacks(wait=False) == 2  # the second; the third is in flight: the fourth waits
         assert [t.asked for t in tickets] == [1, 1, 1, 0] and tier.num_written_back == 4
@@ -184,7 +184,7 @@ def test_the_write_back_thread_keeps_a_prompt_whose_blocks_are_then_evicted() ->
     import time
 
     from tests.service.service_helpers import BLOCK_SIZE
-    from tests.service.test_service_host_tier import evict_everything, read
+    from tests.offload.test_service_host_tier import evict_everything, read
 
     svc, scope = make(64)
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from kvpool_server.config import ServerConfig
 from kvpool_server.core import tier_writeback
-from kvpool_server.device.tier_pool import CopyTicket, TierPool
+from kvpool_server.offload.tier_pool import CopyTicket, TierPool
 from kvpool_server.service.build import build_service
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
@@ -223,11 +223,11 @@ def test_the_pool_serves_while_the_tier_is_being_allocated(monkeypatch) -> None:
     there (evictions then simply forget), and the slots join as their chunk arrives."""
     import threading
 
-    from kvpool_server.device.tier_pool import HostTierPool
+    from kvpool_server.offload.tier_pool import HostTierPool
 
     backend_class: type[TierPool] = HostTierPool
     if BACKEND == "gpu":
-        from kvpool_server.device.gpu_tier_pool import GpuTierPool
+        from kvpool_server.offload.gpu_tier_pool import GpuTierPool
 
         backend_class = GpuTierPool
     gate = threading.Event()

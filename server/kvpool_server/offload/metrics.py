@@ -11,7 +11,7 @@ from collections.abc import Callable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvpool_server.core.types import PoolStats
-from kvpool_server.device.tier_pool import CopyTotals
+from kvpool_server.offload.tier_pool import CopyTotals
 
 
 def tier_families(pool: Callable[[Callable[[PoolStats], float]], float | None],

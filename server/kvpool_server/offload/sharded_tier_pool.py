@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool_server.device.tier_pool import DEFAULT_CHUNK_BYTES, CopyTicket, TierPool
+from kvpool_server.offload.tier_pool import DEFAULT_CHUNK_BYTES, CopyTicket, TierPool
 
 
 class GroupTicket(CopyTicket):
