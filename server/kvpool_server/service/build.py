@@ -11,6 +11,7 @@ from kvpool.tensor_parallel import group_block_bytes
 from kvpool_server.config import ConfigError, ServerConfig
 from kvpool_server.host_checks import check_environment, check_pool_fits, pool_error_message
 from kvpool_server.offload.create import create_tier_pool
+from kvpool_server.offload.host_tier import HostTier
 from kvpool_server.offload.tier_copies import TierCopies
 from kvpool_server.core import KVCacheManager, KVPoolError
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
@@ -53,7 +54,7 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         tier_blocks = config.host_tier_bytes // group_block_bytes(config.layout, config.tensor_parallel)
         manager = KVCacheManager(
             pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len, max_num_seqs=config.max_num_seqs,
-            tenancy=bool(config.auth_tokens), host_tier_blocks=tier_blocks, host_tier_ready=0,
+            tenancy=bool(config.auth_tokens),
         )
         auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks) if config.auth_tokens else None
         sessions = SessionTable(new_server_epoch(), default_ttl_s=config.session_ttl_ms / 1000.0,
@@ -63,7 +64,9 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
                            max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes,
                            max_subscribers_per_tenant=config.max_event_subscribers_per_tenant)
         guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
-        tier = start_host_tier(manager, pool, guard.lock) if tier_blocks else None
+        tier = start_host_tier(manager, pool, tier_blocks, guard.lock) if tier_blocks else None
+        if tier is not None:
+            events.kept = tier.tier.stored_events  # a snapshot of the feed names the tier's blocks too
         if tier is not None and config.host_tier_writeback_blocks:
             tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
         sessions_service = SessionService(guard, metrics, on_drain, max_sessions=config.max_sessions,
@@ -85,14 +88,14 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         raise
 
 
-def start_host_tier(manager: KVCacheManager, pool: Any, lock: AbstractContextManager) -> TierCopies:
-    """The host tier (``--host-tier-bytes``): its memory allocated in the background (serving starts at once), each
-    chunk handed to the core's tier under ``lock`` (the guard's) as it is there."""
-    tier = manager.host_tier
-    assert tier is not None
+def start_host_tier(manager: KVCacheManager, pool: Any, num_slots: int, lock: AbstractContextManager) -> TierCopies:
+    """The host tier (``--host-tier-bytes``, ``num_slots`` blocks) of ``manager``'s pool: its memory allocated in the
+    background (serving starts at once), each chunk handed to the tier's bookkeeping under ``lock`` (the guard's)
+    as it is there."""
+    tier = HostTier(manager, num_slots, num_ready=0)
 
     def on_ready(num_ready: int) -> None:
         with lock:
             tier.make_ready(num_ready)
 
-    return TierCopies(manager, create_tier_pool(pool, tier.num_slots, on_ready=on_ready))
+    return TierCopies(tier, create_tier_pool(pool, tier.num_slots, on_ready=on_ready))

@@ -43,6 +43,7 @@ from kvpool_server.service.invariant_checks import InvariantChecks
 from kvpool_server.service.kv_copies import INLINE_BYTES, SequencePins, chunk_tokens, read_chunked, write_chunked
 from kvpool_server.service.kv_wire import ENVELOPE_BYTES, KVWire
 from kvpool_server.service.metrics import KVPoolMetrics
+from kvpool_server.offload.stats import with_tier
 from kvpool_server.offload.tier_copies import TierCopies
 from kvpool_server.offload.tier_pool import CopyTotals
 from kvpool_server.service.offload import Offload
@@ -95,7 +96,7 @@ class KVPoolService:
         self.limits = ReplyLimits(max_message_bytes, manager.num_blocks, manager.block_size,
                                   max_seq_len=manager.max_seq_len, max_tokens_per_call=max_tokens_per_call)
         self.pins = SequencePins()
-        self.invariants = InvariantChecks(manager)
+        self.invariants = InvariantChecks(manager, tier.tier if tier is not None else None)
         self.chunk_tokens = chunk_tokens(pool.layout.token_bytes)
         self.inflight = ByteBudget(max(max_inflight_bytes, max_message_bytes))  # large request bodies at once
         self.fair = FairShare(guard.sessions)  # each session's recent serving time: its share (fair_share.py)
@@ -129,8 +130,7 @@ class KVPoolService:
                 pass
         restoring = None  # the prompt's host-tier blocks, copied back with the lock released, before the match
         if tier is not None and prompt is not None and hashes is not None:
-            restoring = tier.start_restore(self.guard.lock, lambda: self.guard.fence(call.caller, session_id), tenant,
-                                           prompt, hashes)
+            restoring = tier.start_restore(self.guard.lock, lambda: self.guard.fence(call.caller, session_id), hashes)
 
         def register() -> Registered:
             if tier is not None:
@@ -160,8 +160,8 @@ class KVPoolService:
         def apply() -> AppendPlan:
             if tier is None:
                 plan = manager.append(ids, cast(Any, counts), tenant, token_id_list)
-            else:  # evicted blocks go to the host tier before anything below writes into them
-                plan = tier.call(lambda: manager.append(ids, cast(Any, counts), tenant, token_id_list))
+            else:  # the plan's evicted blocks go to the host tier before anything below writes into them
+                plan = tier.append(lambda: manager.append(ids, cast(Any, counts), tenant, token_id_list))
             if plan.copies.shape[0]:
                 pool.copy_blocks(plan.copies)
             if plan.zero_block_ids.shape[0]:  # blocks that change hands never show their old owner's bytes
@@ -213,7 +213,7 @@ class KVPoolService:
         """The pool's stats, and the tenants' usage (all for an admin, the caller's own for a frontend)."""
         manager = self.guard.manager
         with self.guard.lock:
-            stats = manager.stats()
+            stats = with_tier(manager.stats(), self.tier.tier if self.tier is not None else None)
             usage = tenant_usage(manager.tenants, self.guard.sessions, None if call.caller.is_admin else
                                  call.caller.tenant_id) if manager.tenancy else []
         return stats, usage

@@ -35,7 +35,9 @@ from prometheus_client.registry import Collector
 
 from kvpool_server.core.types import PoolStats
 from kvpool_server.offload.tier_pool import CopyTotals
+from kvpool_server.offload.host_tier import HostTier
 from kvpool_server.offload.metrics import tier_families
+from kvpool_server.offload.stats import with_tier
 
 KVPOOL_SERVICE = "kvpool.v1.KVPoolService"
 # RPC latency buckets: 50 us .. 10 s. A decode step over a unix socket takes ~0.1-1 ms; a big ReadKV, tens of ms.
@@ -76,12 +78,13 @@ def build_info() -> dict[str, str]:
     return {"version": of("kvpool-server"), "python": platform.python_version(), "grpcio": of("grpcio")}
 
 
-def locked_stats(manager: Any, lock: threading.Lock) -> Callable[[], PoolStats]:
-    """A stats reader for ``watch_pool`` that takes the servicer's lock, so a scrape never sees half a call."""
+def locked_stats(manager: Any, lock: threading.Lock, tier: HostTier | None = None) -> Callable[[], PoolStats]:
+    """A stats reader for ``watch_pool`` that takes the servicer's lock, so a scrape never sees half a call (with
+    the host tier's fields, given its bookkeeping ``tier``)."""
 
     def read() -> PoolStats:
         with lock:
-            return manager.stats()
+            return with_tier(manager.stats(), tier)
 
     return read
 
