@@ -59,14 +59,15 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks) if config.auth_tokens else None
         sessions = SessionTable(new_server_epoch(), default_ttl_s=config.session_ttl_ms / 1000.0,
                                 max_ttl_s=config.max_session_ttl_ms / 1000.0)
+        # the host tier's bookkeeping over the manager's pool (its memory comes after the guard: start_host_tier)
+        host_tier = HostTier(manager, tier_blocks, num_ready=0) if tier_blocks else None
         events = EventFeed(sessions.server_epoch, manager.allocator.cache, config.event_buffer_batches,
                            medium="GPU" if pool.backend == "gpu" else "CPU",
                            max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes,
-                           max_subscribers_per_tenant=config.max_event_subscribers_per_tenant)
+                           max_subscribers_per_tenant=config.max_event_subscribers_per_tenant,
+                           kept=host_tier.stored_events if host_tier is not None else list)
         guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
-        tier = start_host_tier(manager, pool, tier_blocks, guard.lock) if tier_blocks else None
-        if tier is not None:
-            events.kept = tier.tier.stored_events  # a snapshot of the feed names the tier's blocks too
+        tier = start_host_tier(host_tier, pool, guard.lock) if host_tier is not None else None
         if tier is not None and config.host_tier_writeback_blocks:
             tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
         sessions_service = SessionService(guard, metrics, on_drain, max_sessions=config.max_sessions,
@@ -88,11 +89,10 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         raise
 
 
-def start_host_tier(manager: KVCacheManager, pool: Any, num_slots: int, lock: AbstractContextManager) -> TierCopies:
-    """The host tier (``--host-tier-bytes``, ``num_slots`` blocks) of ``manager``'s pool: its memory allocated in the
-    background (serving starts at once), each chunk handed to the tier's bookkeeping under ``lock`` (the guard's)
-    as it is there."""
-    tier = HostTier(manager, num_slots, num_ready=0)
+def start_host_tier(tier: HostTier, pool: Any, lock: AbstractContextManager) -> TierCopies:
+    """The host tier (``--host-tier-bytes``) of the pool under ``tier``'s bookkeeping: its memory allocated in the
+    background (serving starts at once), each chunk handed to the bookkeeping under ``lock`` (the guard's) as it is
+    there."""
 
     def on_ready(num_ready: int) -> None:
         with lock:

@@ -59,13 +59,13 @@ class EventFeed:
 
     def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000, medium: str = "",
                  max_subscribers: int = 64, max_bytes: int = DEFAULT_EVENT_LOG_BYTES,
-                 max_subscribers_per_tenant: int = 16) -> None:
+                 max_subscribers_per_tenant: int = 16, kept: Callable[[], list[BlockStored]] = list) -> None:
         self.log = KVEventLog(epoch, capacity, max_bytes)  # --event-buffer-batches, --event-buffer-bytes
         self.log.attach(cache)
         self.cache = cache
         # What a keeper of the cache's evictions holds beside it, for a snapshot (the host tier's blocks the pool
-        # holds no copy of: ``HostTier.stored_events``, set when the service is built with a tier).
-        self.kept: Callable[[], list[BlockStored]] = list
+        # holds no copy of: ``HostTier.stored_events``).
+        self.kept: Callable[[], list[BlockStored]] = kept
         self.medium = medium  # "GPU" or "CPU": where the pool is (vLLM's kv_events field)
         self.max_subscribers = max_subscribers  # --max-event-subscribers
         self.max_subscribers_per_tenant = max_subscribers_per_tenant  # --max-event-subscribers-per-tenant

@@ -53,15 +53,17 @@ class CoreGuard:
             self.sessions.renew(session_id, caller.tenant_id)
 
     def mutate(self, caller: Identity, session_id: int, request_id: int, request: tuple,
-               apply: Callable[[], A]) -> A:
+               apply: Callable[[], A], renew: bool = True) -> A:
         """Fence, replay or ``apply()``, publish events -- see the module docstring. ``request`` holds what
-        identifies the request (for its fingerprint: the same request id with other arguments is refused)."""
+        identifies the request (for its fingerprint: the same request id with other arguments is refused).
+        ``renew`` False: the call fenced (and renewed) its session in an earlier hold (a register's restore):
+        the session must still be live, its lease is not renewed again."""
         tenant = caller.tenant_id
         # before the lock: per-token work (a 32k-token prompt's fingerprint is ~0.3 ms) holds up no other call
         request_fingerprint = fingerprint(*request) if request_id else b""
         with self.lock:
             if session_id:
-                self.sessions.renew(session_id, tenant)
+                (self.sessions.renew if renew else self.sessions.get)(session_id, tenant)
             if request_id:
                 replay = self.replies.lookup(tenant or 0, session_id, request_id, request_fingerprint)
                 if replay is not None:

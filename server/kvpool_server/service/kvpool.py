@@ -128,8 +128,9 @@ class KVPoolService:
                 hashes = manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
             except (KVPoolError, IndexError):
                 pass
-        restoring = None  # the prompt's host-tier blocks, copied back with the lock released, before the match
+        restoring, fenced = None, False  # the prompt's host-tier blocks, copied back unlocked, before the match
         if tier is not None and prompt is not None and hashes is not None:
+            fenced = True  # in the restore's hold (its lease renewed there: once a call)
             restoring = tier.start_restore(self.guard.lock, lambda: self.guard.fence(call.caller, session_id), hashes)
 
         def register() -> Registered:
@@ -141,7 +142,7 @@ class KVPoolService:
         try:
             return self.guard.mutate(call.caller, session_id, request_id,
                                      ("register", seq_id, prompt_token_ids, public_prefix_len, cache_extra_key),
-                                     register if tier is None else lambda: tier.call(register))
+                                     register if tier is None else lambda: tier.call(register), renew=not fenced)
         finally:
             if restoring is not None and not restoring.finished:  # refused or replayed before apply: settle it
                 with self.guard.lock:
