@@ -220,7 +220,7 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
             stats, _ = svc.stats(call)
         return (float(np.percentile(times, 50)) * 1e6, float(np.percentile(times, 99)) * 1e6,
                 stats.host_tier_blocks_offloaded, stats.host_tier_blocks_restored, lock.holds, copied_locked[0],
-                getattr(svc.guard.manager.host_tier, "num_torn", 0), lock.writeback_holds)
+                stats.host_tier_blocks_torn, lock.writeback_holds)
     finally:
         svc.guard.pool.close()
 
