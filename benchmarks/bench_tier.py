@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT / "common"), str(ROOT / "client")]
@@ -45,7 +46,9 @@ import numpy as np  # noqa: E402
 from kvpool.layout import KVLayout  # noqa: E402
 from kvpool_server.core import KVCacheManager  # noqa: E402
 from kvpool_server.device import create_pool  # noqa: E402
-from kvpool_server.device.create import create_tier_pool  # noqa: E402
+from kvpool_server.offload import restore  # noqa: E402
+from kvpool_server.offload.create import create_tier_pool  # noqa: E402
+from kvpool_server.offload.host_tier import HostTier, StorePlan  # noqa: E402
 
 LLAMA = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 2 MiB blocks
 SMALL = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")  # 32 KiB blocks
@@ -217,7 +220,7 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
             stats, _ = svc.stats(call)
         return (float(np.percentile(times, 50)) * 1e6, float(np.percentile(times, 99)) * 1e6,
                 stats.host_tier_blocks_offloaded, stats.host_tier_blocks_restored, lock.holds, copied_locked[0],
-                getattr(svc.guard.manager.host_tier, "num_torn", 0), lock.writeback_holds)
+                stats.host_tier_blocks_torn, lock.writeback_holds)
     finally:
         svc.guard.pool.close()
 
@@ -240,25 +243,29 @@ def bench_append(backend: str, layout: KVLayout, args: argparse.Namespace) -> No
 
 def hit_rate(pool_blocks: int, tier_blocks: int, args: argparse.Namespace) -> float:
     bs = 16
-    manager = KVCacheManager(pool_blocks, bs, max_seq_len=(args.prompt_blocks + 2) * bs, host_tier_blocks=tier_blocks)
-    tier = manager.host_tier
+    manager = KVCacheManager(pool_blocks, bs, max_seq_len=(args.prompt_blocks + 2) * bs)
+    tier = HostTier(manager, tier_blocks) if tier_blocks else None
     rng = np.random.default_rng(0)
 
-    def flush() -> None:
+    def store(stores: StorePlan) -> None:  # the driver's part, every copy succeeding
         if tier is not None:
-            tier.commit(tier.take_staged()[:, 1].tolist())
+            tier.commit(stores.pairs[:, 1].tolist())
+
+    def append(*call_args: Any, **kwargs: Any) -> None:
+        plan = manager.append(*call_args, **kwargs)
+        if tier is not None:
+            store(tier.prepare_store(plan.evicted))
 
     for i in rng.integers(0, args.num_prompts, size=args.requests).tolist():
         prompt = [(i * 100_003 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
-        staged = manager.prefix.stage_restore(None, prompt)
-        flush()
+        staged = restore.stage_prompt(tier, None, prompt) if tier is not None else None
         if staged is not None:
-            manager.prefix.finish_restore(staged, True)
+            store(staged.stores)
+            restore.finish(tier, staged, True)  # type: ignore[arg-type]
         seq = manager.register(prompt_token_ids=prompt)
         cached = manager.num_tokens(seq)
-        manager.append(seq, len(prompt) - cached, token_ids=prompt[cached:])
-        manager.append(seq, 1, token_ids=[1])
-        flush()
+        append(seq, len(prompt) - cached, token_ids=prompt[cached:])
+        append(seq, 1, token_ids=[1])
         manager.free(seq)
     return manager.prefix.hit_tokens / manager.prefix.query_tokens
 

@@ -71,8 +71,8 @@ if [ "$only" = tier ]; then  # issue 23: the prefix cache's host tier (pinned ho
     step "GPU tests of the host tier (GpuTierPool round trips, write-back tickets, failure hook; the service's and the
           loadgen's tier tests over a GPU pool: restores read back the same KV, failed copies are misses)" \
         bash -c "set -o pipefail; KVPOOL_TEST_BACKEND=gpu timeout ${T_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs -s \
-            tests/device/test_tier_pool.py tests/device/test_tier_copy_totals.py tests/service/test_service_host_tier.py \
-            tests/service/test_tier_restore_unlocked.py tests/service/test_tier_writeback_holds.py \
+            tests/offload/test_tier_pool.py tests/offload/test_tier_copy_totals.py tests/offload/test_service_host_tier.py \
+            tests/offload/test_tier_restore_unlocked.py tests/offload/test_tier_writeback_holds.py \
             tests/loadgen/test_loadgen_host_tier.py 2>&1 | tee $OUT/tier_tests.log"
     step "start-up with a 64 GiB host tier: SERVING, then the tier pinned in the background (Stats' bytes ready)" \
         bash -c "set -o pipefail; timeout ${T_STARTUP:-240} python3 benchmarks/bench_tier_startup.py --backend gpu \

@@ -53,7 +53,7 @@ def test_injected_copy_failures_never_serve_wrong_kv(tmp_path) -> None:
     finally:
         handle.stop()
         handle.pool.close()
-    core_tier = handle.service.guard.manager.host_tier
+    core_tier = handle.service.tier.tier if handle.service.tier is not None else None
     assert core_tier is not None
     print("prefix:", prefix, "offloads failed:", core_tier.num_offload_failed,
           "restores failed:", core_tier.num_restore_failed, "restored:", core_tier.num_restored,

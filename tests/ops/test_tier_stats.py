@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kvpool_client import KVPoolClient, PoolStats  # noqa: E402
 from kvpool_client.kvctl import main as kvctl_main  # noqa: E402
 from kvpool_server.config import ServerConfig  # noqa: E402
-from kvpool_server.core import tier_writeback  # noqa: E402
-from kvpool_server.device.tier_pool import CopyTicket  # noqa: E402
+from kvpool_server.offload import writeback as tier_writeback  # noqa: E402
+from kvpool_server.offload.tier_pool import CopyTicket  # noqa: E402
 from kvpool_server.grpc_api.server import build_server  # noqa: E402
 
 BS = 16  # tokens a block (the server's default layout)

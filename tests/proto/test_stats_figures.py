@@ -1,5 +1,5 @@
 """Issue 33.3: each stats figure is declared once -- the pool's in core/pool_figures.py, the host tier's in
-core/tier_stats.py; the core's tier stats, the proto mapping and the metrics are made from those declarations, and
+offload/tier_stats.py; the core's tier stats, the proto mapping and the metrics are made from those declarations, and
 what cannot be -- typed records and the wire -- is checked here: a figure one of them misses (or one that only it
 has) fails."""
 
@@ -13,7 +13,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client.types import HostTierStats as ClientHostTierStats
 from kvpool_client.types import PoolStats as ClientPoolStats
 from kvpool_server.core.pool_figures import POOL_FIGURES
-from kvpool_server.core.tier_stats import TIER_FIGURES
+from kvpool_server.offload.tier_stats import TIER_FIGURES
 from kvpool_server.core.types import PoolStats
 from kvpool_server.service.metrics import PoolCollector
 

@@ -2,22 +2,22 @@
 
 Layering by floor: a module calls only modules on floors below its own (and reads the records of types.py,
 errors.py and kv_event_types.py, the ground floor). No function takes the manager to call its private methods:
-the floors below take plain arguments (rows, counts, a budget, arrays) and return plain results::
+the floors below take plain arguments (rows, counts, a budget, arrays) and return plain results. The host tier is
+not here (``kvpool_server.offload``, above the core): the core names what it evicted in its plans::
 
     7  manager.py          KVCacheManager: ids -> rows, validation; register / append / fork / free, lookups. Append
                            is one pipeline: resolve ids and counts, plan within the tenant's budget (an argument),
                            then extend the token chains when tracked. Calls every floor below.
        checks.py           check_invariants(manager), stats(manager): read-only, over the manager's public state
        listings.py         sequence_infos(manager), session_usage(manager): read-only, as checks.py
-    6  prefix_reuse.py     PrefixReuse: a register's cached run, its restores from the host tier, the hit counters
-                           (-> tier_restore, token_chains, tenants)
+    6  prefix_reuse.py     PrefixReuse: a register's cached run, the prompt's hashes, the hit counters
+                           (-> token_chains, tenants)
        tenant_blocks.py    an append planned within its tenant's budget; rows released, each tenant credited
                            (-> tenants, block_tables)
     5  call_args.py        the calls' plain arguments checked (counts, token ids, register's prompt), pure functions
        session_members.py  SessionMembers: which live sequences each session holds (checked against seq_index)
        tenant_ids.py       TenantIds: with tenancy on, each tenant's own id namespace -> row (-> seq_index)
        tenants.py          TenantLedger: tenant of each row, blocks held, quotas -> budgets, public-block references
-       tier_restore.py     stage / finish: a prompt's host-tier blocks brought back into the pool (-> allocator)
        token_chains.py     TokenChains: tracked rows' token ids and hashes; sealing (-> prefix_cache.insert)
        kv_events.py        KVEventLog: the cache's pending events -> numbered batches, bounded in bytes
     4  seq_index.py        SequenceIndex: seq_id -> row, scalar and vectorised
@@ -28,16 +28,10 @@ the floors below take plain arguments (rows, counts, a budget, arrays) and retur
                            prefill (read by token_chains)
     3  allocator.py        BlockAllocator: free list and reference counts; evicts (-> prefix_cache)
     2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable LRU; records events into a pending list;
-                           evicted blocks spill into the host tier (-> host_tier)
-       tier_writeback.py   plan / finish: the pool's next evictable blocks copied ahead into the host tier
-    1  host_tier.py        HostTier: hash -> host slot, the host LRU, staged offloads (commit / abort), pins,
-                           the write-back's blocks in flight (its checks hash with block_hash; its events are
-                           host_tier_events')
-       host_tier_events.py the host tier's medium and its one-block BlockStored
-       block_hash.py       chain hashes of token blocks (sha256; defined in kvpool-common's kvpool.block_hash)
-    0  types.py            AppendPlan, PoolStats, UNLIMITED (results, immutable)
+                           with a keeper (the host tier, ``offload/``), records each call's evictions for its plan
+    1  block_hash.py       chain hashes of token blocks (sha256; defined in kvpool-common's kvpool.block_hash)
+    0  types.py            AppendPlan (EvictedBlocks), PoolStats, UNLIMITED (results, immutable)
        pool_figures.py     POOL_FIGURES: each pool figure declared once (PoolStats / proto / client name, metric)
-       tier_stats.py       TIER_FIGURES: each host-tier figure declared once; tier_stats(tier) (read by checks)
        kv_event_types.py   BlockStored, BlockRemoved, AllBlocksCleared (records)
        errors.py           the exception tree
 """

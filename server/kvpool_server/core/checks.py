@@ -10,13 +10,11 @@ import numpy as np
 from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import UNSET, BlockTables
 from kvpool_server.core.errors import InvariantViolationError
-from kvpool_server.core.host_tier import HostTier
 from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.core.seq_index import SequenceIndex
 from kvpool_server.core.session_members import SessionMembers
 from kvpool_server.core.tenant_ids import TenantIds
 from kvpool_server.core.tenants import TenantLedger
-from kvpool_server.core.tier_stats import tier_stats
 from kvpool_server.core.token_chains import TokenChains
 from kvpool_server.core.types import PoolStats
 
@@ -35,7 +33,7 @@ class KVCacheManager(Protocol):
     tenancy: bool
     members: SessionMembers
     detached_rows: set[int]
-    host_tier: HostTier | None
+    held_outside: dict[int, np.ndarray]
     prefix: PrefixReuse
 
 
@@ -43,8 +41,7 @@ def check_invariants(manager: KVCacheManager) -> None:
     """Raise InvariantViolationError naming the first broken invariant of the manager, its index, its tables or
     their allocator (each written in the docstring of the class that keeps it)."""
     manager.index.check_invariants()
-    tier = manager.host_tier
-    check_block_tables(manager.tables, [chain for _, chain in tier.restoring.values()] if tier is not None else [])
+    check_block_tables(manager.tables, list(manager.held_outside.values()))
     live = manager.index.live_rows()
     detached = np.array(sorted(manager.detached_rows), dtype=live.dtype)
     indexed = np.sort(np.concatenate([live, detached]))
@@ -59,8 +56,6 @@ def check_invariants(manager: KVCacheManager) -> None:
     if manager.tenancy:
         manager.tenant_ids.check_invariants(live, manager.tenants.tenant_of_row)  # detached rows are unnamed
     check_chains(manager)
-    if manager.host_tier is not None:
-        manager.host_tier.check_invariants()
 
 
 def check_chains(manager: KVCacheManager) -> None:
@@ -147,7 +142,7 @@ def check_block_tables(tables: BlockTables, held_elsewhere: list[np.ndarray] | N
 
 def stats(manager: KVCacheManager) -> PoolStats:
     """A snapshot of the pool's occupancy (see PoolStats)."""
-    tables, allocator, bs, tier = manager.tables, manager.allocator, manager.block_size, manager.host_tier
+    tables, allocator, bs = manager.tables, manager.allocator, manager.block_size
     rows = manager.index.live_rows()
     lengths = tables.num_tokens[rows]
     partial = lengths % bs != 0
@@ -166,7 +161,5 @@ def stats(manager: KVCacheManager) -> PoolStats:
         num_blocks_evictable=allocator.cache.num_evictable,
         prefix_query_tokens=manager.prefix.query_tokens,
         prefix_hit_tokens=manager.prefix.hit_tokens,
-        prefix_host_hit_tokens=manager.prefix.host_hit_tokens,
-        **(tier_stats(tier) if tier is not None else {}),
     )
 

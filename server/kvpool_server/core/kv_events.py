@@ -142,8 +142,6 @@ class KVEventLog:
     def attach(self, cache: PrefixCache) -> None:
         """Record ``cache``'s stores and evictions into ``pending`` (which the cache only appends to)."""
         cache.events = cast("list[PendingEvent]", self.pending)
-        if cache.tier is not None:
-            cache.tier.events = cache.events
 
     def publish(self) -> EventBatch | None:
         """Close the pending events into the next batch (None when there are none)."""
@@ -180,11 +178,11 @@ class KVEventLog:
             return None
         return [b for b in self.batches if b.seq >= from_seq]
 
-    def snapshot(self, cache: PrefixCache) -> EventBatch:
-        """The cache's content as one batch, numbered as the last published batch (resume at its seq + 1)."""
-        events = (AllBlocksCleared(), *stored_runs(cache.entries.values()))  # entries: in the order stored
-        if cache.tier is not None:  # the host tier's blocks the pool holds no copy of (medium "CPU")
-            events = (*events, *cache.tier.stored_events())
+    def snapshot(self, cache: PrefixCache, kept: Iterable[BlockStored] = ()) -> EventBatch:
+        """The cache's content as one batch, numbered as the last published batch (resume at its seq + 1).
+        ``kept``: what a keeper of the cache's evictions holds beside it (a host tier's blocks the pool holds no
+        copy of, medium "CPU": ``offload.HostTier.stored_events``)."""
+        events = (AllBlocksCleared(), *stored_runs(cache.entries.values()), *kept)  # entries: in the order stored
         return EventBatch(self.epoch, self.next_seq - 1, events, snapshot=True)
 
 

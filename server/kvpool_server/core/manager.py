@@ -11,7 +11,6 @@ from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
-from kvpool_server.core.host_tier import HostTier
 from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.core.session_members import SessionMembers
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id
@@ -57,11 +56,14 @@ class KVCacheManager:
     Prefix caching (docs/prefix-caching.md): appends may carry their token ids (``token_ids``); full blocks of such
     sequences are hashed (``TokenChains``), sealed with the sequence's next append and then matchable
     (``allocator.cache``, a ``PrefixCache``); ``register`` with ``prompt_token_ids`` starts the sequence with the
-    longest cached run (``prefix``, a ``PrefixReuse``: salted by tenant, restored from the host tier, counted).
+    longest cached run (``prefix``, a ``PrefixReuse``: salted by tenant, counted). A host tier (``offload``) is no
+    part of the manager: with ``allocator.cache.keep_evictions()`` an append's plan names the blocks it evicted
+    (``AppendPlan.evicted``), and the tier's restores hold their pool blocks in ``held_outside``.
 
     Invariants (``check_invariants``, which also checks the index's, the tables' and the allocator's): a row of the
     tables is in use iff the index names a live sequence that holds it or it is one of ``detached_rows`` (a freed
-    sequence's, its blocks not yet released: ``detach``).
+    sequence's, its blocks not yet released: ``detach``); every block reference no row holds is one of
+    ``held_outside``'s (by a caller between two calls: a host-tier restore in flight).
     """
 
     def __init__(
@@ -71,8 +73,6 @@ class KVCacheManager:
         max_seq_len: int | None = None,
         max_num_seqs: int = 4096,
         tenancy: bool = False,
-        host_tier_blocks: int = 0,
-        host_tier_ready: int | None = None,
     ) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
@@ -90,14 +90,11 @@ class KVCacheManager:
         self.tenant_ids: TenantIds = TenantIds(max_num_seqs, self.index.row_bits)  # used with tenancy on
         self.chains: TokenChains = TokenChains(block_size, max_num_seqs)
         self.detached_rows: set[int] = set()  # rows of freed sequences whose blocks are not released yet (detach)
-        # The host tier (docs/prefix-caching.md): evicted cached blocks spill into it; a register's prompt is
-        # restored from it (``prefix.stage_restore`` / ``finish_restore``, around ``register``). None: no tier.
-        # ``host_tier_ready``: slots usable at once (None: all); more join as the service allocates them.
-        self.host_tier: HostTier | None = HostTier(host_tier_blocks, host_tier_ready) if host_tier_blocks else None
-        if self.host_tier is not None:
-            self.allocator.cache.attach_tier(self.host_tier)
-        self.prefix: PrefixReuse = PrefixReuse(self.tables, self.tenants, self.chains, tenancy, self.max_seq_len,
-                                               self.host_tier)
+        # key -> pool blocks a caller holds one reference to each of, outside any table, between two calls (a host
+        # tier's restore being copied: ``offload.restore``); counted by check_invariants.
+        self.held_outside: dict[int, np.ndarray] = {}
+        self._evicted: list[int] = self.allocator.cache.evicted_ids  # this call's evictions (keep_evictions)
+        self.prefix: PrefixReuse = PrefixReuse(self.tables, self.tenants, self.chains, tenancy, self.max_seq_len)
 
     # ---------------------------------------------------------------- sequences
     @property
@@ -166,9 +163,11 @@ class KVCacheManager:
             num_new_tokens = append_counts(num_new_tokens, 1 if rows.__class__ is int else rows.size)  # type: ignore[union-attr]
         if token_ids is None and not self.chains.chains:  # nothing to track (a dict's truth: the cheapest test)
             if self.tenancy:
-                return plan_within_budget(self.tables, self.tenants, seq_ids, rows,
+                plan = plan_within_budget(self.tables, self.tenants, seq_ids, rows,
                                           num_new_tokens, tenant)  # type: ignore[arg-type]
-            return self.tables.plan_append(rows, num_new_tokens)  # type: ignore[arg-type]
+            else:
+                plan = self.tables.plan_append(rows, num_new_tokens)  # type: ignore[arg-type]
+            return plan._replace(evicted=self.allocator.cache.take_evicted()) if self._evicted else plan
         return self._append_tracked(seq_ids, rows, num_new_tokens, tenant, token_ids)  # type: ignore[arg-type]
 
     def _append_tracked(self, seq_ids: object, rows: int | np.ndarray, num_new_tokens: int | np.ndarray,
@@ -192,7 +191,7 @@ class KVCacheManager:
         if self.tenancy:
             for row, block_id in sealed_public:
                 ledger.seal_public(ledger.tenant_of_row.item(row), block_id, self.allocator.ref_count.item(block_id))
-        return plan
+        return plan._replace(evicted=self.allocator.cache.take_evicted()) if self._evicted else plan
 
     def _salt_of_row(self, row: int) -> bytes:
         """The salt of the blocks of ``row``'s sequence: its tenant's name, UTF-8."""

@@ -1,4 +1,4 @@
-"""The pool's figures (beside the host tier's: tier_stats.py), each declared once: its name -- the ``PoolStats``
+"""The pool's figures (beside the host tier's: offload/tier_stats.py), each declared once: its name -- the ``PoolStats``
 field or property, the proto's ``StatsResponse`` field and the client's ``PoolStats`` field, all one name -- and
 its Prometheus family. The proto mapping (grpc_api/messages.stats_response) and the metrics (service/metrics.py)
 are made from this table; PoolStats, the proto and the client's type are checked against it

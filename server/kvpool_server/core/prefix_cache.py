@@ -9,8 +9,8 @@ import numpy as np
 
 from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
 from kvpool_server.core.errors import InvariantViolationError
-from kvpool_server.core.host_tier import HostTier
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
+from kvpool_server.core.types import EvictedBlocks
 
 __all__ = ["CachedBlock", "PrefixCache"]
 
@@ -39,7 +39,9 @@ class PrefixCache:
       - ``is_public`` marks exactly the cached blocks whose salt is ``PUBLIC_SALT`` (a public prefix's blocks, the
         only ones rows of several tenants may hold: ``TenantLedger``), and ``num_public`` counts them;
       - every cached block's hash is ``block_hash(parent_hash, token_ids, salt, extra)`` of its recorded content;
-      - the evictable LRU holds exactly the cached blocks whose ref count is 0, each once.
+      - the evictable LRU holds exactly the cached blocks whose ref count is 0, each once;
+      - ``evicted_ids`` / ``evicted_entries`` (with ``keep_evictions``) are empty between calls: the manager moves a
+        call's evictions into its plan (``AppendPlan.evicted``) before it returns.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -53,14 +55,24 @@ class PrefixCache:
         # A KVEventLog's ``pending`` list when one is attached (kv_events.py, a bounded list): the entries stored,
         # BlockRemoved.
         self.events: list[CachedBlock | BlockRemoved | BlockStored] | None = None
-        self.tier: HostTier | None = None  # the host tier evicted blocks spill into (``attach_tier``), if any
+        # With ``keep_evictions``: the blocks this call evicted (and what they held), for its plan; their
+        # removal is the keeper's to report. Cleared in place (``take_evicted``): the manager holds the list.
+        self.keeps_evictions: bool = False
+        self.evicted_ids: list[int] = []
+        self.evicted_entries: list[CachedBlock] = []
 
-    def attach_tier(self, tier: HostTier) -> None:
-        """Spill evicted blocks into ``tier`` (docs/prefix-caching.md, the host tier) instead of forgetting them."""
-        self.tier = tier
-        tier.gpu_index = self.block_of_hash
-        tier.gpu_evictable = self.evictable
-        tier.events = self.events
+    def keep_evictions(self) -> None:
+        """Evicted blocks go to a keeper outside the core (the host tier, docs/prefix-caching.md): each call's
+        evictions travel in its plan (``AppendPlan.evicted``) and the keeper, not the cache, reports which hashes
+        are gone (BlockRemoved)."""
+        self.keeps_evictions = True
+
+    def take_evicted(self) -> EvictedBlocks:
+        """The evictions recorded since the last take (``keep_evictions``), and none recorded any more."""
+        taken = EvictedBlocks(self.evicted_ids[:], self.evicted_entries[:])
+        self.evicted_ids.clear()
+        self.evicted_entries.clear()
+        return taken
 
     @property
     def num_cached(self) -> int:
@@ -135,8 +147,9 @@ class PrefixCache:
 
     def evict(self, num: int) -> np.ndarray:
         """Forget the ``num`` least recently used evictable blocks (``num`` <= ``num_evictable``); returns them. With
-        a host tier, their content spills into it (``HostTier.spill``: offloads staged for the service to run
-        before anyone writes into the returned blocks); only hashes no tier keeps are reported removed."""
+        ``keep_evictions``, they and their content are recorded for the call's plan (a keeper stores them before
+        anyone writes into the returned blocks, and reports the hashes it does not keep); else their hashes are
+        reported removed."""
         evictable, by_block, block_of_hash = self.evictable, self.entries, self.block_of_hash
         block_ids = list(islice(evictable, num))  # oldest first
         for block_id in block_ids:
@@ -146,9 +159,10 @@ class PrefixCache:
         for block_hash_i in hashes:
             del block_of_hash[block_hash_i]
         evicted = np.array(block_ids, dtype=np.int32)
-        if self.tier is not None:
-            hashes = self.tier.spill(block_ids, spilled)
-        if self.events is not None and hashes:
+        if self.keeps_evictions:
+            self.evicted_ids.extend(block_ids)
+            self.evicted_entries.extend(spilled)
+        elif self.events is not None and hashes:
             self.events.append(BlockRemoved(tuple(hashes)))
         self.is_cached[evicted] = False
         if self.num_public:
@@ -168,6 +182,8 @@ class PrefixCache:
         for block_id, e in self.entries.items():
             if block_hash(e.parent_hash, e.token_ids, e.salt, e.extra) != e.block_hash:
                 raise InvariantViolationError(f"cached block {block_id}'s hash does not match its content chain")
+        if self.evicted_ids or self.evicted_entries:
+            raise InvariantViolationError(f"{len(self.evicted_ids)} evictions left out of their call's plan")
         idle = set(np.flatnonzero(self.is_cached & (ref_count == 0)).tolist())
         if set(self.evictable) != idle:
             raise InvariantViolationError(

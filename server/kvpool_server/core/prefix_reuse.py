@@ -1,5 +1,6 @@
-"""PrefixReuse: a register's prompt against the prefix cache's two tiers -- the cached run it starts with, the blocks
-restored from the host tier before it, and the hit counters (docs/prefix-caching.md)."""
+"""PrefixReuse: a register's prompt against the prefix cache -- the cached run it starts with, the prompt's hashes
+(which a host tier's restore before the register walks too: ``offload.restore``), and the hit counters
+(docs/prefix-caching.md)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool_server.core import tier_restore
 from kvpool_server.core.block_hash import NONE_HASH, chain_hashes
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import check_register_args
-from kvpool_server.core.host_tier import HostTier
 from kvpool_server.core.prompt_hashes import PromptBlocks
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
@@ -28,26 +27,23 @@ class PrefixReuse:
     """The manager's prefix-cache side of ``register`` with ``prompt_token_ids``, over the manager's parts (passed
     to the constructor; nothing here reaches into the manager).
 
-    ``start`` begins a new row with the prompt's cached run and tracks it; before the register, ``stage_restore``
-    and ``finish_restore`` bring the prompt's blocks back from the host tier (``tier_restore``), so that the
-    register's plain match finds them. The salt is the tenant's name, so different tenants never share a block --
-    except the blocks of a public prefix (``public_prefix_len``), hashed with PUBLIC_SALT, which any tenant may
-    adopt. Counters (since start, in tokens; PoolStats): ``query_tokens`` of prompts registered with their ids,
-    ``hit_tokens`` of them found cached (vLLM's prefix_cache_queries / _hits), ``host_hit_tokens`` restored from
-    the host tier (counted as hits too).
+    ``start`` begins a new row with the prompt's cached run and tracks it (a host tier brings the prompt's blocks
+    back into the cache before the register: ``offload.restore``, over ``prompt_hashes``). The salt is the tenant's
+    name, so different tenants never share a block -- except the blocks of a public prefix (``public_prefix_len``),
+    hashed with PUBLIC_SALT, which any tenant may adopt. Counters (since start, in tokens; PoolStats):
+    ``query_tokens`` of prompts registered with their ids, ``hit_tokens`` of them found cached (vLLM's
+    prefix_cache_queries / _hits; a host tier's restored blocks count too, as its ``host_hit_tokens``).
     """
 
     def __init__(self, tables: BlockTables, tenants: TenantLedger, chains: TokenChains, tenancy: bool,
-                 max_seq_len: int, host_tier: HostTier | None) -> None:
+                 max_seq_len: int) -> None:
         self.tables: BlockTables = tables
         self.tenants: TenantLedger = tenants
         self.chains: TokenChains = chains
         self.tenancy: bool = tenancy
         self.max_seq_len: int = max_seq_len
-        self.host_tier: HostTier | None = host_tier
         self.query_tokens: int = 0
         self.hit_tokens: int = 0
-        self.host_hit_tokens: int = 0
 
     def start(self, row: int, tenant: int, prompt: np.ndarray, public_prefix_len: int, extra: bytes,
               reusable: list[bytes] | None = None) -> None:
@@ -100,22 +96,3 @@ class PrefixReuse:
         check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         return prompt, self.tenants.names[tenant].encode(), public_prefix_len // self.tables.block_size
-
-    def stage_restore(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
-                      public_prefix_len: int = 0, cache_extra_key: bytes = b"",
-                      hashes: list[bytes] | None = None) -> tier_restore.StagedRestore | None:
-        """Before ``register`` with this prompt: plan bringing back the prompt's blocks found in the host tier
-        (``tier_restore.stage``). The caller runs the tier's staged offloads, then ``staged.pairs`` (host slot ->
-        pool block), then ``finish_restore``; the register's match then finds them. None: nothing to restore.
-        ``hashes``: the prompt's ``prompt_hashes``, computed beforehand (off the lock), else computed here."""
-        if self.host_tier is None:
-            return None
-        if hashes is None:
-            hashes = self.prompt_hashes(tenant, prompt_token_ids, public_prefix_len, cache_extra_key)
-        return tier_restore.stage(self.tables.allocator, self.host_tier, hashes)
-
-    def finish_restore(self, staged: tier_restore.StagedRestore, ok: bool) -> None:
-        """The restore copies of ``staged`` completed (``ok``) or failed: see ``tier_restore.finish``."""
-        assert self.host_tier is not None
-        num = tier_restore.finish(self.tables.allocator, self.host_tier, staged, ok)
-        self.host_hit_tokens += num * self.tables.block_size

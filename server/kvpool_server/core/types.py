@@ -8,6 +8,20 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvpool_server.core.kv_event_types import CachedBlock
+
+
+class EvictedBlocks(NamedTuple):
+    """The cached blocks a call evicted, oldest first, with what each held (a keeper outside the core -- the host
+    tier -- decides which to store before anyone writes into them, and which hashes are gone:
+    ``PrefixCache.keep_evictions``)."""
+
+    block_ids: list[int]
+    entries: list[CachedBlock]
+
+
+NO_EVICTIONS = EvictedBlocks([], [])
+
 
 class AppendPlan(NamedTuple):
     """What an append did, for the device layer to execute and the caller to write to.
@@ -27,12 +41,17 @@ class AppendPlan(NamedTuple):
                    destination is left out: its copy overwrites all of it. Blocks a ``register`` adopts from the
                    prefix cache are never cleared (their content is what is shared); they are in no plan. Empty
                    (a shared read-only constant, no allocation) on the steps that take no block, most decode steps.
+    evicted:       the cached blocks the append evicted to find its new blocks, with their content (only when the
+                   prefix cache keeps its evictions for a keeper: ``PrefixCache.keep_evictions``; else
+                   ``NO_EVICTIONS``). Some are among ``new_block_ids``: a keeper stores them (``offload``) before the
+                   device layer clears, copies or writes anything.
     """
 
     slot_mapping: np.ndarray
     new_block_ids: np.ndarray
     copies: np.ndarray
     zero_block_ids: np.ndarray
+    evicted: EvictedBlocks = NO_EVICTIONS
 
     @property
     def num_new_tokens(self) -> int:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvpool.layout import KVLayout
 from kvpool.tensor_parallel import check_split, group_block_bytes, shard_layout
 from kvpool_server.device import pool as base
 from kvpool_server.device.pool import BACKENDS, KVPool, resolve_num_blocks
-from kvpool_server.device.tier_pool import DEFAULT_CHUNK_BYTES, HostTierPool, TierPool
 
 logger = logging.getLogger("kvpool_server.device")
 
@@ -128,28 +127,3 @@ def _free_shm_bytes() -> int:
     st = os.statvfs("/dev/shm")
     return st.f_bavail * st.f_frsize
 
-
-def create_tier_pool(pool: KVPool, num_slots: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                     on_ready: Callable[[int], None] = lambda n: None) -> TierPool:
-    """The host tier of ``pool``'s backend (``tier_pool.py``), started (allocating in the background) and closed
-    with the pool. A tensor-parallel pool gets one tier per shard behind one slot-id space
-    (``sharded_tier_pool.py``)."""
-    tier: TierPool
-    if pool.tensor_parallel > 1:
-        from kvpool_server.device.sharded_tier_pool import ShardedTierPool
-
-        tier = ShardedTierPool(pool, num_slots, _backend_tier, chunk_bytes, on_ready)
-    else:
-        tier = _backend_tier(pool, num_slots, chunk_bytes, on_ready)
-    pool.tier = tier
-    tier.start()
-    return tier
-
-
-def _backend_tier(pool: KVPool, num_slots: int, chunk_bytes: int, on_ready: Callable[[int], None]) -> TierPool:
-    """The tier of one (unsharded) pool of either backend, not started."""
-    if pool.backend == "gpu":
-        from kvpool_server.device.gpu_tier_pool import GpuTierPool
-
-        return GpuTierPool(pool, num_slots, chunk_bytes, on_ready)
-    return HostTierPool(pool, num_slots, chunk_bytes, on_ready)

@@ -82,7 +82,7 @@ class KVPool:
         self.pool_bytes = self.num_blocks * layout.block_bytes
         self.num_slots = self.num_blocks * layout.block_size
         self.blocks: Any = None  # the 6-d view; set by the backend
-        self.tier: Any = None  # the host tier beside the pool (tier_pool.create_tier_pool), closed with it
+        self.tier: Any = None  # the host tier beside the pool (offload.create_tier_pool), closed with it
         self._closed = False
         self._lock = threading.Lock()
         # host scratch for checking a copy batch in O(c): _dst_pos[b] = position of b among the batch's dsts

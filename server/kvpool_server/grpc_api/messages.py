@@ -10,8 +10,8 @@ from kvpool_server.core import AppendPlan, PoolStats
 from kvpool_server.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvpool_server.core.pool_figures import POOL_FIGURES
 from kvpool_server.core.sessions import Session
-from kvpool_server.core.tier_stats import TIER_FIGURES, TierFigure
-from kvpool_server.device.tier_pool import CopyTotals
+from kvpool_server.offload.tier_pool import CopyTotals
+from kvpool_server.offload.tier_stats import TIER_FIGURES, TierFigure
 from kvpool_server.service.kvpool import PoolDescription, RankShard
 from kvpool_server.service.tenant_usage import TenantUsage
 
@@ -39,7 +39,7 @@ def stats_response(stats: PoolStats, block_bytes: int, copies: CopyTotals | None
 
 
 def host_tier_stats(s: PoolStats, block_bytes: int, copies: CopyTotals) -> pb.HostTierStats:
-    """StatsResponse.host_tier: each field as its declaration says (core/tier_stats.py)."""
+    """StatsResponse.host_tier: each field as its declaration says (offload/tier_stats.py)."""
     fields: dict[str, Any] = {f.proto: _figure(f, s, block_bytes, copies) for f in TIER_FIGURES if f.proto}
     return pb.HostTierStats(**fields)
 

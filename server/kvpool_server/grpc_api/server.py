@@ -87,7 +87,8 @@ class ServerHandle:
         configured. Raises StartupError if the metrics address cannot be bound."""
         if self.metrics is not None:
             guard = self.service.guard
-            self.metrics.watch_pool(locked_stats(guard.manager, guard.lock), self.service.sessions.gauges,
+            tier = self.service.tier.tier if self.service.tier is not None else None
+            self.metrics.watch_pool(locked_stats(guard.manager, guard.lock, tier), self.service.sessions.gauges,
                                     block_bytes=self.pool.layout.block_bytes,
                                     read_tier_copies=self.service.tier_copies)
             try:

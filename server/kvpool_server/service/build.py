@@ -4,15 +4,18 @@ in its constructor -- the whole server below any transport (grpc_api/server.py a
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from kvpool.tensor_parallel import group_block_bytes
 from kvpool_server.config import ConfigError, ServerConfig
 from kvpool_server.host_checks import check_environment, check_pool_fits, pool_error_message
+from kvpool_server.offload.create import create_tier_pool
+from kvpool_server.offload.host_tier import HostTier
+from kvpool_server.offload.tier_copies import TierCopies
 from kvpool_server.core import KVCacheManager, KVPoolError
 from kvpool_server.core.sessions import SessionTable, new_server_epoch
 from kvpool_server.device import create_pool
-from kvpool_server.device.create import create_tier_pool
 from kvpool_server.service.admission import Admission
 from kvpool_server.service.auth import Authenticator, TokensFileError
 from kvpool_server.service.events import EventFeed
@@ -21,7 +24,6 @@ from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.metrics import KVPoolMetrics
 from kvpool_server.service.replay import ReplyCache
 from kvpool_server.service.sessions import SessionService
-from kvpool_server.service.tier_copies import TierCopies
 from kvpool_server.shm_segments import reap_stale_segments
 
 
@@ -52,27 +54,24 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         tier_blocks = config.host_tier_bytes // group_block_bytes(config.layout, config.tensor_parallel)
         manager = KVCacheManager(
             pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len, max_num_seqs=config.max_num_seqs,
-            tenancy=bool(config.auth_tokens), host_tier_blocks=tier_blocks, host_tier_ready=0,
+            tenancy=bool(config.auth_tokens),
         )
         auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks) if config.auth_tokens else None
         sessions = SessionTable(new_server_epoch(), default_ttl_s=config.session_ttl_ms / 1000.0,
                                 max_ttl_s=config.max_session_ttl_ms / 1000.0)
+        # the host tier's bookkeeping over the manager's pool (its memory comes after the guard: start_host_tier)
+        host_tier = HostTier(manager, tier_blocks, num_ready=0) if tier_blocks else None
         events = EventFeed(sessions.server_epoch, manager.allocator.cache, config.event_buffer_batches,
                            medium="GPU" if pool.backend == "gpu" else "CPU",
                            max_subscribers=config.max_event_subscribers, max_bytes=config.event_buffer_bytes,
                            # without tokens every caller is one tenant: only --max-event-subscribers bounds
                            max_subscribers_per_tenant=config.max_event_subscribers_per_tenant if config.auth_tokens
-                           else None)
-        guards: list[CoreGuard] = []  # the guard, for the host tier's background allocation to lock
-        tier = start_host_tier(manager, pool, guards) if tier_blocks else None
-        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events, tier.flush if tier is not None else None,
-                          tier.settle if tier is not None else None)
-        guards.append(guard)
-        if tier is not None:
-            with guard.lock:
-                tier.make_ready(tier.memory.ready_slots)  # chunks made before the guard was there
-            if config.host_tier_writeback_blocks:
-                tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
+                           else None,
+                           kept=host_tier.stored_events if host_tier is not None else list)
+        guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
+        tier = start_host_tier(host_tier, pool, guard.lock) if host_tier is not None else None
+        if tier is not None and config.host_tier_writeback_blocks:
+            tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
         sessions_service = SessionService(guard, metrics, on_drain, max_sessions=config.max_sessions,
                                           max_message_bytes=config.max_message_bytes)
         service = KVPoolService(
@@ -92,14 +91,13 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         raise
 
 
-def start_host_tier(manager: KVCacheManager, pool: Any, guards: list[CoreGuard]) -> TierCopies:
-    """The host tier (``--host-tier-bytes``): its memory allocated in the background (serving starts at once), each
-    chunk handed to the core's tier under the guard's lock (once ``guards`` holds the guard) as it is there."""
-    assert manager.host_tier is not None
+def start_host_tier(tier: HostTier, pool: Any, lock: AbstractContextManager) -> TierCopies:
+    """The host tier (``--host-tier-bytes``) of the pool under ``tier``'s bookkeeping: its memory allocated in the
+    background (serving starts at once), each chunk handed to the bookkeeping under ``lock`` (the guard's) as it is
+    there."""
 
     def on_ready(num_ready: int) -> None:
-        if guards:
-            with guards[0].lock:
-                manager.host_tier.make_ready(num_ready)  # type: ignore[union-attr]
+        with lock:
+            tier.make_ready(num_ready)
 
-    return TierCopies(manager, create_tier_pool(pool, manager.host_tier.num_slots, on_ready=on_ready))
+    return TierCopies(tier, create_tier_pool(pool, tier.num_slots, on_ready=on_ready))

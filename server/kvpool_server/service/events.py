@@ -33,6 +33,7 @@ import weakref
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
+from kvpool_server.core.kv_event_types import BlockStored
 from kvpool_server.core.kv_events import DEFAULT_EVENT_LOG_BYTES, EventBatch, KVEventLog, batch_bytes
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.service.errors import SlowSubscriberError, TooManyStreamsError
@@ -60,10 +61,13 @@ class EventFeed:
 
     def __init__(self, epoch: int, cache: PrefixCache, capacity: int = 10_000, medium: str = "",
                  max_subscribers: int = 64, max_bytes: int = DEFAULT_EVENT_LOG_BYTES,
-                 max_subscribers_per_tenant: int | None = 16) -> None:
+                 max_subscribers_per_tenant: int | None = 16, kept: Callable[[], list[BlockStored]] = list) -> None:
         self.log = KVEventLog(epoch, capacity, max_bytes)  # --event-buffer-batches, --event-buffer-bytes
         self.log.attach(cache)
         self.cache = cache
+        # What a keeper of the cache's evictions holds beside it, for a snapshot (the host tier's blocks the pool
+        # holds no copy of: ``HostTier.stored_events``).
+        self.kept: Callable[[], list[BlockStored]] = kept
         self.medium = medium  # "GPU" or "CPU": where the pool is (vLLM's kv_events field)
         self.max_subscribers = max_subscribers  # --max-event-subscribers
         # --max-event-subscribers-per-tenant with --auth-tokens; None without (one tenant: max_subscribers only)
@@ -76,6 +80,10 @@ class EventFeed:
         # path's: must only hand it on, thread-safely (zmq_events.publisher's bounded queue). Appended to under the
         # lock.
         self.sinks: list[Callable[[EventBatch, int], None]] = []
+
+    def snapshot(self) -> EventBatch:
+        """The cache's content (and the host tier's) as one batch: ``KVEventLog.snapshot`` (under the guard's lock)."""
+        return self.log.snapshot(self.cache, self.kept())
 
     @property
     def num_subscribers(self) -> int:
@@ -171,7 +179,7 @@ class EventFeed:
                 with lock:
                     batches = self.log.since(next_seq) if next_seq >= 0 else None
                     if batches is None:
-                        batches = [self.log.snapshot(self.cache)]
+                        batches = [self.snapshot()]
                     num_dropped = self.log.num_dropped
                 for batch in batches:
                     me.blocked_since = time.monotonic()  # the consumer holds it until it asks for the next

@@ -11,7 +11,8 @@ under the lock, in this order:
    else's now.
 2. **Safe retries.** A call with a ``request_id`` is looked up in the ``ReplyCache`` (keyed by tenant and session):
    a repeat gets the first answer and is applied once.
-3. ``apply()`` (after ``before_apply``): the core's call and the pool's work (copy-on-write copies, clearing blocks that change hands).
+3. ``apply()``: the core's call and the pool's work (copy-on-write copies, clearing blocks that change hands; with a
+   host tier, its stores first: ``offload.TierCopies.call``, which the service's ``apply`` goes through).
 4. **KV events**: whatever the mutation sealed or evicted is published as one batch (``EventFeed.publish``), so a
    subscriber sees every locked mutation's events together, whichever RPC or transport made it.
 
@@ -38,20 +39,13 @@ A = TypeVar("A")
 
 class CoreGuard:
     def __init__(self, manager: KVCacheManager, pool: Pool, sessions: SessionTable, replies: ReplyCache,
-                 events: EventFeed, after_apply: Callable[[], None] | None = None,
-                 before_apply: Callable[[], None] | None = None) -> None:
+                 events: EventFeed) -> None:
         self.manager = manager
         self.pool = pool
         self.sessions = sessions
         self.replies = replies
         self.events = events
         self.lock = threading.Lock()
-        # Run after every apply, under the lock, even one that raised: the host tier's staged offloads
-        # (``TierCopies.flush``; a call that evicted and then failed leaves none behind). None: no host tier.
-        self.after_apply = after_apply
-        # Run before every apply, under the lock: the host tier settles the write-backs whose copy completed
-        # (``TierCopies.settle``), so that the call's evictions find them committed. None: no host tier.
-        self.before_apply = before_apply
 
     def fence(self, caller: Identity, session_id: int) -> None:
         """Step 1 alone (under the lock): a write is idempotent, so it is fenced but never replayed."""
@@ -59,26 +53,24 @@ class CoreGuard:
             self.sessions.renew(session_id, caller.tenant_id)
 
     def mutate(self, caller: Identity, session_id: int, request_id: int, request: tuple,
-               apply: Callable[[], A]) -> A:
+               apply: Callable[[], A], renew: bool = True) -> A:
         """Fence, replay or ``apply()``, publish events -- see the module docstring. ``request`` holds what
-        identifies the request (for its fingerprint: the same request id with other arguments is refused)."""
+        identifies the request (for its fingerprint: the same request id with other arguments is refused).
+        ``renew`` False: the call fenced (and renewed) its session in an earlier hold (a register's restore):
+        the session must still be live, its lease is not renewed again."""
         tenant = caller.tenant_id
         # before the lock: per-token work (a 32k-token prompt's fingerprint is ~0.3 ms) holds up no other call
         request_fingerprint = fingerprint(*request) if request_id else b""
         with self.lock:
             if session_id:
-                self.sessions.renew(session_id, tenant)
+                (self.sessions.renew if renew else self.sessions.get)(session_id, tenant)
             if request_id:
                 replay = self.replies.lookup(tenant or 0, session_id, request_id, request_fingerprint)
                 if replay is not None:
                     return replay
             try:
-                if self.before_apply is not None:
-                    self.before_apply()
                 answer = apply()
             finally:
-                if self.after_apply is not None:
-                    self.after_apply()
                 if self.events.log.pending:
                     self.events.publish()
             if request_id:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvpool_server.core import KVCacheManager
+from kvpool_server.offload.host_tier import HostTier
 from kvpool_server.service.offload import Offload, Wait
 
 DUTY = 0.25
@@ -34,10 +35,13 @@ class InvariantReport(NamedTuple):
     num_sequences_checked: int
 
 
-def copy_state(src: Any, dst: Any) -> None:
-    """Make ``dst`` (a deep copy of ``src`` made earlier) equal to ``src`` again, reusing its arrays."""
+def copy_state(src: Any, dst: Any, skip: tuple[str, ...] = ()) -> None:
+    """Make ``dst`` (a deep copy of ``src`` made earlier) equal to ``src`` again, reusing its arrays (but the fields
+    named in ``skip``: parts copied on their own)."""
     into = vars(dst)
     for name, value in vars(src).items():
+        if name in skip:
+            continue
         current = into.get(name)
         if isinstance(value, np.ndarray):
             if (isinstance(current, np.ndarray) and current.shape == value.shape and current.dtype == value.dtype
@@ -53,9 +57,11 @@ def copy_state(src: Any, dst: Any) -> None:
 
 
 class InvariantChecks:
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, tier: HostTier | None = None) -> None:
         self.manager = manager
-        self._snapshot: KVCacheManager = copy.deepcopy(manager)  # the buffers every check reuses
+        self.tier = tier  # the host tier's bookkeeping (it reads the manager's cache): copied and checked with it
+        # the buffers every check reuses (copied together: the tier's references land on the copy's parts)
+        self._snapshot, self._tier_snapshot = copy.deepcopy((manager, tier))
         self._running = False
         self._next_at = 0.0  # loop time before which no new check starts
         self.last_lock_hold_s = 0.0
@@ -69,12 +75,16 @@ class InvariantChecks:
         started = time.perf_counter()
         with lock:
             copy_state(self.manager, self._snapshot)
+            if self.tier is not None:
+                copy_state(self.tier, self._tier_snapshot, skip=("manager", "cache"))  # the manager's, copied above
         self.last_lock_hold_s = time.perf_counter() - started
         self._running = True
-        snapshot = self._snapshot
+        snapshot, tier = self._snapshot, self._tier_snapshot
 
         def work() -> InvariantReport:
             snapshot.check_invariants()
+            if tier is not None:
+                tier.check_invariants()
             return InvariantReport(snapshot.num_blocks, snapshot.num_sequences)
 
         def finish() -> None:

@@ -22,6 +22,7 @@ tenant's sequence or session (None without authentication: no check).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -32,7 +33,6 @@ from kvpool_server.core.errors import KVPoolError
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.device import PoolAttachInfo
 from kvpool_server.device.pool import RankShard
-from kvpool_server.device.tier_pool import CopyTotals
 from kvpool_server.service import arguments
 from kvpool_server.service.auth import Authenticator, check_may_share_prefixes
 from kvpool_server.service.byte_budget import ByteBudget
@@ -43,6 +43,9 @@ from kvpool_server.service.invariant_checks import InvariantChecks
 from kvpool_server.service.kv_copies import INLINE_BYTES, SequencePins, chunk_tokens, read_chunked, write_chunked
 from kvpool_server.service.kv_wire import ENVELOPE_BYTES, KVWire
 from kvpool_server.service.metrics import KVPoolMetrics
+from kvpool_server.offload.stats import with_tier
+from kvpool_server.offload.tier_copies import TierCopies
+from kvpool_server.offload.tier_pool import CopyTotals
 from kvpool_server.service.offload import Offload
 from kvpool_server.service.prompt_hasher import PromptHasher
 from kvpool_server.service import register_batch
@@ -51,7 +54,6 @@ from kvpool_server.service.reply_limits import ReplyLimits
 from kvpool_server.service.scope import Call
 from kvpool_server.service.sessions import SessionService
 from kvpool_server.service.tenant_usage import TenantUsage, tenant_usage
-from kvpool_server.service.tier_copies import TierCopies
 
 DEFAULT_MAX_TOKENS_PER_CALL = 1 << 17
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
@@ -96,7 +98,7 @@ class KVPoolService:
         self.limits = ReplyLimits(max_message_bytes, manager.num_blocks, manager.block_size,
                                   max_seq_len=manager.max_seq_len, max_tokens_per_call=max_tokens_per_call)
         self.pins = SequencePins()
-        self.invariants = InvariantChecks(manager)
+        self.invariants = InvariantChecks(manager, tier.tier if tier is not None else None)
         self.chunk_tokens = chunk_tokens(pool.layout.token_bytes)
         self.inflight = ByteBudget(max(max_inflight_bytes, max_message_bytes))  # large request bodies at once
         self.fair = FairShare(guard.sessions)  # each session's recent serving time: its share (fair_share.py)
@@ -128,11 +130,12 @@ class KVPoolService:
                 hashes = manager.prefix.prompt_hashes(tenant, prompt, public_prefix_len, cache_extra_key)
             except (KVPoolError, IndexError):
                 pass
-        restoring = None  # the prompt's host-tier blocks, copied back with the lock released, before the match
+        restoring, fenced = None, False  # the prompt's host-tier blocks, copied back unlocked, before the match
         if tier is not None and prompt is not None and hashes is not None:
-            restoring = tier.start_restore(self.guard, call.caller, session_id, tenant, prompt, hashes)
+            fenced = True  # in the restore's hold (its lease renewed there: once a call)
+            restoring = tier.start_restore(self.guard.lock, lambda: self.guard.fence(call.caller, session_id), hashes)
 
-        def apply() -> Registered:
+        def register() -> Registered:
             if tier is not None:
                 tier.finish_restore(restoring)  # in this hold: the match below finds the restored blocks
             new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key, hashes)
@@ -141,7 +144,7 @@ class KVPoolService:
         try:
             return self.guard.mutate(call.caller, session_id, request_id,
                                      ("register", seq_id, prompt_token_ids, public_prefix_len, cache_extra_key),
-                                     apply)
+                                     register if tier is None else lambda: tier.call(register), renew=not fenced)
         finally:
             if restoring is not None and not restoring.finished:  # refused or replayed before apply: settle it
                 with self.guard.lock:
@@ -188,9 +191,10 @@ class KVPoolService:
         manager, pool, tenant, tier = self.guard.manager, self.guard.pool, call.caller.tenant_id, self.tier
 
         def apply() -> AppendPlan:
-            plan = manager.append(ids, cast(Any, counts), tenant, token_id_list)
-            if tier is not None:  # evicted blocks go to the host tier before anything below writes into them
-                tier.flush()
+            if tier is None:
+                plan = manager.append(ids, cast(Any, counts), tenant, token_id_list)
+            else:  # the plan's evicted blocks go to the host tier before anything below writes into them
+                plan = tier.append(lambda: manager.append(ids, cast(Any, counts), tenant, token_id_list))
             if plan.copies.shape[0]:
                 pool.copy_blocks(plan.copies)
             if plan.zero_block_ids.shape[0]:  # blocks that change hands never show their old owner's bytes
@@ -215,7 +219,7 @@ class KVPoolService:
             return manager.fork(parent, num_children, children, session_id, tenant)
 
         forked = self.guard.mutate(call.caller, session_id, request_id, ("fork", parent, num_children, children),
-                                   apply)
+                                   apply if self.tier is None else partial(self.tier.call, apply))
         if self.metrics is not None:
             self.metrics.count_fork(len(forked))
         return forked
@@ -233,7 +237,8 @@ class KVPoolService:
             freeing = free_rows(self.guard, manager.detach(ids, tenant))  # detach checks every id, changes nothing
             return freeing if isinstance(freeing, int) else freeing.start(self.guard)
 
-        answer = self.guard.mutate(call.caller, session_id, request_id, ("free", ids), apply)
+        answer = self.guard.mutate(call.caller, session_id, request_id, ("free", ids),
+                                   apply if self.tier is None else partial(self.tier.call, apply))
         return answer if isinstance(answer, int) else Offload(answer.wait)  # a retry waits for the same Freeing
 
     # ---------------------------------------------------------------- inspection
@@ -241,7 +246,7 @@ class KVPoolService:
         """The pool's stats, and the tenants' usage (all for an admin, the caller's own for a frontend)."""
         manager = self.guard.manager
         with self.guard.lock:
-            stats = manager.stats()
+            stats = with_tier(manager.stats(), self.tier.tier if self.tier is not None else None)
             usage = tenant_usage(manager.tenants, self.guard.sessions, None if call.caller.is_admin else
                                  call.caller.tenant_id) if manager.tenancy else []
         return stats, usage

@@ -36,9 +36,11 @@ from prometheus_client.registry import Collector
 
 from kvpool_server.core.pool_figures import POOL_FIGURES
 from kvpool_server.core.types import PoolStats
-from kvpool_server.device.tier_pool import CopyTotals
-from kvpool_server.service.figure_metrics import figure_family
-from kvpool_server.service.tier_metrics import tier_families
+from kvpool_server.offload.tier_pool import CopyTotals
+from kvpool_server.offload.host_tier import HostTier
+from kvpool_server.offload.metrics import tier_families
+from kvpool_server.offload.stats import with_tier
+from kvpool_server.figure_family import figure_family
 
 KVPOOL_SERVICE = "kvpool.v1.KVPoolService"
 # RPC latency buckets: 50 us .. 10 s. A decode step over a unix socket takes ~0.1-1 ms; a big ReadKV, tens of ms.
@@ -79,12 +81,13 @@ def build_info() -> dict[str, str]:
     return {"version": of("kvpool"), "python": platform.python_version(), "grpcio": of("grpcio")}
 
 
-def locked_stats(manager: Any, lock: threading.Lock) -> Callable[[], PoolStats]:
-    """A stats reader for ``watch_pool`` that takes the servicer's lock, so a scrape never sees half a call."""
+def locked_stats(manager: Any, lock: threading.Lock, tier: HostTier | None = None) -> Callable[[], PoolStats]:
+    """A stats reader for ``watch_pool`` that takes the servicer's lock, so a scrape never sees half a call (with
+    the host tier's fields, given its bookkeeping ``tier``)."""
 
     def read() -> PoolStats:
         with lock:
-            return manager.stats()
+            return with_tier(manager.stats(), tier)
 
     return read
 

@@ -186,7 +186,7 @@ class ZmqEventPublisher:
 
     def _send_restate(self) -> None:
         with self.lock:
-            snapshot = self.feed.log.snapshot(self.feed.cache)
+            snapshot = self.feed.snapshot()
         self.num_restates += 1
         self._send(snapshot.events)
         self._last_seq = snapshot.seq

@@ -1,4 +1,4 @@
-"""The host tier's Prometheus families, one per figure its declaration (core/tier_stats.py) names a metric for
+"""The host tier's Prometheus families, one per figure its declaration (offload/tier_stats.py) names a metric for
 (``metrics.PoolCollector`` adds them; every name is listed in docs/metrics.md): its blocks, its use, what it lost
 (failed, fenced, torn, dropped, unkept), and its copies' bytes and seconds (bandwidth =
 ``rate(kvpool_host_tier_offloaded_bytes_total) / rate(kvpool_host_tier_offload_seconds_total)``). Read at scrape
@@ -12,16 +12,16 @@ from operator import attrgetter
 
 from prometheus_client.core import Metric
 
-from kvpool_server.core.tier_stats import TIER_FIGURES
+from kvpool_server.offload.tier_stats import TIER_FIGURES
 from kvpool_server.core.types import PoolStats
-from kvpool_server.device.tier_pool import CopyTotals
-from kvpool_server.service.figure_metrics import figure_family
+from kvpool_server.offload.tier_pool import CopyTotals
+from kvpool_server.figure_family import figure_family
 
 
 def tier_families(pool: Callable[[Callable[[PoolStats], float]], float | None],
                   copied: Callable[[Callable[[CopyTotals], float]], float | None],
                   block_bytes: int | None = None) -> list[Metric]:
-    """One family per declared figure with a metric (core/tier_stats.py): the blocks from ``pool``, the copies'
+    """One family per declared figure with a metric (offload/tier_stats.py): the blocks from ``pool``, the copies'
     bytes and seconds from ``copied``; the byte gauges only with ``block_bytes``."""
     families: list[Metric] = []
     for f in TIER_FIGURES:

@@ -10,14 +10,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvpool_server.core import tier_writeback
-from kvpool_server.core.host_tier import HostTier
-from kvpool_server.core.host_tier_events import host_stored
+from kvpool_server.offload import writeback as tier_writeback
+from kvpool_server.offload.host_tier import HostTier
+from kvpool_server.offload.events import host_stored
 from kvpool_server.core.kv_event_types import BlockStored
-from kvpool_server.device.tier_pool import CopyTicket
+from kvpool_server.offload.tier_pool import CopyTicket
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
-from tests.service.test_service_host_tier import PROMPT_BLOCKS, check, free, make, prefill, prompt_of
+from tests.offload.test_service_host_tier import PROMPT_BLOCKS, check, free, make, prefill, prompt_of
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_a_write_back_queues_its_copy_and_builds_its_events_with_the_lock_releas
 
     memory.start_offload = queued  # type: ignore[method-assign]
     built = []
-    svc.tier.tier.events = events = svc.guard.events.log.pending
+    events = svc.guard.events.log.pending  # the tier's events go there too (the pool cache's pending list)
     assert svc.tier.writeback_once(lock, 64) == 2 * PROMPT_BLOCKS
     assert held == [False]  # the copy was queued (on the GPU) or run (host backend) with no lock held
     stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
@@ -86,7 +86,7 @@ def test_settling_stops_at_the_first_write_back_in_flight_and_a_call_settles_one
             pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, 2)
             assert len(pairs) == 2
             svc.tier.writebacks.append((ticket, pairs))
-        svc.tier.settle()  # what the guard runs before each call: one chunk at most
+        svc.tier.settle()  # what ``TierCopies.call`` runs before each call: one chunk at most
         assert tier.num_written_back == 2 and [t.asked for t in tickets] == [1, 0, 0, 0]
         assert svc.tier.finish_writebacks(wait=False) == 2  # the second; the third is in flight: the fourth waits
         assert [t.asked for t in tickets] == [1, 1, 1, 0] and tier.num_written_back == 4
@@ -138,15 +138,17 @@ def test_a_hint_never_hides_a_block_the_tier_does_not_hold() -> None:
     block of the skipped run is held (``check_invariants`` checks the hint)."""
     from collections import OrderedDict
 
+    from kvpool_server.core import KVCacheManager
     from kvpool_server.core.block_hash import NONE_HASH, block_hash
     from kvpool_server.core.kv_event_types import CachedBlock
+    from kvpool_server.core.types import EvictedBlocks
 
     rng = np.random.default_rng(0)
-    tier = HostTier(6)
+    tier = HostTier(KVCacheManager(num_blocks=1, block_size=1), 6)  # its pool's cache: this walk's LRU and index
     tier.offload_on_evict = False  # the write-back thread's mode: an eviction tears, never waits
-    evictable: OrderedDict[int, None] = OrderedDict()
+    evictable: OrderedDict[int, None] = tier.cache.evictable
     entries: dict[int, CachedBlock] = {}
-    tier.gpu_evictable, tier.gpu_index = evictable, {}
+    index = tier.cache.block_of_hash
     next_block, inflight = 0, []
     for _ in range(400):
         op = rng.integers(0, 4)
@@ -155,14 +157,14 @@ def test_a_hint_never_hides_a_block_the_tier_does_not_hold() -> None:
             h = block_hash(NONE_HASH, tokens, b"", b"")
             entries[next_block] = CachedBlock(h, NONE_HASH, tokens, b"", b"")
             evictable[next_block] = None
-            tier.gpu_index[h] = next_block
+            index[h] = next_block
             next_block += 1
         elif op == 1:  # an eviction of the LRU's oldest
             block = next(iter(evictable))
             del evictable[block]
             entry = entries.pop(block)
-            del tier.gpu_index[entry.block_hash]
-            tier.spill([block], [entry])
+            del index[entry.block_hash]
+            tier.prepare_store(EvictedBlocks([block], [entry]))
         elif op == 2:  # a revival from inside the LRU, parked again
             block = list(evictable)[rng.integers(0, len(evictable))]
             del evictable[block]
@@ -184,7 +186,7 @@ def test_the_write_back_thread_keeps_a_prompt_whose_blocks_are_then_evicted() ->
     import time
 
     from tests.service.service_helpers import BLOCK_SIZE
-    from tests.service.test_service_host_tier import evict_everything, read
+    from tests.offload.test_service_host_tier import evict_everything, read
 
     svc, scope = make(64)
     try:

@@ -1,14 +1,14 @@
 """The host tier's figures, each declared once: where the core reads it, its ``PoolStats`` field, its field of the
 proto's ``HostTierStats`` and its Prometheus family. What follows from this table, and nothing else spells them:
 
-    core       tier_stats(tier)           PoolStats's host_tier_* fields, read from the HostTier (``read``)
+    stats      tier_stats(tier)           PoolStats's host_tier_* fields, read from the HostTier (``read``)
     proto      grpc_api/messages.py       StatsResponse.host_tier, field by field (``proto``)
-    metrics    service/tier_metrics.py    one family per figure with a ``metric``
+    metrics    offload/metrics.py         one family per figure with a ``metric``
     checked    tests/proto/test_stats_figures.py: PoolStats's fields, the proto's HostTierStats and the
                client's HostTierStats (kvpool_client/types.py) hold exactly the declared ones (a test, because
                those are typed records -- a generated one would be opaque to mypy -- and the proto is the wire)
 
-Pure data (no import of the tier): the host tier's package may take this file as it is.
+Pure data (no import of the tier).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import pytest
 from kvpool_client import KVPoolClient, PoolStats
 from kvpool_server.config import ServerConfig
 from kvpool_server.grpc_api.server import build_server
+from kvpool_server.log_limits import RateLimitedLog
+from kvpool_server.offload import tier_copies, tier_pool
 
 BS = 16
 LAYERS, HEAD_DIM = 2, 16
@@ -95,7 +97,9 @@ def test_a_tensor_parallel_server_offloads_and_restores_every_heads_kv(server_fa
 
 
 @pytest.mark.parametrize("writeback", [0, 128], ids=["on-eviction", "write-back"])
-def test_a_tier_whose_every_copy_fails_logs_a_bounded_number_of_lines(caplog, writeback):
+def test_a_tier_whose_every_copy_fails_logs_a_bounded_number_of_lines(caplog, monkeypatch, writeback):
+    for module in (tier_copies, tier_pool):  # a fresh 10 s window: an earlier test's failures in this process
+        monkeypatch.setattr(module, "failures_log", RateLimitedLog(module.logger))  # must not hold these back
     config = ServerConfig(address="127.0.0.1:0", backend="host", num_blocks=POOL_BLOCKS, tensor_parallel=2,
                           num_layers=LAYERS, num_kv_heads=2, head_dim=HEAD_DIM, host_tier_writeback_blocks=writeback,
                           host_tier_bytes=TIER_BLOCKS * BS * LAYERS * 2 * 2 * HEAD_DIM * 4).validate()

@@ -9,10 +9,10 @@ import pytest
 
 from kvpool.layout import KVLayout
 from kvpool_server.device import create_pool
-from kvpool_server.device.create import create_tier_pool
-from kvpool_server.device.tier_pool import CopyTotals, InjectedCopyError
+from kvpool_server.offload.create import create_tier_pool
+from kvpool_server.offload.tier_pool import CopyTotals, InjectedCopyError
 
-from .devtest_util import BACKENDS, fill_random
+from tests.device.devtest_util import BACKENDS, fill_random
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 NUM_BLOCKS, NUM_SLOTS = 32, 40

@@ -1,14 +1,17 @@
-"""TierCopies: the host tier's copies, in the order the core's plans need them, none of them (but the rare waits
-below) while the guard's lock is held.
+"""TierCopies: the host tier's driver -- runs the tier's plans (stores, loads, write-backs) in the order the core's
+plans need them, none of them (but the rare waits below) while the guard's lock is held.
 
-    tier.flush()                                    # under the lock, after every mutation that may evict
-    restoring = tier.start_restore(guard, caller, session_id, tenant, prompt, hashes)   # a register, unlocked
+    plan = tier.append(lambda: manager.append(...))   # under the lock: settle, the core's call, its plan's stores
+    answer = tier.call(apply)                          # under the lock: any other mutation (settle, apply)
+    restoring = tier.start_restore(lock, fence, hashes)  # a register: staged (and its stores run), copied unlocked
     ... under the lock, in the register's hold: tier.finish_restore(restoring), then the core's register ...
 
 The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
-- an evicted block is copied out *before* anything writes into it: ``flush`` runs right after the core's call and
-  before the plan's clearing and copy-on-write copies (``KVPoolService.append``), and the copy has completed when
-  ``offload_blocks`` returns; only then is the slot committed (matchable). A copy that raises aborts its slots.
+- an evicted block is copied out *before* anything writes into it: the core's plan names the blocks its call
+  evicted (``AppendPlan.evicted``), ``HostTier.prepare_store`` turns them into a ``StorePlan`` and ``run_stores``
+  runs it right after the core's call and before the plan's clearing and copy-on-write copies
+  (``KVPoolService.append``), once a call; the copy has completed when ``offload_blocks`` returns; only then is the
+  slot committed (matchable). A copy that raises aborts its slots.
 - a restore is staged under the lock (fresh pool blocks held by nobody's table and not in the prefix cache, its host
   slots pinned), copied with the lock released (other calls go on: a decode step never waits behind a restore's
   megabytes), and settled under the lock again, in the same hold as the register that adopts it
@@ -16,19 +19,20 @@ The order is what keeps KV right (docs/prefix-caching.md, "The host tier"):
   fences its slots and leaves the fresh blocks free: the register finds a miss there. Nobody else can see the
   blocks half-copied: they are not matchable, no other sequence holds them, and a concurrent register of the same
   prompt stops its own restore at a pinned slot (a miss).
-- a restore's own allocation may evict: those offloads run first (they read the blocks the restore then writes).
+- a restore's own allocation may evict: those stores (``StagedRestore.stores``) run first (they read the blocks the
+  restore then writes).
 
 Write-back (``start_writeback``, ``--host-tier-writeback-blocks``): a background thread copies the pool's
 evictable blocks next in line into the tier ahead of need, at most that many blocks in flight, in chunks of at most
 ``WRITEBACK_CHUNK_BLOCKS`` (``writeback_step``): one short hold of the lock settles the chunks whose copy completed
-(oldest first, stopping at the first in flight) and plans the next chunk (``tier_writeback.plan``); with the
-lock released it builds the chunk's events and queues its copy, or waits for the oldest copy. An allocation then
-evicts blocks whose content the tier already holds, and its call copies nothing. With the write-back on, an
-eviction the write-back did not reach first is dropped from the tier (``HostTier.offload_on_evict`` off: a later
-miss) rather than copied under the lock, and an eviction of a block whose write-back is in flight (queued or not
-yet) tears that slot (aborted when the chunk settles) rather than wait; ``settle`` (the guard's ``before_apply``)
-commits the oldest chunk if its copy completed before each call, so that few are torn.
-With offload on eviction (write-back driven by hand), ``flush`` waits for such a copy instead. The events of a write-back (BlockStored "CPU", a
+(oldest first, stopping at the first in flight) and plans the next chunk (``writeback.plan``); with the lock
+released it builds the chunk's events and queues its copy, or waits for the oldest copy. An allocation then evicts
+blocks whose content the tier already holds, and its call copies nothing. With the write-back on, an eviction the
+write-back did not reach first is dropped from the tier (``HostTier.offload_on_evict`` off: a later miss) rather
+than copied under the lock, and an eviction of a block whose write-back is in flight (queued or not yet) tears that
+slot (aborted when the chunk settles) rather than wait; ``settle`` (``call``, before each mutation) commits the
+oldest chunk if its copy completed, so that few are torn. With offload on eviction (write-back driven by hand), a
+store plan waits for such a copy instead (``StorePlan.wait``). The events of a write-back (BlockStored "CPU", a
 BlockRemoved of a dropped slot) are published with the next call's batch. Without the write-back (0), offloads run
 on eviction and hold the lock across their copy: with 2 MiB blocks ~50 us a block at host-link speed.
 """
@@ -37,20 +41,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import numpy as np
 
-from kvpool_server.core import KVCacheManager, tier_writeback
-from kvpool_server.core.host_tier import NO_PAIRS, HostTier
-from kvpool_server.core.host_tier_events import host_stored
-from kvpool_server.core.tier_restore import StagedRestore
-from kvpool_server.device.tier_pool import CopyTicket, TierPool
+from kvpool_server.core.types import AppendPlan
 from kvpool_server.log_limits import RateLimitedLog
-from kvpool_server.service.auth import Identity
-from kvpool_server.service.guard import CoreGuard
+from kvpool_server.offload import restore, writeback
+from kvpool_server.offload.events import host_stored
+from kvpool_server.offload.host_tier import NO_PAIRS, HostTier, StorePlan
+from kvpool_server.offload.restore import StagedRestore
+from kvpool_server.offload.tier_pool import CopyTicket, TierPool
 
+A = TypeVar("A")
 logger = logging.getLogger(__name__)
 # A copy that fails may fail at the rate of the calls (every offload): one line per kind per 10 s, with the count
 # of those held back (the failures are counted in Stats' host_tier all the same).
@@ -72,12 +77,11 @@ class Restoring:
 
 
 class TierCopies:
-    """The core's host tier (``manager.host_tier``) and its memory (``memory``), driven together."""
+    """The host tier's bookkeeping (``tier``, a ``HostTier``) and its memory (``memory``), driven together."""
 
-    def __init__(self, manager: KVCacheManager, memory: TierPool) -> None:
-        assert manager.host_tier is not None
-        self.manager = manager
-        self.tier: HostTier = manager.host_tier
+    def __init__(self, tier: HostTier, memory: TierPool) -> None:
+        self.tier: HostTier = tier
+        self.cache = tier.cache  # the pool's prefix cache (its evictable LRU, for the write-back)
         self.memory = memory
         # In flight, oldest first: (ticket, pairs[, its slots' BlockStored events built ahead]); appended by the
         # write-back's thread (``_queue``), settled from the front under the lock (``finish_writebacks``).
@@ -86,37 +90,55 @@ class TierCopies:
         self._thread: threading.Thread | None = None
         self.num_failed_writebacks = 0  # write-back chunks that failed (or could not start), since start
 
-    def flush(self) -> None:
-        """Run the staged offloads; commit them when they completed, abort them when the copy raised. First, if
-        the call evicted a block a write-back is copying, wait for that copy."""
-        tier = self.tier
-        if tier.must_wait:
-            self.finish_writebacks(wait=True)
-            tier.must_wait = False
-        if not tier.staged:
-            return
-        pairs = tier.take_staged()
-        slots = pairs[:, 1].tolist()
+    def call(self, apply: Callable[[], A]) -> A:
+        """A mutation's core call, under the guard's lock: ``settle`` first (so that its evictions find the
+        completed write-backs committed), then ``apply()``. Evictions of a call that raised (the core raises
+        before it changes anything: none) are stored all the same."""
+        self.settle()
         try:
-            self.memory.offload_blocks(pairs)
+            return apply()
+        finally:
+            if self.cache.evicted_ids:
+                self.run_stores(self.tier.prepare_store(self.cache.take_evicted()))
+
+    def append(self, append: Callable[[], AppendPlan]) -> AppendPlan:
+        """An append's core call (``call``), then the stores its plan's evictions need (``plan.evicted``), run
+        before the caller's device work (the plan's clearing and copy-on-write copies) writes into them."""
+        plan = self.call(append)
+        if plan.evicted.block_ids:
+            self.run_stores(self.tier.prepare_store(plan.evicted))
+        return plan
+
+    def run_stores(self, stores: StorePlan) -> None:
+        """Run a store plan: first, if the call evicted a block a write-back is copying, wait for that copy; then
+        the offloads, committed when they completed, aborted when the copy raised."""
+        if stores.wait:
+            self.finish_writebacks(wait=True)
+        if not len(stores.pairs):
+            return
+        slots = stores.pairs[:, 1].tolist()
+        try:
+            self.memory.offload_blocks(stores.pairs)
         except Exception as exc:
             failures_log.warning_of("offload", "host tier: an offload of %d blocks failed (%s): they are dropped",
                                  len(slots), exc)
-            tier.abort(slots)
+            self.tier.abort(slots)
             return
-        tier.commit(slots)
+        self.tier.commit(slots)
 
-    def start_restore(self, guard: CoreGuard, caller: Identity, session_id: int, tenant: int | None,
-                      prompt: Sequence[int] | np.ndarray, hashes: list[bytes]) -> Restoring | None:
-        """Bring the prompt's host-tier blocks back into the pool, for a register: stage under the guard's lock
-        (after its fencing), copy with the lock released, and return what ``finish_restore`` settles -- under the
-        lock, in the hold of the register whose match then finds the blocks. None: nothing to restore.
-        ``hashes``: the prompt's ``prefix.prompt_hashes``, computed by the caller with the lock free."""
-        with guard.lock:
-            guard.fence(caller, session_id)
+    def start_restore(self, lock: AbstractContextManager, fence: Callable[[], None],
+                      hashes: list[bytes]) -> Restoring | None:
+        """Bring a prompt's host-tier blocks back into the pool, for a register: stage under ``lock`` (the guard's;
+        after ``fence()``, the caller's session fenced) and run the staging's stores, copy with the lock released,
+        and return what ``finish_restore`` settles -- under the lock, in the hold of the register whose match then
+        finds the blocks. None: nothing to restore. ``hashes``: the prompt's ``prefix.prompt_hashes``, computed by
+        the caller with the lock free."""
+        with lock:
+            fence()
             self.settle()
-            staged = self.manager.prefix.stage_restore(tenant, prompt, hashes=hashes)
-            self.flush()  # the staging's allocation may have evicted: those blocks are read before they are written
+            staged = restore.stage(self.tier, hashes)
+            if staged is not None:  # the staging's allocation may have evicted: read before the loads write
+                self.run_stores(staged.stores)
         if staged is None:
             return None
         restoring = Restoring(staged)
@@ -127,7 +149,7 @@ class TierCopies:
             failures_log.warning_of("restore", "host tier: a restore of %d blocks failed (%s): a miss",
                                  len(staged.pairs), exc)
         except BaseException:  # interrupted: nothing may stay staged
-            with guard.lock:
+            with lock:
                 self.finish_restore(restoring)
             raise
         return restoring
@@ -138,7 +160,7 @@ class TierCopies:
         if restoring is None or restoring.finished:
             return 0
         restoring.finished = True
-        self.manager.prefix.finish_restore(restoring.staged, restoring.ok)
+        restore.finish(self.tier, restoring.staged, restoring.ok)
         return len(restoring.staged.pairs) if restoring.ok else 0
 
     # ------------------------------------------------------------------ write-back
@@ -164,8 +186,7 @@ class TierCopies:
             self.finish_writebacks(wait=False)
             if self.writebacks or self.memory.closed:
                 return 0
-            pairs = tier_writeback.plan(self.tier, self.manager.allocator.cache.evictable,
-                                        self.manager.allocator.cache.entries, max_blocks)
+            pairs = writeback.plan(self.tier, self.cache.evictable, self.cache.entries, max_blocks)
             if not len(pairs):
                 return 0
             locked = self.tier.offload_on_evict
@@ -190,8 +211,8 @@ class TierCopies:
             in_flight = sum(len(w[1]) for w in self.writebacks)
             pairs = NO_PAIRS
             if in_flight < max_blocks and not self.memory.closed:
-                cache = self.manager.allocator.cache
-                pairs = tier_writeback.plan(self.tier, cache.evictable, cache.entries,
+                cache = self.cache
+                pairs = writeback.plan(self.tier, cache.evictable, cache.entries,
                                             min(WRITEBACK_CHUNK_BLOCKS, max_blocks - in_flight), 8 * max_blocks)
         if len(pairs):  # a copy that could not start: idle a while (0), as with nothing to do
             return len(pairs) if self._queue(pairs, lock) is not None else 0
@@ -207,7 +228,7 @@ class TierCopies:
         under the lock). Its slots' BlockStored events are built here, for the commit to append. Returns its ticket;
         None: the copy could not start, the slots are aborted (under ``lock``)."""
         tier = self.tier
-        stored = None if tier.events is None else [host_stored(tier.entries[s]) for s in pairs[:, 1].tolist()]
+        stored = None if tier.cache.events is None else [host_stored(tier.entries[s]) for s in pairs[:, 1].tolist()]
         try:
             ticket = self.memory.start_offload(pairs)
         except Exception as exc:  # closed, or the copy could not be queued
@@ -215,16 +236,16 @@ class TierCopies:
                                  len(pairs), exc)
             self.num_failed_writebacks += 1
             if lock is None:
-                tier_writeback.finish(tier, pairs, ok=False)
+                writeback.finish(tier, pairs, ok=False)
             else:
                 with lock:
-                    tier_writeback.finish(tier, pairs, ok=False)
+                    writeback.finish(tier, pairs, ok=False)
             return None
         self.writebacks.append((ticket, pairs, stored))
         return ticket
 
     def settle(self) -> None:
-        """Before a call that may evict (the guard's ``before_apply``; under the lock): commit the oldest
+        """Before a call that may evict (``call``; under the lock): commit the oldest
         write-back if its copy completed, so that an eviction finds its blocks in the tier (not torn: a torn slot
         is lost). One chunk at most: the write-back thread settles the rest (a call pays for ``WRITEBACK_CHUNK_BLOCKS``
         commits at most)."""
@@ -246,7 +267,7 @@ class TierCopies:
                 failures_log.warning_of("write-back", "host tier: a write-back of %d blocks failed: they are not kept",
                                      len(pairs))
                 self.num_failed_writebacks += 1
-            tier_writeback.finish(self.tier, pairs, ok, entry[2] if len(entry) > 2 else None)
+            writeback.finish(self.tier, pairs, ok, entry[2] if len(entry) > 2 else None)
             del writebacks[0]
             settled += len(pairs)
             if max_batches is not None:

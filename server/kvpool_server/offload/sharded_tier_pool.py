@@ -3,7 +3,7 @@
 The core plans the tier in slots as it plans the pool in blocks, whatever N is; this tier carries each copy out on
 every shard, the way ``ShardedPool`` carries out the pool's plans::
 
-                      one HostTier (core/host_tier.py): slot s <-> block b
+                      one HostTier (host_tier.py): slot s <-> block b
                                       |  pairs (block, slot)
                  +--------------------+--------------------+
                  v                    v                    v
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool_server.device.tier_pool import DEFAULT_CHUNK_BYTES, CopyTicket, TierPool
+from kvpool_server.offload.tier_pool import DEFAULT_CHUNK_BYTES, CopyTicket, TierPool
 
 
 class GroupTicket(CopyTicket):

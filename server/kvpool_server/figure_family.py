@@ -1,4 +1,4 @@
-"""A declared figure (core/pool_figures.py, core/tier_stats.py) as its Prometheus family: the one place a figure's
+"""A declared figure (core/pool_figures.py, offload/tier_stats.py) as its Prometheus family: the one place a figure's
 ``kind`` picks the family's type."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from kvpool_server.service.scope import CallScope
 @pytest.fixture
 def tiered() -> Iterator[tuple[KVPoolService, CallScope]]:
     """A service with a 64-block host tier that offloads on eviction only (the tests drive the write-backs)."""
-    from tests.service.test_service_host_tier import make  # noqa: PLC0415  (the tests' own builder)
+    from tests.offload.test_service_host_tier import make  # noqa: PLC0415  (the tests' own builder)
 
     svc, scope = make(64)
     try:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvpool_server.config import ServerConfig
-from kvpool_server.core import tier_writeback
-from kvpool_server.device.tier_pool import CopyTicket, TierPool
+from kvpool_server.offload import writeback as tier_writeback
+from kvpool_server.offload.tier_pool import CopyTicket, TierPool
 from kvpool_server.service.build import build_service
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
@@ -74,6 +74,8 @@ def evict_everything(svc: KVPoolService, scope: CallScope, first: int = 1) -> No
 def check(svc: KVPoolService) -> None:
     with svc.guard.lock:
         svc.guard.manager.check_invariants()
+        if svc.tier is not None:
+            svc.tier.tier.check_invariants()
 
 
 def test_an_evicted_prompt_hits_in_the_tier_and_reads_back_the_same_kv(tiered) -> None:
@@ -83,12 +85,12 @@ def test_an_evicted_prompt_hits_in_the_tier_and_reads_back_the_same_kv(tiered) -
     first_kv = read(svc, scope, seq, full)
     free(svc, scope, seq)
     evict_everything(svc, scope)
-    tier = svc.guard.manager.host_tier
+    tier = svc.tier.tier if svc.tier is not None else None
     assert tier is not None and tier.num_offloaded >= PROMPT_BLOCKS
     seq, cached = prefill(svc, scope, prompt_of(0), tag=99)  # tag 99: a recompute would write other bytes
     assert cached == full
     assert read(svc, scope, seq, full) == first_kv
-    assert svc.guard.manager.prefix.host_hit_tokens == full
+    assert tier.num_restored * BLOCK_SIZE == full  # the host hit tokens (Stats.prefix_host_hit_tokens)
     check(svc)
 
 
@@ -223,11 +225,11 @@ def test_the_pool_serves_while_the_tier_is_being_allocated(monkeypatch) -> None:
     there (evictions then simply forget), and the slots join as their chunk arrives."""
     import threading
 
-    from kvpool_server.device.tier_pool import HostTierPool
+    from kvpool_server.offload.tier_pool import HostTierPool
 
     backend_class: type[TierPool] = HostTierPool
     if BACKEND == "gpu":
-        from kvpool_server.device.gpu_tier_pool import GpuTierPool
+        from kvpool_server.offload.gpu_tier_pool import GpuTierPool
 
         backend_class = GpuTierPool
     gate = threading.Event()

@@ -11,10 +11,10 @@ import pytest
 
 from kvpool.layout import KVLayout
 from kvpool_server.device import create_pool
-from kvpool_server.device.create import create_tier_pool
-from kvpool_server.device.tier_pool import InjectedCopyError, copy_runs
+from kvpool_server.offload.create import create_tier_pool
+from kvpool_server.offload.tier_pool import InjectedCopyError, copy_runs
 
-from .devtest_util import BACKENDS, fill_random, to_host
+from tests.device.devtest_util import BACKENDS, fill_random, to_host
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 LAYOUTS = [LAYOUT, dataclasses.replace(LAYOUT, kv_layout="layer-major")]

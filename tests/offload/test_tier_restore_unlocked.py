@@ -11,12 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool_server.core import prefix_reuse, tier_writeback
+from kvpool_server.core import prefix_reuse
+from kvpool_server.offload import writeback as tier_writeback
 from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
 from tests.service.service_helpers import BLOCK_SIZE
-from tests.service.test_service_host_tier import (
+from tests.offload.test_service_host_tier import (
     InFlight,
     PROMPT_BLOCKS,
     check,
@@ -62,7 +63,7 @@ def evicted_prompt(svc: KVPoolService, scope: CallScope) -> bytes:
     kv = read(svc, scope, seq, FULL)
     free(svc, scope, seq)
     evict_everything(svc, scope)
-    tier = svc.guard.manager.host_tier
+    tier = svc.tier.tier if svc.tier is not None else None
     assert tier is not None and not svc.guard.manager.allocator.cache.match(hashes_of(svc, 0))
     assert all(h in tier.slot_of_hash for h in hashes_of(svc, 0))  # in the tier, committed
     return kv
@@ -99,8 +100,9 @@ def test_an_append_runs_while_a_restore_copies_and_nobody_sees_it_half_done(tier
     manager = svc.guard.manager
     with svc.guard.lock:
         assert not manager.allocator.cache.match(hashes_of(svc, 0))  # the restored blocks are not matchable yet
-        assert manager.host_tier is not None and len(manager.host_tier.restoring) == 1
+        assert svc.tier is not None and len(svc.tier.tier.restoring) == 1
         manager.check_invariants()  # the restore's references are accounted for mid-copy
+        svc.tier.tier.check_invariants()
     held.entered.clear()
     with scope.call("RegisterSequence") as call:  # the same prompt meanwhile: its blocks are pinned, a miss
         other, other_cached = svc.register(call, prompt_token_ids=prompt_of(0))
@@ -112,7 +114,7 @@ def test_an_append_runs_while_a_restore_copies_and_nobody_sees_it_half_done(tier
     seq, cached = registered[0]
     assert cached == FULL
     assert read(svc, scope, seq, FULL) == first_kv
-    assert manager.host_tier is not None and not manager.host_tier.restoring and not manager.host_tier.pinned
+    assert svc.tier is not None and not svc.tier.tier.restoring and not svc.tier.tier.pinned
     check(svc)
 
 
@@ -124,7 +126,7 @@ def test_a_register_refused_after_its_restore_still_settles_it(tiered) -> None:
     with scope.call("RegisterSequence") as call, pytest.raises(InvalidArgumentError):
         svc.register(call, request_id=7, prompt_token_ids=prompt_of(0))  # the id reused: refused before apply
     manager = svc.guard.manager
-    assert manager.host_tier is not None and not manager.host_tier.restoring and not manager.host_tier.pinned
+    assert svc.tier is not None and not svc.tier.tier.restoring and not svc.tier.tier.pinned
     check(svc)
     assert len(manager.allocator.cache.match(hashes_of(svc, 0))) == PROMPT_BLOCKS  # restored, settled: cached
     seq, cached = prefill(svc, scope, prompt_of(0), tag=99)
@@ -164,7 +166,7 @@ def test_with_the_write_back_on_an_eviction_never_waits_and_never_copies_under_t
 
 
 def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(tiered) -> None:
-    """The guard's before_apply (``TierCopies.settle``) commits a completed write-back before the call's own
+    """``TierCopies.call`` (``settle``, before every mutation's core call) commits a completed write-back before the call's own
     evictions: its blocks are kept (not torn) and come back with their KV."""
     svc, scope = tiered
     assert svc.tier is not None
@@ -179,7 +181,7 @@ def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(
         ticket = svc.tier.memory.start_offload(pairs)
         assert ticket.wait()  # the copy completed (what the write-back thread waits for, outside the lock)
         svc.tier.writebacks.append((ticket, pairs))
-    assert svc.guard.before_apply == svc.tier.settle  # before every guarded call; a restore's staging settles too
+    # ``TierCopies.call`` settles before every mutation's core call; a restore's staging settles too
     evict_everything(svc, scope)
     assert tier.num_torn == 0 and tier.num_written_back == PROMPT_BLOCKS
     seq, cached = prefill(svc, scope, prompt_of(0), tag=99)

@@ -10,10 +10,10 @@ import pytest
 from kvpool.layout import KVLayout
 from kvpool.tensor_parallel import group_block_bytes
 from kvpool_server.device import create_pool
-from kvpool_server.device.create import create_tier_pool
-from kvpool_server.device.sharded_tier_pool import ShardedTierPool
+from kvpool_server.offload.create import create_tier_pool
+from kvpool_server.offload.sharded_tier_pool import ShardedTierPool
 
-from .devtest_util import BACKENDS, random_tokens, to_host
+from tests.device.devtest_util import BACKENDS, random_tokens, to_host
 
 NUM_BLOCKS, NUM_SLOTS = 16, 24
 

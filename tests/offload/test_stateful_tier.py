@@ -1,5 +1,5 @@
 """The model-based test of test_stateful.py with a host tier (docs/prefix-caching.md, "The host tier"): evicted
-cached blocks are offloaded into a small tier (so its own LRU drops blocks too), prompts are restored from it before
+cached blocks, named in the appends' plans, are offloaded into a small tier (so its own LRU drops blocks too), prompts are restored from it before
 ``register``, blocks are written back ahead (their copy running later, or when an eviction waits for it), and
 copies fail on demand (an offload aborted, a restore cut short halfway and fenced). The service may turn offload
 on eviction off (its write-back thread: an eviction drops the block, or tears an in-flight write-back's slot), and
@@ -15,13 +15,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
-from kvpool_server.core import KVCacheManager, tier_writeback
+from kvpool_server.core import KVCacheManager
 from kvpool_server.core.block_hash import NONE_HASH
 from kvpool_server.core.kv_events import KVEventLog
-
-from .conftest import tag_memory
-from .event_consumer import EventConsumer, cache_index
-from .test_stateful import BLOCK_SIZE, MAX_SEQ_LEN, NUM_BLOCKS, ManagerMachine
+from kvpool_server.offload import restore, writeback
+from kvpool_server.offload.host_tier import HostTier, StorePlan
+from tests.core.conftest import tag_memory
+from tests.core.event_consumer import EventConsumer, cache_index
+from tests.core.test_stateful import BLOCK_SIZE, MAX_SEQ_LEN, NUM_BLOCKS, ManagerMachine
 
 TIER_SLOTS = 3  # smaller than a prompt: the tier's own LRU drops blocks too
 
@@ -29,8 +30,8 @@ TIER_SLOTS = 3  # smaller than a prompt: the tier's own LRU drops blocks too
 class TieredMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, max_seq_len=MAX_SEQ_LEN, max_num_seqs=12,
-                                      host_tier_blocks=TIER_SLOTS)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, max_seq_len=MAX_SEQ_LEN, max_num_seqs=12)
+        self.tier = HostTier(self.manager, TIER_SLOTS)
         self.memory = tag_memory(self.manager)
         self.events = KVEventLog(epoch=1, capacity=1)
         self.events.attach(self.manager.allocator.cache)
@@ -40,15 +41,13 @@ class TieredMachine(ManagerMachine):
         self.fail_next = False
         self.writebacks: list[np.ndarray] = []  # planned write-backs whose copy has not run yet (in flight)
 
-    # The service's part (service/tier_copies.py): offloads before anything writes into the evicted blocks.
-    def flush(self) -> None:
-        tier = self.manager.host_tier
-        assert tier is not None
-        assert tier.offload_on_evict or not (tier.must_wait or tier.staged)  # no copy on an eviction's path
-        if tier.must_wait:  # an evicted block's write-back must be copied before anything writes into it
+    # The driver's part (offload/tier_copies.py): a plan's stores before anything writes into the evicted blocks.
+    def run_stores(self, stores: StorePlan) -> None:
+        tier = self.tier
+        assert tier.offload_on_evict or not (stores.wait or len(stores.pairs))  # no copy on an eviction's path
+        if stores.wait:  # an evicted block's write-back must be copied before anything writes into it
             self.finish_writebacks()
-            tier.must_wait = False
-        pairs = tier.take_staged()
+        pairs = stores.pairs
         if not len(pairs):
             return
         slots = pairs[:, 1].tolist()
@@ -63,31 +62,29 @@ class TieredMachine(ManagerMachine):
             tier.commit(slots)
 
     def execute(self, plan) -> None:
-        self.flush()
+        self.run_stores(self.tier.prepare_store(plan.evicted))
         super().execute(plan)
 
     def finish_writebacks(self) -> None:
         """The in-flight write-backs' copies run now (the copy engine reads the blocks as they are now)."""
-        tier = self.manager.host_tier
-        assert tier is not None
+        tier = self.tier
         for pairs in self.writebacks:
             ok = not self.fail_next
             self.fail_next = False
             for block, slot in (pairs if ok else pairs[: len(pairs) // 2]).tolist():
                 self.host[slot] = self.memory[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE]
                 self.host_model[slot] = self.model_block[block]
-            tier_writeback.finish(tier, pairs, ok)
+            writeback.finish(tier, pairs, ok)
         self.writebacks = []
 
     @rule(max_blocks=st.integers(1, 4))
     def start_writeback(self, max_blocks):
         """The background write-back plans a batch; its copy runs later (``complete_writebacks``, or an eviction's
         wait)."""
-        tier = self.manager.host_tier
-        assert tier is not None
+        tier = self.tier
         if not self.writebacks:
             cache = self.manager.allocator.cache
-            pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, max_blocks)
+            pairs = writeback.plan(tier, cache.evictable, cache.entries, max_blocks)
             if len(pairs):
                 self.writebacks.append(pairs)
 
@@ -98,9 +95,7 @@ class TieredMachine(ManagerMachine):
     @rule()
     def stop_offloading_on_eviction(self):
         """The service's write-back thread starts: evictions copy nothing any more."""
-        tier = self.manager.host_tier
-        assert tier is not None
-        tier.offload_on_evict = False
+        self.tier.offload_on_evict = False
 
     @rule()
     def fail_the_next_copy(self):
@@ -135,11 +130,13 @@ class TieredMachine(ManagerMachine):
         if len(self.model.tags) >= 12:
             return
         prompt = [p if p < 6 else 100 * variant + p for p in range(length)]
-        staged = self.manager.prefix.stage_restore(None, prompt)
-        self.flush()
+        staged = restore.stage_prompt(self.tier, None, prompt)
+        if staged is not None:
+            self.run_stores(staged.stores)
         if staged is not None and meanwhile:
             self.manager.check_invariants()  # the staging's references and pinned slots are accounted for
-            assert self.manager.prefix.stage_restore(None, prompt) is None  # its slots are pinned: nothing taken
+            self.tier.check_invariants()
+            assert restore.stage_prompt(self.tier, None, prompt) is None  # its slots are pinned: nothing taken
             self.start_writeback(2)
             self.finish_writebacks()
         if staged is not None:
@@ -150,7 +147,7 @@ class TieredMachine(ManagerMachine):
                 self.memory[block * BLOCK_SIZE : (block + 1) * BLOCK_SIZE] = self.host[slot]
                 if ok:
                     self.model_block[block] = self.host_model[slot]
-            self.manager.prefix.finish_restore(staged, ok)
+            restore.finish(self.tier, staged, ok)
         super().register_with_prefix.__wrapped__(self, data, variant, length)  # type: ignore[attr-defined]
 
     @invariant()
@@ -159,23 +156,21 @@ class TieredMachine(ManagerMachine):
         if batch is not None:
             self.consumer.apply(batch)
         self.steps += 1
-        expected = both_tiers(self.manager)
+        expected = both_tiers(self.manager, self.tier)
         if self.steps % 10 == 0:
             missed = self.events.since(self.lagging.seq + 1)
-            for b in missed if missed is not None else [self.events.snapshot(self.manager.allocator.cache)]:
+            for b in missed if missed is not None else [self.events.snapshot(self.manager.allocator.cache, self.tier.stored_events())]:
                 self.lagging.apply(b)
             assert self.lagging.blocks == expected
         assert self.consumer.blocks == expected
 
     @invariant()
     def matches_reference(self):
-        self.flush()  # the guard's after_apply: a call that evicted and then raised leaves no offload behind
-        super().matches_reference()
+        super().matches_reference()  # (the manager's invariants: no eviction left out of its call's plan)
+        self.tier.check_invariants()
 
 
-def both_tiers(manager: KVCacheManager) -> dict:
-    tier = manager.host_tier
-    assert tier is not None
+def both_tiers(manager: KVCacheManager, tier: HostTier) -> dict:
     index = {tier.entries[s].block_hash: (None if tier.entries[s].parent_hash == NONE_HASH else
                                           tier.entries[s].parent_hash, tuple(tier.entries[s].token_ids.tolist()))
              for s in tier.slot_of_hash.values()}

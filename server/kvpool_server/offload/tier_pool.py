@@ -1,6 +1,6 @@
 """TierPool: the host tier's memory -- block-sized host rows the pool's evicted blocks are copied into and back.
 
-    tier = create_tier_pool(pool, num_slots, on_ready=...)   # (device/create.py) allocates in chunks, in the background
+    tier = create_tier_pool(pool, num_slots, on_ready=...)   # (offload/create.py) allocates in chunks, in the background
     tier.offload_blocks(pairs)    # int32 [n, 2] (pool block, host slot): done when it returns, or raises
     tier.restore_blocks(pairs)    # int32 [n, 2] (host slot, pool block): done when it returns, or raises
 

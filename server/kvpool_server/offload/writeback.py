@@ -1,11 +1,11 @@
 """The host tier's write-back: the pool's evictable blocks next in line copied ahead, ``plan`` then ``finish``.
 
     pairs = plan(tier, cache.evictable, cache.entries, max_blocks)  # (pool block, host slot): slots taken, pending
-    ... the service copies the blocks out, off any call's path (its background thread) ...
+    ... the driver copies the blocks out, off any call's path (its background thread) ...
     finish(tier, pairs, ok)                                         # ok: the slots are committed; else aborted
 
 The blocks stay in the pool, matchable and evictable, while their copy runs; ``HostTier.inflight`` says a copy
-reads them, so that an eviction of one makes the service wait for it (``HostTier.must_wait``) or tears its slot
+reads them, so that an eviction of one makes the driver wait for it (``StorePlan.wait``) or tears its slot
 (``HostTier.torn``, with offload on eviction off) before anything writes into it; an eviction then finds their hash
 in the tier and costs no copy. The state (and its invariants) is the tier's: see ``HostTier``.
 """
@@ -17,9 +17,9 @@ from itertools import islice
 
 import numpy as np
 
-from kvpool_server.core.host_tier import HostTier
-from kvpool_server.core.host_tier_events import HOST_MEDIUM
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
+from kvpool_server.offload.events import HOST_MEDIUM
+from kvpool_server.offload.host_tier import HostTier
 
 
 def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: dict[int, CachedBlock],
@@ -27,8 +27,8 @@ def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: dict[int, C
     """Copy ahead (off any call's path): up to ``max_blocks`` of the pool's evictable blocks next in line for
     eviction (the LRU's oldest, scanning at most ``max_scan``, default ``8 * max_blocks``) whose hash no slot
     holds get a slot (free, else the host LRU's oldest). They stay in the pool, matchable and evictable;
-    ``inflight`` says a copy reads them, so that an eviction of one makes the service wait for it
-    (``must_wait``) or tears its slot before anything writes into it. Returns the pairs (pool block, host slot)
+    ``inflight`` says a copy reads them, so that an eviction of one makes the driver wait for it
+    (``StorePlan.wait``) or tears its slot before anything writes into it. Returns the pairs (pool block, host slot)
     to copy, in eviction order; ``finish`` settles them."""
     pairs: list[tuple[int, int]] = []
     dropped: list[bytes] = []
@@ -51,8 +51,8 @@ def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: dict[int, C
         scanned, mark = scanned + 1, block_id
     if tier.scan_skip == start:  # no drop of a pool-held hash meanwhile (``take_slot``): the hint holds
         tier.scan_skip, tier.scan_mark = start + scanned, mark
-    if dropped and tier.events is not None:
-        tier.events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
+    if dropped and tier.cache.events is not None:
+        tier.cache.events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
     return np.array(pairs, dtype=np.int32).reshape(-1, 2)
 
 

@@ -1,64 +1,85 @@
 """HostTier: the second tier of the prefix cache -- sealed blocks evicted from the pool, kept in host memory.
 
-Pure bookkeeping, as ``PrefixCache`` is: it names host slots (block-sized rows of the host tier's pool,
-``device.HostTierPool``) and never touches memory; the service runs the copies it plans and reports back.
+Pure bookkeeping, as ``PrefixCache`` is: it names host slots (block-sized rows of the host tier's memory,
+``tier_pool.HostTierPool``) and never touches memory; it plans the copies (``StorePlan``, ``restore.StagedRestore``)
+and the driver (``tier_copies.TierCopies``) runs them and reports back.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from itertools import islice
+from typing import NamedTuple
 
 import numpy as np
 
+from kvpool_server.core import KVCacheManager
 from kvpool_server.core.block_hash import block_hash
 from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError
-from kvpool_server.core.host_tier_events import HOST_MEDIUM, host_stored
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
+from kvpool_server.core.types import EvictedBlocks
+from kvpool_server.offload.events import HOST_MEDIUM, host_stored
 
 NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 NO_PAIRS.flags.writeable = False
 
 
+class StorePlan(NamedTuple):
+    """The stores a call's evictions need (``HostTier.prepare_store``), to run before anything writes into the
+    evicted blocks: ``pairs`` int32 ``[n, 2]`` (pool block, host slot), each slot pending until ``commit`` (the
+    copy completed) or ``abort``; ``wait``: first wait for the write-backs in flight (one of them reads an evicted
+    block)."""
+
+    pairs: np.ndarray
+    wait: bool = False
+
+
+NO_STORES = StorePlan(NO_PAIRS)
+
+
 class HostTier:
     """Host slots holding sealed blocks the pool evicted: hash -> slot, and their own LRU.
 
-    The pool's prefix cache calls ``spill`` with the blocks it evicts: each whose hash no slot holds yet gets a
-    slot (a free one, else the host LRU's oldest is dropped) and an offload ``(gpu block, host slot)`` joins
-    ``staged``. The service takes them (``take_staged``), copies the blocks out *before* anyone writes into the
-    evicted blocks (their new owners' clearing included), then calls ``commit`` (the copy completed: the slot is
-    matchable) or ``abort`` (it failed: the slot is free again, the content lost). A slot is matchable only once
-    committed: no request is ever served from a slot whose bytes are not all there.
+    The pool's prefix cache keeps its evictions for the tier (``PrefixCache.keep_evictions``): an append's plan
+    names the blocks it evicted (``AppendPlan.evicted``) and ``prepare_store`` plans them: each whose hash no slot
+    holds yet gets a slot (a free one, else the host LRU's oldest is dropped) and a store ``(pool block, host slot)``
+    in the returned ``StorePlan``. The driver copies the blocks out *before* anyone writes into the evicted blocks
+    (their new owners' clearing included), then calls ``commit`` (the copy completed: the slot is matchable) or
+    ``abort`` (it failed: the slot is free again, the content lost). A slot is matchable only once committed: no
+    request is ever served from a slot whose bytes are not all there.
 
-    Write-back (``tier_writeback.plan`` / ``finish``, from the service's background thread): the pool's evictable
+    Write-back (``writeback.plan`` / ``finish``, from the driver's background thread): the pool's evictable
     blocks next in line are copied ahead (``inflight``), and committed when the copy completed. A block being
-    written back stays evictable: if an allocation evicts it, ``spill`` sets ``must_wait`` and the service waits
+    written back stays evictable: if an allocation evicts it, ``prepare_store`` says ``wait`` and the driver waits
     for that copy before anything writes into the block.
 
-    Offload on eviction (``offload_on_evict``, the default): what ``spill`` stages is copied by the evicting call,
-    under the service's lock. With a write-back thread the service turns it off: an eviction of a block whose hash
-    the tier does not hold (no write-back got there first) drops it from the tier (a later miss) instead of
-    copying it under the lock; ``spill`` then stages nothing, and an eviction of a block whose write-back is still
-    in flight does not wait for that copy either: its slot is ``torn`` (the block may be written while the copy
-    reads it), and ``tier_writeback.finish`` aborts it instead of committing it.
+    Offload on eviction (``offload_on_evict``, the default): what ``prepare_store`` plans is copied by the evicting
+    call, under the service's lock. With a write-back thread the driver turns it off: an eviction of a block whose
+    hash the tier does not hold (no write-back got there first) drops it from the tier (a later miss) instead of
+    copying it under the lock; ``prepare_store`` then plans no store, and an eviction of a block whose write-back is
+    still in flight does not wait for that copy either: its slot is ``torn`` (the block may be written while the
+    copy reads it), and ``writeback.finish`` aborts it instead of committing it.
 
-    A restore (``tier_restore.stage``) ``pin``-s the committed slots it reads (off the LRU, so the evictions its
-    own allocation causes cannot take them), and ``unpin``-s them after the copy; a failed restore ``fence``-s
-    them (dropped: their content is not trusted any more). The copy runs with the service's lock released:
-    ``restoring`` holds each staged restore's pool references (its chain) until ``tier_restore.finish``; a pinned
-    slot is never staged by a second restore (that one stops its walk there: a miss).
+    A restore (``restore.stage``) ``pin``-s the committed slots it reads (off the LRU, so the evictions its own
+    allocation causes cannot take them), and ``unpin``-s them after the copy; a failed restore ``fence``-s them
+    (dropped: their content is not trusted any more). The copy runs with the service's lock released:
+    ``restoring`` holds each staged restore's pinned slots, and the manager's ``held_outside`` its pool
+    references (its chain), under the same key, until ``restore.finish``; a pinned slot is never staged by a second
+    restore (that one stops its walk there: a miss).
 
-    Events (into the cache's pending list, ``events``): BlockStored(medium "CPU") when a slot is committed;
-    BlockRemoved only when the last copy of a hash goes -- medium "CPU" when a slot is dropped while the pool holds
-    no block of that hash, medium "" (the pool's) when an offload fails (the pool's copy is gone already). The
-    pool's own eviction of a block the tier keeps is no event (``spill`` returns only the hashes that are gone).
+    Events (into the pool cache's pending list, ``cache.events``): BlockStored(medium "CPU") when a slot is
+    committed; BlockRemoved only when the last copy of a hash goes -- medium "CPU" when a slot is dropped while the
+    pool holds no block of that hash, medium "" (the pool's) when an evicted block is not kept (no slot, or no copy
+    on eviction) or an offload fails (the pool's copy is gone already). The pool's own eviction of a block the tier
+    keeps is no event (``prepare_store`` reports only the hashes that are gone; one the same call cached again in
+    the pool is not gone).
 
-    Counters (``num_*``, since start; ``tier_stats.TIER_FIGURES`` put them in PoolStats, Stats.host_tier): offloaded
+    Counters (``num_*``, since start; ``tier_stats.TIER_FIGURES`` puts them in PoolStats, Stats.host_tier): offloaded
     (of them written back), restored, offload and restore failures (the latter fenced), torn, dropped, unkept.
 
     ::
 
-        pool evicts block 7 (h1)  ->  staged [(7, 3)], pending {h1: 3}  ->  copy  ->  commit([3]): slot_of_hash {h1: 3}
+        plan.evicted [7 (h1)] -> prepare_store: pairs [(7, 3)], pending {h1: 3} -> copy -> commit([3]): slot_of_hash {h1: 3}
 
     Invariants (``check_invariants``):
       - every ready slot (below ``num_ready``) is exactly one of free (``free``), pending (an offload not confirmed: ``pending_hashes``) or
@@ -68,16 +89,19 @@ class HostTier:
         restores in flight (``restoring``), each pinned by one of them;
       - the write-back's scan hint: each of the pool's first ``scan_skip`` evictable blocks (when the last of them
         is still ``scan_mark``) is in flight or has its hash in a slot, committed or pending;
-      - ``staged`` is empty between calls (the service runs every offload before the call returns), and so is
-        ``must_wait``; between calls the pending slots are exactly the in-flight write-backs' (``inflight``), each
-        of a block still cached in the pool under its slot's hash (an eviction of one waits for its copy), or
-        ``torn`` (evicted without waiting: never committed).
+      - between calls (the driver runs every store plan before the call returns) the pending slots are exactly
+        the in-flight write-backs' (``inflight``), each of a block still cached in the pool under its slot's hash
+        (an eviction of one waits for its copy), or ``torn`` (evicted without waiting: never committed).
     """
 
-    def __init__(self, num_slots: int, num_ready: int | None = None) -> None:
+    def __init__(self, manager: KVCacheManager, num_slots: int, num_ready: int | None = None) -> None:
+        """The tier of ``manager``'s pool: its prefix cache keeps its evictions for the tier from now on."""
         if num_slots < 1:
             raise InvalidArgumentError(f"the host tier needs at least one block, got {num_slots}")
         self.num_slots: int = num_slots
+        self.manager: KVCacheManager = manager
+        self.cache = manager.allocator.cache  # the pool's prefix cache: its index, LRU and pending events (read)
+        self.cache.keep_evictions()
         self.num_ready: int = 0  # slots whose memory is there (the tier is allocated in the background)
         self.free: list[int] = []  # a stack: the lowest slot on top
         self.make_ready(num_slots if num_ready is None else num_ready)
@@ -87,12 +111,10 @@ class HostTier:
         self.lru: OrderedDict[int, None] = OrderedDict()  # committed, unpinned slots, oldest first
         self.pinned: set[int] = set()  # committed slots a restore reads
         self.offload_on_evict: bool = True  # False: an eviction the tier holds no copy of drops it (no copy)
-        # key -> (its pinned slots, its pool references: the chain) of each restore staged and not finished
-        self.restoring: dict[int, tuple[list[int], np.ndarray]] = {}
+        # key -> its pinned slots, of each restore staged and not finished (its chain: manager.held_outside[key])
+        self.restoring: dict[int, list[int]] = {}
         self.next_restore_key: int = 0
-        self.staged: list[tuple[int, int]] = []  # (pool block, host slot) offloads to run
         self.inflight: dict[int, int] = {}  # pool block -> host slot: a write-back copying it (the slot pending)
-        self.must_wait: bool = False  # a block of an in-flight write-back was evicted: wait for it before writing
         self.torn: set[int] = set()  # slots of in-flight write-backs whose block was evicted meanwhile: to abort
         self.num_written_back: int = 0
         self.num_torn: int = 0  # write-back blocks an eviction overtook (aborted, not a failure)
@@ -101,9 +123,6 @@ class HostTier:
         # -1: reset, a hash the pool holds left the tier).
         self.scan_skip: int = 0
         self.scan_mark: int = -1
-        self.gpu_index: dict[bytes, int] = {}  # the pool's prefix cache's block_of_hash (PrefixCache.attach_tier)
-        self.gpu_evictable: OrderedDict[int, None] = OrderedDict()  # and its evictable LRU (checks only)
-        self.events: list | None = None  # the cache's pending event list, when a KVEventLog is attached
         self.num_offloaded: int = 0  # committed offloads
         self.num_offload_failed: int = 0
         self.num_restored: int = 0  # blocks restored into the pool
@@ -128,12 +147,18 @@ class HostTier:
         return self.num_ready - len(self.free)
 
     # ------------------------------------------------------------------ offload
-    def spill(self, block_ids: list[int], entries: list[CachedBlock]) -> list[bytes]:
-        """The pool evicts ``block_ids`` (with their ``entries``): stage an offload of each whose hash the tier
-        does not hold. Returns the hashes that no tier keeps (those the tier had no slot for). On the eviction's
-        path (under the service's lock): a few dict lookups a block, the names bound once."""
+    def prepare_store(self, evicted: EvictedBlocks) -> StorePlan:
+        """The pool evicted ``evicted`` (a plan's ``AppendPlan.evicted``): plan a store of each block whose hash the
+        tier does not hold, and report (BlockRemoved) the hashes that no tier keeps (those the tier had no slot
+        for). Under the service's lock, right after the core's call: a few dict lookups a block, the names bound
+        once."""
+        block_ids, entries = evicted
+        if not block_ids:
+            return NO_STORES
         gone: list[bytes] = []
         dropped: list[bytes] = []
+        stores: list[tuple[int, int]] = []
+        wait = False
         self.scan_skip = max(0, self.scan_skip - len(block_ids))  # the evicted blocks were the LRU's first
         slot_of_hash, pending, lru, inflight, torn = self.slot_of_hash, self.pending_hashes, self.lru, self.inflight, self.torn
         for entry in entries:  # the tier's slots of this batch's hashes are dropped last (their content is here)
@@ -150,7 +175,7 @@ class HostTier:
                 writing = inflight.get(block_id)
                 if writing is not None:  # its write-back reads it: it must complete before anyone writes,
                     if offload:
-                        self.must_wait = True
+                        wait = True
                     else:  # or, rather than wait under the lock, its slot is never trusted
                         torn.add(writing)
                 if pending_slot in torn:  # never to be committed: the pool's copy was the last
@@ -168,10 +193,16 @@ class HostTier:
                 continue
             self.entries[slot] = entry
             pending[h] = slot
-            self.staged.append((block_id, slot))
-        if dropped and self.events is not None:
-            self.events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
-        return gone
+            stores.append((block_id, slot))
+        events = self.cache.events
+        if events is not None:
+            if dropped:
+                events.append(BlockRemoved(tuple(dropped), HOST_MEDIUM))
+            in_pool = self.cache.block_of_hash
+            gone = [h for h in gone if h not in in_pool]  # cached again by the same call: not gone
+            if gone:
+                events.append(BlockRemoved(tuple(gone)))
+        return StorePlan(np.array(stores, dtype=np.int32) if stores else NO_PAIRS, wait)
 
     def take_slot(self, dropped: list[bytes]) -> int | None:
         """A free slot, else the LRU's oldest committed one (its hash joins ``dropped`` when the pool has no block
@@ -184,24 +215,16 @@ class HostTier:
         h = self.entries.pop(slot).block_hash
         del self.slot_of_hash[h]
         self.num_dropped += 1
-        if h not in self.gpu_index:
+        if h not in self.cache.block_of_hash:
             dropped.append(h)
         else:  # a pool block of it may lie in the write-back's skipped run: scan it again
             self.scan_skip = -1
         return slot
 
-    def take_staged(self) -> np.ndarray:
-        """The staged offloads as int32 ``[n, 2]`` (pool block, host slot), and none staged any more."""
-        if not self.staged:
-            return NO_PAIRS
-        pairs = np.array(self.staged, dtype=np.int32)
-        self.staged = []
-        return pairs
-
     def commit(self, slots: list[int], stored: list[BlockStored] | None = None) -> None:
         """The offloads into ``slots`` completed: the slots are matchable (BlockStored, medium "CPU"; ``stored``:
         those events, built ahead with ``host_stored`` off the lock, one per slot in order)."""
-        entries, pending, slot_of_hash, lru, events = self.entries, self.pending_hashes, self.slot_of_hash, self.lru, self.events
+        entries, pending, slot_of_hash, lru, events = self.entries, self.pending_hashes, self.slot_of_hash, self.lru, self.cache.events
         for i, slot in enumerate(slots):
             h = entries[slot].block_hash
             del pending[h]
@@ -214,25 +237,25 @@ class HostTier:
     def abort(self, slots: list[int], failed: bool = True) -> None:
         """The offloads into ``slots`` failed: the slots are free, their content lost (BlockRemoved, the pool's
         medium, for each hash the pool no longer holds). Not ``failed``: torn write-backs, whose hashes' removal
-        ``spill`` said already (as the eviction's)."""
+        ``prepare_store`` said already (as the eviction's)."""
         gone = []
         for slot in slots:
             h = self.entries.pop(slot).block_hash
             del self.pending_hashes[h]
             self.free.append(slot)
-            if h not in self.gpu_index:
+            if h not in self.cache.block_of_hash:
                 gone.append(h)
             else:
                 self.scan_skip = -1  # (reset)
-        if gone and failed and self.events is not None:
-            self.events.append(BlockRemoved(tuple(gone)))
+        if gone and failed and self.cache.events is not None:
+            self.cache.events.append(BlockRemoved(tuple(gone)))
         if failed:
             self.num_offload_failed += len(slots)
 
-    # ------------------------------------------------------------------ write-back (tier_writeback)
+    # ------------------------------------------------------------------ write-back (writeback.py)
     def scan_start(self, evictable: OrderedDict[int, None]) -> int:
         """Where the write-back's scan resumes: past the first ``scan_skip`` blocks of the LRU if the last of them is
-        still ``scan_mark`` (blocks join the LRU at its end; an eviction from its head is subtracted by ``spill``;
+        still ``scan_mark`` (blocks join the LRU at its end; an eviction from its head is subtracted by ``prepare_store``;
         a block taken back from inside the run moves the mark), else 0."""
         skip = self.scan_skip
         if skip > 0 and next(islice(evictable, skip - 1, skip), None) != self.scan_mark:
@@ -261,17 +284,18 @@ class HostTier:
             h = self.entries.pop(slot).block_hash
             del self.slot_of_hash[h]
             self.free.append(slot)
-            if h not in self.gpu_index:
+            if h not in self.cache.block_of_hash:
                 gone.append(h)
             else:
                 self.scan_skip = -1  # (reset)
-        if gone and self.events is not None:
-            self.events.append(BlockRemoved(tuple(gone), HOST_MEDIUM))
+        if gone and self.cache.events is not None:
+            self.cache.events.append(BlockRemoved(tuple(gone), HOST_MEDIUM))
         self.num_restore_failed += len(slots)
 
     def stored_events(self) -> list[BlockStored]:
         """BlockStored (medium "CPU") of every committed slot whose hash the pool holds no block of (a snapshot)."""
-        return [host_stored(self.entries[s]) for h, s in self.slot_of_hash.items() if h not in self.gpu_index]
+        in_pool = self.cache.block_of_hash
+        return [host_stored(self.entries[s]) for h, s in self.slot_of_hash.items() if h not in in_pool]
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
@@ -292,21 +316,22 @@ class HostTier:
                 raise InvariantViolationError(f"host slot {slot}'s hash does not match its content chain")
         if set(self.lru) & self.pinned or set(self.lru) | self.pinned != committed:
             raise InvariantViolationError("the host LRU and the pinned slots do not split the committed slots")
-        restoring = [slot for slots, _ in self.restoring.values() for slot in slots]
+        restoring = [slot for slots in self.restoring.values() for slot in slots]
         if len(restoring) != len(set(restoring)) or set(restoring) != self.pinned:
             raise InvariantViolationError("the pinned slots are not exactly the in-flight restores', each once")
-        if self.staged or self.must_wait:
-            raise InvariantViolationError(f"{len(self.staged)} offloads are staged between calls (or one is waited for)")
+        if not set(self.restoring) <= set(self.manager.held_outside):
+            raise InvariantViolationError("an in-flight restore holds no pool blocks (held_outside)")
         if set(self.inflight.values()) != pending:
             raise InvariantViolationError("between calls, the pending slots are not exactly the in-flight write-backs'")
         if not self.torn <= pending:
             raise InvariantViolationError("a torn slot is not an in-flight write-back's")
+        in_pool = self.cache.block_of_hash
         for block_id, slot in self.inflight.items():
-            if slot not in self.torn and self.gpu_index.get(self.entries[slot].block_hash) != block_id:
+            if slot not in self.torn and in_pool.get(self.entries[slot].block_hash) != block_id:
                 raise InvariantViolationError(f"in-flight write-back of block {block_id} no longer cached in the pool")
-        skip = self.scan_start(self.gpu_evictable)  # (normalises the hint only)
-        hash_of = {b: h for h, b in self.gpu_index.items()}
-        for block_id in islice(self.gpu_evictable, skip):
+        skip = self.scan_start(self.cache.evictable)  # (normalises the hint only)
+        hash_of = {b: h for h, b in in_pool.items()}
+        for block_id in islice(self.cache.evictable, skip):
             h = hash_of[block_id]
             if block_id not in self.inflight and h not in self.slot_of_hash and h not in self.pending_hashes:
                 raise InvariantViolationError(f"block {block_id} in the write-back's skipped run is not in the tier")

@@ -18,7 +18,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from kvpool_server.device.tier_pool import CopyTicket, InjectedCopyError, TierPool, copy_runs
+from kvpool_server.offload.tier_pool import CopyTicket, InjectedCopyError, TierPool, copy_runs
 
 _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 
