@@ -158,17 +158,23 @@ def main() -> None:
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="the figure of the rounds (min: the least disturbed round, on a busy host)")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--prefix-eviction", default="lru",
+                        help="kvpool's prefix eviction policies, comma-separated: the sides of each policy past the "
+                             "first are named side:policy, and their cost against the first's is printed")
     args = parser.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     num_blocks = args.num_blocks or 2 * needed_blocks(args)
     sides = args.only or ["vllm", "batched", "persistent"]
+    policies = args.prefix_eviction.split(",")
+    sides += [f"{s}:{p}" for p in policies[1:] for s in sides if s != "vllm"]
     vllm = load_vllm(args.vllm_src) if "vllm" in sides else None
     if vllm is None:
         sides = [s for s in sides if s != "vllm"]
     max_len = args.max_prompt + args.decode_steps
     managers = {s: KVCacheManager(num_blocks, args.block_size, max_seq_len=max_len,
-                                  max_num_seqs=max(4096, args.num_seqs)) for s in sides if s != "vllm"}
+                                  max_num_seqs=max(4096, args.num_seqs),
+                                  prefix_eviction=s.partition(":")[2] or policies[0]) for s in sides if s != "vllm"}
     driver = None
     if vllm is not None:
         from vllm_block_pool import VllmDriver
@@ -185,7 +191,7 @@ def main() -> None:
             if side == "vllm":
                 result = run_vllm(driver, work, r)
             else:
-                result = run_kvpool(managers[side], work, persistent=side == "persistent")
+                result = run_kvpool(managers[side], work, persistent=side.startswith("persistent"))
             blocks.add(result["blocks"])
             if r:
                 times[side].append(result)
@@ -214,6 +220,13 @@ def report(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[str
         print(line)
     per_step = {s: medians[s]["decode"] / args.decode_steps for s in sides}
     print("decode step (all sequences): " + ", ".join(f"{s} {per_step[s]:.1f} us" for s in sides))
+    for s in sides:
+        base, _, policy = s.partition(":")
+        if policy:  # the same side under the first policy: the cost of this one
+            first = args.prefix_eviction.split(",")[0]
+            cycle = {k: sum(medians[k].values()) for k in (s, base)}
+            print(f"{s} / {base} ({first}): decode step {per_step[s] / per_step[base]:.3f}, "
+                  f"whole cycle {cycle[s] / cycle[base]:.3f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "num_blocks": num_blocks, f"{args.stat}_us": medians,
