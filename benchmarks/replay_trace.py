@@ -11,8 +11,8 @@ ids, equal exactly where the ids are equal, so the core hashes, seals and matche
 Requests are served in timestamp order through a ``KVCacheManager`` of ``--capacity-blocks`` x
 ``--hash-block-tokens`` tokens (in blocks of ``--block-size``): register with the prompt (the core matches the
 longest cached run of its full blocks, the last token always recomputed), prefill the rest with its token ids,
-decode one token without ids (which seals the prompt's blocks; ``--hold-output``: ``output_length`` tokens), and
-free once ``--concurrency`` newer requests are in flight (1: at once). With ``--host-tier-blocks`` the pool's
+decode one token without ids (which seals the prompt's blocks; ``--hold-output``: ``output_length`` tokens; a
+request that gives its output's ids decodes them, then one token more to seal them), and free once ``--concurrency`` newer requests are in flight (1: at once). With ``--host-tier-blocks`` the pool's
 evictions spill into a host tier and a register first restores what the tier holds of its prompt, as the service
 does (copies are bookkeeping here: nothing moves). A request that needs more blocks than are free makes the oldest
 in flight finish first; one that needs more than the whole pool is skipped (counted).
@@ -121,9 +121,10 @@ class Replay:
                 m.prefix.finish_restore(staged, True)
         seq_id = m.register(prompt_token_ids=prompt)
         cached = m.num_tokens(seq_id)
-        output = request.output_len if self.hold_output or request.output_ids is not None else 1
+        output = max(1, request.output_len) if self.hold_output or request.output_ids is not None else 1
         if not (self.append(seq_id, prompt.size - cached, prompt[cached:])
-                and self.append(seq_id, max(1, output), request.output_ids)):
+                and self.append(seq_id, output, request.output_ids)
+                and (request.output_ids is None or self.append(seq_id, 1, None))):  # seals the output's blocks
             m.free(seq_id)
             result.skipped += 1
             return

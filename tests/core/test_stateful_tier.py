@@ -30,7 +30,7 @@ class TieredMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, max_seq_len=MAX_SEQ_LEN, max_num_seqs=12,
-                                      host_tier_blocks=TIER_SLOTS)
+                                      host_tier_blocks=TIER_SLOTS, prefix_eviction=self.PREFIX_EVICTION)
         self.memory = tag_memory(self.manager)
         self.events = KVEventLog(epoch=1, capacity=1)
         self.events.attach(self.manager.allocator.cache)
@@ -185,3 +185,13 @@ def both_tiers(manager: KVCacheManager) -> dict:
 
 TieredMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestTieredManagerAgainstReference = TieredMachine.TestCase
+
+
+class LrfuTieredMachine(TieredMachine):
+    """The same, the pool's prefix cache evicting by LRFU (the host tier keeps its own LRU)."""
+
+    PREFIX_EVICTION = "lrfu"
+
+
+LrfuTieredMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestTieredManagerAgainstReferenceLrfu = LrfuTieredMachine.TestCase

@@ -14,10 +14,9 @@ from typing import Protocol
 
 from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.core.kv_event_types import CachedBlock
-from kvpool_server.core.lrfu_eviction import LrfuEviction
+from kvpool_server.core.lrfu_eviction import DEFAULT_HALF_LIFE_TOKENS, LrfuEviction
 
 PREFIX_EVICTION_POLICIES = ("lru", "lrfu")
-DEFAULT_PREFIX_EVICTION = "lrfu"
 
 
 class EvictionPolicy(Protocol):
@@ -58,11 +57,15 @@ class LruEviction:
         pass
 
 
-def make_eviction_policy(name: str, num_blocks: int, block_size: int) -> EvictionPolicy:
+def make_eviction_policy(name: str, num_blocks: int, block_size: int,
+                         half_life_tokens: int | None = None) -> EvictionPolicy:
     """The policy called ``name`` (one of PREFIX_EVICTION_POLICIES) for a pool of ``num_blocks`` blocks of
-    ``block_size`` tokens."""
+    ``block_size`` tokens; LRFU's ``half_life_tokens`` (None: DEFAULT_HALF_LIFE_TOKENS). ``lrfu:N`` (for
+    experiments): LRFU with a half-life of N tokens."""
     if name == "lru":
         return LruEviction()
-    if name == "lrfu":
-        return LrfuEviction(num_blocks, block_size)
+    base, _, half_life = name.partition(":")
+    if name == "lrfu" or base == "lrfu" and half_life.isdigit() and int(half_life) > 0:
+        tokens = int(half_life) if half_life else half_life_tokens or DEFAULT_HALF_LIFE_TOKENS
+        return LrfuEviction(num_blocks, block_size, tokens)
     raise InvalidArgumentError(f"unknown prefix eviction policy {name!r}: one of {', '.join(PREFIX_EVICTION_POLICIES)}")

@@ -75,6 +75,7 @@ class KVCacheManager:
         host_tier_blocks: int = 0,
         host_tier_ready: int | None = None,
         prefix_eviction: str = "lru",
+        prefix_half_life_tokens: int | None = None,
     ) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
@@ -84,9 +85,10 @@ class KVCacheManager:
         if self.max_seq_len < 1:
             raise InvalidArgumentError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         self.index: SequenceIndex = SequenceIndex(max_num_seqs)  # checks max_num_seqs
-        # The prefix cache's eviction policy by name (eviction_policy.PREFIX_EVICTION_POLICIES; checked).
-        self.allocator: BlockAllocator = BlockAllocator(num_blocks, make_eviction_policy(prefix_eviction, num_blocks,
-                                                                                         block_size))
+        # The prefix cache's eviction policy by name (eviction_policy.PREFIX_EVICTION_POLICIES; checked) and LRFU's
+        # half-life (None: its default).
+        policy = make_eviction_policy(prefix_eviction, num_blocks, block_size, prefix_half_life_tokens)
+        self.allocator: BlockAllocator = BlockAllocator(num_blocks, policy)
         self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs, self.allocator)
         self.members: SessionMembers = SessionMembers()  # which session holds which sequence
         self.tenancy: bool = tenancy
