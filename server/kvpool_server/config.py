@@ -85,7 +85,8 @@ class ServerConfig:
         choices=PREFIX_EVICTION_POLICIES)
     prefix_eviction_half_life_tokens: int = setting(
         DEFAULT_HALF_LIFE_TOKENS, "with --prefix-eviction lrfu: a use counts half once this many tokens' worth of "
-        "blocks were released since (about twice the tokens served between a prefix's reuses)", min=1)
+        "blocks were released since (about twice the tokens served between a prefix's reuses; 0: the pool's own "
+        "tokens, the choice that held on every workload replayed)", min=0)
     backend: str = setting("auto", "where the pool lives: auto (GPU if present, else host), gpu, host",
                            choices=BACKENDS)
     # Tensor parallelism (docs/device.md, "A pool for a tensor-parallel group"): N pools split by KV heads.

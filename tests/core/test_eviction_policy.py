@@ -122,6 +122,8 @@ def test_policies_by_name() -> None:
     assert isinstance(make_eviction_policy("lru", 8, BS), LruEviction)
     assert isinstance(make_eviction_policy("lrfu", 8, BS), LrfuEviction)
     assert make_eviction_policy("lrfu:4096", 8, 16).decay == 16 / 4096
+    assert make_eviction_policy("lrfu:pool", 8, 16).decay == make_eviction_policy("lrfu", 8, 16, 0).decay == 1 / 8
+    assert make_eviction_policy("lrfu", 8, 16, 256).decay == 16 / 256
     for bad in ("arc", "lrfu:", "lrfu:0", "lrfu:x"):
         with pytest.raises(InvalidArgumentError, match="unknown prefix eviction policy"):
             make_eviction_policy(bad, 8, BS)

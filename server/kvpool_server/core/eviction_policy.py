@@ -68,12 +68,14 @@ class LruEviction:
 def make_eviction_policy(name: str, num_blocks: int, block_size: int,
                          half_life_tokens: int | None = None) -> EvictionPolicy:
     """The policy called ``name`` (one of PREFIX_EVICTION_POLICIES) for a pool of ``num_blocks`` blocks of
-    ``block_size`` tokens; LRFU's ``half_life_tokens`` (None: DEFAULT_HALF_LIFE_TOKENS). ``lrfu:N`` (for
-    experiments): LRFU with a half-life of N tokens."""
+    ``block_size`` tokens; LRFU's ``half_life_tokens`` (None: DEFAULT_HALF_LIFE_TOKENS; 0: the pool's tokens,
+    ``num_blocks * block_size``). ``lrfu:N`` (for experiments): LRFU with a half-life of N tokens (``lrfu:pool``:
+    the pool's)."""
     if name == "lru":
         return LruEviction()
     base, _, half_life = name.partition(":")
-    if name == "lrfu" or base == "lrfu" and half_life.isdigit() and int(half_life) > 0:
-        tokens = int(half_life) if half_life else half_life_tokens or DEFAULT_HALF_LIFE_TOKENS
+    if name == "lrfu" or base == "lrfu" and (half_life == "pool" or half_life.isdigit() and int(half_life) > 0):
+        tokens = half_life_tokens if not half_life else 0 if half_life == "pool" else int(half_life)
+        tokens = DEFAULT_HALF_LIFE_TOKENS if tokens is None else tokens or num_blocks * block_size
         return LrfuEviction(num_blocks, block_size, tokens)
     raise InvalidArgumentError(f"unknown prefix eviction policy {name!r}: one of {', '.join(PREFIX_EVICTION_POLICIES)}")
