@@ -120,8 +120,8 @@ class LrfuEviction:
         kept: dict[int, tuple[list[int], list[int], list[int]]] = {}
         for key, (blocks, stamps, head) in self.buckets.items():
             blocks, stamps = blocks[head[0]:], stamps[head[0]:]
-            live = np.flatnonzero(self._live(blocks, stamps)) if blocks else []
-            if len(live):
+            live: list[int] = np.flatnonzero(self._live(blocks, stamps)).tolist() if blocks else []
+            if live:
                 kept[key] = ([blocks[i] for i in live], [stamps[i] for i in live], [0])
         self.buckets = kept
         self.bucket_ids = list(kept)
