@@ -5,6 +5,7 @@ benchmarks/replay_trace.py, over the real core; this model's LRU matches it with
 
     python benchmarks/eviction_model.py TRACE POLICY CAPACITIES [key=value ...]
     python benchmarks/eviction_model.py trace.jsonl lru 1500,5000,16000
+    python benchmarks/eviction_model.py trace.jsonl stats     # the reuse figures docs/prefix-caching.md quotes
     python benchmarks/eviction_model.py trace.jsonl lrfug 1500,5000,16000 hb=24000 g=4   # LRFU, a ghost of 4x
 
 Policies (POLICIES): lru, gdsf, gdsfd, lrfu (half-life lam per request), lrfuc (hl x capacity or hb blocks), lrfug
@@ -361,9 +362,40 @@ class LRFUs(LRFUt):
 
 POLICIES["lrfus"] = LRFUs
 
+def reuse_stats(reqs):
+    """The trace's reuse figures (docs/prefix-caching.md): how often a block used k times is used again, and how
+    many blocks of traffic come between a request and the last use of its deepest block seen before."""
+    from collections import Counter
+
+    uses = Counter(b for r in reqs for b in r["hash_ids"][: r["input_length"] // 512])
+    at_least = Counter()
+    for n in uses.values():
+        for k in range(1, n + 1):
+            at_least[k] += 1
+    print(f"distinct blocks {len(uses)}, used once {100 * (at_least[1] - at_least[2]) / at_least[1]:.0f}%")
+    for k in (1, 2, 3):
+        print(f"a block used {k}x is used again: {100 * at_least[k + 1] / at_least[k]:.0f}%")
+    last, clock, gaps = {}, 0, []
+    for r in reqs:
+        ids = r["hash_ids"][: r["input_length"] // 512]
+        k = 0
+        while k < len(ids) and ids[k] in last:
+            k += 1
+        if k >= 2:
+            gaps.append(clock - last[ids[k - 1]])
+        for b in ids:
+            last[b] = clock
+        clock += len(ids)
+    gaps.sort()
+    print("blocks of traffic before a reuse: " + ", ".join(f"p{q} {gaps[len(gaps) * q // 100]}" for q in (10, 50, 90)))
+
+
 if __name__ == "__main__":
     reqs = load(sys.argv[1])
     pol = sys.argv[2]
+    if pol == "stats":
+        reuse_stats(reqs)
+        sys.exit(0)
     kw = {k: float(v) for k, v in (a.split("=") for a in sys.argv[4:])}
     for cap in map(int, sys.argv[3].split(",")):
         print(pol, kw, cap, f"{100 * run(reqs, cap, pol, **kw):.2f}%", flush=True)
