@@ -25,7 +25,7 @@ VLLM_PIP_ARGS ?=
 PROTO_BASELINE ?= $(firstword $(wildcard protos/released/*.json))
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: help setup test test-vllm run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-quick proto lint lint-proto buf-breaking proto-baseline \
+.PHONY: help setup test test-vllm run bench bench-service bench-engine bench-ttft bench-events soak experiments experiments-prefix experiments-tier experiments-trace experiments-quick proto lint lint-proto buf-breaking proto-baseline \
 	dist compose-check docker-up docker-down monitoring-up image-base image-smoke clean
 
 help:
@@ -47,6 +47,7 @@ help:
 	@echo "make experiments        capacity and sharing experiments (about 35 min on 2 cores; docs/experiments.md)"
 	@echo "make experiments-prefix prefix caching: token hit rate against the pool size, JSON + PNG (about 10 min)"
 	@echo "make experiments-tier   the host tier: prompts needing 4x the pool, hit rate with / without the tier (about 5 min)"
+	@echo "make experiments-trace TRACE=file  prefix eviction policies replayed through the core: the trace, shared-prefix, chat"
 	@echo "make experiments-quick  the same experiments, smaller (about 3 min): the shape, not the paper's numbers"
 	@echo "make dist               the sdist and the wheel of the kvpool project into dist/ (pip's build; tests/packaging installs them)"
 	@echo "make proto              regenerate common/kvpool/v1/*_pb2*.py from protos/"
@@ -165,6 +166,17 @@ experiments-tier: $(SETUP)
 	$(PY) benchmarks/prefix_sweep.py --pool-blocks 768,1024,1536,2048,3072,4096,6144,8192 --num-prompts 32 \
 		--shared-tokens 2048 --unique-tokens 128 --max-len 128 -p 4 -c 4 -n 600 --host-tier-bytes 4MiB \
 		--json out/exp/tier_sweep.json --plot out/exp/tier_sweep.png
+
+# Issue 34: the prefix eviction policies on a request trace (TRACE=path, Mooncake's JSON lines) and on the load
+# generator's shared-prefix and chat workloads, replayed through the core (docs/prefix-caching.md, Eviction policy).
+experiments-trace: $(SETUP)
+	@test -n "$(TRACE)" || { echo "usage: make experiments-trace TRACE=path/to/trace.jsonl"; exit 2; }
+	$(PY) benchmarks/replay_sweep.py --workload trace --trace $(TRACE) --block-size 512 \
+		--capacities 1500,5000,10000,16000 -j 2 --json out/exp/replay_trace.json --plot out/exp/replay_trace.png
+	$(PY) benchmarks/replay_sweep.py --workload shared-prefix --capacities 300,800,2000 --requests 2000 -j 2 \
+		--json out/exp/replay_shared_prefix.json
+	$(PY) benchmarks/replay_sweep.py --workload chat --capacities 300,800,2000 --requests 400 -j 2 \
+		--json out/exp/replay_chat.json
 
 experiments-quick: $(SETUP)
 	$(PY) benchmarks/experiments.py capacity --requests 200 --pool-blocks 512 --json out/exp-quick/capacity.json

@@ -54,6 +54,10 @@ import numpy as np
 from kvpool_server.core import KVCacheManager
 from persistent_batch import SequenceBatch
 
+# --clock: wall time (the default), or this process's CPU time (``cpu``: steadier where other work shares the CPUs)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK = "wall"
+
 PHASES = ("register+prefill", "decode", "free", "cycle")
 
 
@@ -77,7 +81,7 @@ def needed_blocks(args: argparse.Namespace) -> int:
 
 def run_kvpool(manager: KVCacheManager, work: Workload, persistent: bool) -> dict[str, float]:
     """One cycle on kvpool's core; seconds per phase."""
-    clock = time.perf_counter
+    clock = CLOCKS[CLOCK]
     hits = manager.prefix.hit_tokens
     start = clock()
     register = manager.register
@@ -108,7 +112,7 @@ def run_kvpool(manager: KVCacheManager, work: Workload, persistent: bool) -> dic
 
 def run_vllm(driver: Any, work: Workload, round_index: int) -> dict[str, float]:
     """One cycle on vLLM's BlockPool, one request at a time as its scheduler does; seconds per phase."""
-    clock = time.perf_counter
+    clock = CLOCKS[CLOCK]
     start = clock()
     add = driver.add_request
     requests = [add(f"r{round_index}-{i}", prompt) for i, prompt in enumerate(work.prompt_lists)]
@@ -158,17 +162,27 @@ def main() -> None:
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="the figure of the rounds (min: the least disturbed round, on a busy host)")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--prefix-eviction", default="lru",
+                        help="kvpool's prefix eviction policies, comma-separated: the sides of each policy past the "
+                             "first are named side:policy, and their cost against the first's is printed")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="what the phases are timed by: wall time, or this process's CPU time (a busy host)")
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = args.clock
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     num_blocks = args.num_blocks or 2 * needed_blocks(args)
     sides = args.only or ["vllm", "batched", "persistent"]
+    policies = args.prefix_eviction.split(",")
+    sides += [f"{s}:{p}" for p in policies[1:] for s in sides if s != "vllm"]
     vllm = load_vllm(args.vllm_src) if "vllm" in sides else None
     if vllm is None:
         sides = [s for s in sides if s != "vllm"]
     max_len = args.max_prompt + args.decode_steps
     managers = {s: KVCacheManager(num_blocks, args.block_size, max_seq_len=max_len,
-                                  max_num_seqs=max(4096, args.num_seqs)) for s in sides if s != "vllm"}
+                                  max_num_seqs=max(4096, args.num_seqs),
+                                  prefix_eviction=s.partition(":")[2] or policies[0]) for s in sides if s != "vllm"}
     driver = None
     if vllm is not None:
         from vllm_block_pool import VllmDriver
@@ -185,7 +199,7 @@ def main() -> None:
             if side == "vllm":
                 result = run_vllm(driver, work, r)
             else:
-                result = run_kvpool(managers[side], work, persistent=side == "persistent")
+                result = run_kvpool(managers[side], work, persistent=side.startswith("persistent"))
             blocks.add(result["blocks"])
             if r:
                 times[side].append(result)
@@ -203,17 +217,23 @@ def report(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[str
     print(f"{args.num_seqs} sequences, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.decode_steps} decode "
           f"steps, block size {args.block_size}, pool {num_blocks} blocks, prefix caching on; {args.stat} of "
           f"{args.rounds} rounds, us per cycle" + (f"; vLLM from {vllm.origin}" if vllm is not None else ""))
-    header = f"{'phase':<18}" + "".join(f"{s:>14}" for s in sides)
+    header = f"{'phase':<18}" + "".join(f"{s:>16}" for s in sides)
     if "vllm" in sides:
         header += "".join(f"{'vLLM/' + s:>20}" for s in sides if s != "vllm")
     print(header)
     for phase in PHASES:
-        line = f"{phase:<18}" + "".join(f"{medians[s][phase]:>14,.0f}" for s in sides)
+        line = f"{phase:<18}" + "".join(f"{medians[s][phase]:>16,.0f}" for s in sides)
         if "vllm" in sides:
             line += "".join(f"{medians['vllm'][phase] / medians[s][phase]:>19.2f}x" for s in sides if s != "vllm")
         print(line)
     per_step = {s: medians[s]["decode"] / args.decode_steps for s in sides}
     print("decode step (all sequences): " + ", ".join(f"{s} {per_step[s]:.1f} us" for s in sides))
+    for s in sides:
+        base, _, policy = s.partition(":")
+        if policy:  # the same side under the first policy: the cost of this one
+            first = args.prefix_eviction.split(",")[0]
+            print(f"{s} / {base} ({first}): decode step {per_step[s] / per_step[base]:.3f}, "
+                  f"whole cycle {medians[s]['cycle'] / medians[base]['cycle']:.3f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "num_blocks": num_blocks, f"{args.stat}_us": medians,

@@ -23,6 +23,8 @@ from typing import Any
 from kvpool.cli_flags import VLLM_SERVER_FLAGS, refuse_foreign_flags
 from kvpool.layout import DTYPES, KV_LAYOUTS, KVLayout
 from kvpool.tensor_parallel import check_split
+from kvpool_server.core.eviction_policy import PREFIX_EVICTION_POLICIES
+from kvpool_server.core.lrfu_eviction import DEFAULT_HALF_LIFE_TOKENS
 from kvpool_server.log_setup import LOG_FORMATS, LOG_LEVELS, JsonLogFormatter
 from kvpool_server.exposure import TransportError, check_transport
 from kvpool_server.settings import (
@@ -77,6 +79,15 @@ class ServerConfig:
         "tier ahead of need, up to this many in flight (in chunks of 8); an eviction it did not reach drops the block from the tier "
         "rather than copy under the lock (0: no thread, offload on eviction, under the lock)",
         min=0)
+    prefix_eviction: str = setting(
+        "lru", "which cached blocks the prefix cache evicts first: lru (least recently used), or lrfu (least "
+        "recently and frequently used: blocks reused by many requests outlive the tails of one-off prompts; it wins "
+        "on long production conversations and loses on quick chat turns: docs/prefix-caching.md, Eviction policy)",
+        choices=PREFIX_EVICTION_POLICIES)
+    prefix_eviction_half_life_tokens: int = setting(
+        DEFAULT_HALF_LIFE_TOKENS, "with --prefix-eviction lrfu: a use counts half once this many tokens' worth of "
+        "blocks were released since (about twice the tokens served between a prefix's reuses; 0: the pool's own "
+        "tokens, the choice that held on every workload replayed)", min=0)
     backend: str = setting("auto", "where the pool lives: auto (GPU if present, else host), gpu, host",
                            choices=BACKENDS)
     # Tensor parallelism (docs/device.md, "A pool for a tensor-parallel group"): N pools split by KV heads.

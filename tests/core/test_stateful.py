@@ -103,9 +103,12 @@ class ReferenceModel:
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    PREFIX_EVICTION = "lru"  # the prefix cache's eviction policy (LrfuMachine below: the same rules under LRFU)
+
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, max_seq_len=MAX_SEQ_LEN, max_num_seqs=12)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, max_seq_len=MAX_SEQ_LEN, max_num_seqs=12,
+                                      prefix_eviction=self.PREFIX_EVICTION)
         self.memory = tag_memory(self.manager)
         self.model = ReferenceModel()
         self.freed: list[int] = []
@@ -358,6 +361,17 @@ class ManagerMachine(RuleBasedStateMachine):
 
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestManagerAgainstReference = ManagerMachine.TestCase
+
+
+class LrfuMachine(ManagerMachine):
+    """The same machine, the prefix cache evicting by LRFU (eviction_policy.py): the model follows the manager's
+    choice of what stays cached, so every check holds under any policy."""
+
+    PREFIX_EVICTION = "lrfu"
+
+
+LrfuMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestManagerAgainstReferenceLrfu = LrfuMachine.TestCase
 
 
 def test_tag_memory_distinguishes_sequences():

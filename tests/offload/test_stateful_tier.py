@@ -30,7 +30,8 @@ TIER_SLOTS = 3  # smaller than a prompt: the tier's own LRU drops blocks too
 class TieredMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, max_seq_len=MAX_SEQ_LEN, max_num_seqs=12)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, max_seq_len=MAX_SEQ_LEN, max_num_seqs=12,
+                                      prefix_eviction=self.PREFIX_EVICTION)
         self.tier = HostTier(self.manager, TIER_SLOTS)
         self.memory = tag_memory(self.manager)
         self.events = KVEventLog(epoch=1, capacity=1)
@@ -180,3 +181,13 @@ def both_tiers(manager: KVCacheManager, tier: HostTier) -> dict:
 
 TieredMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestTieredManagerAgainstReference = TieredMachine.TestCase
+
+
+class LrfuTieredMachine(TieredMachine):
+    """The same, the pool's prefix cache evicting by LRFU (the host tier keeps its own LRU)."""
+
+    PREFIX_EVICTION = "lrfu"
+
+
+LrfuTieredMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestTieredManagerAgainstReferenceLrfu = LrfuTieredMachine.TestCase

@@ -27,9 +27,13 @@ not here (``kvpool_server.offload``, above the core): the core names what it evi
        prompt_hashes.py    PromptHashes: a register's hashes of the prompt blocks past its cached run, kept for the
                            prefill (read by token_chains)
     3  allocator.py        BlockAllocator: free list and reference counts; evicts (-> prefix_cache)
-    2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable LRU; records events into a pending list;
-                           with a keeper (the host tier, ``offload/``), records each call's evictions for its plan
-    1  block_hash.py       chain hashes of token blocks (sha256; defined in kvpool-common's kvpool.block_hash)
+    2  prefix_cache.py     PrefixCache: hash -> sealed block, the evictable set (its policy names the victims:
+                           -> eviction_policy); records events into a pending list; with a keeper (the host
+                           tier, ``offload/``), records each call's evictions for its plan
+    1  eviction_policy.py  EvictionPolicy: which evictable block goes first; LruEviction, make_eviction_policy by name
+                           (-> lrfu_eviction)
+       lrfu_eviction.py    LrfuEviction: decayed reuse counts, rank buckets, a bounded ghost of evicted counts
+       block_hash.py       chain hashes of token blocks (sha256; defined in common/kvpool/block_hash.py)
     0  types.py            AppendPlan (EvictedBlocks), PoolStats, UNLIMITED (results, immutable)
        pool_figures.py     POOL_FIGURES: each pool figure declared once (PoolStats / proto / client name, metric)
        kv_event_types.py   BlockStored, BlockRemoved, AllBlocksCleared (records)

@@ -10,6 +10,7 @@ from kvpool_server.core.errors import (
     OutOfBlocksError,
     QuotaExceededError,
 )
+from kvpool_server.core.eviction_policy import EvictionPolicy
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.core.types import UNLIMITED
 
@@ -47,7 +48,7 @@ class BlockAllocator:
                                   ^ num_free_blocks               block 5 -> 2 (shared by two sequences)
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, eviction: EvictionPolicy | None = None) -> None:
         if num_blocks < 1:
             raise InvalidArgumentError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks: int = num_blocks
@@ -58,7 +59,7 @@ class BlockAllocator:
         self._free_stack: np.ndarray = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self.num_free_blocks: int = num_blocks
         self.num_shared_blocks: int = 0
-        self.cache: PrefixCache = PrefixCache(num_blocks)
+        self.cache: PrefixCache = PrefixCache(num_blocks, eviction)  # eviction: its policy (None: LRU)
 
     @property
     def num_used_blocks(self) -> int:

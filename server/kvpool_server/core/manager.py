@@ -10,6 +10,7 @@ from kvpool_server.core import checks
 from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
+from kvpool_server.core.eviction_policy import make_eviction_policy
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
 from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.core.session_members import SessionMembers
@@ -73,6 +74,8 @@ class KVCacheManager:
         max_seq_len: int | None = None,
         max_num_seqs: int = 4096,
         tenancy: bool = False,
+        prefix_eviction: str = "lru",
+        prefix_half_life_tokens: int | None = None,
     ) -> None:
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
@@ -82,7 +85,10 @@ class KVCacheManager:
         if self.max_seq_len < 1:
             raise InvalidArgumentError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         self.index: SequenceIndex = SequenceIndex(max_num_seqs)  # checks max_num_seqs
-        self.allocator: BlockAllocator = BlockAllocator(num_blocks)
+        # The prefix cache's eviction policy by name (eviction_policy.PREFIX_EVICTION_POLICIES; checked) and LRFU's
+        # half-life (None: its default).
+        policy = make_eviction_policy(prefix_eviction, num_blocks, block_size, prefix_half_life_tokens)
+        self.allocator: BlockAllocator = BlockAllocator(num_blocks, policy)
         self.tables: BlockTables = BlockTables(block_size, self.max_seq_len, max_num_seqs, self.allocator)
         self.members: SessionMembers = SessionMembers()  # which session holds which sequence
         self.tenancy: bool = tenancy

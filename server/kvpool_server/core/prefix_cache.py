@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import islice
 
 import numpy as np
 
 from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
 from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.eviction_policy import EvictionPolicy, LruEviction
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
 from kvpool_server.core.types import EvictedBlocks
 
@@ -20,8 +20,9 @@ class PrefixCache:
 
     Pure bookkeeping: it never allocates and never touches KV memory. The allocator owns one and asks it two
     things: which blocks reaching ref count 0 keep their content (``is_cached``: they are ``park``-ed on the
-    evictable LRU instead of the free list), and which blocks to take when the free list runs dry (``evict``: the
-    least recently used, whose hash is then forgotten). A prefix match takes blocks back off the LRU (``unpark``).
+    evictable LRU instead of the free list), and which blocks to take when the free list runs dry (``evict``: those
+    the eviction policy names -- ``policy``, eviction_policy.py: the least recently used, or LRFU's least
+    valuable -- whose hash is then forgotten). A prefix match takes blocks back off the LRU (``unpark``).
 
     The LRU is an OrderedDict (block id -> None), oldest first: O(1) park, unpark of any block and eviction from the
     front. A released sequence's blocks are parked tail first (the allocator reverses them), so that the leaves of a
@@ -42,9 +43,10 @@ class PrefixCache:
       - the evictable LRU holds exactly the cached blocks whose ref count is 0, each once;
       - ``evicted_ids`` / ``evicted_entries`` (with ``keep_evictions``) are empty between calls: the manager moves a
         call's evictions into its plan (``AppendPlan.evicted``) before it returns.
+      - the eviction policy's own invariants hold (``policy.check_invariants``).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         self.block_of_hash: dict[bytes, int] = {}
         self.entries: dict[int, CachedBlock] = {}  # block_id -> what its hash was computed from
         self.is_cached: np.ndarray = np.zeros(num_blocks, dtype=bool)
@@ -52,6 +54,7 @@ class PrefixCache:
         self.num_public: int = 0
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, oldest (first to evict) first
         self.num_evicted: int = 0
+        self.policy: EvictionPolicy = LruEviction() if policy is None else policy  # names the blocks evicted
         # A KVEventLog's ``pending`` list when one is attached (kv_events.py, a bounded list): the entries stored,
         # BlockRemoved.
         self.events: list[CachedBlock | BlockRemoved | BlockStored] | None = None
@@ -139,22 +142,25 @@ class PrefixCache:
         """Cached blocks whose ref count reached 0, in eviction order: they keep their content and hash."""
         for block_id in block_ids.tolist():
             self.evictable[block_id] = None
+        self.policy.parked(block_ids, self.entries, self.evictable)
 
     def unpark(self, block_ids: np.ndarray) -> None:
         """Cached blocks taken back into use (a prefix match)."""
         for block_id in block_ids.tolist():
             del self.evictable[block_id]
+        self.policy.unparked(block_ids)
 
     def evict(self, num: int) -> np.ndarray:
-        """Forget the ``num`` least recently used evictable blocks (``num`` <= ``num_evictable``); returns them. With
-        ``keep_evictions``, they and their content are recorded for the call's plan (a keeper stores them before
-        anyone writes into the returned blocks, and reports the hashes it does not keep); else their hashes are
-        reported removed."""
+        """Forget ``num`` evictable blocks (``num`` <= ``num_evictable``), those the policy names; returns them.
+        With ``keep_evictions``, they and their content are recorded for the call's plan (a keeper stores them
+        before anyone writes into the returned blocks, and reports the hashes it does not keep); else their hashes
+        are reported removed."""
         evictable, by_block, block_of_hash = self.evictable, self.entries, self.block_of_hash
-        block_ids = list(islice(evictable, num))  # oldest first
+        block_ids = self.policy.victims(evictable, num)
         for block_id in block_ids:
             del evictable[block_id]
         spilled = [by_block.pop(block_id) for block_id in block_ids]
+        self.policy.evicted(block_ids, spilled)
         hashes = [entry.block_hash for entry in spilled]
         for block_hash_i in hashes:
             del block_of_hash[block_hash_i]
@@ -189,3 +195,4 @@ class PrefixCache:
             raise InvariantViolationError(
                 f"the evictable LRU {sorted(self.evictable)[:8]} is not the cached blocks of ref count 0 {sorted(idle)[:8]}"
             )
+        self.policy.check_invariants(self.evictable)

@@ -55,6 +55,7 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         manager = KVCacheManager(
             pool.num_blocks, config.block_size, max_seq_len=config.max_seq_len, max_num_seqs=config.max_num_seqs,
             tenancy=bool(config.auth_tokens),
+            prefix_eviction=config.prefix_eviction, prefix_half_life_tokens=config.prefix_eviction_half_life_tokens,
         )
         auth = Authenticator(config.auth_tokens, manager.tenants, manager.num_blocks) if config.auth_tokens else None
         sessions = SessionTable(new_server_epoch(), default_ttl_s=config.session_ttl_ms / 1000.0,

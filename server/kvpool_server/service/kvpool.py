@@ -160,8 +160,8 @@ class KVPoolService:
             self.sessions.refuse_if_drained(register_batch.RPC)
         tenant, manager, tier = call.caller.tenant_id, self.guard.manager, self.tier
         hashes = [register_batch.checked_hashes(call.caller, manager, i, p) for i, p in enumerate(prompts)]
-        restoring = [] if tier is None else [tier.start_restore(self.guard, call.caller, session_id, tenant,
-                                                                p.prompt_token_ids, h) for p, h in zip(prompts, hashes)]
+        restoring: list = []  # each prompt's host-tier blocks, copied back unlocked, before the match
+        fence = (lambda: self.guard.fence(call.caller, session_id))  # the first restore's hold renews the lease
 
         def apply() -> tuple[RegisteredPrompt, ...]:
             for r in restoring:
@@ -173,7 +173,11 @@ class KVPoolService:
 
         request = ("register_many", *(x for p in prompts for x in p))
         try:
-            return self.guard.mutate(call.caller, session_id, request_id, request, apply)
+            if tier is not None:
+                for i, h in enumerate(hashes):
+                    restoring.append(tier.start_restore(self.guard.lock, fence if i == 0 else (lambda: None), h))
+            return self.guard.mutate(call.caller, session_id, request_id, request,
+                                     apply if tier is None else lambda: tier.call(apply), renew=tier is None)
         finally:
             if any(r is not None and not r.finished for r in restoring):
                 with self.guard.lock:
