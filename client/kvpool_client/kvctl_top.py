@@ -1,10 +1,10 @@
 """``kvctl top``: poll Stats and show usage, rates and latency, refreshed in place (``rich``), or JSON lines.
 
-Rates come from the difference of two Stats replies over the time between them, of counters that only grow (CoW
-copies, prompt tokens looked up in the prefix cache and those found, host-tier offloads and restores): a rate of a
-level such as the tokens held would mix appends and frees into a number that means neither (``-262/s``). Latency is
-that of the Stats call itself as kvctl measures it (the server's own RPC latency and its appended-tokens counter
-are on its metrics endpoint, docs/metrics.md).
+Rates come from the difference of two Stats replies over the time between them, of counters that only grow (tokens
+appended, cached blocks evicted, CoW copies, prompt tokens looked up in the prefix cache and those found, host-tier
+offloads and restores): a rate of a level such as the tokens held would mix appends and frees into a number that
+means neither (``-262/s``). Latency is that of the Stats call itself as kvctl measures it (the server's own RPC
+latency is on its metrics endpoint, docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Sample:
     latency_s: float
 
 
-RATES = ("cow_copies_per_s", "prefix_lookup_tokens_per_s", "prefix_hit_tokens_per_s", "tier_offloads_per_s",
+RATES = ("appended_tokens_per_s", "evicted_blocks_per_s", "cow_copies_per_s", "prefix_lookup_tokens_per_s", "prefix_hit_tokens_per_s", "tier_offloads_per_s",
          "tier_restores_per_s")
 
 
@@ -38,6 +38,8 @@ def rates(prev: Sample, cur: Sample) -> dict[str, float]:
     a, b = prev.stats, cur.stats
     tier_a, tier_b = a.host_tier, b.host_tier
     return {
+        "appended_tokens_per_s": max(0, b.num_tokens_appended - a.num_tokens_appended) / dt,
+        "evicted_blocks_per_s": max(0, b.num_blocks_evicted - a.num_blocks_evicted) / dt,
         "cow_copies_per_s": max(0, b.num_copies - a.num_copies) / dt,
         "prefix_lookup_tokens_per_s": max(0, b.prefix_query_tokens - a.prefix_query_tokens) / dt,
         "prefix_hit_tokens_per_s": max(0, b.prefix_hit_tokens - a.prefix_hit_tokens) / dt,
@@ -86,6 +88,8 @@ def render(view: dict, target: str, interval: float):  # -> rich renderable
     table.add_row("evictable", f"{view['blocks_evictable']:,}", "prefix cache, held by no sequence (allocatable)")
     table.add_row("sequences", f"{view['sequences']:,}", "live")
     table.add_row("tokens", f"{view['tokens']:,}", "held by live sequences")
+    table.add_row("appends", f"{view['appended_tokens_per_s']:,.0f}/s", "tokens appended (slots handed out)")
+    table.add_row("evictions", f"{view['evicted_blocks_per_s']:,.1f}/s", "cached blocks evicted to make room")
     table.add_row("prefix lookups", f"{view['prefix_lookup_tokens_per_s']:,.0f}/s",
                   f"prompt tokens looked up; {view['prefix_hit_tokens_per_s']:,.0f}/s found cached")
     table.add_row("fragmentation", f"{100 * view['internal_fragmentation_ratio']:.2f}%", "internal (last blocks)")

@@ -144,6 +144,8 @@ class PoolStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache since start
     prefix_hit_tokens: int = 0  # of those, found cached (either tier)
     prefix_host_hit_tokens: int = 0  # of the hits, restored from the host tier
+    num_tokens_appended: int = 0  # tokens appended since start (0 from a server that predates the count)
+    num_blocks_evicted: int = 0  # cached blocks evicted from the prefix cache since start
     host_tier: HostTierStats | None = None  # None: the server has no host tier (or predates it)
 
     @property

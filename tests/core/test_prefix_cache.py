@@ -101,14 +101,17 @@ def test_released_cached_blocks_are_evictable_then_evicted_leaves_first() -> Non
     assert (stats.num_blocks_evictable, stats.num_blocks_free, stats.num_blocks_used) == (2, 4, 0)
     assert list(manager.allocator.cache.evictable) == [second, first]  # the leaf is evicted first
     b = manager.register()
+    appended = manager.stats().num_tokens_appended
     manager.append(b, 5 * BS)  # 4 free blocks, then one evicted: the leaf
     assert manager.allocator.cache.num_cached == 1 and first not in manager.block_table(b).tolist()
+    stats = manager.stats()  # the counters since start
+    assert (stats.num_blocks_evicted, stats.num_tokens_appended - appended) == (1, 5 * BS)
     c = manager.register(prompt_token_ids=PROMPT)
     assert manager.num_tokens(c) == 4  # the first block still matches; the evicted one's hash is gone
     manager.check_invariants()
     manager.free([b, c])
     manager.append(manager.register(), 6 * BS)  # everything, evicting the rest
-    assert manager.allocator.cache.num_cached == 0
+    assert manager.allocator.cache.num_cached == 0 and manager.stats().num_blocks_evicted == 2
     manager.check_invariants()
 
 

@@ -146,6 +146,19 @@ def test_top_json_lines_and_rates(server, capsys):
     assert code == 0 and len(lines) == 2
     assert lines[-1]["blocks_used"] == 3 and lines[-1]["tokens"] == 33 and lines[-1]["stats_latency_ms_p50"] > 0
     assert lines[-1]["cow_copies_per_s"] == lines[-1]["prefix_lookup_tokens_per_s"] == 0
+    assert lines[-1]["appended_tokens_per_s"] == 0  # nothing appended between the two polls
+
+
+def test_stats_counts_appended_tokens_and_evicted_blocks(server):
+    """Stats counts the tokens appended since start, read through a real server (evictions: tests/core)."""
+    with KVPoolClient(server.address) as kv:
+        before = kv.stats()
+        seq = kv.register()
+        kv.append([seq], 33)
+        kv.append([seq], 2)
+        kv.free(seq)
+        after = kv.stats()
+    assert after.num_tokens_appended - before.num_tokens_appended == 35
 
 
 def test_top_rates_are_of_counters_that_only_grow():
@@ -153,12 +166,14 @@ def test_top_rates_are_of_counters_that_only_grow():
     from kvpool_client.kvctl_top import Sample, rates
     from kvpool_client.types import PoolStats
 
-    def stats(tokens, copies, looked_up, hit):
+    def stats(tokens, copies, looked_up, hit, appended, evicted):
         return PoolStats(64, 0, 64, 1.0, tokens, 0, 0.0, 0, copies, 3, 16, 8192, prefix_query_tokens=looked_up,
-                         prefix_hit_tokens=hit)
+                         prefix_hit_tokens=hit, num_tokens_appended=appended, num_blocks_evicted=evicted)
 
-    got = rates(Sample(0.0, stats(1000, 5, 100, 40), 0.001), Sample(2.0, stats(476, 9, 900, 440), 0.001))
-    assert got == {"cow_copies_per_s": 2.0, "prefix_lookup_tokens_per_s": 400.0, "prefix_hit_tokens_per_s": 200.0,
+    got = rates(Sample(0.0, stats(1000, 5, 100, 40, 5000, 10), 0.001),
+                Sample(2.0, stats(476, 9, 900, 440, 5600, 14), 0.001))
+    assert got == {"appended_tokens_per_s": 300.0, "evicted_blocks_per_s": 2.0, "cow_copies_per_s": 2.0,
+                   "prefix_lookup_tokens_per_s": 400.0, "prefix_hit_tokens_per_s": 200.0,
                    "tier_offloads_per_s": 0.0, "tier_restores_per_s": 0.0}
     assert all(rate >= 0 for rate in got.values())
 

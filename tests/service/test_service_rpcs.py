@@ -109,7 +109,7 @@ def test_stats_fields(any_server: ServerProcess) -> None:
             num_blocks_total=NUM_BLOCKS, num_blocks_free=NUM_BLOCKS - 3, num_blocks_used=3,
             utilization=3 / NUM_BLOCKS, num_tokens=41, num_slots_unused=(16 - 4) + (16 - 5),
             internal_fragmentation=23 / 48, num_blocks_shared=1, num_copies=1, num_sequences=2,
-            block_size=BLOCK_SIZE, block_bytes=BLOCK_SIZE * TOKEN_BYTES,
+            block_size=BLOCK_SIZE, block_bytes=BLOCK_SIZE * TOKEN_BYTES, num_tokens_appended=20 + 1,
         )
 
 

@@ -193,7 +193,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "utilization", "num_tokens", "num_slots_unused", "internal_fragmentation", "num_blocks_shared", "num_copies", "num_sequences", "block_size", "block_bytes", "tenants", "num_blocks_evictable", "prefix_query_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens", "host_tier")
+    __slots__ = ("num_blocks_total", "num_blocks_free", "num_blocks_used", "utilization", "num_tokens", "num_slots_unused", "internal_fragmentation", "num_blocks_shared", "num_copies", "num_sequences", "block_size", "block_bytes", "tenants", "num_blocks_evictable", "prefix_query_tokens", "prefix_hit_tokens", "prefix_host_hit_tokens", "host_tier", "num_tokens_appended", "num_blocks_evicted")
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,8 @@ class StatsResponse(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_APPENDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     num_blocks_total: int
     num_blocks_free: int
     num_blocks_used: int
@@ -230,7 +232,9 @@ class StatsResponse(_message.Message):
     prefix_hit_tokens: int
     prefix_host_hit_tokens: int
     host_tier: HostTierStats
-    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., utilization: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_slots_unused: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., num_blocks_shared: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., num_blocks_evictable: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., host_tier: _Optional[_Union[HostTierStats, _Mapping]] = ...) -> None: ...
+    num_tokens_appended: int
+    num_blocks_evicted: int
+    def __init__(self, num_blocks_total: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., utilization: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_slots_unused: _Optional[int] = ..., internal_fragmentation: _Optional[float] = ..., num_blocks_shared: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., num_blocks_evictable: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., host_tier: _Optional[_Union[HostTierStats, _Mapping]] = ..., num_tokens_appended: _Optional[int] = ..., num_blocks_evicted: _Optional[int] = ...) -> None: ...
 
 class HostTierStats(_message.Message):
     __slots__ = ("num_blocks", "bytes_total", "num_blocks_ready", "bytes_ready", "num_blocks_used", "num_blocks_cached", "num_blocks_offloaded", "num_blocks_written_back", "num_blocks_restored", "bytes_offloaded", "offload_seconds", "bytes_restored", "restore_seconds", "num_offload_failures", "num_blocks_fenced", "num_blocks_torn", "num_blocks_dropped", "num_evictions_unkept")

@@ -52,7 +52,8 @@ class BlockTables:
       - a free row holds no tokens, no blocks and ``next_slot == 0``; the free list names each row once;
       - every block's ref count equals the number of table entries (of rows in use) naming it;
       - rows that share a block agree on how many of its slots hold tokens;
-      - ``num_copies`` (copy-on-write copies planned so far) is not negative;
+      - ``num_copies`` (copy-on-write copies planned so far) and ``num_tokens_appended`` (slots handed out by appends
+        so far) are not negative;
       - the allocator's own invariants.
     """
 
@@ -74,6 +75,7 @@ class BlockTables:
         self.next_slot: np.ndarray = np.zeros(rows, dtype=np.int64)
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
         self.num_copies: int = 0
+        self.num_tokens_appended: int = 0
         self.by_length: LengthLookups = LengthLookups(self.max_seq_len, self.block_size)  # derived from the shape above, read-only
 
     @overload
@@ -202,12 +204,16 @@ class BlockTables:
         # ignores; no typing.cast, which is a call)
         if rows.__class__ is int:
             plan = self._plan_one_row(rows, num_new_tokens, budget, why)  # type: ignore[arg-type]
-            return plan if plan is not None else self._plan_general(np.array([rows]), num_new_tokens, budget, why)
-        if num_new_tokens.__class__ is int and num_new_tokens == 1:
+            if plan is None:
+                plan = self._plan_general(np.array([rows]), num_new_tokens, budget, why)
+        elif num_new_tokens.__class__ is int and num_new_tokens == 1:
             plan = self._plan_decode(rows, budget, why)  # type: ignore[arg-type]
-            if plan is not None:
-                return plan
-        return self._plan_general(rows, num_new_tokens, budget, why)  # type: ignore[arg-type]
+            if plan is None:
+                plan = self._plan_general(rows, num_new_tokens, budget, why)  # type: ignore[arg-type]
+        else:
+            plan = self._plan_general(rows, num_new_tokens, budget, why)  # type: ignore[arg-type]
+        self.num_tokens_appended += plan.slot_mapping.shape[0]
+        return plan
 
     def _plan_decode(self, rows: np.ndarray, budget: int, why: str) -> AppendPlan | None:
         """One token for each row, or None when a row must copy on write.

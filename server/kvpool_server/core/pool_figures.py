@@ -41,4 +41,7 @@ POOL_FIGURES: tuple[PoolFigure, ...] = (
                "the ratio of the two counters' rates)"),
     PoolFigure("prefix_host_hit_tokens", "kvpool_prefix_cache_host_hits", "counter", "Of the prefix cache hits, "
                "tokens restored from the host tier"),
+    PoolFigure("num_tokens_appended", "kvpool_appended_tokens", "counter", "Tokens appended (slots handed out)"),
+    PoolFigure("num_blocks_evicted", "kvpool_prefix_cache_evicted_blocks", "counter", "Cached blocks evicted from "
+               "the prefix cache to make room"),
 )

@@ -82,6 +82,8 @@ class PoolStats:
     host_tier_blocks_ready: int = 0  # of those, allocated (pinned) so far: the tier is allocated in the background
     host_tier_blocks_cached: int = 0  # of those, holding a matchable block
     prefix_host_hit_tokens: int = 0  # of the hit tokens, those restored from the host tier
+    num_tokens_appended: int = 0  # slots handed out by appends since start
+    num_blocks_evicted: int = 0  # cached blocks the prefix cache evicted since start (to allocate)
     host_tier_blocks_offloaded: int = 0  # blocks copied into the host tier and committed (write-backs included)
     host_tier_blocks_restored: int = 0  # blocks copied back into the pool
     host_tier_copy_failures: int = 0  # blocks of failed offloads and restores (dropped: a miss, never wrong KV)

@@ -207,7 +207,7 @@ class KVPoolService:
 
         plan = self.guard.mutate(call.caller, session_id, request_id, ("append", ids, num_tokens, token_ids), apply)
         if self.metrics is not None:
-            self.metrics.count_append(1, plan.num_new_tokens)
+            self.metrics.count_append(1)
         return plan
 
     def fork(self, call: Call, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (),

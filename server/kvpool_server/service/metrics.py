@@ -180,7 +180,6 @@ class KVPoolMetrics:
         Info("kvpool_build", "The server's version and what it runs on (value 1)", registry=r).info(build_info())
         self.append_calls = Counter("kvpool_append_calls", "AppendToken calls and AppendTokenStream messages served",
                                     registry=r)
-        self.appended_tokens = Counter("kvpool_appended_tokens", "Tokens appended (slots handed out)", registry=r)
         self.forks = Counter("kvpool_forks", "Fork calls served", registry=r)
         self.fork_children = Counter("kvpool_fork_children", "Sequences created by Fork", registry=r)
         self.sessions_reclaimed = Counter("kvpool_sessions_reclaimed", "Sessions ended and their sequences freed",
@@ -218,10 +217,10 @@ class KVPoolMetrics:
         ``stream``: a whole stream ended (its life goes to kvpool_stream_duration_seconds)."""
         (self.stream_duration if stream else self.rpc_duration).labels(method, code_name).observe(seconds)
 
-    def count_append(self, num_calls: int, num_tokens: int) -> None:
-        """``num_calls`` AppendToken calls (or stream messages) that handed out ``num_tokens`` slots, all applied."""
+    def count_append(self, num_calls: int) -> None:
+        """``num_calls`` AppendToken calls (or stream messages), applied (their tokens: the core's count,
+        ``num_tokens_appended``, a pool figure)."""
         self.append_calls.inc(num_calls)
-        self.appended_tokens.inc(num_tokens)
 
     def quota_refused(self, tenant: str, message: str) -> None:
         """A request refused by a quota; ``message`` names it (``... quota max_blocks=8 ...``)."""
