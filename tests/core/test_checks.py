@@ -50,6 +50,7 @@ TABLE_CHECKS = [
     (lambda m, p, c, f: hold_one_more_reference(m, m.tables.table[p, 0]), "ref counts differ from block-table"),
     (lambda m, p, c, f: grow_without_moving_next_slot(m, c), "sequences sharing a block disagree"),
     (lambda m, p, c, f: setattr(m.tables, "num_copies", -1), "negative copy count -1"),
+    (lambda m, p, c, f: setattr(m.tables, "num_tokens_appended", -1), "negative appended-token count -1"),
 ]
 
 

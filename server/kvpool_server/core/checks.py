@@ -136,9 +136,10 @@ def check_block_tables(tables: BlockTables, held_elsewhere: list[np.ndarray] | N
     block_ids, fills = sub[held][order], fills[order]
     if (fills[1:] != fills[:-1])[block_ids[1:] == block_ids[:-1]].any():
         raise InvariantViolationError("sequences sharing a block disagree on how many tokens it holds")
-    if tables.num_copies < 0 or tables.num_tokens_appended < 0:
-        raise InvariantViolationError(f"negative counts: {tables.num_copies} copies, {tables.num_tokens_appended} "
-                                      "tokens appended")
+    if tables.num_copies < 0:
+        raise InvariantViolationError(f"negative copy count {tables.num_copies}")
+    if tables.num_tokens_appended < 0:
+        raise InvariantViolationError(f"negative appended-token count {tables.num_tokens_appended}")
 
 
 def stats(manager: KVCacheManager) -> PoolStats:
