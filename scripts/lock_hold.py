@@ -43,7 +43,7 @@ def fork_and_free_rpcs() -> None:
     """Fork 4,095 children, Free the 4,096: the longest lock hold of each RPC through the service."""
     from kvpool_server.config import ServerConfig
     from kvpool_server.service.build import build_service
-    from kvpool_server.service.offload import Offload
+    from kvpool_server.service.answers import Offload
     from kvpool_server.service.scope import CallScope
 
     config = ServerConfig(backend="host", num_blocks=1 << 20, block_size=16, num_layers=1, num_kv_heads=1, head_dim=1,

@@ -1,4 +1,4 @@
-"""Issue 30.7 and 30.8: the fast path honours every answer kind of the service as gRPC does (``service/offload.py``'s
+"""Issue 30.7 and 30.8: the fast path honours every answer kind of the service as gRPC does (``service/answers.py``'s
 adapter). A Free of more than 1,024 sequences (an ``Offload``: released in chunks) answered NotFoundError although it
 was applied (the record was served again); a Free or Fork of a sequence with a ReadKV in flight (a ``Wait``) was
 INTERNAL "no running event loop" with --auth-tokens (the pins looked up by the raw id), and without it the serving

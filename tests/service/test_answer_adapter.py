@@ -1,5 +1,5 @@
 """Issue 33.2: every answer kind of the service -- a value, an error, an ``Offload``, a ``Wait`` -- is turned into a
-reply by one adapter (``service/offload.honour``) that both transports call: the gRPC handlers and the fast path's
+reply by one adapter (``service/answers.honour``) that both transports call: the gRPC handlers and the fast path's
 records. A new answer kind is added there, and no transport can honour it differently or not at all.
 
 - Against real server processes: each kind through both transports, the same status and the same effect.
@@ -76,11 +76,11 @@ def test_every_answer_kind_answers_the_same_on_both_transports(server_factory):
 
 @pytest.fixture
 def watched_adapter(monkeypatch):
-    """``offload.honour`` watched: (the transport that called it, the kind of answer its call gave), each time."""
-    from kvpool_server.service import offload
+    """``answers.honour`` watched: (the transport that called it, the kind of answer its call gave), each time."""
+    from kvpool_server.service import answers
 
     seen: set[tuple[str, str]] = set()
-    real = offload.honour
+    real = answers.honour
 
     def honour(invoke, encode, **kwargs):
         transport = sys._getframe(1).f_globals["__name__"]
@@ -88,18 +88,18 @@ def watched_adapter(monkeypatch):
         def watched():
             try:
                 answer = invoke()
-            except offload.Wait:
+            except answers.Wait:
                 seen.add((transport, "wait"))
                 raise
             except Exception:
                 seen.add((transport, "error"))
                 raise
-            seen.add((transport, "offload" if isinstance(answer, offload.Offload) else "value"))
+            seen.add((transport, "offload" if isinstance(answer, answers.Offload) else "value"))
             return answer
 
         return real(watched, encode, **kwargs)
 
-    monkeypatch.setattr(offload, "honour", honour)
+    monkeypatch.setattr(answers, "honour", honour)
     return seen
 
 

@@ -20,7 +20,7 @@ from kvpool_server.core import SequenceNotFoundError
 from kvpool_server.service.build import build_service
 from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, Freeing, free_rows, plan_chunks
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.service.offload import Offload
+from kvpool_server.service.answers import Offload
 from kvpool_server.service.scope import CallScope
 from tests.service.recording_lock import RecordingLock
 from tests.service.service_helpers import connect

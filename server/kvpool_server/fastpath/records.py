@@ -9,7 +9,7 @@ area is refused before anything is applied (``append_reply_bound``: the real wor
 full, then published by ``CTL_REP_SEQ``. The bytes are the codec's (``kvpool.fastpath_codec``, the client's too):
 this module decides what is read, checked and answered.
 
-Every answer of the service goes through the adapter gRPC's handlers use (``service/offload.honour``): a value is
+Every answer of the service goes through the adapter gRPC's handlers use (``service/answers.honour``): a value is
 written at once; an ``Offload`` or a ``Wait`` (a Free/Fork of a sequence with a copy in flight) is a ``Pending``
 that makes the record a ``Deferred``, settled on the event loop while the serving thread goes on with the other channels; its reply is
 written once it has settled (``FastPathServer``). A Free that may take more than one lock hold is a ``Deferred``
@@ -31,8 +31,8 @@ from kvpool_server.core import InvalidArgumentError
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
 from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, MAX_ROWS_PER_HOLD
 from kvpool_server.service.kvpool import KVPoolService, Registered
-from kvpool_server.service import offload as answers
-from kvpool_server.service.offload import Pending
+from kvpool_server.service import answers
+from kvpool_server.service.answers import Pending
 from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
 from kvpool_server.service.scope import Call, CallScope
 

@@ -8,7 +8,7 @@ request of its method is refused by its length before it is parsed (``request_bo
 
 Everything else -- admission, authentication, the status of an error, metrics -- is the call scope's
 (service/scope.py), and the locking, fencing, replay and events are the service's: this module only decodes,
-encodes, and hands every answer of the service to the one adapter (``offload.honour``, shared with the fast
+encodes, and hands every answer of the service to the one adapter (``answers.honour``, shared with the fast
 path), whose ``Pending`` (an ``Offload`` / ``Wait``) it awaits on the event loop.
 """
 
@@ -31,7 +31,7 @@ from kvpool_server.grpc_api.request_bounds import Bound, check_size, field_limit
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
 from kvpool_server.service.byte_budget import BIG_MESSAGE_BYTES, MAX_WAIT_S
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.service import offload as answers
+from kvpool_server.service import answers
 from kvpool_server.service.scope import Call, CallScope
 
 

@@ -8,7 +8,7 @@ Its life::
     open(call) -> state             once, before the first message is read (raise to refuse the stream)
     message(call, state, request)   per message, on the event loop, in a call scope of its own (admitted,
                                     authenticated again, its refusals counted) like a unary call, its answer
-                                    through the one adapter (service/offload.honour)
+                                    through the one adapter (service/answers.honour)
     close(state, reason)            exactly once, however the stream ended, right when it ends:
         "half-closed"  no more messages: the client finished sending (every message answered; the call ends OK)
                        -- or its connection closed: a SIGKILLed client's socket is closed by its kernel at once,
@@ -44,7 +44,7 @@ from kvpool_server.grpc_api.request_bounds import check_size
 from kvpool_server.grpc_api.methods import BidiStream, ServerStream
 from kvpool_server.grpc_api.status import MetadataHeaders, abort
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status, StreamIdleError, TooManyStreamsError
-from kvpool_server.service import offload as answers
+from kvpool_server.service import answers
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import CallScope
 

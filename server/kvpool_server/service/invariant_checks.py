@@ -23,7 +23,7 @@ import numpy as np
 
 from kvpool_server.core import KVCacheManager
 from kvpool_server.offload.host_tier import HostTier
-from kvpool_server.service.offload import Offload, Wait
+from kvpool_server.service.answers import Offload, Wait
 
 DUTY = 0.25
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvpool_server.service.offload import Wait
+from kvpool_server.service.answers import Wait
 from kvpool_server.device.protocol import Pool
 
 CHUNK_BYTES = 1 << 20  # one pool operation at most this big: a few hundred microseconds

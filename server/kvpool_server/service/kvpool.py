@@ -11,7 +11,7 @@ replay, the core and the pool under one lock, KV events) or reads under ``guard.
 changes anything, so a failed call leaves the pool exactly as it was; a mutation whose reply might not be
 deliverable is refused before it is applied (``reply_limits``).
 
-Work too slow for the event loop is handed off (``offload.Offload``): big WriteKV/ReadKV copies run on a copy
+Work too slow for the event loop is handed off (``answers.Offload``): big WriteKV/ReadKV copies run on a copy
 thread in 1 MiB chunks with their sequence pinned (``kv_copies``); CheckInvariants checks a copy of the manager
 taken under the lock (``invariant_checks``). The session RPCs are ``self.sessions`` (``sessions.SessionService``).
 
@@ -46,7 +46,7 @@ from kvpool_server.service.metrics import KVPoolMetrics
 from kvpool_server.offload.stats import with_tier
 from kvpool_server.offload.tier_copies import TierCopies
 from kvpool_server.offload.tier_pool import CopyTotals
-from kvpool_server.service.offload import Offload
+from kvpool_server.service.answers import Offload
 from kvpool_server.service.prompt_hasher import PromptHasher
 from kvpool_server.service import register_batch
 from kvpool_server.service.register_batch import PromptToRegister, RegisteredPrompt

@@ -34,7 +34,7 @@ from kvpool_server.service.errors import DrainingError, TooManySessionsError
 from kvpool_server.service.freeing import Freeing, free_rows
 from kvpool_server.service.guard import CoreGuard
 from kvpool_server.service.metrics import KVPoolMetrics, SessionGauges
-from kvpool_server.service.offload import Offload
+from kvpool_server.service.answers import Offload
 from kvpool_server.service.scope import Call
 
 logger = logging.getLogger(__name__)
