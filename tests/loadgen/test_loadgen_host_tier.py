@@ -47,7 +47,7 @@ def test_injected_copy_failures_never_serve_wrong_kv(tmp_path) -> None:
     handle.start()
     tier = handle.service.tier
     assert tier is not None and tier.memory.wait_ready(30)
-    tier.memory.fail_every(3)  # every third copy (offload or restore) moves half its blocks, then raises
+    tier.memory.fail_every(3)  # every third offload and every third restore moves half its blocks, then raises
     try:
         prefix = clean(*loadgen(f"127.0.0.1:{handle.port}", tmp_path, *WORKLOAD))
     finally:

@@ -111,7 +111,7 @@ class TierPool:
         self._closed = threading.Event()
         self._failures = {True: 0, False: 0}  # the test hook: offloads (True) and restores (False) left to fail
         self._fail_every = 0  # the test hook: every n-th copy fails (0: none)
-        self._num_copies = 0
+        self._num_copies = {True: 0, False: 0}  # the test hook: copies so far, per direction (True: offloads)
         self._thread: threading.Thread | None = None
         self._totals = CopyTotals()
         self._totals_lock = threading.Lock()
@@ -176,8 +176,8 @@ class TierPool:
         self._failures = {True: count if offloads else 0, False: count if restores else 0}
 
     def fail_every(self, n: int) -> None:
-        """Test hook: from now on every ``n``-th copy (offload or restore; 0: none) moves half its pairs, then
-        raises InjectedCopyError."""
+        """Test hook: from now on every ``n``-th copy of each direction (the n-th offload, the n-th restore, ...;
+        0: none) moves half its pairs, then raises InjectedCopyError."""
         self._fail_every = n
 
     def offload_blocks(self, pairs: Any) -> int:
@@ -235,9 +235,9 @@ class TierPool:
 
     def _should_fail(self, to_host: bool) -> bool:
         """The test hook's verdict on the next copy in this direction (counts it)."""
-        self._num_copies += 1
+        self._num_copies[to_host] += 1
         every = self._fail_every
-        if self._failures[to_host] or (every and self._num_copies % every == 0):
+        if self._failures[to_host] or (every and self._num_copies[to_host] % every == 0):
             self._failures[to_host] = max(0, self._failures[to_host] - 1)
             return True
         return False
