@@ -6,7 +6,7 @@ used as they are (embedding, norms, projections, MLP, rotary embedding, LM head)
     each layer:  q, k, v = projections(norm(h)), RoPE at ``positions``
                  kvpool::write_layer(blocks, layer, slots, k, v)         the new tokens' KV into their slots
                  o = attend(layer, q)                                    decode: kvpool::paged_decode through the
-                 h += o_proj(o);  h += mlp(norm(h))                      block tables; prefill: gather + SDPA
+                 h += o_proj(o);  h += mlp(norm(h))                      block tables; prefill: gather + flash
     logits = lm_head(norm(h[keep]))
 
 The decode path is what an engine captures in a CUDA graph: every tensor it reads is a static buffer, no op
@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from kvpool_client.kernels.prefill_attention import PrefillSpans, prefill_attention
 
 Attend = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, q [T, Hq, D]) -> [T, Hq, D]
 
@@ -140,29 +142,11 @@ class PagedLlama:
     def prefill_attend(self, blocks: torch.Tensor, error: torch.Tensor,
                        spans: list[tuple[int, int, torch.Tensor]]) -> Attend:
         """Several sequences' new tokens, concatenated: ``spans`` = (first row in q, new tokens, context slots
-        [n_ctx], the new ones last). Each sequence's context is gathered (``kvpool::read_layer``), then SDPA with
-        a causal mask offset to the new tokens' positions."""
-        group = self.num_heads // self.num_kv_heads
+        [n_ctx], the new ones last). Each layer gathers every context at once (``kvpool::read_layer``), then
+        causal attention offset to the new tokens' positions (``kernels/prefill_attention.py``: varlen
+        FlashAttention on CUDA, SDPA's math path elsewhere)."""
+        group, packed = self.num_heads // self.num_kv_heads, PrefillSpans.of(spans)
 
         def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
-            return prefill_attention(q, blocks, layer, spans, error, group, self.scale)
+            return prefill_attention(q, blocks, layer, packed, error, group, self.scale)
         return attend
-
-
-def prefill_attention(q: torch.Tensor, blocks: torch.Tensor, layer: int, spans: list[tuple[int, int, torch.Tensor]],
-                      error: torch.Tensor, group: int, scale: float) -> torch.Tensor:
-    """Causal attention of several sequences' new tokens (rows of ``q``, ``spans`` as in ``prefill_attend``): each
-    sequence's context read from ``blocks`` (``kvpool::read_layer``), its KV heads repeated ``group`` times, SDPA
-    with the mask offset to the new tokens' positions."""
-    out = torch.empty_like(q)
-    for start, n, ctx in spans:
-        k, v = torch.ops.kvpool.read_layer(blocks, layer, ctx, error)
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n_ctx, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        m = ctx.shape[0]
-        allowed = (torch.arange(m, device=q.device)[None, :]
-                   <= (m - n + torch.arange(n, device=q.device))[:, None])
-        o = torch.nn.functional.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v,
-                                                             attn_mask=allowed, scale=scale)
-        out[start:start + n] = o.transpose(0, 1)
-    return out

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 import kvpool_client.kernels.torch_ops as ops
-from kvpool_client.integrations.paged_llama import PLAIN, compiled_helpers, prefill_attention
+from kvpool_client.integrations.paged_llama import PLAIN, compiled_helpers
+from kvpool_client.kernels.prefill_attention import PrefillSpans, prefill_attention
 
 TPAttend = Callable[[int, int, torch.Tensor], torch.Tensor]  # (rank, layer, q [T, Hq_r, D]) -> [T, Hq_r, D]
 
@@ -182,8 +183,9 @@ class TPLlama:
 
     def prefill_attend(self, blocks: torch.Tensor, error: torch.Tensor,
                        spans: list[tuple[int, int, torch.Tensor]]) -> TPAttend:
-        """``PagedLlama.prefill_attend`` a rank: each sequence's context gathered from the rank's shard, SDPA."""
-        per = [[(start, n, ctx.to(r.device)) for start, n, ctx in spans] for r in self.ranks]
+        """``PagedLlama.prefill_attend`` a rank: every sequence's context gathered from the rank's shard."""
+        packed = PrefillSpans.of(spans)
+        per = [packed.to(r.device) for r in self.ranks]
 
         def attend(rank: int, layer: int, q: torch.Tensor) -> torch.Tensor:
             r = self.ranks[rank]
