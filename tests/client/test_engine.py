@@ -186,4 +186,5 @@ def test_padded_buckets_leave_the_real_rows_alone(device, dtype):
         engine.free(seqs)
         engine.control.check_invariants()
         assert engine.control.num_blocks_used() == 1
-    assert _relative({0: out[0]}, {0: out[1]}) < (1e-6 if device == "cpu" else 1e-3)
+    # float32 on the CPU: a batch of 4 and one of 3 may take different GEMM kernels (4.6e-6 seen on one machine)
+    assert _relative({0: out[0]}, {0: out[1]}) < (1e-5 if device == "cpu" else 1e-3)

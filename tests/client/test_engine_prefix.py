@@ -69,6 +69,8 @@ def test_a_prefill_over_a_cached_prefix_matches_a_full_prefill(server_factory, d
         seq, cached = reader.add_prompt(prompt)
         assert cached == 4 * BS  # every full block of the prompt, from A's sequence (freed: its blocks stay cached)
         logits = reader.prefill([seq], [prompt[cached:]])[0]
+        if device == "cuda" and tp == 1:  # the 7-token suffix replayed from a prefill graph
+            assert [key for key, g in reader.prefill_graphs.graphs.items() if g is not None] == [(16, 256)]
         rel = _rel(logits, _full_logits(model, prompt))
         print(f"\n{device} {dtype} tp {tp}: cached {cached}/{len(prompt)}, max |logit diff| / max |logit| {rel:.2e}")
         assert rel < TOLERANCE[dtype]
@@ -284,3 +286,34 @@ def test_the_append_that_seals_a_prefill_waits_for_its_writes(server_factory):
         assert seen == [True]
         engine.free([seq])
         engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="prefill graphs are captured on CUDA only")
+def test_a_prefill_replayed_from_a_graph_matches_an_eager_one(server_factory):
+    """Prompts of three size buckets, two of them in the same bucket one after the other (a replay refills every
+    static input: nothing of the earlier prompt reaches the later one): the graph's logits are the eager
+    prefill's and the dense model's, and the greedy tokens after them agree."""
+    server = server_factory(*server_args("cuda", "float16"))
+    model = tiny_llama("float16", "cuda")
+    with KVPoolClient(server.address) as client:
+        graphed = DecodeEngine.on_pool(model, client, **ENGINE)
+        eager = DecodeEngine.on_pool(model, client, **ENGINE, prefill_graphs=False)
+        assert eager.prefill_graphs is None
+        for n in (5, 9, 37, 100):
+            prompt = _prompt(n, n)
+            full = _full_logits(model, prompt)
+            outs = []
+            for engine, key in ((graphed, b"graph"), (eager, b"eager")):
+                seq, cached = engine.add_prompt(prompt, key)
+                assert cached == 0
+                logits = engine.prefill([seq], [prompt])[0]
+                assert _rel(logits, full) < TOLERANCE["float16"]
+                outs.append(logits.float().cpu())
+                engine.free([seq])
+            assert _rel(outs[0], outs[1]) < TOLERANCE["float16"]
+        captured = sorted(key for key, g in graphed.prefill_graphs.graphs.items() if g is not None)
+        assert captured == [(16, 256), (64, 256), (128, 256)]
+        assert graphed.generate([_prompt(40, 1)], 6, b"g2") == eager.generate([_prompt(40, 1)], 6, b"e2")
+        graphed.check_errors()
+        graphed.close()
+        eager.close()

@@ -1,5 +1,7 @@
 """A compact decode engine whose KV lives in kvpool's pool (nano-vllm's model runner is the model): static input
-buffers, one CUDA graph per batch bucket, eager prefill with SDPA; on the CPU everything runs eagerly.
+buffers, one CUDA graph per batch bucket; a one-sequence prefill of up to 1,024 tokens replayed from a graph of its
+size bucket (``prefill_graphs``), larger and batched ones eager (varlen FlashAttention over the pool); on the CPU
+everything runs eagerly.
 
     plan_decode(seqs)      the control path, on the host: Append(seqs, 1) -> slots (kvpool: one RPC; the
                            baseline: an in-process allocator), block tables updated from the reply (``SeqTables``),
@@ -40,6 +42,7 @@ import kvpool_client.kernels.torch_ops as ops
 from kvpool_client.integrations.engine_prompts import WriteFence, register_prompt
 from kvpool_client.integrations.local_cache import LocalBlockCache, zeros_like_pool
 from kvpool_client.integrations.paged_llama import PagedLlama
+from kvpool_client.integrations.prefill_graphs import PrefillGraphs
 from kvpool_client.integrations.seq_tables import SeqTables
 from kvpool_client.integrations.streamed_appends import StreamedAppends, control_path
 from kvpool_client.kernels import torch_views
@@ -53,10 +56,12 @@ class DecodePlan:
 
 
 class DecodeEngine:
+    PREFILL_GRAPHS = True  # whether this engine's forward can be captured as a prefill graph (TP: not yet)
+
     def __init__(self, model: Any, control: Any, blocks: torch.Tensor, *, max_batch: int = 256,
                  max_model_len: int = 4096, graph_sizes: Sequence[int] | None = None,
                  live_check: Callable[[], None] | None = None, pool: Any = None,
-                 compile_helpers: bool | None = None) -> None:
+                 compile_helpers: bool | None = None, prefill_graphs: bool | None = None) -> None:
         if compile_helpers is None:  # default: on CUDA, unless KVPOOL_ENGINE_COMPILE=0
             compile_helpers = blocks.device.type == "cuda" and os.environ.get("KVPOOL_ENGINE_COMPILE", "1") != "0"
         self.model = self._paged_model(model, compile_helpers)
@@ -90,6 +95,10 @@ class DecodeEngine:
         self.graph_sizes = sorted(graph_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch])
         if dev.type == "cuda" and graph_sizes != []:
             self.capture()
+        if prefill_graphs is None:  # default: with the decode graphs, unless KVPOOL_PREFILL_GRAPHS=0
+            prefill_graphs = bool(self.graphs) and os.environ.get("KVPOOL_PREFILL_GRAPHS", "1") != "0"
+        self.prefill_graphs = PrefillGraphs(self.model, blocks, self.error, self.scratch_slot,
+                                            max_model_len) if prefill_graphs and self.PREFILL_GRAPHS else None
 
     def _paged_model(self, model: Any, compiled: bool) -> Any:  # the forward (tp_engine: TPLlama's)
         return PagedLlama(model, compiled)
@@ -193,6 +202,12 @@ class DecodeEngine:
                  for s, c, r in zip(starts, counts, rows)]
         attend = self.model.prefill_attend(self.blocks, self.error, spans)
         keep = torch.from_numpy(starts + counts - 1).to(self.device)
+        if self.prefill_graphs is not None and len(seqs) == 1:  # a graph replay, when one serves this size
+            logits = self.prefill_graphs.run(np.asarray(flat, dtype=np.int64), positions, slots,
+                                             self.tables.context_slots(int(rows[0])))
+            if logits is not None:
+                self.fence.record(self._write_devices())
+                return logits
         pos, dev_slots = torch.from_numpy(positions).to(self.device), torch.from_numpy(slots).to(self.device)
         logits = self._guarded(lambda: self.model.forward(ids, pos, dev_slots, self.blocks, self.error, attend, keep))
         self.fence.record(self._write_devices())

@@ -140,12 +140,13 @@ class PagedLlama:
         return attend
 
     def prefill_attend(self, blocks: torch.Tensor, error: torch.Tensor,
-                       spans: list[tuple[int, int, torch.Tensor]]) -> Attend:
+                       spans: list[tuple[int, int, torch.Tensor]] | PrefillSpans) -> Attend:
         """Several sequences' new tokens, concatenated: ``spans`` = (first row in q, new tokens, context slots
         [n_ctx], the new ones last). Each layer gathers every context at once (``kvpool::read_layer``), then
         causal attention offset to the new tokens' positions (``kernels/prefill_attention.py``: varlen
         FlashAttention on CUDA, SDPA's math path elsewhere)."""
-        group, packed = self.num_heads // self.num_kv_heads, PrefillSpans.of(spans)
+        group = self.num_heads // self.num_kv_heads
+        packed = spans if isinstance(spans, PrefillSpans) else PrefillSpans.of(spans)
 
         def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
             return prefill_attention(q, blocks, layer, packed, error, group, self.scale)

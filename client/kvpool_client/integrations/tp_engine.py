@@ -39,6 +39,8 @@ class TPDecodeEngine(DecodeEngine):
     """``DecodeEngine`` over ``shards`` (rank order, rank r holding KV heads ``heads[r]`` of every block). The block
     tables, slots and scratch sequence are the base engine's, shared by every rank; ``blocks`` is rank 0's shard."""
 
+    PREFILL_GRAPHS = False  # its prefill runs eagerly, rank by rank
+
     def __init__(self, model: Any, control: Any, shards: Sequence[torch.Tensor], heads: Sequence[range], *,
                  pools: Sequence[Any] = (), **kwargs: Any) -> None:
         self.shards, self.heads, self.pools = list(shards), list(heads), list(pools)

@@ -67,11 +67,16 @@ class PrefillSpans:
                             self.cu_q.to(device), self.cu_k.to(device), self.starts_k, self.max_q, self.max_k)
 
 
+def flash_supported(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether ``prefill_attention`` takes the varlen flash kernel for CUDA tensors of this dtype, head size and
+    device (False once the kernel raised there)."""
+    return (device.type == "cuda" and dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= 256
+            and str(device) not in _flash_broken and torch.backends.cuda.flash_sdp_enabled())
+
+
 def uses_flash(q: torch.Tensor) -> bool:
     """Whether ``prefill_attention`` takes the varlen flash kernel for this query tensor."""
-    d = q.shape[-1]
-    return (q.is_cuda and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
-            and str(q.device) not in _flash_broken and torch.backends.cuda.flash_sdp_enabled())
+    return flash_supported(q.dtype, q.shape[-1], q.device)
 
 
 def prefill_attention(q: torch.Tensor, blocks: torch.Tensor, layer: int, spans: PrefillSpans,
