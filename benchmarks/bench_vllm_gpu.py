@@ -12,8 +12,10 @@ connector's modules import are stubbed when vLLM is absent.
 
     python3 benchmarks/bench_vllm_gpu.py [--tokens 4096] [--repeats 10]
 
-Exits 1 on any byte mismatch; prints store/load GB/s and their ratio to ``copy_`` of one contiguous tensor of the
-same bytes (the issue's bar: >= 0.8x). On a machine without CUDA it prints "needs CUDA" and exits 0.
+Exits 1 on any byte mismatch, or when a CUDA copy did not take the Triton kernel (``block_copy.py``, one launch
+per direction: the line ``copy path`` says which path ran and, for PyTorch's, why); prints store/load GB/s and
+their ratio to ``copy_`` of one contiguous tensor of the same bytes (the issue's bar: >= 0.8x). On a machine
+without CUDA it prints "needs CUDA" and exits 0.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
     if worker.worker_meta() is not None or worker.blocks_stored != stored + n:
         print(f"[{layout}] FAILED: the store reported a failure (see the warning above)")
         return False
+    paths = {"store": worker.copy_path}
     pool = worker._pool_tensor  # the connector's own view of the mapped pool: [blocks, L, 2, B, H, D]
     pool_ids = torch.tensor(pool_blocks, device=pool.device)
     for layer in range(LAYERS):  # every stored byte, against the raw tensor read without the connector's views
@@ -148,6 +151,7 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
     untouched = [r[n].clone() for r in raws]
     worker.start_load_kv(load)
     sync(torch)
+    paths["load"] = worker.copy_path
     errors = worker.get_block_ids_with_load_errors()
     if errors:
         print(f"[{layout}] FAILED: the load reported {len(errors)} blocks as errors")
@@ -161,6 +165,10 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
             ok = False
     print(f"[{layout}] bytes {'verified' if ok else 'WRONG'}: {n} blocks x {LAYERS} layers stored into kvpool "
           f"(checked against the raw tensor) and loaded back into other vLLM block ids")
+    print(f"[{layout}] copy path: store {paths['store']}, load {paths['load']}")
+    if DEVICE == "cuda" and set(paths.values()) != {"triton"}:
+        print(f"[{layout}] FAILED: the CUDA copy did not take the Triton kernel (block_copy.py)")
+        ok = False
     if timed and ok:
         nbytes = n * model_block_bytes()
         t_store = median_s(torch, lambda: worker.wait_for_save(save), repeats)
@@ -241,7 +249,7 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    print("result:", "OK" if ok else "BYTE MISMATCH")
+    print("result:", "OK" if ok else "FAILED (see above)")
     return 0 if ok else 1
 
 

@@ -1,6 +1,7 @@
 """The connector's worker side: kvpool's pool mapped into the worker, and whole-block copies between it and vLLM's
 KV cache -- every layer of a step's blocks in ``start_load_kv`` (before the forward pass) and ``wait_for_save``
-(after it), never in the per-layer hooks, so vLLM keeps its full CUDA graphs.
+(after it), never in the per-layer hooks, so vLLM keeps its full CUDA graphs. The copies are ``BlockCopier``'s
+(``block_copy``): one Triton launch per direction on CUDA, PyTorch's indexing on the CPU backend.
 
 The pool is mapped with the client library's ``attach()`` (shared memory on the host backend, CUDA IPC on a GPU)
 through a client of the worker's own (no session: it makes no sequence). vLLM's per-layer cache is viewed as
@@ -25,6 +26,7 @@ import torch
 
 from kvpool_client import KVPoolClient
 
+from .block_copy import BlockCopier
 from .link import LINK_ERRORS, pool_id
 from .metadata import BlockCopy, KVPoolConnectorMetadata, KVPoolWorkerMetadata
 from .settings import ConnectorSettings, LayoutMismatchError, ModelLayout
@@ -77,6 +79,7 @@ class KVPoolWorker:
         self.layout = layout
         self._token = settings.token()
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copier: BlockCopier | None = None
         self._client: KVPoolClient | None = None
         self._pool: Any = None
         self._pool_tensor: torch.Tensor | None = None
@@ -99,6 +102,12 @@ class KVPoolWorker:
         if got != self.layout:
             raise LayoutMismatchError(f"KVPoolConnector: vLLM's KV cache tensors hold {got and got.describe()}, "
                                       f"its KV cache spec says {self.layout.describe()}")
+        self._copier = BlockCopier(self._layers)
+
+    @property
+    def copy_path(self) -> str:
+        """The path the last copy took: "triton" or "torch (<why not the kernel>)" ("" before any)."""
+        return self._copier.path if self._copier is not None else ""
 
     # ------------------------------------------------------------------ the pool
     def _attach(self, wanted: str) -> bool:
@@ -187,26 +196,13 @@ class KVPoolWorker:
         self.blocks_stored += sum(len(store.pool_blocks) for store in stores)
 
     def _copy(self, copies: list[BlockCopy], *, into_vllm: bool) -> None:
-        pool = self._pool_tensor
-        assert pool is not None
-        device = self._layers[0][0].device
-        pool_ids = torch.tensor([b for c in copies for b in c.pool_blocks], dtype=torch.long, device=pool.device)
-        vllm_ids = torch.tensor([b for c in copies for b in c.vllm_blocks], dtype=torch.long, device=device)
-        if len(pool_ids) != len(vllm_ids):
-            raise ValueError("a copy pairs a different number of pool and vLLM blocks")
+        assert self._pool_tensor is not None and self._copier is not None
         if into_vllm:
             fault = os.environ.get(FAULT_FILE_ENV)
             if fault and os.path.exists(fault):
                 raise RuntimeError(f"a load failure injected by the test ({FAULT_FILE_ENV})")
-            blocks = pool.index_select(0, pool_ids).to(device)  # [n, L, 2, B, H, D]: every layer at once
-            for layer, (k, v) in enumerate(self._layers):
-                k[vllm_ids] = blocks[:, layer, 0]
-                v[vllm_ids] = blocks[:, layer, 1]
-        else:  # gathered from vLLM's layout and scattered into the pool's, layer by layer: no staging copy
-            pool_ids = pool_ids.to(pool.device)
-            for layer, (k, v) in enumerate(self._layers):
-                pool[:, layer, 0].index_copy_(0, pool_ids, k.index_select(0, vllm_ids).to(pool.device))
-                pool[:, layer, 1].index_copy_(0, pool_ids, v.index_select(0, vllm_ids).to(pool.device))
+        self._copier.copy(self._pool_tensor, [b for c in copies for b in c.pool_blocks],
+                          [b for c in copies for b in c.vllm_blocks], into_vllm=into_vllm)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done, self._finished_stores = self._finished_stores, set()

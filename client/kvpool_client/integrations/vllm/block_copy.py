@@ -1,0 +1,215 @@
+"""Whole-block copies between vLLM's per-layer KV cache views and kvpool's pool tensor, in one kernel launch.
+
+The two sides (``BlockCopier``)::
+
+    vLLM:  layer l's K and V, each a view [num_blocks, block_size, heads, head] (``worker.kv_views``), the
+           2 x layers views separate allocations (one per layer) that share one set of strides
+    pool:  one tensor, logical [num_blocks, layers, 2, block_size, heads, head] (any strides; head's is 1)
+
+    a copy: block pairs (pool id, vLLM id); every layer's K and V of each pair, into vLLM (a load) or out of it
+            (a store)
+
+On CUDA the copy is one Triton launch: a program per (pair, layer) moves that layer's K and V of the block (two
+regions of ``block_size x heads`` rows of ``head`` contiguous elements) ``ROWS`` rows at a time, the layout's
+permutation done by the strides (vLLM's NHD ``[blocks, block_size, heads, 2 x head]`` and HND ``[blocks, heads,
+block_size, 2 x head]`` memory orders, the CPU backend's split alike). The layers are reached from one base
+pointer (layer 0's K) through a table of element offsets ``[layers, 2]`` (each view's address minus the base's),
+made once per ``BlockCopier`` -- offsets rather than pointers: plain pointer arithmetic, which Triton's
+interpreter also runs on CPU tensors (the tests), and values whose alignment the compiler can be told: their
+common power-of-two factor (at most 16 bytes), with which it proves every row 16-byte aligned and loads and stores
+16 bytes a thread. The
+bytes are copied as integers of the element's size, so any dtype is copied exactly. The first copy of a process
+compiles the kernel (about a second; Triton caches it on disk).
+
+The PyTorch path (per layer advanced indexing, ``_torch_copy``) runs instead where the kernel does not: tensors
+on the CPU (vLLM's CPU backend), Triton not installed, the pool and vLLM on different devices, a pool dtype that
+is not vLLM's, a pool whose shape is not ``[blocks, layers, 2, <vLLM's block>]``, per-layer views of different
+shapes, strides or dtypes, or a head dimension that is not contiguous on either side -- ``kernel_refusal`` says
+which. Block ids outside either side's range raise ``ValueError`` before either path runs (the kernel does not
+check them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path below still works
+    triton = None
+
+TILE_ELEMENTS = 8192  # elements of one K (and one V) tile a program moves per step: 16 KiB of fp16
+NUM_WARPS = 8
+INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_copy_kernel(VLLM, POOL, LAYER_OFFS, VLLM_IDS, POOL_IDS,
+                           v_sb, v_st, v_sh, p_sb, p_sl, p_skv, p_st, p_sh,
+                           TOKENS: tl.constexpr, HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
+                           ROWS: tl.constexpr, ALIGN: tl.constexpr, INTO_VLLM: tl.constexpr):
+        pair = tl.program_id(0)
+        layer = tl.program_id(1)
+        vid = tl.load(VLLM_IDS + pair).to(tl.int64)
+        pid = tl.load(POOL_IDS + pair).to(tl.int64)
+        k_off = tl.multiple_of(tl.load(LAYER_OFFS + layer * 2), ALIGN)
+        v_off = tl.multiple_of(tl.load(LAYER_OFFS + layer * 2 + 1), ALIGN)
+        v_block = vid * v_sb
+        p_block = pid * p_sb + layer.to(tl.int64) * p_sl
+        offs_r = tl.arange(0, ROWS)
+        offs_d = tl.arange(0, HEAD_P)
+        for r0 in range(0, TOKENS * HEADS, ROWS):
+            r = r0 + offs_r  # the pool's row order: token-major, then head
+            t = r // HEADS
+            h = r - t * HEADS
+            if HEAD == HEAD_P and (TOKENS * HEADS) % ROWS == 0:
+                mask = None  # no mask where none is needed: nothing in the way of 16-byte accesses
+            else:
+                mask = (r < TOKENS * HEADS)[:, None] & (offs_d < HEAD)[None, :]
+            v_rows = (v_block + t.to(tl.int64) * v_st + h.to(tl.int64) * v_sh)[:, None] + offs_d[None, :]
+            p_rows = (p_block + t.to(tl.int64) * p_st + h.to(tl.int64) * p_sh)[:, None] + offs_d[None, :]
+            if INTO_VLLM:
+                k = tl.load(POOL + p_rows, mask=mask)
+                v = tl.load(POOL + p_skv + p_rows, mask=mask)
+                tl.store(VLLM + k_off + v_rows, k, mask=mask)
+                tl.store(VLLM + v_off + v_rows, v, mask=mask)
+            else:
+                k = tl.load(VLLM + k_off + v_rows, mask=mask)
+                v = tl.load(VLLM + v_off + v_rows, mask=mask)
+                tl.store(POOL + p_rows, k, mask=mask)
+                tl.store(POOL + p_skv + p_rows, v, mask=mask)
+
+
+def layer_offsets(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """Each view's address minus layer 0's K's, in elements: [k0, v0, k1, v1, ...] (k0 = 0)."""
+    base, size = layers[0][0].data_ptr(), layers[0][0].element_size()
+    offsets = []
+    for k, v in layers:
+        for view in (k, v):
+            delta = view.data_ptr() - base
+            if delta % size:
+                raise ValueError("a vLLM KV cache view is not aligned to its element size")
+            offsets.append(delta // size)
+    return offsets
+
+
+def common_alignment(offsets: list[int], element_size: int) -> int:
+    """The largest power of two, at most 16 bytes' worth of elements, that divides every offset."""
+    align = max(1, 16 // element_size)
+    while align > 1 and any(o % align for o in offsets):
+        align //= 2
+    return align
+
+
+def check_ids(pool_ids: list[int], vllm_ids: list[int], pool_blocks: int, vllm_blocks: int) -> None:
+    if len(pool_ids) != len(vllm_ids):
+        raise ValueError("a copy pairs a different number of pool and vLLM blocks")
+    for name, ids, limit in (("pool", pool_ids, pool_blocks), ("vLLM", vllm_ids, vllm_blocks)):
+        if ids and (min(ids) < 0 or max(ids) >= limit):
+            raise ValueError(f"a copy names a {name} block outside 0..{limit - 1}")
+
+
+class BlockCopier:
+    """The copy plan of one set of vLLM views (``register_kv_caches``): their layer offset table, made once.
+
+    ``path`` says which path the last ``copy`` took: "triton" (one kernel launch) or "torch (<why>)"."""
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], *, kernel_on_cpu: bool = False) -> None:
+        if not layers:
+            raise ValueError("no vLLM KV cache views to copy")
+        self.layers = layers
+        self.kernel_on_cpu = kernel_on_cpu  # the kernel on CPU tensors too: for Triton's interpreter (the tests)
+        self.path = ""
+        k0 = layers[0][0]
+        self._refusal = self._views_refusal()
+        self._offsets: torch.Tensor | None = None
+        self._align = 1
+        if self._refusal is None:
+            offsets = layer_offsets(layers)
+            self._align = common_alignment(offsets, k0.element_size())
+            self._offsets = torch.tensor(offsets, dtype=torch.int64, device=k0.device)
+
+    def _views_refusal(self) -> str | None:
+        k0 = self.layers[0][0]
+        if triton is None:
+            return "Triton is not installed"
+        if not (k0.is_cuda or self.kernel_on_cpu):
+            return f"vLLM's KV cache is on {k0.device.type}"
+        if k0.stride(3) != 1:
+            return f"vLLM's head dimension is strided ({tuple(k0.stride())})"
+        for k, v in self.layers:
+            for view in (k, v):
+                if view.stride() != k0.stride() or view.shape != k0.shape or view.dtype != k0.dtype:
+                    return "vLLM's per-layer views differ in shape, strides or dtype"
+                if view.device != k0.device:
+                    return "vLLM's per-layer views are on different devices"
+        return None
+
+    def kernel_refusal(self, pool: torch.Tensor) -> str | None:
+        """Why the kernel cannot copy between these views and ``pool`` (None: it can)."""
+        if self._refusal is not None:
+            return self._refusal
+        k0 = self.layers[0][0]
+        if pool.device != k0.device:
+            return f"the pool is on {pool.device}, vLLM's KV cache on {k0.device}"
+        if pool.dtype != k0.dtype:
+            return f"the pool holds {pool.dtype}, vLLM's KV cache {k0.dtype}"
+        if pool.dim() != 6 or tuple(pool.shape[1:]) != (len(self.layers), 2, *k0.shape[1:]):
+            return f"the pool's shape {tuple(pool.shape)} is not [blocks, layers, 2, {', '.join(map(str, k0.shape[1:]))}]"
+        if pool.stride(5) != 1:
+            return "the pool's head dimension is strided"
+        if k0.element_size() not in INT_OF_SIZE:
+            return f"an element of {k0.element_size()} bytes"
+        return None
+
+    def copy(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int], *, into_vllm: bool) -> None:
+        k0 = self.layers[0][0]
+        check_ids(pool_ids, vllm_ids, int(pool.shape[0]), int(k0.shape[0]))
+        if not pool_ids:
+            return
+        refusal = self.kernel_refusal(pool)
+        if refusal is None:
+            self._kernel_copy(pool, pool_ids, vllm_ids, into_vllm)
+            self.path = "triton"
+        else:
+            _torch_copy(self.layers, pool, pool_ids, vllm_ids, into_vllm)
+            self.path = f"torch ({refusal})"
+
+    def _kernel_copy(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int], into_vllm: bool) -> None:
+        k0 = self.layers[0][0]
+        ids = torch.from_numpy(np.array([pool_ids, vllm_ids], dtype=np.int64)).to(k0.device)  # 3x torch.tensor's speed
+        _, tokens, heads, head = k0.shape
+        head_p = triton.next_power_of_2(head)
+        rows = max(1, min(TILE_ELEMENTS // head_p, triton.next_power_of_2(tokens * heads)))
+        as_int = INT_OF_SIZE[k0.element_size()]
+        grid = (len(pool_ids), len(self.layers))
+        with torch.cuda.device(k0.device) if k0.is_cuda else contextlib.nullcontext():  # the views' device
+            _block_copy_kernel[grid](
+                k0.view(as_int), pool.view(as_int), self._offsets, ids[1], ids[0],
+                k0.stride(0), k0.stride(1), k0.stride(2), *pool.stride()[:5],
+                TOKENS=tokens, HEADS=heads, HEAD=head, HEAD_P=head_p, ROWS=rows,
+                ALIGN=self._align, INTO_VLLM=into_vllm, num_warps=NUM_WARPS)
+
+
+def _torch_copy(layers: list[tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, pool_ids: list[int],
+                vllm_ids: list[int], into_vllm: bool) -> None:
+    """Per layer advanced indexing: the CPU backend's path, and the fallback for what the kernel refuses."""
+    device = layers[0][0].device
+    p_ids = torch.tensor(pool_ids, dtype=torch.long, device=pool.device)
+    v_ids = torch.tensor(vllm_ids, dtype=torch.long, device=device)
+    if into_vllm:
+        blocks = pool.index_select(0, p_ids).to(device)  # [n, L, 2, B, H, D]: every layer at once
+        for layer, (k, v) in enumerate(layers):
+            k[v_ids] = blocks[:, layer, 0]
+            v[v_ids] = blocks[:, layer, 1]
+    else:  # gathered from vLLM's layout and scattered into the pool's, layer by layer: no staging copy
+        for layer, (k, v) in enumerate(layers):
+            pool[:, layer, 0].index_copy_(0, p_ids, k.index_select(0, v_ids).to(pool.device))
+            pool[:, layer, 1].index_copy_(0, p_ids, v.index_select(0, v_ids).to(pool.device))
+
