@@ -95,8 +95,8 @@ class DecodeEngine:
         self.graph_sizes = sorted(graph_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch])
         if dev.type == "cuda" and graph_sizes != []:
             self.capture()
-        if prefill_graphs is None:  # default: with the decode graphs, unless KVPOOL_PREFILL_GRAPHS=0
-            prefill_graphs = bool(self.graphs) and os.environ.get("KVPOOL_PREFILL_GRAPHS", "1") != "0"
+        if prefill_graphs is None:  # default: with the decode graphs, unless KVPOOL_ENGINE_PREFILL_GRAPHS=0
+            prefill_graphs = bool(self.graphs) and os.environ.get("KVPOOL_ENGINE_PREFILL_GRAPHS", "1") != "0"
         self.prefill_graphs = PrefillGraphs(self.model, blocks, self.error, self.scratch_slot,
                                             max_model_len) if prefill_graphs and self.PREFILL_GRAPHS else None
 
