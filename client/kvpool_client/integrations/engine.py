@@ -351,6 +351,7 @@ class DecodeEngine:
     def close(self) -> None:
         """Free every sequence (the scratch one too), end the append stream, unmap the pool: the engine is done."""
         self.graphs.clear()
+        self.prefill_graphs = None
         for seq in list(self.tables.row_of):
             self.free([seq])
         self.control.free([self.scratch])
