@@ -72,7 +72,8 @@ def build_model(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
         torch.set_default_dtype(torch.float32)
 
 
-def start_server(args: argparse.Namespace, layout, num_blocks: int) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, layout, num_blocks: int,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     port_file = Path(f"/tmp/kvpool_bench_engine_port.{os.getpid()}")
     port_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path[:3] + [os.environ.get("PYTHONPATH", "")]))
@@ -81,7 +82,7 @@ def start_server(args: argparse.Namespace, layout, num_blocks: int) -> tuple[sub
            "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
            "--head-dim", str(layout.head_dim), "--block-size", str(layout.block_size), "--dtype", layout.dtype,
            "--kv-layout", args.kv_layout, "--address", "127.0.0.1:0", "--port-file", str(port_file),
-           "--log-level", "WARNING"]
+           "--log-level", "WARNING", *extra]
     proc = subprocess.Popen(cmd, env=env)
     for _ in range(600):
         if port_file.exists() and port_file.read_text().strip():

@@ -112,6 +112,15 @@ def writer(args: argparse.Namespace) -> None:
         engine.close()
 
 
+def run_writer(args: argparse.Namespace, address: str) -> None:
+    """The writer (``writer``) in a process of its own, against the server at ``address``; returns once it exited."""
+    cmd = [sys.executable, __file__, "--role", "writer", "--address", address, "--device", args.device,
+           "--prefix", str(args.prefix), "--suffix", str(args.suffix), "--repeats", str(args.repeats),
+           "--new-tokens", str(args.new_tokens), "--kv-layout", args.kv_layout]
+    cmd += [f for f, on in (("--tiny", args.tiny), ("--quick", args.quick), ("--compile", args.compile)) if on]
+    subprocess.run(cmd, check=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,6 +139,8 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=None, help="chat: conversations (16; --tiny: 8)")
     p.add_argument("--turns", type=int, default=None, help="chat: turns a conversation (4; --tiny: 3)")
     p.add_argument("--user-tokens", type=int, default=None, help="chat: a user message's tokens (128; --tiny: 16)")
+    p.add_argument("--tier", action="store_true", help="also the prefix served from the host tier (ttft_tier.py)")
+    p.add_argument("--verbose-tier", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     p.add_argument("--role", default="reader", choices=["reader", "writer"], help=argparse.SUPPRESS)
     p.add_argument("--address", default=None, help=argparse.SUPPRESS)
@@ -164,11 +175,7 @@ def main() -> None:
     results: dict = {}
     proc, address = start_server(args, layout, num_blocks)
     try:
-        cmd = [sys.executable, __file__, "--role", "writer", "--address", address, "--device", args.device,
-               "--prefix", str(args.prefix), "--suffix", str(args.suffix), "--repeats", str(args.repeats),
-               "--new-tokens", str(args.new_tokens), "--kv-layout", args.kv_layout]
-        cmd += [f for f, on in (("--tiny", args.tiny), ("--quick", args.quick), ("--compile", args.compile)) if on]
-        subprocess.run(cmd, check=True)
+        run_writer(args, address)
         with KVPoolClient(address) as client:
             engine = DecodeEngine.on_pool(model, client, **engine_kwargs(args))
             results["kvpool"] = measure(engine, args, prefix, suffixes)
@@ -177,10 +184,20 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    if args.tier:
+        import ttft_tier  # noqa: PLC0415
+
+        args.vocab = model.config.vocab_size
+        results["host tier"] = ttft_tier.measure(args, model, layout, prefix, suffixes, start_server)
     local = DecodeEngine.in_process(model, num_blocks, BLOCK_SIZE, **engine_kwargs(args))
     local.generate([prefix + suffixes[0]], 2)  # its prefix, written by the same engine
     results["in-process"] = measure(local, args, prefix, suffixes)
     for name, r in results.items():
+        if name == "host tier":
+            import ttft_tier  # noqa: PLC0415
+
+            ttft_tier.report(r)
+            continue
         print(f"{name:10s}: TTFT hit {r['hit_s'] * 1e3:8.2f} ms (of which the register {r['hit_register_s'] * 1e3:.2f}"
               f" ms; {r['cached']}/{r['prompt']} cached), recompute "
               f"{r['recompute_s'] * 1e3:8.2f} ms, {r['recompute_s'] / r['hit_s']:.1f}x; tokens identical: "
