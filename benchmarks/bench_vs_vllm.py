@@ -49,9 +49,11 @@ mix a figure is for.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -182,6 +184,8 @@ def main() -> None:
                         help="what the phases are timed by: wall time, or this process's CPU time (a busy host)")
     parser.add_argument("--prefix-caching", choices=("on", "off", "both"), default="both",
                         help="the cycle with prefix caching on, off (plain block management) or both, in this order")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="cProfile kvpool's cycles (the counted rounds, its sides only): the top N by tottime")
     args = parser.parse_args()
     global CLOCK
     CLOCK = args.clock
@@ -224,6 +228,7 @@ def run_mode(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[s
 
         driver = VllmDriver(vllm, num_blocks, args.block_size, enable_caching=caching)
     rng = np.random.default_rng(args.seed)
+    profile = cProfile.Profile() if args.profile else None
     times: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
     for r in range(args.rounds + 1):  # round 0 warms up
         work = Workload(args, rng)
@@ -234,7 +239,11 @@ def run_mode(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[s
             if side == "vllm":
                 result = run_vllm(driver, work, r)
             else:
+                if profile is not None and r:
+                    profile.enable()
                 result = run_kvpool(managers[side], work, side.startswith("persistent"), caching)
+                if profile is not None:
+                    profile.disable()
             blocks.add(result["blocks"])
             if r:
                 times[side].append(result)
@@ -242,6 +251,9 @@ def run_mode(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[s
             raise RuntimeError(f"the sides disagree on the blocks in use after decode: {sorted(blocks)}")
     for manager in managers.values():
         manager.check_invariants()
+    if profile is not None:
+        print(f"kvpool's cycles, prefix caching {'on' if caching else 'off'} (cProfile; its timings inflate the figures):")
+        pstats.Stats(profile).strip_dirs().sort_stats("tottime").print_stats(args.profile)
     cached = {s: m.allocator.cache.num_cached for s, m in managers.items()}
     if driver is not None:
         cached["vllm"] = driver.num_cached_blocks()
