@@ -38,7 +38,7 @@ help:
 	@echo "make lint-proto         buf lint (STANDARD) on protos/"
 	@echo "make buf-breaking       buf breaking: protos/ against the released proto's image ($(PROTO_BASELINE))"
 	@echo "make proto-baseline     at a release only: protos/ becomes the released proto (protos/released/kvpool-VERSION.json)"
-	@echo "make bench              in-process core benchmark; the whole cycle vs vLLM's BlockPool with VLLM_SRC=DIR"
+	@echo "make bench              in-process core benchmark; the cycle, prefix caching on + off, vs vLLM's BlockPool (VLLM_SRC=DIR)"
 	@echo "make bench-service      gRPC benchmark (pinned where there are two CPUs)"
 	@echo "make bench-engine       decode engine on the pool vs in-process cache (needs PyTorch, transformers; CUDA: Llama-3-8B)"
 	@echo "make bench-ttft         time to first token, a prefix served from the pool vs recomputed (CUDA: Llama-3-8B, 4,096 + 256)"
@@ -128,7 +128,7 @@ run: $(RUN_SETUP)
 
 bench: $(SETUP)
 	$(PY) benchmarks/bench_core.py
-	$(PY) benchmarks/bench_vs_vllm.py $(if $(VLLM_SRC),--vllm-src $(VLLM_SRC))
+	$(PY) benchmarks/bench_vs_vllm.py --prefix-caching both $(if $(VLLM_SRC),--vllm-src $(VLLM_SRC))
 
 # Pinned (server on CPU 0, clients on CPU 1) where there are two CPUs: steadier figures (docs/service-bench.md).
 bench-service: $(SETUP)

@@ -1,12 +1,20 @@
-"""kvpool's core against vLLM v1's BlockPool on one workload: register + prefill, decode, free (prefix caching on).
+"""kvpool's core against vLLM v1's BlockPool on one workload: register + prefill, decode, free (caching on / off).
 
-One cycle: N sequences registered with distinct prompts (prompt lengths drawn in [--min-prompt, --max-prompt]),
+``--prefix-caching on|off|both`` (both by default, one after the other in one run, each with its own pools).
+*on*, one cycle: N sequences registered with distinct prompts (prompt lengths drawn in [--min-prompt, --max-prompt]),
 each prompt prefilled (ceil(prompt / block_size) blocks, its full blocks hashed and cached), then --decode-steps
 steps that append one token to every sequence (a new block every block_size tokens, each block hashed and cached as
 it fills), then every sequence freed. Both sides get the same token ids; each keeps its pool across rounds, so later
 rounds evict the blocks cached by earlier ones. Rounds alternate which side runs first; one warm-up round is not
 counted; the figures are medians over --rounds rounds (9; ``--stat min``: the least
 disturbed round).
+
+*off*, the same cycle as plain block management: no token ids reach kvpool (``register()``, ``append(ids,
+counts)``, ``append(ids)`` / ``SequenceBatch.step()``: nothing hashed, looked up or sealed), and vLLM runs as with
+``--no-enable-prefix-caching`` (``VllmDriver(enable_caching=False)``: no block hasher, no lookup, no caching, its
+BlockPool built with ``enable_caching=False``). vLLM still appends each sampled token to its Request, as its
+scheduler does; that is how its manager learns the request's length. After each mode the blocks each side holds in
+its prefix cache are printed (``cached blocks``): 0 on every side when caching is off.
 
 - vLLM: its own BlockPool, KVCacheBlock, FreeKVCacheBlockQueue and block hashing (sha256, its default), loaded
   from extracted source files (``--vllm-src DIR``, see ``scripts/extract_vllm_core.sh``), driven the way its
@@ -31,7 +39,7 @@ Ratios are vLLM / kvpool: above 1 means kvpool is faster. Without vLLM's files o
     make bench VLLM_SRC=.vllm-src                     # bench_core.py, then this (kvpool alone without VLLM_SRC)
 
 Pinning: ``taskset -c N`` (or ``--cpu N``) keeps the process on one core, away from the other work of the host.
-The three files (about 90 KB) are all it reads of vLLM: a host without vLLM or its network gets them with the
+The three files (90-150 KB) are all it reads of vLLM: a host without vLLM or its network gets them with the
 working tree (an ignored folder such as ``.vllm-src/``, carried). The ratio of the whole cycle depends on the mix:
 kvpool's batched decode step gains most on vLLM's per-request decode loop, its register and prefill (each prompt
 block hashed once, by the register) less, so fewer decode steps (``--decode-steps``) give a lower ratio; say which
@@ -41,9 +49,11 @@ mix a figure is for.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -79,14 +89,19 @@ def needed_blocks(args: argparse.Namespace) -> int:
     return args.num_seqs * -(-(args.max_prompt + args.decode_steps) // args.block_size)
 
 
-def run_kvpool(manager: KVCacheManager, work: Workload, persistent: bool) -> dict[str, float]:
-    """One cycle on kvpool's core; seconds per phase."""
+def run_kvpool(manager: KVCacheManager, work: Workload, persistent: bool, caching: bool) -> dict[str, float]:
+    """One cycle on kvpool's core; seconds per phase. Without caching no token id is passed (plain blocks)."""
     clock = CLOCKS[CLOCK]
     hits = manager.prefix.hit_tokens
+    decode_tokens = work.decode_tokens if caching else [None] * len(work.decode_tokens)
     start = clock()
     register = manager.register
-    ids = np.array([register(prompt_token_ids=p) for p in work.prompts], dtype=np.uint64)
-    manager.append(ids, work.prefill_counts, token_ids=work.prefill_tokens)
+    if caching:
+        ids = np.array([register(prompt_token_ids=p) for p in work.prompts], dtype=np.uint64)
+        manager.append(ids, work.prefill_counts, token_ids=work.prefill_tokens)
+    else:
+        ids = np.array([register() for _ in work.prompts], dtype=np.uint64)
+        manager.append(ids, work.prefill_counts)
     batch = None
     if persistent:
         batch = SequenceBatch(manager)
@@ -94,11 +109,11 @@ def run_kvpool(manager: KVCacheManager, work: Workload, persistent: bool) -> dic
     prefilled = clock()
     if batch is not None:
         step = batch.step
-        for tokens in work.decode_tokens:
+        for tokens in decode_tokens:
             step(tokens)
     else:
         append = manager.append
-        for tokens in work.decode_tokens:
+        for tokens in decode_tokens:
             append(ids, token_ids=tokens)
     decoded = clock()
     used = manager.allocator.num_used_blocks
@@ -167,28 +182,53 @@ def main() -> None:
                              "first are named side:policy, and their cost against the first's is printed")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="what the phases are timed by: wall time, or this process's CPU time (a busy host)")
+    parser.add_argument("--prefix-caching", choices=("on", "off", "both"), default="both",
+                        help="the cycle with prefix caching on, off (plain block management) or both, in this order")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="cProfile kvpool's cycles (the counted rounds, its sides only): the top N by tottime")
     args = parser.parse_args()
     global CLOCK
     CLOCK = args.clock
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     num_blocks = args.num_blocks or 2 * needed_blocks(args)
-    sides = args.only or ["vllm", "batched", "persistent"]
-    policies = args.prefix_eviction.split(",")
-    sides += [f"{s}:{p}" for p in policies[1:] for s in sides if s != "vllm"]
-    vllm = load_vllm(args.vllm_src) if "vllm" in sides else None
+    base = args.only or ["vllm", "batched", "persistent"]
+    vllm = load_vllm(args.vllm_src) if "vllm" in base else None
     if vllm is None:
-        sides = [s for s in sides if s != "vllm"]
+        base = [s for s in base if s != "vllm"]
+    policies = args.prefix_eviction.split(",")
+    modes = ("on", "off") if args.prefix_caching == "both" else (args.prefix_caching,)
+    figures: dict[str, Any] = {}
+    for mode in modes:  # the eviction policies past the first matter only with caching on
+        sides = base + ([f"{s}:{p}" for p in policies[1:] for s in base if s != "vllm"] if mode == "on" else [])
+        times, cached = run_mode(args, num_blocks, vllm, sides, caching=mode == "on")
+        figures[mode] = report(args, num_blocks, vllm, sides, times, cached, mode)
+    if "vllm" in base and len(modes) > 1:
+        print("whole cycle, vLLM / kvpool: " + "; ".join(
+            f"caching {m} " + ", ".join(f"{s} {figures[m]['vllm']['cycle'] / figures[m][s]['cycle']:.2f}x"
+                                        for s in base if s != "vllm") for m in modes))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "num_blocks": num_blocks, f"{args.stat}_us": figures,
+                                               "vllm": vllm.origin if vllm is not None else None}, indent=1))
+
+
+def run_mode(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[str],
+             caching: bool) -> tuple[dict[str, list[dict[str, float]]], dict[str, int]]:
+    """Every round of one mode on fresh pools (the same workloads for both modes: the rng starts at --seed); the
+    rounds' figures, and the blocks each side holds in its prefix cache at the end."""
     max_len = args.max_prompt + args.decode_steps
+    first_policy = args.prefix_eviction.split(",")[0]
     managers = {s: KVCacheManager(num_blocks, args.block_size, max_seq_len=max_len,
                                   max_num_seqs=max(4096, args.num_seqs),
-                                  prefix_eviction=s.partition(":")[2] or policies[0]) for s in sides if s != "vllm"}
+                                  prefix_eviction=s.partition(":")[2] or first_policy) for s in sides if s != "vllm"}
     driver = None
-    if vllm is not None:
+    if vllm is not None and "vllm" in sides:
         from vllm_block_pool import VllmDriver
 
-        driver = VllmDriver(vllm, num_blocks, args.block_size)
+        driver = VllmDriver(vllm, num_blocks, args.block_size, enable_caching=caching)
     rng = np.random.default_rng(args.seed)
+    profile = cProfile.Profile() if args.profile else None
     times: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
     for r in range(args.rounds + 1):  # round 0 warms up
         work = Workload(args, rng)
@@ -199,7 +239,11 @@ def main() -> None:
             if side == "vllm":
                 result = run_vllm(driver, work, r)
             else:
-                result = run_kvpool(managers[side], work, persistent=side.startswith("persistent"))
+                if profile is not None and r:
+                    profile.enable()
+                result = run_kvpool(managers[side], work, side.startswith("persistent"), caching)
+                if profile is not None:
+                    profile.disable()
             blocks.add(result["blocks"])
             if r:
                 times[side].append(result)
@@ -207,15 +251,21 @@ def main() -> None:
             raise RuntimeError(f"the sides disagree on the blocks in use after decode: {sorted(blocks)}")
     for manager in managers.values():
         manager.check_invariants()
-    report(args, num_blocks, vllm, sides, times)
+    if profile is not None:
+        print(f"kvpool's cycles, prefix caching {'on' if caching else 'off'} (cProfile; its timings inflate the figures):")
+        pstats.Stats(profile).strip_dirs().sort_stats("tottime").print_stats(args.profile)
+    cached = {s: m.allocator.cache.num_cached for s, m in managers.items()}
+    if driver is not None:
+        cached["vllm"] = driver.num_cached_blocks()
+    return times, cached
 
 
 def report(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[str],
-           times: dict[str, list[dict[str, float]]]) -> None:
+           times: dict[str, list[dict[str, float]]], cached: dict[str, int], mode: str) -> dict[str, dict[str, float]]:
     stat = statistics.median if args.stat == "median" else min
     medians = {s: {p: stat(t[p] for t in times[s]) * 1e6 for p in PHASES} for s in sides}
     print(f"{args.num_seqs} sequences, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.decode_steps} decode "
-          f"steps, block size {args.block_size}, pool {num_blocks} blocks, prefix caching on; {args.stat} of "
+          f"steps, block size {args.block_size}, pool {num_blocks} blocks, prefix caching {mode}; {args.stat} of "
           f"{args.rounds} rounds, us per cycle" + (f"; vLLM from {vllm.origin}" if vllm is not None else ""))
     header = f"{'phase':<18}" + "".join(f"{s:>16}" for s in sides)
     if "vllm" in sides:
@@ -228,16 +278,15 @@ def report(args: argparse.Namespace, num_blocks: int, vllm: Any, sides: list[str
         print(line)
     per_step = {s: medians[s]["decode"] / args.decode_steps for s in sides}
     print("decode step (all sequences): " + ", ".join(f"{s} {per_step[s]:.1f} us" for s in sides))
+    print(f"cached blocks (prefix caching {mode}): " + ", ".join(f"{s} {cached[s]}" for s in sides))
     for s in sides:
         base, _, policy = s.partition(":")
         if policy:  # the same side under the first policy: the cost of this one
             first = args.prefix_eviction.split(",")[0]
             print(f"{s} / {base} ({first}): decode step {per_step[s] / per_step[base]:.3f}, "
                   f"whole cycle {medians[s]['cycle'] / medians[base]['cycle']:.3f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "num_blocks": num_blocks, f"{args.stat}_us": medians,
-                                               "vllm": vllm.origin if vllm is not None else None}, indent=1))
+    print()
+    return medians
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ here because those classes need vLLM's configs: ``req_to_blocks`` and ``num_cach
 ``get_computed_blocks`` (find_longest_cache_hit over the request's block hashes, at most ``num_tokens - 1`` tokens),
 ``allocate_slots`` (the free-block check, ``touch`` of the hit blocks, ``get_new_blocks`` for the missing ones,
 ``cache_blocks`` -> ``cache_full_blocks`` up to the hashed full blocks) and ``free`` (``free_blocks`` in reverse
-order). ``DriverRequest`` keeps the fields of ``vllm.v1.request.Request`` that the pool and the block hasher read,
+order); with ``enable_caching=False`` the hashing, the lookup and the caching are skipped as vLLM skips them
+(``VllmDriver`` says where). ``DriverRequest`` keeps the fields of ``vllm.v1.request.Request`` that the pool and the block hasher read,
 the way Request keeps them: the prompt's full blocks are hashed when it is created, and each appended output token
-runs the hasher (``append_output_token_ids`` -> ``update_block_hashes``), as in vLLM.
+runs the hasher (``append_output_token_ids`` -> ``update_block_hashes``), as in vLLM (no hasher: caching off).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ _STUBS: dict[str, dict[str, Any]] = {  # module -> the names whose values matter
     "vllm.multimodal.utils": {},
     "vllm.utils": {},
     "vllm.utils.math_utils": {"cdiv": lambda a, b: -(a // -b)},
+    "vllm.utils.mem_utils": {},  # vLLM 0.32+ (kv_cache_utils imports these; nothing on the measured path)
+    "vllm.utils.torch_utils": {},
+    "vllm.v1.hisparse": {},
+    "vllm.v1.hisparse.layout": {},
     "vllm.distributed": {},
     "vllm.distributed.kv_events": {"MEDIUM_GPU": "GPU"},
     "vllm.v1": {},
@@ -115,7 +120,7 @@ class DriverRequest:
     """The fields of vllm.v1.request.Request that BlockPool and get_request_block_hasher read, kept as Request keeps
     them (token ids in a list, block hashes extended by the hasher on creation and on every appended token)."""
 
-    def __init__(self, request_id: str, prompt: list[int], hasher: Any) -> None:
+    def __init__(self, request_id: str, prompt: list[int], hasher: Any | None) -> None:
         self.request_id = request_id
         self._all_token_ids = list(prompt)
         self.all_token_ids = self._all_token_ids
@@ -139,28 +144,36 @@ class DriverRequest:
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
-        self.block_hashes.extend(self._block_hasher(self))
+        if self._block_hasher is not None:  # None: prefix caching off (vLLM's engine core makes no hasher)
+            self.block_hashes.extend(self._block_hasher(self))
 
 
 class VllmDriver:
-    """vLLM's KV cache manager around one BlockPool (one KV cache group, full attention, prefix caching on)."""
+    """vLLM's KV cache manager around one BlockPool (one KV cache group, full attention).
 
-    def __init__(self, vllm: Vllm, num_blocks: int, block_size: int) -> None:
+    ``enable_caching=False`` is vLLM without prefix caching (``--no-enable-prefix-caching``), as its code runs it:
+    the engine core makes no block hasher (``request_block_hasher`` is None: no request hashes its blocks),
+    ``get_computed_blocks`` skips the lookup (``prefix_cache_lookup_enabled``), ``KVCacheManager.cache_blocks`` does
+    nothing, and the BlockPool (``enable_caching=False``) neither evicts a cached block in ``get_new_blocks`` nor keeps
+    one in ``free_blocks`` (every freed block goes to the front of the free queue, LIFO)."""
+
+    def __init__(self, vllm: Vllm, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         pool_class = vllm.block_pool.BlockPool
         kwargs: dict[str, Any] = {"enable_kv_cache_events": False}
         if "hash_block_size" in inspect.signature(pool_class).parameters:
             kwargs["hash_block_size"] = block_size
-        self.pool = pool_class(num_blocks + 1, True, **kwargs)  # + vLLM's null block
+        self.pool = pool_class(num_blocks + 1, enable_caching, **kwargs)  # + vLLM's null block
+        self.enable_caching = enable_caching
         self.block_size = block_size
-        self.hasher = vllm.utils.get_request_block_hasher(block_size, vllm.hashing.sha256)
+        self.hasher = vllm.utils.get_request_block_hasher(block_size, vllm.hashing.sha256) if enable_caching else None
         self.req_to_blocks: defaultdict[str, list[Any]] = defaultdict(list)
         self.num_cached_block: dict[str, int] = {}
 
     def add_request(self, request_id: str, prompt: list[int]) -> DriverRequest:
-        """A new request scheduled whole: Request (hashes the prompt's full blocks), get_computed_blocks,
-        allocate_slots for the prompt."""
+        """A new request scheduled whole: Request (hashes the prompt's full blocks when caching), get_computed_blocks
+        (no lookup without caching), allocate_slots for the prompt."""
         request = DriverRequest(request_id, prompt, self.hasher)
-        hit = self._longest_cache_hit(request)
+        hit = self._longest_cache_hit(request) if self.enable_caching else None
         if not self.allocate_slots(request, hit):
             raise RuntimeError("vLLM's pool is full: raise --num-blocks")
         return request
@@ -190,6 +203,8 @@ class VllmDriver:
             self.num_cached_block[request_id] = len(blocks)
         if num_new > 0:
             blocks.extend(self.pool.get_new_blocks(num_new))
+        if not self.enable_caching:  # KVCacheManager.cache_blocks: only if enabled
+            return True
         # cache_blocks: the full blocks that have a hash
         num_cached = self.num_cached_block.get(request_id, 0)
         num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
@@ -212,3 +227,7 @@ class VllmDriver:
 
     def num_used_blocks(self) -> int:
         return self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks()
+
+    def num_cached_blocks(self) -> int:
+        """Blocks of the pool that carry a block hash (in its prefix cache, used or evictable)."""
+        return sum(block.block_hash is not None for block in self.pool.blocks)

@@ -109,7 +109,7 @@ if [ "$only" = fast ]; then  # issue 21: the fast path on the H200 host (tests, 
     step "the core's decode step, one core (no token ids / token ids)" \
         bash -c "for f in '' --token-ids; do taskset -c 2 python3 benchmarks/decode_step.py \$f; done 2>&1 | tee $OUT/decode_step.log"
     if [ -d .vllm-src ]; then
-        step "the core's whole cycle against vLLM v1's BlockPool (register, prefill, decode, free; one core)" \
+        step "the core's whole cycle (register, prefill, decode, free) vs vLLM v1's BlockPool, caching on + off, one core" \
             bash -c "for d in 16 128; do taskset -c 2 python3 benchmarks/bench_vs_vllm.py --vllm-src .vllm-src --decode-steps \$d \
                 --json $OUT/vs_vllm_d\$d.json; done 2>&1 | tee $OUT/vs_vllm.log"
     fi
