@@ -78,7 +78,7 @@ def start_server(args: argparse.Namespace, layout, num_blocks: int,
     port_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path[:3] + [os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "kvpool_server", "--backend", "gpu" if args.device == "cuda" else "host",
-           "--pool-bytes", f"{num_blocks * layout.block_bytes // (1 << 20) + 1}MiB",
+           "--num-blocks", str(num_blocks),
            "--num-layers", str(layout.num_layers), "--num-kv-heads", str(layout.num_kv_heads),
            "--head-dim", str(layout.head_dim), "--block-size", str(layout.block_size), "--dtype", layout.dtype,
            "--kv-layout", args.kv_layout, "--address", "127.0.0.1:0", "--port-file", str(port_file),

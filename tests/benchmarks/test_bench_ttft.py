@@ -26,6 +26,18 @@ def test_bench_ttft_ends_with_its_line_on_the_cpu(tmp_path) -> None:
     assert result["kvpool"]["prefix_hit_tokens"] >= 3 * 64  # the warm-up's hit and both repeats'
 
 
+def test_bench_ttft_serves_the_prefix_from_the_host_tier_on_the_cpu(tmp_path) -> None:
+    """``--tier``: every timed hit found its prefix (4 blocks) cached, most of it only in the host tier (restored by
+    the register), and gave the recompute's tokens."""
+    out = run_script("bench_ttft.py", "--device", "cpu", "--tiny", "--prefix", "64", "--suffix", "8", "--repeats",
+                     "2", "--new-tokens", "3", "--tier", "--json", str(tmp_path / "ttft.json"), timeout=600)
+    assert re.search(r"^host tier : TTFT hit +[0-9.]+ ms \(64/72 cached, blocks restored per hit [0-9]-[0-9]\).*tokens "
+                     r"identical: yes$", out, re.M), out
+    tier = json.loads((tmp_path / "ttft.json").read_text())["host tier"]
+    assert len(tier["restored_blocks"]) == 2 and min(tier["restored_blocks"]) >= 2, tier["restored_blocks"]
+    assert tier["cached"] == 64 and tier["tokens_identical"]
+
+
 def test_bench_ttft_chat_workload_on_the_cpu(tmp_path) -> None:
     """Four engine processes on one server, then four private ones: the same answers, and more prompt tokens from
     the shared cache than from the private ones (a conversation's next turn lands on another engine)."""
