@@ -3,6 +3,7 @@
 
     python3 benchmarks/bench_ttft.py --json $OUT/ttft.json            (CUDA: random Llama-3-8B fp16, 4,096 + 256)
     python3 benchmarks/bench_ttft.py --device cpu --tiny               (anywhere: 3 layers, 256 + 32 tokens)
+    python3 benchmarks/bench_ttft.py --tier                            (also the prefix from the host tier: ttft_tier.py)
     python3 benchmarks/bench_ttft.py --workload chat [--device cpu --tiny]   (four engine processes: ttft_chat.py)
 
 A writer process (its own model from the same seed, its own client and session) generates from ``prefix + its
