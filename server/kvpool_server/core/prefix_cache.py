@@ -7,6 +7,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
+from kvpool_server.core.block_records import BlockRecords
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.eviction_policy import EvictionPolicy, LruEviction
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
@@ -35,7 +36,7 @@ class PrefixCache:
         entries[3] = (h1, parent h0, tokens, salt)                                                   3, 9 -> 0
 
     Invariants (``check_invariants``, with the allocator's ref counts):
-      - ``block_of_hash`` and ``entries`` are the same relation read both ways, and ``is_cached`` marks exactly
+      - ``block_of_hash`` and ``entries`` (a ``BlockRecords``: its own invariant) are the same relation read both ways, and ``is_cached`` marks exactly
         the blocks in ``entries``;
       - ``is_public`` marks exactly the cached blocks whose salt is ``PUBLIC_SALT`` (a public prefix's blocks, the
         only ones rows of several tenants may hold: ``TenantLedger``), and ``num_public`` counts them;
@@ -48,7 +49,8 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         self.block_of_hash: dict[bytes, int] = {}
-        self.entries: dict[int, CachedBlock] = {}  # block_id -> what its hash was computed from
+        # block_id -> what its hash was computed from; out of the garbage collector's walks (block_records.py)
+        self.entries: BlockRecords = BlockRecords(num_blocks)
         self.is_cached: np.ndarray = np.zeros(num_blocks, dtype=bool)
         self.is_public: np.ndarray = np.zeros(num_blocks, dtype=bool)  # cached with PUBLIC_SALT
         self.num_public: int = 0
@@ -105,7 +107,7 @@ class PrefixCache:
         cached, by the cache or by an earlier pair, is left as it is -- in one pass (a decode step seals hundreds):
         the arrays and the events are updated once for the batch. Returns the positions of the public entries
         inserted."""
-        block_of_hash, by_block = self.block_of_hash, self.entries
+        block_of_hash, by_block, records = self.block_of_hash, self.entries.order, self.entries.records
         new_blocks: list[int] = []
         stored: list[CachedBlock] = []
         public: list[int] = []
@@ -114,7 +116,8 @@ class PrefixCache:
             if block_hash_k in block_of_hash or block_id in by_block:  # ``by_block``: exactly ``is_cached``
                 continue
             block_of_hash[block_hash_k] = block_id
-            by_block[block_id] = entry
+            by_block[block_id] = None  # ``self.entries[block_id] = entry``, inlined
+            records[block_id] = tuple(entry)
             new_blocks.append(block_id)
             stored.append(entry)
             if entry.salt == PUBLIC_SALT:
@@ -178,6 +181,7 @@ class PrefixCache:
         return evicted
 
     def check_invariants(self, ref_count: np.ndarray) -> None:
+        self.entries.check_invariants()
         if {h: b for b, e in self.entries.items() for h in [e.block_hash]} != self.block_of_hash:
             raise InvariantViolationError("block_of_hash and the cached blocks' entries disagree")
         if set(np.flatnonzero(self.is_cached).tolist()) != set(self.entries):
