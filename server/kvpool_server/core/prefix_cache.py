@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import attrgetter
 
 import numpy as np
 
@@ -14,6 +15,8 @@ from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedB
 from kvpool_server.core.types import EvictedBlocks
 
 __all__ = ["CachedBlock", "PrefixCache"]
+
+_BLOCK_HASH, _SALT = attrgetter("block_hash"), attrgetter("salt")
 
 
 class PrefixCache:
@@ -108,6 +111,20 @@ class PrefixCache:
         the arrays and the events are updated once for the batch. Returns the positions of the public entries
         inserted."""
         block_of_hash, by_block, records = self.block_of_hash, self.entries.order, self.entries.records
+        hashes = list(map(_BLOCK_HASH, entries))
+        num_hashes, num_blocks = len(block_of_hash), len(by_block)
+        if block_of_hash.keys().isdisjoint(hashes) and by_block.keys().isdisjoint(block_ids):
+            # the pairs' hashes and blocks new to the cache (a decode step's seal): each structure updated in one call
+            # -- unless two pairs repeat a hash or a block, which the loop below answers, the updates undone
+            block_of_hash.update(zip(hashes, block_ids))
+            by_block.update(dict.fromkeys(block_ids))
+            if len(block_of_hash) - num_hashes != len(hashes) or len(by_block) - num_blocks != len(block_ids):
+                for h in hashes:
+                    block_of_hash.pop(h, None)
+                for block_id in block_ids:
+                    by_block.pop(block_id, None)
+            else:
+                return self._stored_new(block_ids, entries)
         new_blocks: list[int] = []
         stored: list[CachedBlock] = []
         public: list[int] = []
@@ -129,6 +146,22 @@ class PrefixCache:
                 self.num_public += len(public)
             if self.events is not None:
                 self.events.extend(stored)  # made BlockStored runs when the batch is published
+        return public
+
+    def _stored_new(self, block_ids: list[int], entries: list[CachedBlock]) -> list[int]:
+        """The rest of ``insert_many`` when every pair is new and the two indexes hold them already: the records, the
+        arrays, the events. Returns the positions of the public entries."""
+        records = self.entries.records
+        for block_id, record in zip(block_ids, map(tuple, entries)):
+            records[block_id] = record
+        self.is_cached[block_ids] = True
+        salts = list(map(_SALT, entries))
+        public = [k for k, salt in enumerate(salts) if salt == PUBLIC_SALT] if PUBLIC_SALT in salts else []
+        if public:
+            self.is_public[[block_ids[k] for k in public]] = True
+            self.num_public += len(public)
+        if self.events is not None:
+            self.events.extend(entries)
         return public
 
     def match(self, hashes: list[bytes]) -> list[int]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded
+from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded, hash_many
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
@@ -154,7 +155,7 @@ class TokenChains:
         public: list[tuple[int, int]] = []
         if token_ids is None:
             if self.chains:
-                self._seal(rows[self.has_pending.take(rows)].tolist(), table, cache, public)
+                self._seal(rows[self.has_pending.take(rows)], table, cache, public)
                 self.drop(rows[self.tracked.take(rows)].tolist())
             return public
         tracked = self.tracked.take(rows)
@@ -166,7 +167,7 @@ class TokenChains:
             tracked |= starting
         pending = self.has_pending.take(rows)
         if np.count_nonzero(pending):  # untracked rows have none; most decode steps seal nothing
-            self._seal(rows[pending].tolist(), table, cache, public)
+            self._seal(rows[pending], table, cache, public)
         if token_ids.size == rows.size:  # one token per row (every count is >= 1): the decode step
             if not all_tracked:
                 rows, token_ids = rows[tracked], token_ids[tracked]
@@ -186,18 +187,31 @@ class TokenChains:
                 self._extend(row, token_ids[ends[i] - sizes.item(i) : ends[i]])
         return public
 
-    def _seal(self, rows: list[int], table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
-        """Insert the pending full blocks of ``rows`` (each has some) in the cache, in order (one
+    def _seal(self, row_array: np.ndarray, table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
+        """Insert the pending full blocks of ``row_array`` (each has some) in the cache, in order (one
         ``PrefixCache.insert_many`` for them all); append (row, block) to ``public`` for each public one inserted
-        (the ledger starts counting its references per tenant)."""
-        if not rows:
+        (the ledger starts counting its references per tenant). When every row has one block pending of its own (a
+        decode step's seal), the rows' blocks are gathered in one index and only the chains' fields set row by row."""
+        if not row_array.size:
             return
-        chains = self.chains
-        block_ids: list[int] = []
-        entries: list[CachedBlock] = []
+        rows = row_array.tolist()
+        chains = list(map(self.chains.__getitem__, rows))
+        pendings = [chain.pending for chain in chains]
+        if set(map(len, pendings)) == {1} and {p.__class__ for p in pendings} == {tuple}:  # the decode step's
+            entries = [p[0] for p in pendings]
+            block_ids = table[row_array, [chain.num_sealed for chain in chains]].tolist()
+            for chain, entry in zip(chains, entries):
+                chain.num_sealed += 1
+                chain.sealed_hash = entry[0]  # its block_hash
+                chain.pending = NO_PENDING
+            self.has_pending[row_array] = False
+            for k in cache.insert_many(block_ids, entries):
+                public.append((rows[k], block_ids[k]))
+            return
+        block_ids = []
+        entries = []
         owners: list[int] = []  # the row of each of ``entries``
-        for row in rows:
-            chain = chains[row]
+        for row, chain in zip(rows, chains):
             new = todo = chain.pending
             if isinstance(new, SharedPending):
                 if new.sealed:  # a sharer (fork parent or child) sealed the same blocks already
@@ -238,23 +252,25 @@ class TokenChains:
 
     def _hash_filled(self, rows: np.ndarray) -> None:
         """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0, nothing
-        pending: the step sealed it first): one block each, in a tight loop over the bytes of one gather. Each
+        pending: the step sealed it first): one block each, every step of the work done for all rows at once (one
+        gather of their bytes, one ``hash_many``, each a ``map``), only the chains' own fields set row by row. Each
         block's token array is read-only over its own bytes object (which the hash read): it keeps nothing else
         alive."""
-        chains, frombuffer, row_bytes = self.chains, np.frombuffer, self.block_size * 4
+        row_bytes = self.block_size * 4
         data = self.partial.take(rows, axis=0).astype(U32, copy=False).tobytes()
-        at = 0
-        for row in rows.tolist():
-            chain = chains[row]
-            token_bytes = data[at : at + row_bytes]
-            at += row_bytes
-            parent = chain.sealed_hash
-            if chain.num_sealed < chain.num_public:
-                header, salt = chain.public_header, PUBLIC_SALT
-            else:
-                header, salt = chain.header, chain.salt
-            chain.pending = (CachedBlock(hash_encoded(parent, header, token_bytes), parent,
-                                         frombuffer(token_bytes, U32), salt, chain.extra),)
+        blocks = [data[at : at + row_bytes] for at in range(0, len(data), row_bytes)]
+        chains = list(map(self.chains.__getitem__, rows.tolist()))
+        parents = [chain.sealed_hash for chain in chains]
+        if any([chain.num_sealed < chain.num_public for chain in chains]):  # a public prefix's last block
+            headers = [chain.header_of(chain.num_sealed) for chain in chains]
+            salts = [PUBLIC_SALT if c.num_sealed < c.num_public else c.salt for c in chains]
+        else:
+            headers = [chain.header for chain in chains]
+            salts = [chain.salt for chain in chains]
+        fields = zip(hash_many(parents, headers, blocks), parents, map(np.frombuffer, blocks, repeat(U32)), salts,
+                     [chain.extra for chain in chains])
+        for chain, entry in zip(chains, map(tuple.__new__, repeat(CachedBlock), fields)):
+            chain.pending = (entry,)
         self.has_pending[rows] = True
 
     def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray, known: Sequence[bytes] = ()) -> None:
