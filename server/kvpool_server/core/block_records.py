@@ -3,7 +3,8 @@ cyclic garbage collector never walks it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, ValuesView
+from itertools import repeat
 from typing import Any
 
 from kvpool_server.core.errors import InvariantViolationError
@@ -24,7 +25,7 @@ class BlockRecords(Mapping[int, CachedBlock]):
     so it never reaches the old generation. The records sit in one list of ``capacity`` entries made with the
     container (``gc_policy.apply`` freezes it with the start-up heap: no collection walks it), and ``order``, ids
     to None, keeps insertion order, membership and the count: a dict of ints, which the collector never tracks.
-    A read makes a CachedBlock of the record (``[]``, ``get``, ``pop``, and a Mapping's ``values``, ``items``); ``hash_of`` reads
+    A read makes a CachedBlock of the record (``[]``, ``get``, ``pop``, ``values``, and a Mapping's ``items``); ``hash_of`` reads
     one field without making one.
 
     Invariant: ``order`` holds exactly the ids whose ``records`` entry is not None.
@@ -75,6 +76,20 @@ class BlockRecords(Mapping[int, CachedBlock]):
     def __delitem__(self, key: int) -> None:
         self.pop(key)
 
+    def values(self) -> ValuesView[CachedBlock]:
+        return _Values(self)
+
     def check_invariants(self) -> None:
         if set(self.order) != {i for i, record in enumerate(self.records) if record is not None}:
             raise InvariantViolationError("BlockRecords: the ids in order are not exactly those holding a record")
+
+
+class _Values(ValuesView[CachedBlock]):
+    """``BlockRecords.values()``: the records made CachedBlocks in one ``map`` (a snapshot reads every cached
+    block), not one ``[]`` each."""
+
+    _mapping: BlockRecords
+
+    def __iter__(self) -> Iterator[CachedBlock]:
+        records = self._mapping
+        return map(_as_cached_block, repeat(CachedBlock), map(records.records.__getitem__, records.order))
