@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import repeat
 
 import numpy as np
 
 from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded, hash_many
+from kvpool_server.core.chain import NO_PENDING, Chain, SharedPending
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
@@ -16,56 +16,6 @@ from kvpool_server.core.prompt_hashes import PromptHashes
 U32 = np.dtype("<u4")
 
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
-
-
-# A chain's full blocks hashed but not sealed yet, in logical order: each one's ``CachedBlock`` (its hash, its
-# parent's, its token ids, salt and extra key: the prefix cache's entry once sealed, made when it is hashed). A
-# plain tuple while one chain holds them (a decode step makes one a filled block: no other object); a fork makes
-# them ``SharedPending``, which its children and the parent share.
-PendingBlocks = tuple[CachedBlock, ...]
-NO_PENDING: PendingBlocks = ()
-
-
-class SharedPending(tuple[CachedBlock, ...]):
-    """Pending blocks that a fork's children share with their parent (the same blocks: a full block is never copied
-    on write): the first of them to seal inserts them -- whatever the cache answers, a hash held by another block
-    included -- and marks them ``sealed``; the others' seals then insert nothing."""
-
-    sealed: bool = False
-
-
-@dataclass(slots=True)
-class Chain:
-    """One tracked row's hashes: how many of its full blocks are sealed and the hash of the last of them
-    (``sealed_hash``, the parent of the next; NONE_HASH when none), and its full blocks not yet sealed
-    (``pending``, which its fork's children share). Its first ``num_public`` blocks are hashed with PUBLIC_SALT, the
-    others with ``salt`` (the tenant's); all with ``extra`` (the sequence's cache_extra_key). A fork's children copy
-    it: they inherit both. The sealed blocks' own hashes live in the prefix cache (the chain needs only the last),
-    so a copy costs the same at 32,768 tokens as at 16 (a Fork of 4,095 children copies 4,095 chains). The tokens
-    of its partly filled last block live in ``TokenChains.partial``."""
-
-    salt: bytes
-    num_sealed: int = 0
-    sealed_hash: bytes = NONE_HASH
-    pending: PendingBlocks = NO_PENDING
-    extra: bytes = b""
-    num_public: int = 0
-    header: bytes = b""  # block_header(salt, extra, block_size): every block's but the public ones'
-    public_header: bytes = b""  # block_header(PUBLIC_SALT, extra, block_size)
-
-    @property
-    def num_hashes(self) -> int:
-        """Full blocks hashed: sealed and pending."""
-        return self.num_sealed + len(self.pending)
-
-    def copy(self) -> Chain:
-        """A chain of its own that shares ``pending`` (a tuple: never changed, only replaced)."""
-        return Chain(self.salt, self.num_sealed, self.sealed_hash, self.pending, self.extra, self.num_public,
-                     self.header, self.public_header)
-
-    def header_of(self, block_index: int) -> bytes:
-        """The ``block_header`` of logical block ``block_index`` (its salt: ``salt_of``)."""
-        return self.public_header if block_index < self.num_public else self.header
 
 
 class TokenChains:
@@ -85,8 +35,10 @@ class TokenChains:
     holds the row's partial tokens (uint32; ``partial`` has at most max_rows x block_size x 4 bytes: 256 KiB at 4,096
     rows of 16, grown by doubling as higher rows are tracked), and ``has_pending`` marks the rows whose chain has
     pending blocks. The step writes every row's token with one fancy-indexed assignment; only the rows that have
-    pending blocks to seal, or whose block it filled (1 in 16 on average), go through Python, one by one -- hashing
-    is per block. An append of several tokens to a row goes through Python too (a prompt: its blocks are hashed).
+    pending blocks to seal, or whose block it filled (1 in 16 on average), go through Python -- hashing is per
+    block -- each part of the work done for all of them at once where it can be (``_hash_filled``, ``_seal``), the
+    chains' own fields set row by row. An append of several tokens to a row goes through Python too (a prompt: its
+    blocks are hashed).
 
     Invariants (``check_invariants``): ``tracked`` marks exactly the rows of ``chains``, all live; a tracked row with
     n tokens has hashed ``n // block_size`` blocks (``num_hashes``) and holds ``fill[row] == n % block_size`` partial
