@@ -12,6 +12,10 @@ ids resolve in the tenant's namespace (docs/security.md).
 ``--token-ids``: the step of prefix caching -- each append carries its token's id, the sequences registered with
 (distinct) prompts so that they are tracked: every 16th step fills a block of each row, hashed then and sealed by
 the next.
+
+``--phases`` (with ``--token-ids``): also each step of the 16-step cycle timed alone, the least of its 875 samples:
+the quiet steps, the step that hashes 256 filled blocks and the one that seals them (steadier than the mean on a
+shared machine).
 """
 
 from __future__ import annotations
@@ -51,20 +55,33 @@ def main() -> None:
 
     ids = fresh_batch()
     best = float("inf")
+    phases = [float("inf")] * 16  # the least time of each step of the 16-step cycle (--phases)
+    clock = time.perf_counter
     for _ in range(7):
-        start = time.perf_counter()
-        if with_ids:
+        start = clock()
+        if with_ids and "--phases" in sys.argv[1:]:
+            for k, tokens in enumerate(steps):
+                at = clock()
+                step(ids, token_ids=tokens)
+                phases[k % 16] = min(phases[k % 16], clock() - at)
+        elif with_ids:
             for tokens in steps:
                 step(ids, token_ids=tokens)
         else:
             for _ in range(NUM_STEPS):
                 step(ids)
-        best = min(best, (time.perf_counter() - start) / NUM_STEPS)
+        best = min(best, (clock() - start) / NUM_STEPS)
         manager.free(ids.tolist(), tenant)
         ids = fresh_batch()
     flags = [name for name, on in (("tenancy on", tenancy), ("token ids", with_ids)) if on]
     suffix = f" ({', '.join(flags)})" if flags else ""
     print(f"{best * 1e6:.2f} us per 256-sequence decode step{suffix}")
+    if phases[0] != float("inf"):
+        hashing = (15 - PROMPT_LEN % 16) % 16  # the step that fills every row's block (rows start at PROMPT_LEN)
+        quiet = sorted(phases)[7]
+        print(f"  alone: a quiet step {quiet * 1e6:.1f} us, the hashing step {phases[hashing] * 1e6:.0f} us, the "
+              f"sealing step {phases[(hashing + 1) % 16] * 1e6:.0f} us; their mean over the cycle "
+              f"{sum(phases) / 16 * 1e6:.1f} us")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,13 @@ def hash_encoded(parent_hash: bytes, header: bytes, token_bytes: bytes) -> bytes
     return hashlib.sha256(DOMAIN + parent_hash + header + token_bytes).digest()
 
 
+def hash_many(parents: Sequence[bytes], headers: Sequence[bytes], token_bytes: Sequence[bytes]) -> list[bytes]:
+    """``hash_encoded`` of each (parent hash, header, token bytes): many blocks of different chains at once (a
+    decode step's filled blocks, one per sequence), in one comprehension."""
+    sha256, domain = hashlib.sha256, DOMAIN
+    return [sha256(domain + p + h + t).digest() for p, h, t in zip(parents, headers, token_bytes)]
+
+
 def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: bytes = b"",
                  parent_hash: bytes = NONE_HASH, extra: bytes = b"", num_public: int = 0) -> list[bytes]:
     """The hashes of every full block of ``token_ids`` (a partial tail is not hashed), chained from ``parent_hash``:

@@ -23,7 +23,8 @@ from kvpool_server.host_checks import check_environment
 from kvpool_server.log_setup import configure_logging, fatal_line, requested_log_format
 from kvpool_server.grpc_api.server import ServerHandle, build_server
 from kvpool_server.service.build import StartupError
-from kvpool_server.process import freeze_startup_heap, pin_threads
+from kvpool_server import gc_policy
+from kvpool_server.process import pin_threads
 from kvpool_server.exposure import exposed_endpoint, exposed_metrics, is_loopback
 from kvpool_server.settings import unknown_variables
 from kvpool_server.zmq_events import start_publisher
@@ -94,7 +95,7 @@ def serve(config: ServerConfig) -> int:
         raise
     if config.port_file and handle.port is not None:
         _write_atomically(config.port_file, f"{handle.port}\n")
-    num_frozen = freeze_startup_heap()
+    num_frozen = gc_policy.apply()  # the collector's policy, after start-up (the core's records lists frozen)
     where = []
     if config.address:
         where.append(f"{config.address.rsplit(':', 1)[0]}:{handle.port}")

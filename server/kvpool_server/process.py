@@ -1,9 +1,8 @@
-"""Process-wide tuning of the server process, done once at start-up: pin its threads to CPUs, and freeze the
-start-up heap out of garbage collection."""
+"""Process-wide tuning of the server process, done once at start-up: pin its threads to CPUs (the garbage
+collector's policy is ``gc_policy.py``)."""
 
 from __future__ import annotations
 
-import gc
 import os
 
 
@@ -26,13 +25,3 @@ def pin_threads(cpus: frozenset[int]) -> None:
             except ProcessLookupError:  # the thread has ended
                 pass
         pinned |= thread_ids
-
-
-def freeze_startup_heap() -> int:
-    """Collect once, then move every object alive after start-up (modules, generated protobuf code, the pool, the
-    manager's arrays) into the garbage collector's permanent generation, so that collections while serving scan
-    only what calls allocate: shorter GC pauses in the latency tail. vLLM does the same after start-up. Returns the
-    number of objects frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool_server.core.block_hash import NONE_HASH, block_hash, chain_hashes, salt_of
+from kvpool_server.core.block_hash import NONE_HASH, block_hash, block_header, chain_hashes, hash_many, salt_of
 
 
 def chained_block_by_block(tokens: np.ndarray, block_size: int, salt: bytes, parent: bytes, extra: bytes,
@@ -30,3 +30,15 @@ def test_chain_hashes_equal_block_by_block(block_size: int, tokens: list[int], s
     got = chain_hashes(tokens if as_list else array, block_size, salt, parent, extra, num_public)
     assert got == chained_block_by_block(array, block_size, salt, parent, extra, num_public)
     assert len(got) == len(tokens) // block_size
+
+
+@settings(max_examples=100, deadline=None)
+@given(blocks=st.lists(st.tuples(st.sampled_from([NONE_HASH, bytes(range(32))]), st.sampled_from([b"", b"t"]),
+                                 st.sampled_from([b"", b"lora-x"]), st.lists(st.integers(0, 2**32 - 1), min_size=4,
+                                                                             max_size=4)), max_size=20))
+def test_hash_many_is_block_hash_of_each(blocks: list[tuple[bytes, bytes, bytes, list[int]]]) -> None:
+    """The decode step's hashes, many chains' blocks at once, are each block's own ``block_hash``."""
+    tokens = [np.array(t, dtype=np.uint32) for _, _, _, t in blocks]
+    got = hash_many([p for p, _, _, _ in blocks], [block_header(s, e, 4) for _, s, e, _ in blocks],
+                    [t.tobytes() for t in tokens])
+    assert got == [block_hash(p, t, s, e) for (p, s, e, _), t in zip(blocks, tokens)]

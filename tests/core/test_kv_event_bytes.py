@@ -10,7 +10,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvpool_server.core import KVCacheManager
+from kvpool_server.core import KVCacheManager, event_records
 from kvpool_server.core.kv_events import DEFAULT_EVENT_LOG_BYTES, KVEventLog, batch_bytes
 
 from .event_consumer import EventConsumer, cache_index
@@ -37,6 +37,7 @@ def held_by_log(log: KVEventLog) -> int:
     gc.collect()
     before = tracemalloc.get_traced_memory()[0]
     log.batches.clear()
+    log.newest = None
     gc.collect()
     return before - tracemalloc.get_traced_memory()[0]
 
@@ -55,7 +56,7 @@ def test_sealing_long_prompts_in_a_loop_stays_under_the_byte_bound(max_bytes: in
         gc.collect()
         growth = tracemalloc.get_traced_memory()[0] - start
         accounted = log.num_bytes
-        assert accounted == sum(batch_bytes(b) for b in log.batches)
+        assert accounted == sum(batch_bytes(event_records.unpack(b)) for b in log.batches)
         held = held_by_log(log)
     finally:
         tracemalloc.stop()

@@ -10,10 +10,12 @@ from array import array
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool_server.core import FailedPreconditionError, InvalidArgumentError, InvariantViolationError, KVCacheManager
-from kvpool_server.core.block_hash import NONE_HASH, block_hash, chain_hashes
-from kvpool_server.core.prefix_cache import CachedBlock
+from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_hash, chain_hashes
+from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 
 from .conftest import tag_memory
 
@@ -251,3 +253,31 @@ def test_register_refuses_a_prompt_over_max_seq_len_before_hashing(monkeypatch, 
     assert hashed == [] and manager.num_sequences == 0
     seq = manager.register(prompt_token_ids=list(range(16)))  # exactly the limit: accepted
     assert len(hashed) == 1 and manager.num_tokens(seq) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(cached=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 7)), max_size=6),
+       batch=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 7), st.booleans()), max_size=12))
+def test_insert_many_answers_as_inserts_one_by_one(cached: list[tuple[int, int]],
+                                                   batch: list[tuple[int, int, bool]]) -> None:
+    """A batch of (block, hash) pairs -- hashes or blocks repeated within it or cached before it included -- is
+    inserted as ``insert`` of each pair in order would: the same blocks, the same public positions, the same
+    events in the same order."""
+    def entry(h: int, public: bool = False) -> CachedBlock:
+        tokens, salt = np.full(4, h, dtype=np.uint32), PUBLIC_SALT if public else b"t"
+        return CachedBlock(block_hash(NONE_HASH, tokens, salt), NONE_HASH, tokens, salt)
+
+    one, many = PrefixCache(16), PrefixCache(16)
+    for cache in (one, many):
+        cache.events = []
+        for block_id, h in cached:
+            cache.insert(block_id, entry(h))
+    public_one = [k for k, (b, h, p) in enumerate(batch) if one.insert(b, entry(h, p)) and p]
+    public_many = many.insert_many([b for b, _, _ in batch], [entry(h, p) for _, h, p in batch])
+    assert public_many == public_one
+    assert dict(many.block_of_hash) == dict(one.block_of_hash) and list(many.entries) == list(one.entries)
+    assert [e.block_hash for e in many.entries.values()] == [e.block_hash for e in one.entries.values()]
+    assert [e.block_hash for e in many.events] == [e.block_hash for e in one.events]  # type: ignore[union-attr]
+    assert many.num_public == one.num_public and (many.is_public == one.is_public).all()
+    assert (many.is_cached == one.is_cached).all()
+    many.check_invariants(np.ones(16, dtype=np.int32))

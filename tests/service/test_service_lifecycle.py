@@ -21,7 +21,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.config import ServerConfig
 from kvpool_server.grpc_api.server import build_server
 from kvpool_server.main import shutdown
-from kvpool_server.process import freeze_startup_heap
+from kvpool_server import gc_policy
 from tests.conftest import server_command, start_server, wait_serving
 from tests.service.service_helpers import connect
 
@@ -196,10 +196,10 @@ def test_environment_configures_and_flags_override(server_factory) -> None:
     assert layout.token_bytes == 2 * 2 * 1 * 64 * 2
 
 
-def test_freeze_startup_heap_moves_live_objects_out_of_collection() -> None:
+def test_gc_policy_freezes_the_live_objects_out_of_collection() -> None:
     try:
         assert gc.get_freeze_count() == 0
-        num_frozen = freeze_startup_heap()
+        num_frozen = gc_policy.apply()
         # At least the modules' objects; other threads of the test process may free some frozen ones meanwhile.
         assert num_frozen > 1000 and gc.get_freeze_count() > 1000
     finally:

@@ -19,7 +19,9 @@ not here (``kvpool_server.offload``, above the core): the core names what it evi
        tenant_ids.py       TenantIds: with tenancy on, each tenant's own id namespace -> row (-> seq_index)
        tenants.py          TenantLedger: tenant of each row, blocks held, quotas -> budgets, public-block references
        token_chains.py     TokenChains: tracked rows' token ids and hashes; sealing (-> prefix_cache.insert)
+       chain.py            Chain: one tracked row's hashes, sealed and pending (read by token_chains)
        kv_events.py        KVEventLog: the cache's pending events -> numbered batches, bounded in bytes
+                           (-> event_records: buffered packed)
     4  seq_index.py        SequenceIndex: seq_id -> row, scalar and vectorised
        block_tables.py     BlockTables: one page table row per sequence; plans appends (copy-on-write included),
                            taking blocks within the budget it is passed (-> allocator)
@@ -34,9 +36,11 @@ not here (``kvpool_server.offload``, above the core): the core names what it evi
                            (-> lrfu_eviction)
        lrfu_eviction.py    LrfuEviction: decayed reuse counts, rank buckets, a bounded ghost of evicted counts
        block_hash.py       chain hashes of token blocks (sha256; defined in common/kvpool/block_hash.py)
+       block_records.py    BlockRecords: block id -> CachedBlock, held where the garbage collector never walks
+       event_records.py    an event batch packed into plain tuples (nothing for the collector to walk) and back
     0  types.py            AppendPlan (EvictedBlocks), PoolStats, UNLIMITED (results, immutable)
        pool_figures.py     POOL_FIGURES: each pool figure declared once (PoolStats / proto / client name, metric)
-       kv_event_types.py   BlockStored, BlockRemoved, AllBlocksCleared (records)
+       kv_event_types.py   CachedBlock, BlockStored, BlockRemoved, AllBlocksCleared, EventBatch (records)
        errors.py           the exception tree
 """
 

@@ -11,8 +11,9 @@ from kvpool.block_hash import (
     block_header,
     chain_hashes,
     hash_encoded,
+    hash_many,
     salt_of,
 )
 
 __all__ = ["DOMAIN", "HEADER_CACHE_SIZE", "MAX_EXTRA_KEY_BYTES", "NONE_HASH", "PUBLIC_SALT", "block_hash",
-           "block_header", "chain_hashes", "hash_encoded", "salt_of"]
+           "block_header", "chain_hashes", "hash_encoded", "hash_many", "salt_of"]

@@ -9,6 +9,7 @@ replayed traffic (benchmarks/replay_trace.py).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from itertools import islice
 from typing import Protocol
 
@@ -27,7 +28,7 @@ class EvictionPolicy(Protocol):
 
     name: str
 
-    def parked(self, block_ids: np.ndarray, entries: dict[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
+    def parked(self, block_ids: np.ndarray, entries: Mapping[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
         """``block_ids`` (cached; ``entries`` their content) reached ref count 0, in eviction order among
         themselves (a sequence's tail first), and are in ``evictable`` now."""
 
@@ -49,7 +50,7 @@ class LruEviction:
 
     name = "lru"
 
-    def parked(self, block_ids: np.ndarray, entries: dict[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
+    def parked(self, block_ids: np.ndarray, entries: Mapping[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
         pass
 
     def unparked(self, block_ids: np.ndarray) -> None:

@@ -43,3 +43,11 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    epoch: int
+    seq: int  # 1, 2, ... within an epoch; a snapshot carries the seq of the last batch it includes
+    events: tuple[KVEvent, ...]
+    snapshot: bool = False

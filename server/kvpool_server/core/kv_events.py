@@ -29,13 +29,14 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from itertools import islice
 from typing import cast
 
 import numpy as np
 
 from kvpool_server.core.block_hash import NONE_HASH
-from kvpool_server.core.kv_event_types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvpool_server.core import event_records
+from kvpool_server.core.kv_event_types import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "KVEvent", "KVEventLog", "stored_runs"]
@@ -58,14 +59,6 @@ PENDING_BLOCK_OVERHEAD = 320
 # What the prefix cache records while a call runs: the entries it stored (made into BlockStored runs on publish)
 # and BlockRemoved events; the host tier's BlockStored (medium "CPU"), one block each.
 PendingEvent = CachedBlock | BlockRemoved | BlockStored
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    epoch: int
-    seq: int  # 1, 2, ... within an epoch; a snapshot carries the seq of the last batch it includes
-    events: tuple[KVEvent, ...]
-    snapshot: bool = False
 
 
 class EventsLost:
@@ -123,16 +116,22 @@ class KVEventLog:
     batch and uses up a sequence number with no batch, so that ``since`` sends every subscriber to a snapshot
     (each lost or dropped batch is counted in ``num_dropped``).
 
+    The buffered batches rest packed (``event_records.pack``: no object the garbage collector walks, however many
+    are buffered) and are unpacked for a subscriber that reads them, but for the newest, kept as published.
+
     Invariants: the buffered batches' sequence numbers are consecutive and the last is ``next_seq - 1`` (when any
     is buffered); ``num_bytes`` is the sum of their ``batch_bytes``, at most ``max_bytes``, and there are at most
-    ``capacity`` of them.
+    ``capacity`` of them; ``newest`` is the last of them as published (None when none is buffered).
     """
 
     def __init__(self, epoch: int, capacity: int = 10_000, max_bytes: int = DEFAULT_EVENT_LOG_BYTES) -> None:
         self.epoch: int = epoch
         self.capacity: int = capacity
         self.max_bytes: int = max_bytes
-        self.batches: deque[EventBatch] = deque()
+        # The buffered batches, packed (event_records.py: nothing in them for the garbage collector to walk) but
+        # the newest, which ``newest`` also holds as it was published (what a subscriber keeping up reads).
+        self.batches: deque[event_records.PackedBatch] = deque()
+        self.newest: EventBatch | None = None
         self.batch_sizes: deque[int] = deque()  # batch_bytes of each of ``batches``
         self.num_bytes: int = 0
         self.pending: PendingEvents = PendingEvents(max_bytes)
@@ -152,7 +151,7 @@ class KVEventLog:
             self.num_dropped += len(self.batches) + 1
             self.batches.clear()
             self.batch_sizes.clear()
-            self.num_bytes = 0
+            self.num_bytes, self.newest = 0, None
             self.next_seq += 1
             del pending[0]  # EVENTS_LOST; what follows it is the rest of the call's events
             if not pending:
@@ -160,23 +159,34 @@ class KVEventLog:
                 return None
         batch = EventBatch(self.epoch, self.next_seq, stored_runs(pending))  # type: ignore[arg-type]
         size = batch_bytes(batch)
-        self.batches.append(batch)
+        self.batches.append(event_records.pack(batch))
+        self.newest = batch
         self.batch_sizes.append(size)
         self.num_bytes += size
         while self.batches and (self.num_bytes > self.max_bytes or len(self.batches) > self.capacity):
             self.batches.popleft()
             self.num_bytes -= self.batch_sizes.popleft()
             self.num_dropped += 1
+        if not self.batches:
+            self.newest = None
         self.next_seq += 1
         pending.reset()  # the same list: the cache appends to it
         return batch
 
     def since(self, from_seq: int) -> list[EventBatch] | None:
         """The batches numbered ``from_seq`` and later, or None when some of them were dropped (take a snapshot)."""
-        oldest = self.batches[0].seq if self.batches else self.next_seq
+        oldest = self.batches[0][1] if self.batches else self.next_seq
         if from_seq < oldest or from_seq > self.next_seq:
             return None
-        return [b for b in self.batches if b.seq >= from_seq]
+        newest = self.newest
+        if newest is not None and from_seq >= newest.seq:  # a subscriber keeping up: nothing to unpack
+            return [newest] if from_seq == newest.seq else []
+        return [newest if newest is not None and b[1] == newest.seq else event_records.unpack(b)
+                for b in islice(self.batches, from_seq - oldest, None)]
+
+    def buffered_bytes(self, batch: EventBatch) -> int:
+        """``batch_bytes(batch)`` of a batch just published: as counted when it is buffered."""
+        return self.batch_sizes[-1] if self.newest is batch else batch_bytes(batch)
 
     def snapshot(self, cache: PrefixCache, kept: Iterable[BlockStored] = ()) -> EventBatch:
         """The cache's content as one batch, numbered as the last published batch (resume at its seq + 1).

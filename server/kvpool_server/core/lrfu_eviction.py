@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Mapping
 from itertools import islice, repeat
 from operator import attrgetter
 
@@ -67,7 +68,7 @@ class LrfuEviction:
         self.ghost_keep: int = ghost_factor * num_blocks
         self.ghost_limit: int = self.ghost_keep + self.ghost_keep // 4 + SLACK
 
-    def parked(self, ids: np.ndarray, entries: dict[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
+    def parked(self, ids: np.ndarray, entries: Mapping[int, CachedBlock], evictable: OrderedDict[int, None]) -> None:
         n = ids.size
         if n == 0:
             return

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import attrgetter
 
 import numpy as np
 
 from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
+from kvpool_server.core.block_records import BlockRecords
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.eviction_policy import EvictionPolicy, LruEviction
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
 from kvpool_server.core.types import EvictedBlocks
 
 __all__ = ["CachedBlock", "PrefixCache"]
+
+_BLOCK_HASH, _SALT = attrgetter("block_hash"), attrgetter("salt")
 
 
 class PrefixCache:
@@ -35,7 +39,7 @@ class PrefixCache:
         entries[3] = (h1, parent h0, tokens, salt)                                                   3, 9 -> 0
 
     Invariants (``check_invariants``, with the allocator's ref counts):
-      - ``block_of_hash`` and ``entries`` are the same relation read both ways, and ``is_cached`` marks exactly
+      - ``block_of_hash`` and ``entries`` (a ``BlockRecords``: its own invariant) are the same relation read both ways, and ``is_cached`` marks exactly
         the blocks in ``entries``;
       - ``is_public`` marks exactly the cached blocks whose salt is ``PUBLIC_SALT`` (a public prefix's blocks, the
         only ones rows of several tenants may hold: ``TenantLedger``), and ``num_public`` counts them;
@@ -48,7 +52,8 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         self.block_of_hash: dict[bytes, int] = {}
-        self.entries: dict[int, CachedBlock] = {}  # block_id -> what its hash was computed from
+        # block_id -> what its hash was computed from; out of the garbage collector's walks (block_records.py)
+        self.entries: BlockRecords = BlockRecords(num_blocks)
         self.is_cached: np.ndarray = np.zeros(num_blocks, dtype=bool)
         self.is_public: np.ndarray = np.zeros(num_blocks, dtype=bool)  # cached with PUBLIC_SALT
         self.num_public: int = 0
@@ -105,7 +110,21 @@ class PrefixCache:
         cached, by the cache or by an earlier pair, is left as it is -- in one pass (a decode step seals hundreds):
         the arrays and the events are updated once for the batch. Returns the positions of the public entries
         inserted."""
-        block_of_hash, by_block = self.block_of_hash, self.entries
+        block_of_hash, by_block, records = self.block_of_hash, self.entries.order, self.entries.records
+        hashes = list(map(_BLOCK_HASH, entries))
+        num_hashes, num_blocks = len(block_of_hash), len(by_block)
+        if block_of_hash.keys().isdisjoint(hashes) and by_block.keys().isdisjoint(block_ids):
+            # the pairs' hashes and blocks new to the cache (a decode step's seal): each structure updated in one call
+            # -- unless two pairs repeat a hash or a block, which the loop below answers, the updates undone
+            block_of_hash.update(zip(hashes, block_ids))
+            by_block.update(dict.fromkeys(block_ids))
+            if len(block_of_hash) - num_hashes != len(hashes) or len(by_block) - num_blocks != len(block_ids):
+                for h in hashes:
+                    block_of_hash.pop(h, None)
+                for block_id in block_ids:
+                    by_block.pop(block_id, None)
+            else:
+                return self._stored_new(block_ids, entries)
         new_blocks: list[int] = []
         stored: list[CachedBlock] = []
         public: list[int] = []
@@ -114,7 +133,8 @@ class PrefixCache:
             if block_hash_k in block_of_hash or block_id in by_block:  # ``by_block``: exactly ``is_cached``
                 continue
             block_of_hash[block_hash_k] = block_id
-            by_block[block_id] = entry
+            by_block[block_id] = None  # ``self.entries[block_id] = entry``, inlined
+            records[block_id] = tuple(entry)
             new_blocks.append(block_id)
             stored.append(entry)
             if entry.salt == PUBLIC_SALT:
@@ -126,6 +146,22 @@ class PrefixCache:
                 self.num_public += len(public)
             if self.events is not None:
                 self.events.extend(stored)  # made BlockStored runs when the batch is published
+        return public
+
+    def _stored_new(self, block_ids: list[int], entries: list[CachedBlock]) -> list[int]:
+        """The rest of ``insert_many`` when every pair is new and the two indexes hold them already: the records, the
+        arrays, the events. Returns the positions of the public entries."""
+        records = self.entries.records
+        for block_id, record in zip(block_ids, map(tuple, entries)):
+            records[block_id] = record
+        self.is_cached[block_ids] = True
+        salts = list(map(_SALT, entries))
+        public = [k for k, salt in enumerate(salts) if salt == PUBLIC_SALT] if PUBLIC_SALT in salts else []
+        if public:
+            self.is_public[[block_ids[k] for k in public]] = True
+            self.num_public += len(public)
+        if self.events is not None:
+            self.events.extend(entries)
         return public
 
     def match(self, hashes: list[bytes]) -> list[int]:
@@ -178,6 +214,7 @@ class PrefixCache:
         return evicted
 
     def check_invariants(self, ref_count: np.ndarray) -> None:
+        self.entries.check_invariants()
         if {h: b for b, e in self.entries.items() for h in [e.block_hash]} != self.block_of_hash:
             raise InvariantViolationError("block_of_hash and the cached blocks' entries disagree")
         if set(np.flatnonzero(self.is_cached).tolist()) != set(self.entries):

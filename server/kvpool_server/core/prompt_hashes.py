@@ -15,7 +15,7 @@ MAX_PROMPT_HASH_BYTES = 64 << 20  # token bytes + 32 bytes a hash, of every row'
 
 
 class SaltedChain(Protocol):
-    """What the invariant check reads of a row's chain (``token_chains.Chain``)."""
+    """What the invariant check reads of a row's chain (``chain.Chain``)."""
 
     salt: bytes
     extra: bytes

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded
+from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded, hash_many
+from kvpool_server.core.chain import NO_PENDING, Chain, SharedPending
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
@@ -15,56 +16,6 @@ from kvpool_server.core.prompt_hashes import PromptHashes
 U32 = np.dtype("<u4")
 
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
-
-
-# A chain's full blocks hashed but not sealed yet, in logical order: each one's ``CachedBlock`` (its hash, its
-# parent's, its token ids, salt and extra key: the prefix cache's entry once sealed, made when it is hashed). A
-# plain tuple while one chain holds them (a decode step makes one a filled block: no other object); a fork makes
-# them ``SharedPending``, which its children and the parent share.
-PendingBlocks = tuple[CachedBlock, ...]
-NO_PENDING: PendingBlocks = ()
-
-
-class SharedPending(tuple[CachedBlock, ...]):
-    """Pending blocks that a fork's children share with their parent (the same blocks: a full block is never copied
-    on write): the first of them to seal inserts them -- whatever the cache answers, a hash held by another block
-    included -- and marks them ``sealed``; the others' seals then insert nothing."""
-
-    sealed: bool = False
-
-
-@dataclass(slots=True)
-class Chain:
-    """One tracked row's hashes: how many of its full blocks are sealed and the hash of the last of them
-    (``sealed_hash``, the parent of the next; NONE_HASH when none), and its full blocks not yet sealed
-    (``pending``, which its fork's children share). Its first ``num_public`` blocks are hashed with PUBLIC_SALT, the
-    others with ``salt`` (the tenant's); all with ``extra`` (the sequence's cache_extra_key). A fork's children copy
-    it: they inherit both. The sealed blocks' own hashes live in the prefix cache (the chain needs only the last),
-    so a copy costs the same at 32,768 tokens as at 16 (a Fork of 4,095 children copies 4,095 chains). The tokens
-    of its partly filled last block live in ``TokenChains.partial``."""
-
-    salt: bytes
-    num_sealed: int = 0
-    sealed_hash: bytes = NONE_HASH
-    pending: PendingBlocks = NO_PENDING
-    extra: bytes = b""
-    num_public: int = 0
-    header: bytes = b""  # block_header(salt, extra, block_size): every block's but the public ones'
-    public_header: bytes = b""  # block_header(PUBLIC_SALT, extra, block_size)
-
-    @property
-    def num_hashes(self) -> int:
-        """Full blocks hashed: sealed and pending."""
-        return self.num_sealed + len(self.pending)
-
-    def copy(self) -> Chain:
-        """A chain of its own that shares ``pending`` (a tuple: never changed, only replaced)."""
-        return Chain(self.salt, self.num_sealed, self.sealed_hash, self.pending, self.extra, self.num_public,
-                     self.header, self.public_header)
-
-    def header_of(self, block_index: int) -> bytes:
-        """The ``block_header`` of logical block ``block_index`` (its salt: ``salt_of``)."""
-        return self.public_header if block_index < self.num_public else self.header
 
 
 class TokenChains:
@@ -84,8 +35,10 @@ class TokenChains:
     holds the row's partial tokens (uint32; ``partial`` has at most max_rows x block_size x 4 bytes: 256 KiB at 4,096
     rows of 16, grown by doubling as higher rows are tracked), and ``has_pending`` marks the rows whose chain has
     pending blocks. The step writes every row's token with one fancy-indexed assignment; only the rows that have
-    pending blocks to seal, or whose block it filled (1 in 16 on average), go through Python, one by one -- hashing
-    is per block. An append of several tokens to a row goes through Python too (a prompt: its blocks are hashed).
+    pending blocks to seal, or whose block it filled (1 in 16 on average), go through Python -- hashing is per
+    block -- each part of the work done for all of them at once where it can be (``_hash_filled``, ``_seal``), the
+    chains' own fields set row by row. An append of several tokens to a row goes through Python too (a prompt: its
+    blocks are hashed).
 
     Invariants (``check_invariants``): ``tracked`` marks exactly the rows of ``chains``, all live; a tracked row with
     n tokens has hashed ``n // block_size`` blocks (``num_hashes``) and holds ``fill[row] == n % block_size`` partial
@@ -154,7 +107,7 @@ class TokenChains:
         public: list[tuple[int, int]] = []
         if token_ids is None:
             if self.chains:
-                self._seal(rows[self.has_pending.take(rows)].tolist(), table, cache, public)
+                self._seal(rows[self.has_pending.take(rows)], table, cache, public)
                 self.drop(rows[self.tracked.take(rows)].tolist())
             return public
         tracked = self.tracked.take(rows)
@@ -166,7 +119,7 @@ class TokenChains:
             tracked |= starting
         pending = self.has_pending.take(rows)
         if np.count_nonzero(pending):  # untracked rows have none; most decode steps seal nothing
-            self._seal(rows[pending].tolist(), table, cache, public)
+            self._seal(rows[pending], table, cache, public)
         if token_ids.size == rows.size:  # one token per row (every count is >= 1): the decode step
             if not all_tracked:
                 rows, token_ids = rows[tracked], token_ids[tracked]
@@ -186,18 +139,31 @@ class TokenChains:
                 self._extend(row, token_ids[ends[i] - sizes.item(i) : ends[i]])
         return public
 
-    def _seal(self, rows: list[int], table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
-        """Insert the pending full blocks of ``rows`` (each has some) in the cache, in order (one
+    def _seal(self, row_array: np.ndarray, table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
+        """Insert the pending full blocks of ``row_array`` (each has some) in the cache, in order (one
         ``PrefixCache.insert_many`` for them all); append (row, block) to ``public`` for each public one inserted
-        (the ledger starts counting its references per tenant)."""
-        if not rows:
+        (the ledger starts counting its references per tenant). When every row has one block pending of its own (a
+        decode step's seal), the rows' blocks are gathered in one index and only the chains' fields set row by row."""
+        if not row_array.size:
             return
-        chains = self.chains
-        block_ids: list[int] = []
-        entries: list[CachedBlock] = []
+        rows = row_array.tolist()
+        chains = list(map(self.chains.__getitem__, rows))
+        pendings = [chain.pending for chain in chains]
+        if set(map(len, pendings)) == {1} and {p.__class__ for p in pendings} == {tuple}:  # the decode step's
+            entries = [p[0] for p in pendings]
+            block_ids = table[row_array, [chain.num_sealed for chain in chains]].tolist()
+            for chain, entry in zip(chains, entries):
+                chain.num_sealed += 1
+                chain.sealed_hash = entry[0]  # its block_hash
+                chain.pending = NO_PENDING
+            self.has_pending[row_array] = False
+            for k in cache.insert_many(block_ids, entries):
+                public.append((rows[k], block_ids[k]))
+            return
+        block_ids = []
+        entries = []
         owners: list[int] = []  # the row of each of ``entries``
-        for row in rows:
-            chain = chains[row]
+        for row, chain in zip(rows, chains):
             new = todo = chain.pending
             if isinstance(new, SharedPending):
                 if new.sealed:  # a sharer (fork parent or child) sealed the same blocks already
@@ -238,23 +204,25 @@ class TokenChains:
 
     def _hash_filled(self, rows: np.ndarray) -> None:
         """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0, nothing
-        pending: the step sealed it first): one block each, in a tight loop over the bytes of one gather. Each
+        pending: the step sealed it first): one block each, every step of the work done for all rows at once (one
+        gather of their bytes, one ``hash_many``, each a ``map``), only the chains' own fields set row by row. Each
         block's token array is read-only over its own bytes object (which the hash read): it keeps nothing else
         alive."""
-        chains, frombuffer, row_bytes = self.chains, np.frombuffer, self.block_size * 4
+        row_bytes = self.block_size * 4
         data = self.partial.take(rows, axis=0).astype(U32, copy=False).tobytes()
-        at = 0
-        for row in rows.tolist():
-            chain = chains[row]
-            token_bytes = data[at : at + row_bytes]
-            at += row_bytes
-            parent = chain.sealed_hash
-            if chain.num_sealed < chain.num_public:
-                header, salt = chain.public_header, PUBLIC_SALT
-            else:
-                header, salt = chain.header, chain.salt
-            chain.pending = (CachedBlock(hash_encoded(parent, header, token_bytes), parent,
-                                         frombuffer(token_bytes, U32), salt, chain.extra),)
+        blocks = [data[at : at + row_bytes] for at in range(0, len(data), row_bytes)]
+        chains = list(map(self.chains.__getitem__, rows.tolist()))
+        parents = [chain.sealed_hash for chain in chains]
+        if any([chain.num_sealed < chain.num_public for chain in chains]):  # a public prefix's last block
+            headers = [chain.header_of(chain.num_sealed) for chain in chains]
+            salts = [PUBLIC_SALT if c.num_sealed < c.num_public else c.salt for c in chains]
+        else:
+            headers = [chain.header for chain in chains]
+            salts = [chain.salt for chain in chains]
+        fields = zip(hash_many(parents, headers, blocks), parents, map(np.frombuffer, blocks, repeat(U32)), salts,
+                     [chain.extra for chain in chains])
+        for chain, entry in zip(chains, map(tuple.__new__, repeat(CachedBlock), fields)):
+            chain.pending = (entry,)
         self.has_pending[rows] = True
 
     def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray, known: Sequence[bytes] = ()) -> None:

@@ -15,8 +15,9 @@ import numpy as np
 
 from kvpool_server.core import KVCacheManager
 from kvpool_server.core.block_hash import block_hash
+from kvpool_server.core.block_records import BlockRecords
 from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError
-from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
+from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored
 from kvpool_server.core.types import EvictedBlocks
 from kvpool_server.offload.events import HOST_MEDIUM, host_stored
 
@@ -105,7 +106,8 @@ class HostTier:
         self.num_ready: int = 0  # slots whose memory is there (the tier is allocated in the background)
         self.free: list[int] = []  # a stack: the lowest slot on top
         self.make_ready(num_slots if num_ready is None else num_ready)
-        self.entries: dict[int, CachedBlock] = {}  # slot -> content (pending or committed)
+        # slot -> content (pending or committed); out of the garbage collector's walks (core/block_records.py)
+        self.entries: BlockRecords = BlockRecords(num_slots)
         self.slot_of_hash: dict[bytes, int] = {}  # committed slots: matchable
         self.pending_hashes: dict[bytes, int] = {}  # slots whose offload is not confirmed yet
         self.lru: OrderedDict[int, None] = OrderedDict()  # committed, unpinned slots, oldest first

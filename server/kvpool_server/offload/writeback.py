@@ -13,6 +13,7 @@ in the tier and costs no copy. The state (and its invariants) is the tier's: see
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from itertools import islice
 
 import numpy as np
@@ -22,7 +23,7 @@ from kvpool_server.offload.events import HOST_MEDIUM
 from kvpool_server.offload.host_tier import HostTier
 
 
-def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: dict[int, CachedBlock],
+def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: Mapping[int, CachedBlock],
          max_blocks: int, max_scan: int | None = None) -> np.ndarray:
     """Copy ahead (off any call's path): up to ``max_blocks`` of the pool's evictable blocks next in line for
     eviction (the LRU's oldest, scanning at most ``max_scan``, default ``8 * max_blocks``) whose hash no slot

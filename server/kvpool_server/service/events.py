@@ -34,7 +34,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from kvpool_server.core.kv_event_types import BlockStored
-from kvpool_server.core.kv_events import DEFAULT_EVENT_LOG_BYTES, EventBatch, KVEventLog, batch_bytes
+from kvpool_server.core.kv_events import DEFAULT_EVENT_LOG_BYTES, EventBatch, KVEventLog
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.service.errors import SlowSubscriberError, TooManyStreamsError
 
@@ -143,8 +143,7 @@ class EventFeed:
         if batch is None:
             return
         for sink in self.sinks:
-            sink(batch, self.log.batch_sizes[-1] if self.log.batches and self.log.batches[-1] is batch
-                 else batch_bytes(batch))
+            sink(batch, self.log.buffered_bytes(batch))
         published, self._published = self._published, None
         if published is not None:
             event, loop, thread = published

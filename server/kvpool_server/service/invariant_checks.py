@@ -49,6 +49,8 @@ def copy_state(src: Any, dst: Any, skip: tuple[str, ...] = ()) -> None:
                 np.copyto(current, value)
             else:
                 into[name] = value.copy()
+        elif type(value) is list and type(current) is list and len(current) == len(value):
+            current[:] = copy.deepcopy(value)  # in place: a list the start-up heap froze stays frozen (gc_policy)
         elif type(value).__module__.startswith("kvpool_server.") and type(current) is type(value):
             copy_state(value, current)  # one of the core's objects: field by field, reusing its arrays
             # (not any object with a __dict__: an OrderedDict has one, empty, and its items would be lost)

@@ -43,7 +43,7 @@ except ImportError:  # CPU-only installs: the PyTorch path below still works
     triton = None
 
 TILE_ELEMENTS = 8192  # elements of one K (and one V) tile a program moves per step: 16 KiB of fp16
-NUM_WARPS = 8
+NUM_WARPS = 4  # on the H200 (Llama-3-8B, NHD): 8192 x 4 warps 0.76x of copy_, x 8 0.70x, other tiles 0.52-0.72x
 INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
