@@ -48,14 +48,26 @@ def test_fast_path_serves_another_session_while_a_long_register_is_hashed(server
         assert flooder.fast_path_open and other.fast_path_open  # both went over their channels
 
 
-def test_grpc_hashes_a_light_sessions_long_register_before_a_flooders_queued_ones() -> None:
-    """In-process, to see the hasher's queue: a flooder's 48 long registers have all reached the hasher and some
-    are still queued; then another session's long register (128 blocks to hash) is submitted. The hasher takes the
-    least-used session's job next, so it is applied before every queued one but the one being hashed. Without the
-    fair share (the hasher first come, first served) it is applied after all of them. Ids give the order in
+def test_grpc_hashes_a_light_sessions_long_register_before_a_flooders_queued_ones(monkeypatch) -> None:
+    """In-process, to see the hasher's queue: a flooder's 48 long registers have all reached the hasher and are
+    queued (its hashing held at a gate until then: how fast the machine hashes does not decide what is queued);
+    then another session's long register (128 blocks to hash) is submitted and the gate opened. The hasher takes
+    the least-used session's job next, so it is applied before every queued one but the one being hashed. Without
+    the fair share (the hasher first come, first served) it is applied after all of them. Ids give the order in
     which registers are applied."""
+    import threading
+
     from kvpool_server.config import load_config
     from kvpool_server.grpc_api.server import build_server
+    from kvpool_server.service.prompt_hasher import HashJob
+
+    gate, step = threading.Event(), HashJob.step
+
+    def gated_step(job, num_blocks):  # noqa: ANN001, ANN202 -- the real step, once the gate is open
+        gate.wait(60)
+        step(job, num_blocks)
+
+    monkeypatch.setattr(HashJob, "step", gated_step)
 
     handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "1",
                                        "--address", "127.0.0.1:0", *SERVER_ARGS]))
@@ -86,13 +98,19 @@ def test_grpc_hashes_a_light_sessions_long_register_before_a_flooders_queued_one
             assert queued >= 3, f"the hasher kept up with the flood ({queued} queued): the test tells nothing"
             light = pb.RegisterSequenceRequest(session_id=other_session)
             light.prompt_token_ids.extend(long_prompt(5, 2048 + 5).tolist())
-            other_id = other.RegisterSequence(light, timeout=120).seq_id
+            light_future = other.RegisterSequence.future(light, timeout=120)
+            while len(submitted) < len(futures) + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert len(submitted) == len(futures) + 1, "the other session's register did not reach the hasher"
+            gate.set()
+            other_id = light_future.result().seq_id
             flood_ids = [f.result().seq_id for f in futures]
         after = sum(seq_id > other_id for seq_id in flood_ids)
         assert after >= queued - 2, (f"{after} of the {queued} flood registers queued before the other session's "
                                      "long register were applied after it: the hasher did not take the least-used "
                                      "session's job first")
     finally:
+        gate.set()
         handle.stop()
         handle.pool.close()
 
