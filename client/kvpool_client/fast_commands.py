@@ -28,7 +28,7 @@ from kvpool_client.commands import KVPoolCommands
 from kvpool_client.errors import KVPoolClientError
 from kvpool_client.fastpath import FastChannel, is_local_target
 from kvpool_client.plan import Exchange, Plan
-from kvpool_client.types import AppendResult
+from kvpool_client.types import AppendResult, RegisteredSequence
 
 logger = logging.getLogger(__name__)
 # Records carry no request id: a channel applies each record at most once (its seq), never resends one, and gives
@@ -97,6 +97,31 @@ class FastPathCommands(KVPoolCommands):
         write = channel_ops.register_writer(channel.generation, seq_id, prompt, public_prefix_len, cache_extra_key,
                                             NO_REQUEST_ID)
         return (yield from self._exchange(channel, write, channel_ops.read_registered, method, timeout))
+
+    @command
+    def register_prompts(self, prompts: Sequence[Sequence[int] | np.ndarray], *,
+                         cache_extra_keys: Sequence[bytes] = (),
+                         timeout: float | None = None) -> Plan[list[RegisteredSequence]]:
+        """One prompt goes over the fast path as a register record, whose reply carries its cached block ids (a
+        server that sends none: they are read with ``block_table``); several, or what a record cannot carry, as
+        one RegisterSequences over gRPC."""
+        method = rpcs.REGISTER_SEQUENCE.name
+        prompt = _uint32(prompts[0]) if len(prompts) == 1 else None
+        key = cache_extra_keys[0] if len(cache_extra_keys) == 1 else b""
+        channel = None
+        if prompt is not None and prompt.size and len(cache_extra_keys) <= 1 and len(key) <= MAX_EXTRA_KEY \
+                and self._fits(0, 0, prompt.size, len(key), reply=fp.reply_bytes(0, 0, prompt.size, 0, 0)):
+            channel = yield from self._fast_channel_plan(method, timeout)
+        if channel is None or prompt is None:
+            return (yield from super().register_prompts.__wrapped__(  # type: ignore[attr-defined]
+                self, prompts, cache_extra_keys=cache_extra_keys, timeout=timeout))
+        write = channel_ops.register_writer(channel.generation, None, prompt, 0, key, NO_REQUEST_ID)
+        found = yield from self._exchange(channel, write, channel_ops.read_registered_blocks, method, timeout)
+        if found[0].num_cached_tokens and not found[0].cached_block_ids.size:  # a server that sends no block ids
+            table = yield from super().block_table.__wrapped__(self, found[0].seq_id, timeout=timeout)  # type: ignore[attr-defined]
+            cached = np.asarray(table.block_ids, dtype=np.int32)
+            found = [RegisteredSequence(found[0].seq_id, found[0].num_cached_tokens, cached)]
+        return found
 
     @command
     def append(self, seq_ids: int | Sequence[int] | np.ndarray, num_tokens: int | Sequence[int] | np.ndarray = 1,

@@ -9,10 +9,12 @@ from typing import Any
 import numpy as np
 
 from kvpool import fastpath as fp
-from kvpool.fastpath_codec import read_append_reply, read_children, read_values, write_request
-from kvpool_client.types import AppendResult
+from kvpool.fastpath_codec import read_append_reply, read_children, read_registered as read_registered_run
+from kvpool.fastpath_codec import read_values, write_request
+from kvpool_client.types import AppendResult, RegisteredSequence
 
-__all__ = ["write_request", "append_writer", "append_reader", "register_writer", "read_registered", "fork_writer",
+__all__ = ["write_request", "append_writer", "append_reader", "register_writer", "read_registered",
+           "read_registered_blocks", "fork_writer",
            "read_children", "free_writer", "read_freed"]
 
 
@@ -39,6 +41,13 @@ def register_writer(generation: int, seq_id: int | None, prompt: np.ndarray | No
 def read_registered(views: fp.Views) -> tuple[int, int]:
     """(seq_id, num_cached_tokens)."""
     return read_values(views)
+
+
+def read_registered_blocks(views: fp.Views) -> list[RegisteredSequence]:
+    """A register's answer as ``register_prompts``'s: [RegisteredSequence] (its cached block ids from the reply;
+    none from a server that sends none)."""
+    seq_id, cached, blocks = read_registered_run(views)
+    return [RegisteredSequence(seq_id, cached, blocks)]
 
 
 def fork_writer(generation: int, parent: int, num_children: int, children: list[int], request_id: int) -> Any:

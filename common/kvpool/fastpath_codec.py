@@ -131,6 +131,15 @@ def write_values_reply(views: fp.Views, value0: int, value1: int = 0) -> None:
     rep[fp.REP_N_SLOTS] = rep[fp.REP_N_NEW] = rep[fp.REP_N_COPIES] = rep[fp.REP_N_CHILDREN] = 0
 
 
+def write_registered_reply(views: fp.Views, seq_id: int, num_cached_tokens: int, block_ids: np.ndarray) -> None:
+    """An OK register reply: the seq_id (its int64 bits), num_cached_tokens, and the cached run's block ids (int32,
+    logical order) in the new-block-ids array. The caller has checked that it fits."""
+    write_values_reply(views, seq_id, num_cached_tokens)
+    if block_ids.size:
+        views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + 4 * block_ids.size].view(np.int32)[:] = block_ids
+    views.rep[fp.REP_N_NEW] = block_ids.size
+
+
 def write_error_reply(views: fp.Views, code: int, reason: str, message: str) -> None:
     """An error reply: ``code`` (nonzero), ``reason`` (a kvpool-error reason, "" when none or unknown) and the
     message, cut to ``MAX_MESSAGE_BYTES`` (and to the area)."""
@@ -180,6 +189,14 @@ def read_children(views: fp.Views) -> list[int]:
     """An OK Fork reply's children."""
     n = int(views.rep[fp.REP_N_CHILDREN])
     return views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * n].view(np.uint64).tolist()
+
+
+def read_registered(views: fp.Views) -> tuple[int, int, np.ndarray]:
+    """An OK register reply: (seq_id, num_cached_tokens, the cached run's block ids: int32, a copy; empty from a
+    server that sends none)."""
+    seq_id, cached = read_values(views)
+    n = min(max(int(views.rep[fp.REP_N_NEW]), 0), (views.rep_area.size - fp.HEADER_BYTES) // 4)
+    return seq_id, cached, views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + 4 * n].view(np.int32).copy()
 
 
 def read_values(views: fp.Views) -> tuple[int, int]:

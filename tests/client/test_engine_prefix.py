@@ -211,8 +211,8 @@ def test_the_salt_is_the_callers_tenant(server_factory, tmp_path):
 
 
 def test_a_cached_run_that_breaks_the_protocol_is_refused_and_leaves_nothing():
-    """A control path that reports more cached tokens than a prompt allows, or a run whose table names blocks
-    outside the pool, is refused with ValueError; the sequence it registered is freed, the engine's tables hold
+    """A control path that reports more cached tokens than a prompt allows, or a run whose blocks lie outside the
+    pool, is refused with ValueError; the sequence it registered is freed, the engine's tables hold
     nothing new. An empty prompt is refused before anything is registered."""
     model = tiny_llama("float32", "cpu")
     engine = DecodeEngine.in_process(model, 32, BS, **ENGINE)
@@ -224,13 +224,10 @@ def test_a_cached_run_that_breaks_the_protocol_is_refused_and_leaves_nothing():
         def __init__(self, cached=None, table=None):
             self.cached, self.table = cached, table
 
-        def register_prompt(self, *args, **kwargs):
-            seq, cached = honest.register_prompt(*args, **kwargs)
-            return seq, cached if self.cached is None else self.cached
-
-        def block_table(self, seq):
-            real = honest.block_table(seq)
-            return real if self.table is None else type(real)(self.table, real.num_tokens, real.block_size)
+        def register_prompts(self, *args, **kwargs):
+            run = honest.register_prompts(*args, **kwargs)[0]
+            return [type(run)(run.seq_id, run.num_cached_tokens if self.cached is None else self.cached,
+                              run.cached_block_ids if self.table is None else self.table)]
 
         def __getattr__(self, name):
             return getattr(honest, name)

@@ -74,6 +74,10 @@ def workload(client: KVPoolClient) -> list:
     q, cached_q = client.register_prompt(prompt)
     name(q)
     out.append(cached_q)
+    run = record(client.register_prompts, [prompt])[0]  # one prompt: a register record, its blocks in the reply
+    out[-1] = (name(run.seq_id), run.num_cached_tokens, run.cached_block_ids.tolist())
+    record(client.register_prompts, [prompt[:8]])  # no full block: nothing cached, no blocks
+    out[-1] = (name(out[-1][0].seq_id), out[-1][0].num_cached_tokens, out[-1][0].cached_block_ids.tolist())
     for _ in range(20):
         r = record(client.append, seqs, 1)
         out[-1] = (r.slot_mapping.tolist(), r.new_block_ids.tolist())
@@ -101,6 +105,32 @@ def test_the_fast_path_answers_exactly_as_grpc(server_factory):
         slow_answers = workload(slow)
         assert fast.check_invariants().ok
     assert fast_answers == slow_answers
+
+
+def test_one_prompts_register_and_its_cached_blocks_take_one_fast_path_record(server_factory):
+    server = server_factory(*POOL)
+    with KVPoolClient(server.address) as client:
+        prompt = np.arange(3, 3 + 70, dtype=np.uint32)
+        seq, cached = client.register_prompt(prompt)
+        client.append(seq, 70 - cached, token_ids=prompt[cached:])
+        client.append(seq, 1, token_ids=[1])  # seals its full blocks
+        bs = client.block_table(seq).block_size
+        grpc_calls: list[str] = []
+        real_call = client._call
+
+        def counted(rpc, *args, **kwargs):
+            grpc_calls.append(rpc.name)
+            return (yield from real_call(rpc, *args, **kwargs))
+
+        client._call = counted  # type: ignore[method-assign]
+        run = client.register_prompts([prompt], cache_extra_keys=[b""])[0]
+        assert client.fast_path_open and grpc_calls == []
+        client._call = real_call  # type: ignore[method-assign]
+        table = client.block_table(run.seq_id)
+        assert run.num_cached_tokens == table.num_tokens == (70 // bs) * bs > 0
+        assert run.cached_block_ids.dtype == np.int32
+        assert run.cached_block_ids.tolist() == table.block_ids.tolist() == client.block_table(seq).block_ids[: 70 // bs].tolist()
+        assert client.check_invariants().ok
 
 
 def test_a_server_with_the_fast_path_off_and_a_remote_target_use_grpc(server_factory):

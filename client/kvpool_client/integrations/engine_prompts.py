@@ -2,9 +2,10 @@
 their token ids, the cached run the server reports taken into the engine's tables, and a fence so that no block
 the engine filled is sealed before its KV is written.
 
-    register_prompt(prompt, key) -> (seq, cached)   the server's longest cached run (the host tier's part restored
-                                                     before it replies); cached <= len(prompt) - 1, whole blocks
-    block_table(seq)                                 the run's block ids, checked, into ``SeqTables`` row of seq
+    register_prompts([prompt], [key]) -> run         the server's longest cached run (the host tier's part restored
+                                                     before it replies); cached <= len(prompt) - 1, whole blocks,
+                                                     and its block ids (the fast path's reply carries them: one
+                                                     round trip), checked, into ``SeqTables`` row of seq
     prefill(prompt[cached:])                         only the suffix computed; its attention reads the run's KV
 
 A block the engine fills is sealed by the server at that sequence's next append, which says "its KV is written".
@@ -31,20 +32,19 @@ def register_prompt(control: Any, tables: SeqTables, prompt: Sequence[int], cach
     disagrees with the count) raises ValueError and leaves no sequence behind."""
     if not len(prompt):
         raise ValueError("a prompt needs at least one token (its last token's logits are the output)")
-    seq, cached = control.register_prompt(list(prompt), cache_extra_key=cache_key)
+    run = control.register_prompts([list(prompt)], cache_extra_keys=[cache_key])
+    if len(run) != 1:
+        raise ValueError(f"the server answered {len(run)} sequences for one prompt")
+    seq, cached = run[0].seq_id, run[0].num_cached_tokens
     try:
         bs = tables.block_size
         if not 0 <= cached <= len(prompt) - 1 or cached % bs:
             raise ValueError(f"the server reported {cached} cached tokens for a prompt of {len(prompt)} "
                              f"(whole blocks of {bs}, at most len - 1)")
-        block_ids = np.zeros(0, dtype=np.int64)
-        if cached:
-            table = control.block_table(seq)
-            block_ids = np.asarray(table.block_ids, dtype=np.int64)
-            if table.num_tokens != cached or block_ids.size != cached // bs or \
-                    (block_ids.size and (block_ids.min() < 0 or block_ids.max() >= num_blocks)):
-                raise ValueError(f"the cached run of sequence {seq} ({cached} tokens) has the table "
-                                 f"{block_ids.tolist()} of {table.num_tokens} tokens in a pool of {num_blocks}")
+        block_ids = np.asarray(run[0].cached_block_ids, dtype=np.int64)
+        if block_ids.size != cached // bs or (block_ids.size and (block_ids.min() < 0 or block_ids.max() >= num_blocks)):
+            raise ValueError(f"the cached run of sequence {seq} ({cached} tokens) has the blocks "
+                             f"{block_ids.tolist()} in a pool of {num_blocks}")
         tables.start(seq, block_ids, cached)
     except BaseException:
         control.free([seq])

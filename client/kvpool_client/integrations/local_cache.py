@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvpool_client.integrations.local_prefix_cache import LocalPrefixCache
-from kvpool_client.types import BlockTable
+from kvpool_client.types import BlockTable, RegisteredSequence
 
 
 class LocalAppend(NamedTuple):
@@ -68,6 +68,13 @@ class LocalBlockCache:
         self.tables[seq], self.lens[seq] = blocks, len(blocks) * self.block_size
         self.prefix.start(seq, cache_extra_key, hashes)
         return seq, self.lens[seq]
+
+    def register_prompts(self, prompts: Sequence[Sequence[int] | np.ndarray], *,
+                         cache_extra_keys: Sequence[bytes] = ()) -> list[RegisteredSequence]:
+        """``register_prompt`` for each prompt, with its cached blocks, as the server's RegisterSequences."""
+        keys = list(cache_extra_keys) or [b""] * len(prompts)
+        found = [self.register_prompt(p, cache_extra_key=k) for p, k in zip(prompts, keys)]
+        return [RegisteredSequence(seq, n, np.asarray(self.tables[seq], dtype=np.int32)) for seq, n in found]
 
     def block_table(self, seq_id: int) -> BlockTable:
         return BlockTable(np.asarray(self.tables[seq_id], dtype=np.int64), self.lens[seq_id], self.block_size)

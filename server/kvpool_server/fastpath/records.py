@@ -215,7 +215,10 @@ def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
             raise AssertionError(f"kvpool bug: a Fork's reply of {children.size} children passed its bound")
         codec.write_children_reply(views, children)
     elif isinstance(answer, Registered):
-        codec.write_values_reply(views, answer.seq_id, answer.num_cached_tokens)
+        blocks = answer.cached_block_ids
+        if fp.reply_bytes(0, 0, blocks.size, 0, 0) > views.area_bytes:  # a prompt's request holds 4 bytes a token
+            raise AssertionError(f"kvpool bug: a register's reply of {blocks.size} block ids passed its bound")
+        codec.write_registered_reply(views, answer.seq_id, answer.num_cached_tokens, blocks)
     elif isinstance(answer, (int, np.integer)):
         codec.write_values_reply(views, int(answer))
     else:

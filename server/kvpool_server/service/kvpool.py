@@ -59,9 +59,13 @@ DEFAULT_MAX_TOKENS_PER_CALL = 1 << 17
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 
 
+NO_BLOCKS = np.zeros(0, dtype=np.int32)
+
+
 class Registered(NamedTuple):
     seq_id: int
     num_cached_tokens: int
+    cached_block_ids: np.ndarray  # int32: the blocks holding the cached tokens, logical order (the fast path's reply)
 
 
 class BlockTableView(NamedTuple):
@@ -139,7 +143,9 @@ class KVPoolService:
             if tier is not None:
                 tier.finish_restore(restoring)  # in this hold: the match below finds the restored blocks
             new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key, hashes)
-            return Registered(new_id, manager.num_tokens(new_id, tenant) if prompt is not None else 0)
+            if prompt is None:
+                return Registered(new_id, 0, NO_BLOCKS)
+            return Registered(*register_batch.registered(manager, new_id, tenant))
 
         try:
             return self.guard.mutate(call.caller, session_id, request_id,
