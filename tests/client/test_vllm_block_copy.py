@@ -1,7 +1,8 @@
 """The vLLM connector's block copy (``integrations/vllm/block_copy.py``) without a GPU: the Triton kernel run by
 Triton's interpreter on CPU tensors, byte for byte against the PyTorch path (vLLM's NHD and HND CUDA layouts and
-the CPU backend's, fp16 and bf16, both directions, a masked tile; every kernel variant: tiles, blocks a program, words, eviction hints, the ids kept on the device); its PTX for sm_90 compiled here (16-byte loads
-and stores); the refusals that send a copy to the PyTorch path; the block-id checks; and the worker's failure
+the CPU backend's, fp16 and bf16, both directions, a masked tile; every kernel variant of ``CopyConfig``: tiles,
+blocks a program, words, eviction hints, the ids kept on the device); its PTX for sm_90 compiled here (16-byte
+loads and stores); the refusals that send a copy to the PyTorch path; the block-id checks; and the worker's failure
 semantics around it (a failed load is a recompute, a failed store is reported). vLLM is stubbed where it is not
 installed (``benchmarks/bench_vllm_gpu.py``'s stub); the GPU run itself is that benchmark.
 """
