@@ -1,7 +1,11 @@
-"""The vLLM connector's block-copy kernel (``integrations/vllm/block_copy.py``) over its tile size and warps, CUDA
-only: Llama-3-8B (32 layers, 8 KV heads, head 128, fp16, block 16) in vLLM's NHD layout, 256 blocks stored into a
+"""The vLLM connector's block-copy kernel (``integrations/vllm/block_copy.py``) over its variants (tile bytes,
+warps, blocks a program, the word the bytes move as, an evict-first hint on the loads; ``copy_config.CopyConfig``),
+CUDA only: Llama-3-8B (32 layers, 8 KV heads, head 128, fp16, block 16) in vLLM's NHD layout, 256 blocks stored into a
 pool tensor and loaded back, each configuration's bytes checked against the PyTorch path; times of the whole
-``BlockCopier.copy`` call (ids uploaded, one launch) against ``copy_`` of the same bytes, mean of 20.
+``BlockCopier.copy`` call (ids kept on the device after the first call, one launch) against ``copy_`` of the same
+bytes in the same run, mean of 20. Prints a line per configuration (GB/s and the ratio to ``copy_`` of each
+direction), ``BEST`` (the slowest direction's time the least), the best again with its ids uploaded every call,
+and the ``DEFAULT = CopyConfig(...)`` line to set in block_copy.py. 48 configurations, about a minute.
 
     PYTHONPATH=server:common:client python3 benchmarks/sweep_vllm_copy.py
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,23 +56,39 @@ def main() -> int:
     src = torch.empty(COPIED * LAYERS * 2 * BLOCK * HEADS * HEAD, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
     base = mean_ms(lambda: dst.copy_(src))
-    print(f"copy_ of the same bytes {base:.3f} ms")
+    gb = src.numel() * src.element_size() / 1e6  # per ms: GB/s
+    print(f"copy_ of the same bytes {base:.3f} ms {gb / base:.0f} GB/s")
     expected = torch.zeros_like(pool)
     block_copy._torch_copy(layers, expected, pool_ids, vllm_ids, into_vllm=False)
-    wrong = 0
-    for tile in (2048, 4096, 8192, 16384):
-        for warps in (2, 4, 8, 16):
-            block_copy.TILE_ELEMENTS, block_copy.NUM_WARPS = tile, warps
-            copier = block_copy.BlockCopier(layers)
-            pool.zero_()
-            copier.copy(pool, pool_ids, vllm_ids, into_vllm=False)
-            ok = torch.equal(pool, expected) and copier.path == "triton"
-            wrong += not ok
-            store = mean_ms(lambda c=copier: c.copy(pool, pool_ids, vllm_ids, into_vllm=False))
-            load = mean_ms(lambda c=copier: c.copy(pool, pool_ids, vllm_ids, into_vllm=True))
-            print(f"tile {tile:6d} warps {warps:2d}: store {store:.3f} ms {base / store:.2f}x  load {load:.3f} ms "
-                  f"{base / load:.2f}x  bytes {'ok' if ok else 'WRONG'}", flush=True)
+    wrong, results = 0, []
+    for cfg in configs():
+        copier = block_copy.BlockCopier(layers, config=cfg)
+        pool.zero_()
+        copier.copy(pool, pool_ids, vllm_ids, into_vllm=False)
+        ok = torch.equal(pool, expected) and copier.path == "triton"
+        wrong += not ok
+        store = mean_ms(lambda c=copier: c.copy(pool, pool_ids, vllm_ids, into_vllm=False))
+        load = mean_ms(lambda c=copier: c.copy(pool, pool_ids, vllm_ids, into_vllm=True))
+        worst = max(store, load)
+        results.append((worst, cfg))
+        print(f"{cfg.label()}  word used {copier.word}: store {store:.3f} ms {gb / store:6.0f} GB/s {base / store:.2f}x"
+              f"  load {load:.3f} ms {gb / load:6.0f} GB/s {base / load:.2f}x  bytes {'ok' if ok else 'WRONG'}",
+              flush=True)
+    worst, best = min(results, key=lambda r: r[0])
+    print(f"\nBEST (the slower direction {worst:.3f} ms, {base / worst:.2f}x of copy_ {base:.3f} ms): {best.label()}")
+    nocache = block_copy.BlockCopier(layers, config=replace(best, ids_cache=0))  # the same, ids uploaded each call
+    t = max(mean_ms(lambda d=d: nocache.copy(pool, pool_ids, vllm_ids, into_vllm=d)) for d in (False, True))
+    print(f"BEST with its ids uploaded every call (ids_cache=0): {t:.3f} ms, {base / t:.2f}x")
+    print(f"set in block_copy.py: DEFAULT = {best!r}")
     return 1 if wrong else 0
+
+
+def configs() -> list[block_copy.CopyConfig]:
+    """The grid: tile bytes x warps x blocks a program x word x eviction hint, ids kept on the device."""
+    return [block_copy.CopyConfig(tile_bytes=tile, num_warps=warps, blocks_per_program=bpp, word_bytes=word,
+                                  evict_first=evict)
+            for tile in (16384, 32768) for warps in (4, 8) for bpp in (1, 4, 16) for word in (2, 8)
+            for evict in (False, True)]
 
 
 if __name__ == "__main__":

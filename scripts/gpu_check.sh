@@ -199,9 +199,11 @@ if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N sha
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = vllm ]; then  # issue 31: the vLLM connector's worker on a GPU pool (CUDA IPC), vLLM's CUDA layouts
-    # carry=[".whl"]. Under a minute: a GPU server (Llama-3-8B layout), a 4,096-token prompt stored and loaded back.
+    # carry=[".whl"]. About 3 minutes: the sweep (48 variants) after a GPU server (Llama-3-8B layout), a 4,096-token prompt stored and loaded back.
     step "vLLM connector, CUDA path: store/load 256 blocks of Llama-3-8B between vLLM-layout tensors (NHD, HND) and kvpool's pool, bytes verified, GB/s vs copy_" \
         bash -c "set -o pipefail; timeout ${T_VLLM:-240} python3 benchmarks/bench_vllm_gpu.py 2>&1 | tee $OUT/vllm_gpu.log"
+    step "vLLM connector, the copy kernel's variants (tile, warps, blocks a program, word, eviction hint): GB/s vs copy_, bytes checked, BEST and the DEFAULT line" \
+        bash -c "set -o pipefail; timeout ${T_SWEEP:-180} python3 benchmarks/sweep_vllm_copy.py 2>&1 | tee $OUT/vllm_sweep.log"
     echo "=== gpu_check status $status"; exit $status
 fi
 if [ "$only" = datapath2 ]; then  # issue 14, second part: both layouts, FlexAttention, loadgen --kv-source device

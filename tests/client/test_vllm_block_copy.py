@@ -1,7 +1,8 @@
 """The vLLM connector's block copy (``integrations/vllm/block_copy.py``) without a GPU: the Triton kernel run by
 Triton's interpreter on CPU tensors, byte for byte against the PyTorch path (vLLM's NHD and HND CUDA layouts and
-the CPU backend's, fp16 and bf16, both directions, a masked tile); its PTX for sm_90 compiled here (16-byte loads
-and stores); the refusals that send a copy to the PyTorch path; the block-id checks; and the worker's failure
+the CPU backend's, fp16 and bf16, both directions, a masked tile; every kernel variant of ``CopyConfig``: tiles,
+blocks a program, words, eviction hints, the ids kept on the device); its PTX for sm_90 compiled here (16-byte
+loads and stores); the refusals that send a copy to the PyTorch path; the block-id checks; and the worker's failure
 semantics around it (a failed load is a recompute, a failed store is reported). vLLM is stubbed where it is not
 installed (``benchmarks/bench_vllm_gpu.py``'s stub); the GPU run itself is that benchmark.
 """
@@ -77,18 +78,15 @@ def snapshot(layers):
     return [(k.clone(), v.clone()) for k, v in layers]
 
 
-@needs_triton
-@pytest.mark.parametrize("layout", ["NHD", "HND", "CPU"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("shape", [(4, 2, 16), (3, 2, 24)], ids=["even", "masked"])  # block size, heads, head
-def test_kernel_matches_the_torch_path_byte_for_byte(interpreted, layout, dtype, shape):
-    bc, dt = interpreted, getattr(torch, dtype)
+def check_both_directions(bc, layout, dt, shape, config=None):
+    """Store then load through the kernel, every byte against the PyTorch path; returns the copier of the load."""
     b, h, d = shape
+    kw = {} if config is None else {"config": config}
     pool_ids, vllm_ids = [7, 0, 10, 3], [5, 1, 8, 2]  # neither side in order
     pool0 = torch.randn(P, L, 2, b, h, d, generator=torch.Generator().manual_seed(1)).to(dt)
 
     layers = make_layers(layout, dt, b, h, d)
-    copier = bc.BlockCopier(layers, kernel_on_cpu=True)
+    copier = bc.BlockCopier(layers, kernel_on_cpu=True, **kw)
     pool, ref = pool0.clone(), pool0.clone()
     copier.copy(pool, pool_ids, vllm_ids, into_vllm=False)
     assert copier.path == "triton"
@@ -98,36 +96,91 @@ def test_kernel_matches_the_torch_path_byte_for_byte(interpreted, layout, dtype,
 
     ref_layers = make_layers(layout, dt, b, h, d, seed=2)
     layers = make_layers(layout, dt, b, h, d, seed=2)
-    copier = bc.BlockCopier(layers, kernel_on_cpu=True)
+    copier = bc.BlockCopier(layers, kernel_on_cpu=True, **kw)
     copier.copy(pool0, pool_ids, vllm_ids, into_vllm=True)
     assert copier.path == "triton"
     bc._torch_copy(ref_layers, pool0, pool_ids, vllm_ids, True)
     for (k, v), (rk, rv) in zip(layers, ref_layers, strict=True):
         assert torch.equal(bits(k), bits(rk)) and torch.equal(bits(v), bits(rv))
     assert torch.equal(bits(layers[2][1][8]), bits(pool0[10, 2, 1]))  # one block by hand: pool 10 -> vLLM 8, V
+    return copier
 
 
 @needs_triton
-def test_kernel_compiles_to_16_byte_accesses_for_sm90(vllm_pkg):
-    """The PTX of both directions for both CUDA layouts (Llama-3-8B's block): 16-byte vector loads and stores only
-    (the layer offsets' alignment hint; without it vLLM's side is read 2 bytes at a time)."""
+@pytest.mark.parametrize("layout", ["NHD", "HND", "CPU"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(4, 2, 16), (3, 2, 24)], ids=["even", "masked"])  # block size, heads, head
+def test_kernel_matches_the_torch_path_byte_for_byte(interpreted, layout, dtype, shape):
+    check_both_directions(interpreted, layout, getattr(torch, dtype), shape)
+
+
+# (config fields, the word the even shape is moved as): several tile steps a block (64-128 B tiles), a program
+# whose last pairs are past the copy's (3 or 8 a program, 4 pairs), 4- and 8-byte words, eviction hints, no id cache
+VARIANTS = [(dict(tile_bytes=64, blocks_per_program=3, word_bytes=8, evict_first=True), 8),
+            (dict(tile_bytes=128, num_warps=8, blocks_per_program=4, word_bytes=4, ids_cache=0), 4),
+            (dict(blocks_per_program=8, word_bytes=8), 8),
+            (dict(tile_bytes=32, blocks_per_program=2, word_bytes=2, evict_first=True), 2)]
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["NHD", "HND", "CPU"])
+@pytest.mark.parametrize("shape", [(4, 2, 16), (3, 2, 24), (2, 1, 6)], ids=["even", "masked", "odd"])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_every_kernel_variant_matches_the_torch_path(interpreted, layout, shape, variant):
+    fields, word = VARIANTS[variant]
+    copier = check_both_directions(interpreted, layout, torch.float16, shape, interpreted.CopyConfig(**fields))
+    # every address and stride of the even and masked shapes divides 8 bytes; the odd one's head is 12 bytes
+    assert copier.word == (min(word, 4) if shape == (2, 1, 6) else word)
+
+
+@needs_triton
+@pytest.mark.parametrize("word,bpp,evict", [(2, 1, ""), (8, 4, "evict_first"), (4, 2, "")])
+def test_kernel_compiles_to_16_byte_accesses_for_sm90(vllm_pkg, word, bpp, evict):
+    """The PTX of both directions for both CUDA layouts (Llama-3-8B's block, moved as 2-, 4- or 8-byte words, one
+    or several blocks a program): 16-byte vector loads and stores only (the layer offsets' alignment hint; without
+    it vLLM's side is read 2 bytes at a time), the loads marked evict-first where asked."""
     from triton.backends.compiler import GPUTarget
 
     kernel = vllm_pkg[0]._block_copy_kernel
     if not isinstance(kernel, triton.runtime.JITFunction):
         pytest.skip("TRITON_INTERPRET is set: the kernel is not compiled")
-    names = ["VLLM", "POOL", "LAYER_OFFS", "VLLM_IDS", "POOL_IDS", "v_sb", "v_st", "v_sh", "p_sb", "p_sl", "p_skv",
-             "p_st", "p_sh"]
-    types = ["*i16", "*i16", "*i64", "*i64", "*i64"] + ["i32"] * 8
+    names = ["VLLM", "POOL", "LAYER_OFFS", "VLLM_IDS", "POOL_IDS", "n_pairs", "v_sb", "v_st", "v_sh", "p_sb", "p_sl",
+             "p_skv", "p_st", "p_sh"]
+    types = [f"*i{8 * word}", f"*i{8 * word}", "*i64", "*i64", "*i64"] + ["i32"] * 9
+    head = 128 * 2 // word
     for into_vllm in (True, False):
-        const = dict(TOKENS=16, HEADS=8, HEAD=128, HEAD_P=128, ROWS=64, ALIGN=8, INTO_VLLM=into_vllm)
+        const = dict(TOKENS=16, HEADS=8, HEAD=head, HEAD_P=head, ROWS=16384 // (head * word), ALIGN=16 // word,
+                     INTO_VLLM=into_vllm, BLOCKS_PER_PROGRAM=bpp, EVICT=evict)
         src = triton.compiler.ASTSource(fn=kernel,
                                         signature={**dict(zip(names, types, strict=True)),
                                                    **{name: "constexpr" for name in const}},
-                                        constexprs=const, attrs={(i,): [["tt.divisibility", 16]] for i in range(13)})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-        data = {op for op in re.findall(r"(?:ld|st)\.global[.\w]*", ptx) if op != "ld.global.b64"}  # b64: ids
-        assert data == {"ld.global.v4.b32", "st.global.v4.b32"}, data
+                                        constexprs=const, attrs={(i,): [["tt.divisibility", 16]] for i in range(14)
+                                                                 if i != 5})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        ops = set(re.findall(r"(?:ld|st)\.global[.:\w]*", ptx))
+        vec = "v2.b64" if word == 8 else "v4.b32"  # 16 bytes a thread either way
+        hint = ".L1::evict_first.L2::cache_hint" if evict else ""
+        assert ops - {"ld.global.b64"} == {f"ld.global{hint}.{vec}", f"st.global.{vec}"}, ops  # b64: the ids
+
+
+@needs_triton
+def test_the_ids_stay_on_the_device_for_the_same_pairs(interpreted):
+    """A repeated copy of the same pairs uploads no ids; another array does; the least recent is dropped past the
+    cache's size; ``ids_cache=0`` uploads every time -- the bytes right each time."""
+    bc = interpreted
+    layers = make_layers("NHD", torch.float16, 4, 2, 16)
+    pool = torch.zeros(P, L, 2, 4, 2, 16, dtype=torch.float16)
+    for size, uploads in ((2, [1, 1, 2, 3, 4]), (0, [1, 2, 3, 4, 5])):
+        copier = bc.BlockCopier(layers, kernel_on_cpu=True, config=bc.CopyConfig(ids_cache=size))
+        seen = []
+        for pool_ids, vllm_ids in (([1, 2], [3, 4]), ([1, 2], [3, 4]), ([5], [6]), ([7], [0]), ([1, 2], [3, 4])):
+            pool.zero_()
+            copier.copy(pool, pool_ids, vllm_ids, into_vllm=False)
+            seen.append(copier.ids.uploads)
+            for p_id, v_id in zip(pool_ids, vllm_ids, strict=True):
+                assert torch.equal(bits(pool[p_id, 1, 0]), bits(layers[1][0][v_id]))
+            assert int(pool.count_nonzero()) == len(pool_ids) * L * 2 * 4 * 2 * 16
+        assert seen == uploads
 
 
 def test_cpu_tensors_take_the_torch_path_and_say_why(vllm_pkg):

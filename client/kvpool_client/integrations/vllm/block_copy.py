@@ -9,17 +9,20 @@ The two sides (``BlockCopier``)::
     a copy: block pairs (pool id, vLLM id); every layer's K and V of each pair, into vLLM (a load) or out of it
             (a store)
 
-On CUDA the copy is one Triton launch: a program per (pair, layer) moves that layer's K and V of the block (two
-regions of ``block_size x heads`` rows of ``head`` contiguous elements) ``ROWS`` rows at a time, the layout's
-permutation done by the strides (vLLM's NHD ``[blocks, block_size, heads, 2 x head]`` and HND ``[blocks, heads,
-block_size, 2 x head]`` memory orders, the CPU backend's split alike). The layers are reached from one base
-pointer (layer 0's K) through a table of element offsets ``[layers, 2]`` (each view's address minus the base's),
-made once per ``BlockCopier`` -- offsets rather than pointers: plain pointer arithmetic, which Triton's
-interpreter also runs on CPU tensors (the tests), and values whose alignment the compiler can be told: their
-common power-of-two factor (at most 16 bytes), with which it proves every row 16-byte aligned and loads and stores
-16 bytes a thread. The
-bytes are copied as integers of the element's size, so any dtype is copied exactly. The first copy of a process
-compiles the kernel (about a second; Triton caches it on disk).
+On CUDA the copy is one Triton launch: a program per (``blocks_per_program`` consecutive pairs, layer) moves that
+layer's K and V of each of its blocks (two regions of ``block_size x heads`` rows of ``head`` contiguous elements) a
+tile of ``tile_bytes`` at a time, the layout's permutation done by the strides (vLLM's NHD ``[blocks, block_size,
+heads, 2 x head]`` and HND ``[blocks, heads, block_size, 2 x head]`` memory orders, the CPU backend's split alike).
+The layers are reached from one base pointer (layer 0's K) through a table of offsets ``[layers, 2]`` (each view's
+address minus the base's), made once per ``BlockCopier`` and word size -- offsets rather than pointers: plain
+pointer arithmetic, which Triton's interpreter also runs on CPU tensors (the tests), and values whose alignment the
+compiler can be told: their common power-of-two factor (at most 16 bytes), with which it proves every row 16-byte
+aligned and loads and stores 16 bytes a thread. The bytes are copied as integers of ``word_bytes`` (at most; the
+widest that the head's bytes, every stride and offset divide, never narrower than an element), so any dtype is
+copied exactly. The copy's ids stay on the device for the next copy of the same pairs (``DeviceIds``); a new
+array is one pinned upload queued on the stream. The variant (``copy_config.CopyConfig``, ``DEFAULT``) is chosen
+by ``benchmarks/sweep_vllm_copy.py``; every one is one kernel definition, its constexpr parameters.
+The first copy of a process compiles the kernel (about a second; Triton caches it on disk).
 
 The PyTorch path (per layer advanced indexing, ``_torch_copy``) runs instead where the kernel does not: tensors
 on the CPU (vLLM's CPU backend), Triton not installed, the pool and vLLM on different devices, a pool dtype that
@@ -33,8 +36,9 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
+
+from kvpool_client.integrations.vllm.copy_config import CopyConfig, DeviceIds
 
 try:
     import triton
@@ -42,48 +46,50 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch path below still works
     triton = None
 
-TILE_ELEMENTS = 8192  # elements of one K (and one V) tile a program moves per step: 16 KiB of fp16
-NUM_WARPS = 4  # on the H200 (Llama-3-8B, NHD): 8192 x 4 warps 0.76x of copy_, x 8 0.70x, other tiles 0.52-0.72x
+DEFAULT = CopyConfig()  # on the H200 (Llama-3-8B, NHD), before the variants: 16 KiB x 4 warps 0.76x of copy_
 INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 if triton is not None:
 
     @triton.jit
-    def _block_copy_kernel(VLLM, POOL, LAYER_OFFS, VLLM_IDS, POOL_IDS,
+    def _block_copy_kernel(VLLM, POOL, LAYER_OFFS, VLLM_IDS, POOL_IDS, n_pairs,
                            v_sb, v_st, v_sh, p_sb, p_sl, p_skv, p_st, p_sh,
                            TOKENS: tl.constexpr, HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
-                           ROWS: tl.constexpr, ALIGN: tl.constexpr, INTO_VLLM: tl.constexpr):
-        pair = tl.program_id(0)
+                           ROWS: tl.constexpr, ALIGN: tl.constexpr, INTO_VLLM: tl.constexpr,
+                           BLOCKS_PER_PROGRAM: tl.constexpr, EVICT: tl.constexpr):
         layer = tl.program_id(1)
-        vid = tl.load(VLLM_IDS + pair).to(tl.int64)
-        pid = tl.load(POOL_IDS + pair).to(tl.int64)
         k_off = tl.multiple_of(tl.load(LAYER_OFFS + layer * 2), ALIGN)
         v_off = tl.multiple_of(tl.load(LAYER_OFFS + layer * 2 + 1), ALIGN)
-        v_block = vid * v_sb
-        p_block = pid * p_sb + layer.to(tl.int64) * p_sl
         offs_r = tl.arange(0, ROWS)
         offs_d = tl.arange(0, HEAD_P)
-        for r0 in range(0, TOKENS * HEADS, ROWS):
-            r = r0 + offs_r  # the pool's row order: token-major, then head
-            t = r // HEADS
-            h = r - t * HEADS
-            if HEAD == HEAD_P and (TOKENS * HEADS) % ROWS == 0:
-                mask = None  # no mask where none is needed: nothing in the way of 16-byte accesses
-            else:
-                mask = (r < TOKENS * HEADS)[:, None] & (offs_d < HEAD)[None, :]
-            v_rows = (v_block + t.to(tl.int64) * v_st + h.to(tl.int64) * v_sh)[:, None] + offs_d[None, :]
-            p_rows = (p_block + t.to(tl.int64) * p_st + h.to(tl.int64) * p_sh)[:, None] + offs_d[None, :]
-            if INTO_VLLM:
-                k = tl.load(POOL + p_rows, mask=mask)
-                v = tl.load(POOL + p_skv + p_rows, mask=mask)
-                tl.store(VLLM + k_off + v_rows, k, mask=mask)
-                tl.store(VLLM + v_off + v_rows, v, mask=mask)
-            else:
-                k = tl.load(VLLM + k_off + v_rows, mask=mask)
-                v = tl.load(VLLM + v_off + v_rows, mask=mask)
-                tl.store(POOL + p_rows, k, mask=mask)
-                tl.store(POOL + p_skv + p_rows, v, mask=mask)
+        for i in range(BLOCKS_PER_PROGRAM):  # this program's pairs: consecutive in the ids, one layer
+            pair = tl.program_id(0) * BLOCKS_PER_PROGRAM + i
+            if pair < n_pairs:
+                vid = tl.load(VLLM_IDS + pair).to(tl.int64)
+                pid = tl.load(POOL_IDS + pair).to(tl.int64)
+                v_block = vid * v_sb
+                p_block = pid * p_sb + layer.to(tl.int64) * p_sl
+                for r0 in range(0, TOKENS * HEADS, ROWS):
+                    r = r0 + offs_r  # the pool's row order: token-major, then head
+                    t = r // HEADS
+                    h = r - t * HEADS
+                    if HEAD == HEAD_P and (TOKENS * HEADS) % ROWS == 0:
+                        mask = None  # no mask where none is needed: nothing in the way of 16-byte accesses
+                    else:
+                        mask = (r < TOKENS * HEADS)[:, None] & (offs_d < HEAD)[None, :]
+                    v_rows = (v_block + t.to(tl.int64) * v_st + h.to(tl.int64) * v_sh)[:, None] + offs_d[None, :]
+                    p_rows = (p_block + t.to(tl.int64) * p_st + h.to(tl.int64) * p_sh)[:, None] + offs_d[None, :]
+                    if INTO_VLLM:
+                        k = tl.load(POOL + p_rows, mask=mask, eviction_policy=EVICT)
+                        v = tl.load(POOL + p_skv + p_rows, mask=mask, eviction_policy=EVICT)
+                        tl.store(VLLM + k_off + v_rows, k, mask=mask)
+                        tl.store(VLLM + v_off + v_rows, v, mask=mask)
+                    else:
+                        k = tl.load(VLLM + k_off + v_rows, mask=mask, eviction_policy=EVICT)
+                        v = tl.load(VLLM + v_off + v_rows, mask=mask, eviction_policy=EVICT)
+                        tl.store(POOL + p_rows, k, mask=mask)
+                        tl.store(POOL + p_skv + p_rows, v, mask=mask)
 
 
 def layer_offsets(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
@@ -120,20 +126,21 @@ class BlockCopier:
 
     ``path`` says which path the last ``copy`` took: "triton" (one kernel launch) or "torch (<why>)"."""
 
-    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], *, kernel_on_cpu: bool = False) -> None:
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], *, kernel_on_cpu: bool = False,
+                 config: CopyConfig = DEFAULT) -> None:
         if not layers:
             raise ValueError("no vLLM KV cache views to copy")
         self.layers = layers
         self.kernel_on_cpu = kernel_on_cpu  # the kernel on CPU tensors too: for Triton's interpreter (the tests)
+        self.config = config
         self.path = ""
-        k0 = layers[0][0]
+        self.word = 0  # the bytes of the integers the last kernel copy moved
+        self.ids = DeviceIds(config.ids_cache)
         self._refusal = self._views_refusal()
-        self._offsets: torch.Tensor | None = None
-        self._align = 1
+        self._offset_bytes: list[int] = []
+        self._tables: dict[int, tuple[torch.Tensor, int]] = {}  # word -> (offset table in words, its alignment)
         if self._refusal is None:
-            offsets = layer_offsets(layers)
-            self._align = common_alignment(offsets, k0.element_size())
-            self._offsets = torch.tensor(offsets, dtype=torch.int64, device=k0.device)
+            self._offset_bytes = [o * layers[0][0].element_size() for o in layer_offsets(layers)]
 
     def _views_refusal(self) -> str | None:
         k0 = self.layers[0][0]
@@ -181,20 +188,45 @@ class BlockCopier:
             _torch_copy(self.layers, pool, pool_ids, vllm_ids, into_vllm)
             self.path = f"torch ({refusal})"
 
-    def _kernel_copy(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int], into_vllm: bool) -> None:
+    def _word(self, pool: torch.Tensor) -> int:
+        """The widest integer (at most ``config.word_bytes``) that every address and stride of both sides divides."""
         k0 = self.layers[0][0]
-        ids = torch.from_numpy(np.array([pool_ids, vllm_ids], dtype=np.int64)).to(k0.device)  # 3x torch.tensor's speed
+        size = k0.element_size()
+        parts = [k0.shape[3] * size, k0.data_ptr(), pool.data_ptr(), *self._offset_bytes,
+                 *(st * size for st in k0.stride()[:3]), *(st * size for st in pool.stride()[:5])]
+        word = max(size, self.config.word_bytes)
+        while word > size and any(part % word for part in parts):
+            word //= 2
+        return word
+
+    def _table(self, word: int) -> tuple[torch.Tensor, int]:
+        if word not in self._tables:
+            offsets = [o // word for o in self._offset_bytes]
+            self._tables[word] = (torch.tensor(offsets, dtype=torch.int64, device=self.layers[0][0].device),
+                                  common_alignment(offsets, word))
+        return self._tables[word]
+
+    def _kernel_copy(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int], into_vllm: bool) -> None:
+        k0, cfg = self.layers[0][0], self.config
+        ids = self.ids.get(pool_ids, vllm_ids, k0.device)
+        word = self._word(pool)
+        per = word // k0.element_size()  # elements a word
+        offsets, align = self._table(word)
         _, tokens, heads, head = k0.shape
-        head_p = triton.next_power_of_2(head)
-        rows = max(1, min(TILE_ELEMENTS // head_p, triton.next_power_of_2(tokens * heads)))
-        as_int = INT_OF_SIZE[k0.element_size()]
-        grid = (len(pool_ids), len(self.layers))
+        head_w = head // per
+        head_p = triton.next_power_of_2(head_w)
+        rows = max(1, min(cfg.tile_bytes // (head_p * word), triton.next_power_of_2(tokens * heads)))
+        as_int = INT_OF_SIZE[word]
+        bpp = cfg.blocks_per_program
+        grid = (triton.cdiv(len(pool_ids), bpp), len(self.layers))
+        self.word = word
         with torch.cuda.device(k0.device) if k0.is_cuda else contextlib.nullcontext():  # the views' device
             _block_copy_kernel[grid](
-                k0.view(as_int), pool.view(as_int), self._offsets, ids[1], ids[0],
-                k0.stride(0), k0.stride(1), k0.stride(2), *pool.stride()[:5],
-                TOKENS=tokens, HEADS=heads, HEAD=head, HEAD_P=head_p, ROWS=rows,
-                ALIGN=self._align, INTO_VLLM=into_vllm, num_warps=NUM_WARPS)
+                k0.view(as_int), pool.view(as_int), offsets, ids[1], ids[0], len(pool_ids),
+                *(st // per for st in k0.stride()[:3]), *(st // per for st in pool.stride()[:5]),
+                TOKENS=tokens, HEADS=heads, HEAD=head_w, HEAD_P=head_p, ROWS=rows, ALIGN=align,
+                INTO_VLLM=into_vllm, BLOCKS_PER_PROGRAM=bpp, EVICT="evict_first" if cfg.evict_first else "",
+                num_warps=cfg.num_warps)
 
 
 def _torch_copy(layers: list[tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, pool_ids: list[int],
