@@ -26,7 +26,7 @@ def test_a_restoring_register_holds_the_lock_twice_and_renews_its_lease_once(tie
     sessions.renew = counted  # type: ignore[method-assign]
     lock = svc.guard.lock = RecordingLock()  # type: ignore[assignment]
     with scope.call("RegisterSequence") as call:
-        seq, cached = svc.register(call, session_id=session.session_id, prompt_token_ids=prompt_of(0))
+        seq, cached, _ = svc.register(call, session_id=session.session_id, prompt_token_ids=prompt_of(0))
     assert cached == FULL  # restored from the tier, in this call
     assert renewals == [session.session_id]  # once, in the restore's hold
     assert len(lock.holds) == 2  # the staging (and its stores), the register (and its events)

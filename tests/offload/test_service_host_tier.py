@@ -42,7 +42,7 @@ def prefill(svc: KVPoolService, scope: CallScope, prompt: list[int], tag: int) -
     """Register, append what was not cached (with ids), write its KV (tagged ``tag``), seal with one decode step.
     Returns (seq_id, num_cached_tokens)."""
     with scope.call("RegisterSequence") as call:
-        seq, cached = svc.register(call, prompt_token_ids=prompt)
+        seq, cached, _ = svc.register(call, prompt_token_ids=prompt)
     with scope.call("AppendToken") as call:
         svc.append(call, [seq], [len(prompt) - cached], prompt[cached:])
     with scope.call("WriteKV") as call:

@@ -105,13 +105,13 @@ def test_an_append_runs_while_a_restore_copies_and_nobody_sees_it_half_done(tier
         svc.tier.tier.check_invariants()
     held.entered.clear()
     with scope.call("RegisterSequence") as call:  # the same prompt meanwhile: its blocks are pinned, a miss
-        other, other_cached = svc.register(call, prompt_token_ids=prompt_of(0))
+        other, other_cached, _ = svc.register(call, prompt_token_ids=prompt_of(0))
     assert other_cached == 0 and not held.entered.is_set()
     free(svc, scope, other)
 
     held.release.set()
     restorer.join(WAIT_S)
-    seq, cached = registered[0]
+    seq, cached, _ = registered[0]
     assert cached == FULL
     assert read(svc, scope, seq, FULL) == first_kv
     assert svc.tier is not None and not svc.tier.tier.restoring and not svc.tier.tier.pinned
