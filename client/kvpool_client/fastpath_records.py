@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvpool import fastpath as fp
-from kvpool.fastpath_codec import read_append_reply, read_children, read_registered as read_registered_run
-from kvpool.fastpath_codec import read_values, write_request
+from kvpool.fastpath_codec import read_append_reply, read_children, read_registered_reply, read_values, write_request
 from kvpool_client.types import AppendResult, RegisteredSequence
 
 __all__ = ["write_request", "append_writer", "append_reader", "register_writer", "read_registered",
@@ -46,7 +45,7 @@ def read_registered(views: fp.Views) -> tuple[int, int]:
 def read_registered_blocks(views: fp.Views) -> list[RegisteredSequence]:
     """A register's answer as ``register_prompts``'s: [RegisteredSequence] (its cached block ids from the reply;
     none from a server that sends none)."""
-    seq_id, cached, blocks = read_registered_run(views)
+    seq_id, cached, blocks = read_registered_reply(views)
     return [RegisteredSequence(seq_id, cached, blocks)]
 
 

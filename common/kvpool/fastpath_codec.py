@@ -191,7 +191,7 @@ def read_children(views: fp.Views) -> list[int]:
     return views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + 8 * n].view(np.uint64).tolist()
 
 
-def read_registered(views: fp.Views) -> tuple[int, int, np.ndarray]:
+def read_registered_reply(views: fp.Views) -> tuple[int, int, np.ndarray]:
     """An OK register reply: (seq_id, num_cached_tokens, the cached run's block ids: int32, a copy; empty from a
     server that sends none)."""
     seq_id, cached = read_values(views)

@@ -30,7 +30,8 @@ from kvpool import fastpath_codec as codec
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
 from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, MAX_ROWS_PER_HOLD
-from kvpool_server.service.kvpool import KVPoolService, Registered
+from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.service.register_batch import RegisteredPrompt
 from kvpool_server.service import answers
 from kvpool_server.service.answers import Pending
 from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
@@ -214,7 +215,7 @@ def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
         if fp.reply_bytes(0, 0, 0, 0, children.size) > views.area_bytes:
             raise AssertionError(f"kvpool bug: a Fork's reply of {children.size} children passed its bound")
         codec.write_children_reply(views, children)
-    elif isinstance(answer, Registered):
+    elif isinstance(answer, RegisteredPrompt):
         blocks = answer.cached_block_ids
         if fp.reply_bytes(0, 0, blocks.size, 0, 0) > views.area_bytes:  # a prompt's request holds 4 bytes a token
             raise AssertionError(f"kvpool bug: a register's reply of {blocks.size} block ids passed its bound")

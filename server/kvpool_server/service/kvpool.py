@@ -62,12 +62,6 @@ DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 NO_BLOCKS = np.zeros(0, dtype=np.int32)
 
 
-class Registered(NamedTuple):
-    seq_id: int
-    num_cached_tokens: int
-    cached_block_ids: np.ndarray  # int32: the blocks holding the cached tokens, logical order (the fast path's reply)
-
-
 class BlockTableView(NamedTuple):
     block_ids: np.ndarray
     num_tokens: int
@@ -118,9 +112,9 @@ class KVPoolService:
     # ---------------------------------------------------------------- sequences
     def register(self, call: Call, seq_id: int | None = None, session_id: int = 0, request_id: int = 0,
                  prompt_token_ids: Sequence[int] = (), public_prefix_len: int = 0,
-                 cache_extra_key: bytes = b"", prompt_hashes: list[bytes] | None = None) -> Registered:
+                 cache_extra_key: bytes = b"", prompt_hashes: list[bytes] | None = None) -> RegisteredPrompt:
         """``prompt_hashes``: the prompt's hashes from ``self.hasher`` (a job of this very prompt), else computed
-        here."""
+        here. The answer is one of RegisterSequences' (its cached blocks go into the fast path's reply)."""
         seq_id = arguments.new_seq_id(seq_id)
         if not session_id:
             self.sessions.refuse_if_drained("RegisterSequence")
@@ -139,13 +133,13 @@ class KVPoolService:
             fenced = True  # in the restore's hold (its lease renewed there: once a call)
             restoring = tier.start_restore(self.guard.lock, lambda: self.guard.fence(call.caller, session_id), hashes)
 
-        def register() -> Registered:
+        def register() -> RegisteredPrompt:
             if tier is not None:
                 tier.finish_restore(restoring)  # in this hold: the match below finds the restored blocks
             new_id = manager.register(seq_id, session_id, tenant, prompt, public_prefix_len, cache_extra_key, hashes)
             if prompt is None:
-                return Registered(new_id, 0, NO_BLOCKS)
-            return Registered(*register_batch.registered(manager, new_id, tenant))
+                return RegisteredPrompt(new_id, 0, NO_BLOCKS)
+            return register_batch.registered(manager, new_id, tenant)
 
         try:
             return self.guard.mutate(call.caller, session_id, request_id,

@@ -139,6 +139,7 @@ class BlockCopier:
         self._refusal = self._views_refusal()
         self._offset_bytes: list[int] = []
         self._tables: dict[int, tuple[torch.Tensor, int]] = {}  # word -> (offset table in words, its alignment)
+        self._word_of: tuple[tuple[int, tuple[int, ...]], int] | None = None  # the last pool's (address, strides), word
         if self._refusal is None:
             self._offset_bytes = [o * layers[0][0].element_size() for o in layer_offsets(layers)]
 
@@ -189,7 +190,14 @@ class BlockCopier:
             self.path = f"torch ({refusal})"
 
     def _word(self, pool: torch.Tensor) -> int:
-        """The widest integer (at most ``config.word_bytes``) that every address and stride of both sides divides."""
+        """The widest integer (at most ``config.word_bytes``) that every address and stride of both sides divides
+        (worked out again only when the pool's address or strides change: vLLM's side is fixed for the copier)."""
+        key = (pool.data_ptr(), tuple(pool.stride()))
+        if self._word_of is None or self._word_of[0] != key:
+            self._word_of = (key, self._widest_word(pool))
+        return self._word_of[1]
+
+    def _widest_word(self, pool: torch.Tensor) -> int:
         k0 = self.layers[0][0]
         size = k0.element_size()
         parts = [k0.shape[3] * size, k0.data_ptr(), pool.data_ptr(), *self._offset_bytes,
