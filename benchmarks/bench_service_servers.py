@@ -143,6 +143,8 @@ class Server:
         if kind in ("kvpool", "kvpool-before"):
             script = Path(sys.executable).with_name("kvpool-server")
             cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvpool_server"]
+            if os.environ.get("PROFILE_DIR"):  # the server's threads under cProfile (profile_server_threads.py)
+                cmd = [sys.executable, str(Path(__file__).with_name("profile_server_threads.py"))]  # + the flags below
             cmd += [*SERVER_ARGS, *extra_args, *listen, "--log-level", "WARNING"]
             if kind == "kvpool-before":  # an older tree's server and stubs (bench_service.py --before DIR)
                 before = os.environ["KVPOOL_BENCH_BEFORE"]

@@ -36,6 +36,7 @@ sys.path[:0] = [str(ROOT / "server"), str(ROOT / "common"), str(ROOT / "client")
 
 LAYERS, HEADS, HEAD, BLOCK, DTYPE = 32, 8, 128, 16, "float16"
 DEVICE = "cuda"  # "cpu" with --host-dry-run
+ROTATE = 16  # load id arrays taken in turn for "new ids every call" (more than CopyConfig.ids_cache keeps)
 
 
 def stub_vllm() -> None:
@@ -124,7 +125,8 @@ def median_s(torch, fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str, repeats: int, timed: bool) -> bool:
+def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str, repeats: int, timed: bool,
+               profile: bool = False) -> bool:
     """One worker for both layouts: the pool is mapped once (a second CUDA IPC open of one handle in a process fails)."""
     n = len(pool_blocks)
     src, dst = list(range(n)), list(range(n + 1, 2 * n + 1))  # dst: other vLLM block ids (block n untouched)
@@ -176,6 +178,17 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
         a = torch.empty(nbytes // 2, dtype=torch.float16, device=DEVICE)
         b = torch.empty_like(a)
         t_copy = median_s(torch, lambda: b.copy_(a), repeats)
+        fresh = fresh_loads(torch, meta_mod, pid, pool_blocks, dst, ROTATE)
+        turn = iter(range(1 << 30))
+        t_fresh = median_s(torch, lambda: worker.start_load_kv(fresh[next(turn) % ROTATE]), repeats)
+        host = host_us(torch, lambda: worker.start_load_kv(fresh[next(turn) % ROTATE]), max(repeats, 50))
+        for raw in raws:  # the timed loads' bytes too (launched directly, not through Triton's JIT): from zero
+            raw[dst] = 0
+        worker.start_load_kv(fresh[0])
+        sync(torch)
+        if not all(same(raw[src], raw[dst]) for raw in raws):
+            print(f"[{layout}] MISMATCH after the timed loads (new ids): vLLM blocks {dst[0]}.. != {src[0]}..")
+            ok = False
         if worker.get_block_ids_with_load_errors() or worker.worker_meta() is not None:
             print(f"[{layout}] FAILED: a timed copy reported a failure")
             ok = False
@@ -187,7 +200,52 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
             ratio = t_copy / t
             print(f"  {name:29s} {t * 1e3:8.3f} ms  {gbs / t:7.1f} GB/s  {ratio:.2f}x "
                   f"({'meets' if ratio >= 0.8 else 'BELOW'} the 0.8x bar)")
+        print(f"  load, new ids every call      {t_fresh * 1e3:8.3f} ms  {gbs / t_fresh:7.1f} GB/s  {t_copy / t_fresh:.2f}x"
+              f" ({ROTATE} id arrays in turn: none kept on the device)")
+        print(f"  the load's host time (start_load_kv's return, new ids): median {host:.1f} us")
+        if profile:
+            profile_loads(torch, worker, fresh)
     return ok
+
+
+def fresh_loads(torch, meta_mod, pid: str, pool_blocks: list, dst: list, count: int) -> list:
+    """``count`` loads of the same blocks into ``dst`` in different orders: each call's ids are new to the copier
+    (more arrays than ``CopyConfig.ids_cache`` keeps), as in serving, where every step copies other blocks."""
+    loads = []
+    for k in range(count):
+        order = torch.randperm(len(dst), generator=torch.Generator().manual_seed(k)).tolist()
+        loads.append(meta_mod.KVPoolConnectorMetadata(pid, loads=[meta_mod.BlockCopy(
+            "r", tuple(pool_blocks[i] for i in order), tuple(dst[i] for i in order))]))
+    return loads
+
+
+def host_us(torch, fn, repeats: int) -> float:
+    """The median time ``fn`` takes to return (the host's work and the launch, not the copy), the device idle before."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(torch)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    sync(torch)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def profile_loads(torch, worker, loads: list, calls: int = 400) -> None:
+    """cProfile of ``calls`` loads (new ids each): where the host's time of a worker call goes."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    prof = cProfile.Profile()
+    for i in range(calls):
+        sync(torch)
+        prof.enable()
+        worker.start_load_kv(loads[i % len(loads)])
+        prof.disable()
+    sync(torch)
+    print(f"\ncProfile of {calls} loads (host time only, the device idle before each), by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 def model_block_bytes() -> int:
@@ -198,6 +256,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="also a cProfile of the worker's loads (host time)")
+    parser.add_argument("--jit-launch", action="store_true", help="every copy through Triton's JIT (CopyConfig."
+                        "direct_launch off): the launch's host cost against the direct launch")
     parser.add_argument("--host-dry-run", action="store_true", help="a check of this script without a GPU: a host "
                         "pool, CPU tensors read through the CUDA branch of kv_views (not the CUDA path itself)")
     args = parser.parse_args()
@@ -217,6 +278,14 @@ def main() -> int:
     from kvpool_client.integrations.vllm import worker as vw  # noqa: PLC0415
     from kvpool_client.integrations.vllm.link import pool_id  # noqa: PLC0415
     from kvpool_client.integrations.vllm.settings import ConnectorSettings, ModelLayout  # noqa: PLC0415
+
+    if args.jit_launch:
+        from dataclasses import replace  # noqa: PLC0415
+
+        from kvpool_client.integrations.vllm import block_copy  # noqa: PLC0415
+
+        block_copy.DEFAULT = replace(block_copy.DEFAULT, direct_launch=False)
+        print(f"copy config: {block_copy.DEFAULT.label()}")
 
     if args.host_dry_run:  # the CPU backend's branch reads another layout: take the CUDA backends' on CPU tensors
         def cuda_kv_views(cache, block_size):
@@ -244,7 +313,8 @@ def main() -> int:
         ok = run_layout(torch, worker, meta_mod, pid, pool_blocks, "HND", args.repeats, timed=False)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-        ok = run_layout(torch, worker, meta_mod, pid, pool_blocks, "NHD", args.repeats, timed=True) and ok
+        ok = run_layout(torch, worker, meta_mod, pid, pool_blocks, "NHD", args.repeats, timed=True,
+                        profile=args.profile) and ok
         worker.close()
     finally:
         proc.terminate()

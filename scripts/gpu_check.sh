@@ -200,8 +200,10 @@ if [ "$only" = tp ]; then  # issue 26: a pool for a tensor-parallel group (N sha
 fi
 if [ "$only" = vllm ]; then  # issue 31: the vLLM connector's worker on a GPU pool (CUDA IPC), vLLM's CUDA layouts
     # carry=[".whl"]. About 3 minutes: the sweep (48 variants) after a GPU server (Llama-3-8B layout), a 4,096-token prompt stored and loaded back.
+    step "vLLM connector, the copier on CUDA: copies of 1-9 pairs launched directly, byte for byte against the PyTorch path" \
+        bash -c "set -o pipefail; timeout ${T_TESTS:-120} python3 -m pytest -q -p no:cacheprovider -rs tests/client/test_vllm_block_copy.py -k cuda 2>&1 | tee $OUT/vllm_copier_tests.log"
     step "vLLM connector, CUDA path: store/load 256 blocks of Llama-3-8B between vLLM-layout tensors (NHD, HND) and kvpool's pool, bytes verified, GB/s vs copy_" \
-        bash -c "set -o pipefail; timeout ${T_VLLM:-240} python3 benchmarks/bench_vllm_gpu.py 2>&1 | tee $OUT/vllm_gpu.log"
+        bash -c "set -o pipefail; timeout ${T_VLLM:-240} python3 benchmarks/bench_vllm_gpu.py --repeats 20 2>&1 | tee $OUT/vllm_gpu.log"
     step "vLLM connector, the copy kernel's variants (tile, warps, blocks a program, word, eviction hint): GB/s vs copy_, bytes checked, BEST and the DEFAULT line" \
         bash -c "set -o pipefail; timeout ${T_SWEEP:-180} python3 benchmarks/sweep_vllm_copy.py 2>&1 | tee $OUT/vllm_sweep.log"
     echo "=== gpu_check status $status"; exit $status

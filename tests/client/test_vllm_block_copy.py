@@ -255,3 +255,31 @@ def test_a_failed_copy_is_a_recompute_or_a_failed_store(vllm_pkg):
     assert worker.copy_path.startswith("torch (")
     k7 = worker._layers[1][0][7]
     assert torch.equal(worker._pool_tensor[5, 1, 0], k7)
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU run: scripts/gpu_check.sh vllm)")
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_on_cuda_copies_of_every_size_launched_directly_match_the_torch_path(vllm_pkg, layout):
+    """On a GPU: copies of 1 to 9 pairs, each with new ids, both directions -- the first through Triton's JIT, the
+    rest launched directly (the compiled kernel serves every count: nothing about the ids is specialised on) --
+    each byte for byte against the PyTorch path, every id array uploaded through the staging buffers."""
+    bc = vllm_pkg[0]
+    layers = [(k.cuda(), v.cuda()) for k, v in make_layers(layout, torch.float16, 16, 8, 128)]
+    ref_layers = [(k.clone(), v.clone()) for k, v in layers]
+    pool = torch.randn(P, L, 2, 16, 8, 128, generator=torch.Generator().manual_seed(3)).half().cuda()
+    ref_pool = pool.clone()
+    copier = bc.BlockCopier(layers, config=bc.CopyConfig(ids_cache=0))
+    gen = torch.Generator().manual_seed(7)
+    for n in (1, 2, 3, 5, 8, 9, 1, 4):
+        pool_ids, vllm_ids = torch.randperm(P, generator=gen)[:n].tolist(), torch.randperm(N, generator=gen)[:n].tolist()
+        for into_vllm in (True, False):
+            copier.copy(pool, pool_ids, vllm_ids, into_vllm=into_vllm)
+            bc._torch_copy(ref_layers, ref_pool, pool_ids, vllm_ids, into_vllm)
+            assert copier.path == "triton"
+            torch.cuda.synchronize()
+            assert torch.equal(bits(pool), bits(ref_pool))
+            for (k, v), (rk, rv) in zip(layers, ref_layers, strict=True):
+                assert torch.equal(bits(k), bits(rk)) and torch.equal(bits(v), bits(rv))
+    assert copier.direct and all(copier._launch[1].compiled.values()), "the copies after the first were not direct"
+    assert copier.ids.uploads == 16

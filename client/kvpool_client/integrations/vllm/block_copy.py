@@ -35,7 +35,10 @@ check them).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from kvpool_client.integrations.vllm.copy_config import CopyConfig, DeviceIds
@@ -52,7 +55,9 @@ INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 if triton is not None:
 
-    @triton.jit
+    # The ids and their count are not specialised on (alignment, divisibility): one compiled kernel serves every copy
+    # of a pool layout and direction, so a copy after the first can launch it directly (``_Launch.compiled``).
+    @triton.jit(do_not_specialize=["VLLM_IDS", "POOL_IDS", "n_pairs"])
     def _block_copy_kernel(VLLM, POOL, LAYER_OFFS, VLLM_IDS, POOL_IDS, n_pairs,
                            v_sb, v_st, v_sh, p_sb, p_sl, p_skv, p_st, p_sh,
                            TOKENS: tl.constexpr, HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
@@ -113,12 +118,19 @@ def common_alignment(offsets: list[int], element_size: int) -> int:
     return align
 
 
-def check_ids(pool_ids: list[int], vllm_ids: list[int], pool_blocks: int, vllm_blocks: int) -> None:
-    if len(pool_ids) != len(vllm_ids):
+def pair_ids(pool_ids: Sequence[int] | np.ndarray, vllm_ids: Sequence[int] | np.ndarray, pool_blocks: int,
+             vllm_blocks: int) -> np.ndarray:
+    """The copy's pairs as one int64 array [2, n] (row 0 the pool's ids, row 1 vLLM's), each checked against its
+    side's block count (``ValueError`` names the side)."""
+    pairs = np.array((pool_ids, vllm_ids), dtype=np.int64) if len(pool_ids) == len(vllm_ids) else None
+    if pairs is None or pairs.ndim != 2:
         raise ValueError("a copy pairs a different number of pool and vLLM blocks")
-    for name, ids, limit in (("pool", pool_ids, pool_blocks), ("vLLM", vllm_ids, vllm_blocks)):
-        if ids and (min(ids) < 0 or max(ids) >= limit):
-            raise ValueError(f"a copy names a {name} block outside 0..{limit - 1}")
+    if pairs.shape[1]:
+        low, high = pairs.min(axis=1), pairs.max(axis=1)
+        for row, (name, limit) in enumerate((("pool", pool_blocks), ("vLLM", vllm_blocks))):
+            if low[row] < 0 or high[row] >= limit:
+                raise ValueError(f"a copy names a {name} block outside 0..{limit - 1}")
+    return pairs
 
 
 class BlockCopier:
@@ -127,19 +139,20 @@ class BlockCopier:
     ``path`` says which path the last ``copy`` took: "triton" (one kernel launch) or "torch (<why>)"."""
 
     def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]], *, kernel_on_cpu: bool = False,
-                 config: CopyConfig = DEFAULT) -> None:
+                 config: CopyConfig | None = None) -> None:
         if not layers:
             raise ValueError("no vLLM KV cache views to copy")
         self.layers = layers
         self.kernel_on_cpu = kernel_on_cpu  # the kernel on CPU tensors too: for Triton's interpreter (the tests)
-        self.config = config
+        self.config = config or DEFAULT  # DEFAULT as it is when the copier is made (a benchmark may set it)
         self.path = ""
         self.word = 0  # the bytes of the integers the last kernel copy moved
-        self.ids = DeviceIds(config.ids_cache)
+        self.direct = True  # False once this Triton refused a direct launch of its compiled kernel (then the JIT's)
+        self.ids = DeviceIds(self.config.ids_cache)
         self._refusal = self._views_refusal()
         self._offset_bytes: list[int] = []
         self._tables: dict[int, tuple[torch.Tensor, int]] = {}  # word -> (offset table in words, its alignment)
-        self._word_of: tuple[tuple[int, tuple[int, ...]], int] | None = None  # the last pool's (address, strides), word
+        self._launch: tuple[tuple[Any, ...], _Launch | str] | None = None  # the last pool's key, its launch or refusal
         if self._refusal is None:
             self._offset_bytes = [o * layers[0][0].element_size() for o in layer_offsets(layers)]
 
@@ -176,26 +189,28 @@ class BlockCopier:
             return f"an element of {k0.element_size()} bytes"
         return None
 
-    def copy(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int], *, into_vllm: bool) -> None:
+    def copy(self, pool: torch.Tensor, pool_ids: Sequence[int] | np.ndarray, vllm_ids: Sequence[int] | np.ndarray, *,
+             into_vllm: bool) -> None:
         k0 = self.layers[0][0]
-        check_ids(pool_ids, vllm_ids, int(pool.shape[0]), int(k0.shape[0]))
-        if not pool_ids:
+        pairs = pair_ids(pool_ids, vllm_ids, int(pool.shape[0]), int(k0.shape[0]))
+        if not pairs.shape[1]:
             return
-        refusal = self.kernel_refusal(pool)
-        if refusal is None:
-            self._kernel_copy(pool, pool_ids, vllm_ids, into_vllm)
+        launch = self._launch_of(pool)
+        if isinstance(launch, _Launch):
+            self._kernel_copy(launch, pairs, into_vllm)
             self.path = "triton"
         else:
-            _torch_copy(self.layers, pool, pool_ids, vllm_ids, into_vllm)
-            self.path = f"torch ({refusal})"
+            _torch_copy(self.layers, pool, pairs[0], pairs[1], into_vllm)
+            self.path = f"torch ({launch})"
 
-    def _word(self, pool: torch.Tensor) -> int:
-        """The widest integer (at most ``config.word_bytes``) that every address and stride of both sides divides
-        (worked out again only when the pool's address or strides change: vLLM's side is fixed for the copier)."""
-        key = (pool.data_ptr(), tuple(pool.stride()))
-        if self._word_of is None or self._word_of[0] != key:
-            self._word_of = (key, self._widest_word(pool))
-        return self._word_of[1]
+    def _launch_of(self, pool: torch.Tensor) -> _Launch | str:
+        """The kernel's arguments for ``pool`` (or why the kernel refuses it), worked out again only when the pool
+        tensor's address, shape, strides, dtype or device change: vLLM's side is fixed for the copier."""
+        key = (pool.data_ptr(), tuple(pool.shape), tuple(pool.stride()), pool.dtype, pool.device)
+        if self._launch is None or self._launch[0] != key:
+            refusal = self.kernel_refusal(pool)
+            self._launch = (key, refusal if refusal is not None else self._plan_launch(pool))
+        return self._launch[1]
 
     def _widest_word(self, pool: torch.Tensor) -> int:
         k0 = self.layers[0][0]
@@ -214,10 +229,9 @@ class BlockCopier:
                                   common_alignment(offsets, word))
         return self._tables[word]
 
-    def _kernel_copy(self, pool: torch.Tensor, pool_ids: list[int], vllm_ids: list[int], into_vllm: bool) -> None:
+    def _plan_launch(self, pool: torch.Tensor) -> _Launch:
         k0, cfg = self.layers[0][0], self.config
-        ids = self.ids.get(pool_ids, vllm_ids, k0.device)
-        word = self._word(pool)
+        word = self._widest_word(pool)
         per = word // k0.element_size()  # elements a word
         offsets, align = self._table(word)
         _, tokens, heads, head = k0.shape
@@ -225,24 +239,64 @@ class BlockCopier:
         head_p = triton.next_power_of_2(head_w)
         rows = max(1, min(cfg.tile_bytes // (head_p * word), triton.next_power_of_2(tokens * heads)))
         as_int = INT_OF_SIZE[word]
-        bpp = cfg.blocks_per_program
-        grid = (triton.cdiv(len(pool_ids), bpp), len(self.layers))
-        self.word = word
-        with torch.cuda.device(k0.device) if k0.is_cuda else contextlib.nullcontext():  # the views' device
-            _block_copy_kernel[grid](
-                k0.view(as_int), pool.view(as_int), offsets, ids[1], ids[0], len(pool_ids),
-                *(st // per for st in k0.stride()[:3]), *(st // per for st in pool.stride()[:5]),
-                TOKENS=tokens, HEADS=heads, HEAD=head_w, HEAD_P=head_p, ROWS=rows, ALIGN=align,
-                INTO_VLLM=into_vllm, BLOCKS_PER_PROGRAM=bpp, EVICT="evict_first" if cfg.evict_first else "",
-                num_warps=cfg.num_warps)
+        strides = (*(st // per for st in k0.stride()[:3]), *(st // per for st in pool.stride()[:5]))
+        constants = dict(TOKENS=tokens, HEADS=heads, HEAD=head_w, HEAD_P=head_p, ROWS=rows, ALIGN=align,
+                         BLOCKS_PER_PROGRAM=cfg.blocks_per_program,
+                         EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps)
+        return _Launch(k0.view(as_int), pool.view(as_int), offsets, strides, constants, word,
+                       k0.device.index if k0.is_cuda else None, {})
+
+    def _kernel_copy(self, launch: _Launch, pairs: np.ndarray, into_vllm: bool) -> None:
+        k0 = self.layers[0][0]
+        ids = self.ids.get(pairs, k0.device)
+        n = pairs.shape[1]
+        grid = (triton.cdiv(n, self.config.blocks_per_program), len(self.layers), 1)  # 3: as compiled[grid] wants
+        self.word = launch.word
+        args = (launch.vllm, launch.pool, launch.offsets, ids[1], ids[0], n, *launch.strides)
+        switch = launch.device is not None and torch.cuda.current_device() != launch.device
+        with torch.cuda.device(launch.device) if switch else contextlib.nullcontext():  # the views' device
+            compiled = launch.compiled.get(into_vllm)
+            if compiled is not None:
+                try:  # Triton's compiled kernel, launched as its JIT would (every argument, constexprs included)
+                    compiled[grid](*args, *launch.constexpr_values(into_vllm))
+                    return
+                except (TypeError, IndexError):  # a Triton whose compiled kernels take other arguments: its JIT
+                    launch.compiled[into_vllm] = None
+                    self.direct = False
+            kernel = _block_copy_kernel[grid](*args, INTO_VLLM=into_vllm, **launch.constants)
+            if self.direct and self.config.direct_launch and callable(getattr(kernel, "__getitem__", None)):
+                launch.compiled[into_vllm] = kernel
 
 
-def _torch_copy(layers: list[tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, pool_ids: list[int],
-                vllm_ids: list[int], into_vllm: bool) -> None:
+class _Launch(NamedTuple):
+    """What every kernel copy between one pool tensor and the copier's views passes (``BlockCopier._launch_of``):
+    both sides as integers of ``word`` bytes, the layer offset table, the strides in words, the constexprs; and
+    the kernel Triton compiled for them, by direction, once the first copy made it (``compiled``): the copies after
+    it launch that directly, without the JIT's dispatch (binding, specialisation key, cache lookup) -- sound
+    because nothing that varies between copies (the ids, their count) is specialised on."""
+
+    vllm: torch.Tensor
+    pool: torch.Tensor
+    offsets: torch.Tensor
+    strides: tuple[int, ...]
+    constants: dict[str, Any]
+    word: int
+    device: int | None  # the views' CUDA device (None: CPU tensors, the interpreter)
+    compiled: dict[bool, Any]  # into_vllm -> Triton's compiled kernel (None: launch through the JIT)
+
+    def constexpr_values(self, into_vllm: bool) -> tuple[Any, ...]:
+        """The kernel's constexpr arguments in its signature's order (``num_warps`` is an option, not one)."""
+        c = self.constants
+        return (c["TOKENS"], c["HEADS"], c["HEAD"], c["HEAD_P"], c["ROWS"], c["ALIGN"], into_vllm,
+                c["BLOCKS_PER_PROGRAM"], c["EVICT"])
+
+
+def _torch_copy(layers: list[tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, pool_ids: Sequence[int] | np.ndarray,
+                vllm_ids: Sequence[int] | np.ndarray, into_vllm: bool) -> None:
     """Per layer advanced indexing: the CPU backend's path, and the fallback for what the kernel refuses."""
     device = layers[0][0].device
-    p_ids = torch.tensor(pool_ids, dtype=torch.long, device=pool.device)
-    v_ids = torch.tensor(vllm_ids, dtype=torch.long, device=device)
+    p_ids = torch.as_tensor(np.asarray(pool_ids, dtype=np.int64), device=pool.device)
+    v_ids = torch.as_tensor(np.asarray(vllm_ids, dtype=np.int64), device=device)
     if into_vllm:
         blocks = pool.index_select(0, p_ids).to(device)  # [n, L, 2, B, H, D]: every layer at once
         for layer, (k, v) in enumerate(layers):

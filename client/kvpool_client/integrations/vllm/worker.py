@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from itertools import chain
 from typing import Any
 
 import torch
@@ -201,8 +202,12 @@ class KVPoolWorker:
             fault = os.environ.get(FAULT_FILE_ENV)
             if fault and os.path.exists(fault):
                 raise RuntimeError(f"a load failure injected by the test ({FAULT_FILE_ENV})")
-        self._copier.copy(self._pool_tensor, [b for c in copies for b in c.pool_blocks],
-                          [b for c in copies for b in c.vllm_blocks], into_vllm=into_vllm)
+        if len(copies) == 1:  # the common case: the tuples as they came
+            pool_ids, vllm_ids = copies[0].pool_blocks, copies[0].vllm_blocks
+        else:
+            pool_ids = tuple(chain.from_iterable(c.pool_blocks for c in copies))
+            vllm_ids = tuple(chain.from_iterable(c.vllm_blocks for c in copies))
+        self._copier.copy(self._pool_tensor, pool_ids, vllm_ids, into_vllm=into_vllm)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done, self._finished_stores = self._finished_stores, set()
