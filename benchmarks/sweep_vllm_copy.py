@@ -2,10 +2,9 @@
 warps, blocks a program, the word the bytes move as, an evict-first hint on the loads; ``copy_config.CopyConfig``),
 CUDA only: Llama-3-8B (32 layers, 8 KV heads, head 128, fp16, block 16) in vLLM's NHD layout, 256 blocks stored into a
 pool tensor and loaded back, each configuration's bytes checked against the PyTorch path; times of the whole
-``BlockCopier.copy`` call (ids kept on the device after the first call, one launch) against ``copy_`` of the same
+``BlockCopier.copy`` call (its ids uploaded through the stages, one launch) against ``copy_`` of the same
 bytes in the same run, mean of 20. Prints a line per configuration (GB/s and the ratio to ``copy_`` of each
-direction), ``BEST`` (the slowest direction's time the least), the best again with its ids uploaded every call,
-and the ``DEFAULT = CopyConfig(...)`` line to set in block_copy.py. 48 configurations, about a minute.
+direction), ``BEST`` (the slowest direction's time the least), and the ``DEFAULT = CopyConfig(...)`` line to set in block_copy.py. 48 configurations, about a minute.
 
     PYTHONPATH=server:common:client python3 benchmarks/sweep_vllm_copy.py
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,15 +74,12 @@ def main() -> int:
               flush=True)
     worst, best = min(results, key=lambda r: r[0])
     print(f"\nBEST (the slower direction {worst:.3f} ms, {base / worst:.2f}x of copy_ {base:.3f} ms): {best.label()}")
-    nocache = block_copy.BlockCopier(layers, config=replace(best, ids_cache=0))  # the same, ids uploaded each call
-    t = max(mean_ms(lambda d=d: nocache.copy(pool, pool_ids, vllm_ids, into_vllm=d)) for d in (False, True))
-    print(f"BEST with its ids uploaded every call (ids_cache=0): {t:.3f} ms, {base / t:.2f}x")
     print(f"set in block_copy.py: DEFAULT = {best!r}")
     return 1 if wrong else 0
 
 
 def configs() -> list[block_copy.CopyConfig]:
-    """The grid: tile bytes x warps x blocks a program x word x eviction hint, ids kept on the device."""
+    """The grid: tile bytes x warps x blocks a program x word x eviction hint."""
     return [block_copy.CopyConfig(tile_bytes=tile, num_warps=warps, blocks_per_program=bpp, word_bytes=word,
                                   evict_first=evict)
             for tile in (16384, 32768) for warps in (4, 8) for bpp in (1, 4, 16) for word in (2, 8)

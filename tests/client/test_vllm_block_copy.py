@@ -1,7 +1,7 @@
 """The vLLM connector's block copy (``integrations/vllm/block_copy.py``) without a GPU: the Triton kernel run by
 Triton's interpreter on CPU tensors, byte for byte against the PyTorch path (vLLM's NHD and HND CUDA layouts and
 the CPU backend's, fp16 and bf16, both directions, a masked tile; every kernel variant of ``CopyConfig``: tiles,
-blocks a program, words, eviction hints, the ids kept on the device); its PTX for sm_90 compiled here (16-byte
+blocks a program, words, eviction hints); its PTX for sm_90 compiled here (16-byte
 loads and stores); the refusals that send a copy to the PyTorch path; the block-id checks; and the worker's failure
 semantics around it (a failed load is a recompute, a failed store is reported). vLLM is stubbed where it is not
 installed (``benchmarks/bench_vllm_gpu.py``'s stub); the GPU run itself is that benchmark.
@@ -115,9 +115,9 @@ def test_kernel_matches_the_torch_path_byte_for_byte(interpreted, layout, dtype,
 
 
 # (config fields, the word the even shape is moved as): several tile steps a block (64-128 B tiles), a program
-# whose last pairs are past the copy's (3 or 8 a program, 4 pairs), 4- and 8-byte words, eviction hints, no id cache
+# whose last pairs are past the copy's (3 or 8 a program, 4 pairs), 4- and 8-byte words, eviction hints
 VARIANTS = [(dict(tile_bytes=64, blocks_per_program=3, word_bytes=8, evict_first=True), 8),
-            (dict(tile_bytes=128, num_warps=8, blocks_per_program=4, word_bytes=4, ids_cache=0), 4),
+            (dict(tile_bytes=128, num_warps=8, blocks_per_program=4, word_bytes=4), 4),
             (dict(blocks_per_program=8, word_bytes=8), 8),
             (dict(tile_bytes=32, blocks_per_program=2, word_bytes=2, evict_first=True), 2)]
 
@@ -144,9 +144,9 @@ def test_kernel_compiles_to_16_byte_accesses_for_sm90(vllm_pkg, word, bpp, evict
     kernel = vllm_pkg[0]._block_copy_kernel
     if not isinstance(kernel, triton.runtime.JITFunction):
         pytest.skip("TRITON_INTERPRET is set: the kernel is not compiled")
-    names = ["VLLM", "POOL", "LAYER_OFFS", "VLLM_IDS", "POOL_IDS", "n_pairs", "v_sb", "v_st", "v_sh", "p_sb", "p_sl",
-             "p_skv", "p_st", "p_sh"]
-    types = [f"*i{8 * word}", f"*i{8 * word}", "*i64", "*i64", "*i64"] + ["i32"] * 9
+    names = ["VLLM", "POOL", "LAYER_OFFS", "IDS", "n_pairs", "v_sb", "v_st", "v_sh", "p_sb", "p_sl", "p_skv", "p_st",
+             "p_sh"]
+    types = [f"*i{8 * word}", f"*i{8 * word}", "*i64", "*i64"] + ["i32"] * 9
     head = 128 * 2 // word
     for into_vllm in (True, False):
         const = dict(TOKENS=16, HEADS=8, HEAD=head, HEAD_P=head, ROWS=16384 // (head * word), ALIGN=16 // word,
@@ -154,33 +154,13 @@ def test_kernel_compiles_to_16_byte_accesses_for_sm90(vllm_pkg, word, bpp, evict
         src = triton.compiler.ASTSource(fn=kernel,
                                         signature={**dict(zip(names, types, strict=True)),
                                                    **{name: "constexpr" for name in const}},
-                                        constexprs=const, attrs={(i,): [["tt.divisibility", 16]] for i in range(14)
-                                                                 if i != 5})
+                                        constexprs=const, attrs={(i,): [["tt.divisibility", 16]] for i in range(13)
+                                                                 if i not in (3, 4)})  # IDS, n_pairs: not specialised
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         ops = set(re.findall(r"(?:ld|st)\.global[.:\w]*", ptx))
         vec = "v2.b64" if word == 8 else "v4.b32"  # 16 bytes a thread either way
         hint = ".L1::evict_first.L2::cache_hint" if evict else ""
         assert ops - {"ld.global.b64"} == {f"ld.global{hint}.{vec}", f"st.global.{vec}"}, ops  # b64: the ids
-
-
-@needs_triton
-def test_the_ids_stay_on_the_device_for_the_same_pairs(interpreted):
-    """A repeated copy of the same pairs uploads no ids; another array does; the least recent is dropped past the
-    cache's size; ``ids_cache=0`` uploads every time -- the bytes right each time."""
-    bc = interpreted
-    layers = make_layers("NHD", torch.float16, 4, 2, 16)
-    pool = torch.zeros(P, L, 2, 4, 2, 16, dtype=torch.float16)
-    for size, uploads in ((2, [1, 1, 2, 3, 4]), (0, [1, 2, 3, 4, 5])):
-        copier = bc.BlockCopier(layers, kernel_on_cpu=True, config=bc.CopyConfig(ids_cache=size))
-        seen = []
-        for pool_ids, vllm_ids in (([1, 2], [3, 4]), ([1, 2], [3, 4]), ([5], [6]), ([7], [0]), ([1, 2], [3, 4])):
-            pool.zero_()
-            copier.copy(pool, pool_ids, vllm_ids, into_vllm=False)
-            seen.append(copier.ids.uploads)
-            for p_id, v_id in zip(pool_ids, vllm_ids, strict=True):
-                assert torch.equal(bits(pool[p_id, 1, 0]), bits(layers[1][0][v_id]))
-            assert int(pool.count_nonzero()) == len(pool_ids) * L * 2 * 4 * 2 * 16
-        assert seen == uploads
 
 
 def test_cpu_tensors_take_the_torch_path_and_say_why(vllm_pkg):
@@ -269,7 +249,7 @@ def test_on_cuda_copies_of_every_size_launched_directly_match_the_torch_path(vll
     ref_layers = [(k.clone(), v.clone()) for k, v in layers]
     pool = torch.randn(P, L, 2, 16, 8, 128, generator=torch.Generator().manual_seed(3)).half().cuda()
     ref_pool = pool.clone()
-    copier = bc.BlockCopier(layers, config=bc.CopyConfig(ids_cache=0))
+    copier = bc.BlockCopier(layers)
     gen = torch.Generator().manual_seed(7)
     for n in (1, 2, 3, 5, 8, 9, 1, 4):
         pool_ids, vllm_ids = torch.randperm(P, generator=gen)[:n].tolist(), torch.randperm(N, generator=gen)[:n].tolist()

@@ -19,8 +19,8 @@ pointer arithmetic, which Triton's interpreter also runs on CPU tensors (the tes
 compiler can be told: their common power-of-two factor (at most 16 bytes), with which it proves every row 16-byte
 aligned and loads and stores 16 bytes a thread. The bytes are copied as integers of ``word_bytes`` (at most; the
 widest that the head's bytes, every stride and offset divide, never narrower than an element), so any dtype is
-copied exactly. The copy's ids stay on the device for the next copy of the same pairs (``DeviceIds``); a new
-array is one pinned upload queued on the stream. The variant (``copy_config.CopyConfig``, ``DEFAULT``) is chosen
+copied exactly. The copy's ids reach the device as one vector [pool ids, vLLM ids] through two reused pinned
+stages (``IdStages``: one upload queued on the stream, no allocation). The variant (``copy_config.CopyConfig``, ``DEFAULT``) is chosen
 by ``benchmarks/sweep_vllm_copy.py``; every one is one kernel definition, its constexpr parameters.
 The first copy of a process compiles the kernel (about a second; Triton caches it on disk).
 
@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvpool_client.integrations.vllm.copy_config import CopyConfig, DeviceIds
+from kvpool_client.integrations.vllm.copy_config import CopyConfig, IdStages
 
 try:
     import triton
@@ -57,8 +57,8 @@ if triton is not None:
 
     # The ids and their count are not specialised on (alignment, divisibility): one compiled kernel serves every copy
     # of a pool layout and direction, so a copy after the first can launch it directly (``_Launch.compiled``).
-    @triton.jit(do_not_specialize=["VLLM_IDS", "POOL_IDS", "n_pairs"])
-    def _block_copy_kernel(VLLM, POOL, LAYER_OFFS, VLLM_IDS, POOL_IDS, n_pairs,
+    @triton.jit(do_not_specialize=["IDS", "n_pairs"])
+    def _block_copy_kernel(VLLM, POOL, LAYER_OFFS, IDS, n_pairs,
                            v_sb, v_st, v_sh, p_sb, p_sl, p_skv, p_st, p_sh,
                            TOKENS: tl.constexpr, HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_P: tl.constexpr,
                            ROWS: tl.constexpr, ALIGN: tl.constexpr, INTO_VLLM: tl.constexpr,
@@ -71,8 +71,8 @@ if triton is not None:
         for i in range(BLOCKS_PER_PROGRAM):  # this program's pairs: consecutive in the ids, one layer
             pair = tl.program_id(0) * BLOCKS_PER_PROGRAM + i
             if pair < n_pairs:
-                vid = tl.load(VLLM_IDS + pair).to(tl.int64)
-                pid = tl.load(POOL_IDS + pair).to(tl.int64)
+                pid = tl.load(IDS + pair).to(tl.int64)  # IDS: [pool ids, vLLM ids] (IdStages)
+                vid = tl.load(IDS + n_pairs + pair).to(tl.int64)
                 v_block = vid * v_sb
                 p_block = pid * p_sb + layer.to(tl.int64) * p_sl
                 for r0 in range(0, TOKENS * HEADS, ROWS):
@@ -148,7 +148,7 @@ class BlockCopier:
         self.path = ""
         self.word = 0  # the bytes of the integers the last kernel copy moved
         self.direct = True  # False once this Triton refused a direct launch of its compiled kernel (then the JIT's)
-        self.ids = DeviceIds(self.config.ids_cache)
+        self.ids: IdStages | None = None  # made at the first CUDA kernel copy
         self._refusal = self._views_refusal()
         self._offset_bytes: list[int] = []
         self._tables: dict[int, tuple[torch.Tensor, int]] = {}  # word -> (offset table in words, its alignment)
@@ -248,24 +248,34 @@ class BlockCopier:
 
     def _kernel_copy(self, launch: _Launch, pairs: np.ndarray, into_vllm: bool) -> None:
         k0 = self.layers[0][0]
-        ids = self.ids.get(pairs, k0.device)
+        if k0.is_cuda:
+            self.ids = self.ids or IdStages(k0.device)
+            ids = self.ids.put(pairs)
+        else:  # Triton's interpreter (the tests): the array as it is
+            ids = torch.from_numpy(pairs.reshape(-1))
         n = pairs.shape[1]
         grid = (triton.cdiv(n, self.config.blocks_per_program), len(self.layers), 1)  # 3: as compiled[grid] wants
         self.word = launch.word
-        args = (launch.vllm, launch.pool, launch.offsets, ids[1], ids[0], n, *launch.strides)
-        switch = launch.device is not None and torch.cuda.current_device() != launch.device
+        args = (launch.vllm, launch.pool, launch.offsets, ids, n, *launch.strides)
+        switch = launch.device is not None and torch.cuda.current_device() != launch.device  # a vLLM worker: never
         with torch.cuda.device(launch.device) if switch else contextlib.nullcontext():  # the views' device
-            compiled = launch.compiled.get(into_vllm)
-            if compiled is not None:
-                try:  # Triton's compiled kernel, launched as its JIT would (every argument, constexprs included)
-                    compiled[grid](*args, *launch.constexpr_values(into_vllm))
-                    return
-                except (TypeError, IndexError):  # a Triton whose compiled kernels take other arguments: its JIT
-                    launch.compiled[into_vllm] = None
-                    self.direct = False
-            kernel = _block_copy_kernel[grid](*args, INTO_VLLM=into_vllm, **launch.constants)
-            if self.direct and self.config.direct_launch and callable(getattr(kernel, "__getitem__", None)):
-                launch.compiled[into_vllm] = kernel
+            self._launch_kernel(launch, grid, args, into_vllm)
+            if k0.is_cuda:
+                self.ids.read()  # type: ignore[union-attr]
+
+    def _launch_kernel(self, launch: _Launch, grid: tuple[int, int, int], args: tuple[Any, ...],
+                       into_vllm: bool) -> None:
+        compiled = launch.compiled.get(into_vllm)
+        if compiled is not None:
+            try:  # Triton's compiled kernel, launched as its JIT would (every argument, constexprs included)
+                compiled[grid](*args, *launch.constexpr_values(into_vllm))
+                return
+            except (TypeError, IndexError):  # a Triton whose compiled kernels take other arguments: its JIT
+                launch.compiled[into_vllm] = None
+                self.direct = False
+        kernel = _block_copy_kernel[grid](*args, INTO_VLLM=into_vllm, **launch.constants)
+        if self.direct and self.config.direct_launch and callable(getattr(kernel, "__getitem__", None)):
+            launch.compiled[into_vllm] = kernel
 
 
 class _Launch(NamedTuple):
