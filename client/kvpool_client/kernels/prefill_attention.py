@@ -10,7 +10,8 @@ per prefill), then
 - on CUDA, fp16 / bf16, head size a multiple of 8 up to 256: one varlen FlashAttention call over all the spans
   (``aten::_flash_attention_forward``, the kernel behind SDPA's flash backend, given the cumulative lengths):
   causal aligned to the bottom right (query i of a span of n over a context of m sees keys 0 .. m - n + i), KV
-  heads shared by ``group`` query heads inside the kernel (no repeat), no score matrix in memory;
+  heads shared by ``group`` query heads inside the kernel (no repeat), no score matrix in memory; a single span of
+  few new tokens over a long context is split over its keys instead (``split_kv``: two calls and a merge);
 - elsewhere (the CPU, float32, a build without flash), per span: the KV heads repeated ``group`` times and SDPA
   with the boolean causal mask offset to the new tokens' positions (PyTorch's math path).
 
@@ -21,20 +22,23 @@ difference 2e-3 between them; the engines' logit tests hold either). SDPA given 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvpool_client.kernels.split_kv import SplitPlan, split_attention, split_plan
+
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _flash_broken: set[str] = set()  # devices where the flash call raised once: the fallback from then on
+_split_broken: set[str] = set()  # devices where the split-KV calls raised once: one flash call from then on
 
 
 @dataclass(frozen=True)
 class PrefillSpans:
     """One prefill's sequences: ``spans`` as given; ``context`` every span's context slots, concatenated;
     ``cu_q`` / ``cu_k`` the cumulative new-token and context lengths (int32, [S + 1], on the device; ``starts_k``
-    the latter on the host), ``max_q`` / ``max_k`` the longest of each. Built once per prefill, read by every
-    layer."""
+    the latter on the host), ``max_q`` / ``max_k`` the longest of each; ``plans`` the split-KV plan by query heads
+    (``split_kv``, made by the first layer). Built once per prefill, read by every layer."""
 
     spans: list[tuple[int, int, torch.Tensor]]
     context: torch.Tensor
@@ -43,6 +47,12 @@ class PrefillSpans:
     starts_k: list[int]
     max_q: int
     max_k: int
+    plans: dict[int, SplitPlan | None] = field(default_factory=dict, compare=False, repr=False)
+
+    def split(self, num_heads: int, device: torch.device) -> SplitPlan | None:
+        if num_heads not in self.plans:
+            self.plans[num_heads] = split_plan(self, num_heads, device)
+        return self.plans[num_heads]
 
     @classmethod
     def of(cls, spans: list[tuple[int, int, torch.Tensor]]) -> PrefillSpans:
@@ -85,6 +95,12 @@ def prefill_attention(q: torch.Tensor, blocks: torch.Tensor, layer: int, spans: 
     k, v = torch.ops.kvpool.read_layer(blocks, layer, spans.context, error)  # [sum m, Hkv, D] each
     if uses_flash(q):
         try:
+            plan = None if str(q.device) in _split_broken else spans.split(q.shape[1], q.device)
+            if plan is not None:
+                try:
+                    return split_attention(q, k, v, plan, scale)
+                except RuntimeError:  # a kernel whose log-sum-exp is not what split_kv reads: one call from now on
+                    _split_broken.add(str(q.device))
             return torch.ops.aten._flash_attention_forward(
                 q, k, v, spans.cu_q, spans.cu_k, spans.max_q, spans.max_k, 0.0, True, False, scale=scale)[0]
         except RuntimeError:  # a build or device without the kernel: the math path, for good on this device

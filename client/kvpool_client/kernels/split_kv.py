@@ -1,0 +1,116 @@
+"""Split-KV for a prefill of few new tokens over a long context (a cache hit's suffix): the keys cut into pieces
+that run side by side, their partial attentions merged by log-sum-exp.
+
+    plan = split_plan(spans, num_heads, device)      None: one flash call fills the device already
+    o = split_attention(q, k, v, spans, plan, scale)  o: [n, Hq, D], as the one flash call gives it
+
+One varlen FlashAttention call runs a program per (128 queries, head): 256 new tokens of a 32-head model are 64
+programs, half the H200's 132 multiprocessors, each walking the whole context. For one span of ``n`` new tokens over
+``m`` keys, the first ``p = m - n`` keys come before every query (each sees all of them) and the last ``n`` are the
+queries' own (query i sees the first i + 1). So:
+
+- the first ``p`` keys in ``S`` pieces, as ``S`` sequences of one non-causal varlen call, the ``n`` queries repeated
+  for each (``cu_q = [0, n, .., S n]``, ``cu_k`` the pieces' bounds: ``p j // S``);
+- the own keys by one causal call (``cu_k = [p, m]``: the call reads the keys from offset ``p``);
+- the ``S + 1`` partial outputs merged in float32, each weighted by ``exp(lse_j - max lse)``. A piece with no keys
+  (``p < S``) has ``lse = +inf`` from the kernel and weight 0; the own keys are never empty.
+
+The bounds are computed on the device from ``spans.cu_k`` (the CUDA graph of a prefill bucket replays them with
+each prompt's lengths); ``n`` and the bucket's largest context are the plan's static sizes. ``S`` is chosen so the
+two calls have about two programs a multiprocessor, each piece at least ``MIN_PIECE_KEYS`` keys, at most
+``MAX_PIECES``. ``KVPOOL_ENGINE_SPLIT_KV=0`` turns it off (the benchmarks' same-run comparison).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+MIN_PIECE_KEYS = 512
+MAX_PIECES = 16
+QUERY_BLOCK = 128  # the queries a flash program takes (FlashAttention 2, head size <= 128 on sm80/sm90)
+PROGRAMS_PER_SM = 2
+ENV = "KVPOOL_ENGINE_SPLIT_KV"
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One span's pieces: ``pieces`` (S), ``cu_q`` [S + 1] (the repeated queries), ``cu_k`` [S + 1] (the pieces of
+    the first ``p`` keys), ``cu_own`` [2] (= [p, m]), ``max_piece`` (an upper bound of a piece's keys), all int32
+    on the device, made once per prefill and read by every layer."""
+
+    pieces: int
+    n: int
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    cu_own: torch.Tensor
+    max_piece: int
+
+
+@lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pieces_for(n: int, max_k: int, num_heads: int, sms: int) -> int:
+    """How many pieces the first ``max_k - n`` keys are cut into (1: no split)."""
+    programs = math.ceil(n / QUERY_BLOCK) * num_heads
+    want = math.ceil(PROGRAMS_PER_SM * sms / programs)
+    return max(1, min(MAX_PIECES, want, (max_k - n) // MIN_PIECE_KEYS))
+
+
+def split_plan(spans: Any, num_heads: int, device: torch.device) -> SplitPlan | None:
+    """The plan for ``spans`` (``prefill_attention.PrefillSpans``): one span only, on CUDA, when more than one
+    piece pays; else None."""
+    if len(spans.spans) != 1 or device.type != "cuda" or os.environ.get(ENV, "1") == "0":
+        return None
+    pieces = pieces_for(spans.max_q, spans.max_k, num_heads, _multiprocessors(device))
+    return make_plan(spans.cu_k, spans.max_q, spans.max_k, pieces) if pieces >= 2 else None
+
+
+def make_plan(cu_k: torch.Tensor, n: int, max_k: int, pieces: int) -> SplitPlan:
+    """The plan of one span of ``n`` queries over ``cu_k[1]`` keys (at most ``max_k``) in ``pieces`` pieces."""
+    cu_k = cu_k.to(torch.int32)
+    p = cu_k[1:2] - n  # the keys before every query: on the device (a graph's spans carry each prompt's there)
+    steps = torch.arange(pieces + 1, dtype=torch.int32, device=cu_k.device)
+    bounds = torch.div(p * steps, pieces, rounding_mode="floor").to(torch.int32)
+    return SplitPlan(pieces, n, steps * n, bounds, torch.cat([p, cu_k[1:2]]).to(torch.int32),
+                     math.ceil((max_k - n) / pieces) + 1)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+           max_k: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One varlen FlashAttention call: (out [total_q, Hq, D], lse [Hq, total_q] float32)."""
+    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                       scale=scale)[:2]
+    return out, lse
+
+
+def _lse_by_piece(lse: torch.Tensor, heads: int, pieces: int, n: int) -> torch.Tensor:
+    """The kernel's log-sum-exps as [Hq, pieces, n]: [Hq, total_q] (FlashAttention 2.4 on) or [batch, Hq, max_q]."""
+    if lse.dim() == 2:
+        return lse.view(heads, pieces, n)
+    if lse.dim() == 3 and lse.shape[0] == pieces:
+        return lse[:, :, :n].permute(1, 0, 2)
+    raise RuntimeError(f"flash attention's log-sum-exp has the shape {tuple(lse.shape)}")
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SplitPlan,
+                    scale: float) -> torch.Tensor:
+    """The causal attention of one span's ``q`` [n, Hq, D] over ``k``/``v`` [m, Hkv, D] (bottom-right aligned),
+    as ``plan`` splits it."""
+    n, heads, dim = q.shape
+    s = plan.pieces
+    o_pieces, lse_pieces = _flash(q.repeat(s, 1, 1), k, v, plan.cu_q, plan.cu_k, n, plan.max_piece, False, scale)
+    o_own, lse_own = _flash(q, k, v, plan.cu_q[:2], plan.cu_own, n, n, True, scale)
+    lse = torch.cat([_lse_by_piece(lse_pieces, heads, s, n), _lse_by_piece(lse_own, heads, 1, n)], dim=1)
+    lse = lse.masked_fill(lse == math.inf, -math.inf)  # a piece without keys: weight 0
+    weights = torch.softmax(lse, dim=1)  # [Hq, S + 1, n]: exp(lse_j - max) / sum
+    outs = torch.cat([o_pieces.view(s, n, heads, dim), o_own.view(1, n, heads, dim)])  # [S + 1, n, Hq, D]
+    merged = torch.einsum("snhd,hsn->nhd", outs.float(), weights)
+    return merged.to(q.dtype)
