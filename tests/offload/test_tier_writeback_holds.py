@@ -12,7 +12,7 @@ import pytest
 
 from kvpool_server.offload import writeback as tier_writeback
 from kvpool_server.offload.host_tier import HostTier
-from kvpool_server.offload.events import host_stored
+from kvpool_server.offload.events import host_stored_runs
 from kvpool_server.core.kv_event_types import BlockStored
 from kvpool_server.offload.tier_pool import CopyTicket
 from kvpool_server.service.kvpool import KVPoolService
@@ -50,16 +50,15 @@ def test_a_write_back_queues_its_copy_and_builds_its_events_with_the_lock_releas
         return start(pairs)
 
     memory.start_offload = queued  # type: ignore[method-assign]
-    built = []
     events = svc.guard.events.log.pending  # the tier's events go there too (the pool cache's pending list)
     assert svc.tier.writeback_once(lock, 64) == 2 * PROMPT_BLOCKS
     assert held == [False]  # the copy was queued (on the GPU) or run (host backend) with no lock held
     stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     tier = svc.tier.tier
-    for event in stored:  # exactly the events a commit builds itself: one block each, of a committed slot
-        (h,) = event.block_hashes
-        built.append(host_stored(tier.entries[tier.slot_of_hash[h]]))
-    assert stored == built and len(stored) == 2 * PROMPT_BLOCKS
+    hashes = [h for event in stored for h in event.block_hashes]
+    assert len(hashes) == 2 * PROMPT_BLOCKS and len(stored) == 2  # a run of blocks that chain: one event, a prompt
+    built = host_stored_runs([tier.entries[tier.slot_of_hash[h]] for h in reversed(hashes)])  # (eviction order)
+    assert stored == built  # exactly the events a commit builds itself, of committed slots
     check(svc)
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TypeVar
@@ -52,7 +53,7 @@ import numpy as np
 from kvpool_server.core.types import AppendPlan, EvictedBlocks
 from kvpool_server.log_limits import RateLimitedLog
 from kvpool_server.offload import restore, writeback
-from kvpool_server.offload.events import host_stored
+from kvpool_server.offload.events import host_stored_runs
 from kvpool_server.offload.host_tier import NO_PAIRS, HostTier, StorePlan
 from kvpool_server.offload.restore import StagedRestore
 from kvpool_server.offload.tier_pool import CopyTicket, TierPool
@@ -244,7 +245,7 @@ class TierCopies:
         under the lock). Its slots' BlockStored events are built here, for the commit to append. Returns its ticket;
         None: the copy could not start, the slots are aborted (under ``lock``)."""
         tier = self.tier
-        stored = None if tier.cache.events is None else [host_stored(tier.entries[s]) for s in pairs[:, 1].tolist()]
+        stored = None if tier.cache.events is None else host_stored_runs([tier.entries[s] for s in pairs[:, 1].tolist()])
         try:
             ticket = self.memory.start_offload(pairs)
         except Exception as exc:  # closed, or the copy could not be queued
@@ -304,6 +305,8 @@ class TierCopies:
                 self._stop.wait(FAILURE_BACKOFF_S)
             elif not moved:
                 self._stop.wait(idle_s)
+            else:  # the GIL handed over between steps: a serving thread waits one step at most, not a switch interval
+                time.sleep(0)
 
     def make_ready(self, num_ready: int) -> None:
         """More of the tier's memory is there (called under the guard's lock)."""
