@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TypeVar
@@ -305,8 +304,6 @@ class TierCopies:
                 self._stop.wait(FAILURE_BACKOFF_S)
             elif not moved:
                 self._stop.wait(idle_s)
-            else:  # the GIL handed over between steps: a serving thread waits one step at most, not a switch interval
-                time.sleep(0)
 
     def make_ready(self, num_ready: int) -> None:
         """More of the tier's memory is there (called under the guard's lock)."""
