@@ -183,7 +183,7 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
             svc.tier.stop()  # restarted with the instrumented lock
             svc.tier._stop.clear()
             if config.host_tier_writeback_blocks:
-                svc.tier.start_writeback(lock, config.host_tier_writeback_blocks)
+                svc.tier.start_writeback(lock, config.host_tier_writeback_blocks, publish=svc.guard.events.publish)
             count_locked_copies(svc.tier.memory, lock, copied_locked)
         ids = []
         for _ in range(args.decode_seqs):
@@ -191,14 +191,23 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
                 ids.append(svc.register(call).seq_id)
         stop = threading.Event()
 
+        failed: list[BaseException] = []
+
         def churn() -> None:
+            try:
+                churn_until_stopped()
+            except BaseException as exc:  # the figures mean nothing without the churn: main() re-raises it
+                failed.append(exc)
+                raise
+
+        def churn_until_stopped() -> None:
             bs, n = layout.block_size, 0
             while not stop.is_set():
                 k = n % args.churn_prompts if args.churn_prompts else n
                 prompt = [(k * 7919 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
                 n += 1
                 with scope.call("RegisterSequence") as call:
-                    seq, cached = svc.register(call, prompt_token_ids=prompt)
+                    seq, cached, _ = svc.register(call, prompt_token_ids=prompt)
                 with scope.call("AppendToken") as call:
                     svc.append(call, [seq], [len(prompt) - cached], prompt[cached:])
                 with scope.call("AppendToken") as call:
@@ -216,6 +225,8 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
             times.append(time.perf_counter() - t0)
         stop.set()
         churner.join()
+        if failed:
+            raise RuntimeError("the churn thread failed") from failed[0]
         with scope.call("Stats") as call:
             stats, _ = svc.stats(call)
         return (float(np.percentile(times, 50)) * 1e6, float(np.percentile(times, 99)) * 1e6,

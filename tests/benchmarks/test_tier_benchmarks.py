@@ -53,3 +53,15 @@ def test_bench_tier_startup_serves_before_or_at_tier_ready(tmp_path: Path) -> No
     assert r["gauges_at_end"] == {"kvpool_host_tier_ready_bytes": 8 << 20, "kvpool_host_tier_size_bytes": 8 << 20}
     assert r["server_rc"] == 0
     assert "SERVING after" in stdout and "tier ready after" in stdout
+
+
+def test_bench_tier_append_and_the_write_back_steps_run() -> None:
+    """The decode step under churn (the churn thread failing fails the run: it once died at its first register,
+    and the figures were of no churn) and the write-back's steps one at a time, at a tiny size."""
+    out = run_script("bench_tier.py", "--sections", "append", "--decode-seqs", "4", "--decode-steps", "64",
+                     "--prompt-blocks", "4", timeout=300)
+    assert out.count("lock holds p99") == 2 and "p99 with / without" in out, out
+    out = run_script("bench_tier_writeback.py", "--rounds", "64", "--decode-seqs", "4", "--prompt-blocks", "4",
+                     timeout=300)
+    assert "write-back step (lock hold)" in out and "decode step (lock hold)" in out, out
+    assert int(out.split("blocks written back ")[1].split(",")[0]) > 0, out  # the churn evicts: the steps copy

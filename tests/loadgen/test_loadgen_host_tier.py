@@ -40,23 +40,39 @@ def test_the_tier_raises_the_hit_rate_and_the_kv_checks_pass(server_factory, tmp
 
 
 def test_injected_copy_failures_never_serve_wrong_kv(tmp_path) -> None:
-    """In-process, so that the test reaches the tier's failure hook while two loadgen processes run."""
+    """In-process, so that the test reaches the tier's failure hook while two loadgen processes run. Both
+    directions fail by construction, not by how a loaded run happens to go (CI: a run made one restore copy,
+    which failed: restored 0): the server starts without the write-back thread (offload on eviction, a copy per
+    evicting call); a first run leaves each of the 16 prompts' blocks in the pool or the tier; a flush (other
+    prompts, 208 blocks through an 80-block pool) evicts every one of them into the tier, its first offload copy
+    failing (an evicting call's blocks, at most 13: a prompt or two partly lost). The failing run then starts with
+    the write-back thread, every prompt out of the pool and at least 13 of them whole in the tier: each one's first
+    request makes a restore copy, and of three restore copies in a row (the first injected, then every third) at
+    least one fails and one completes."""
     config = ServerConfig(address="127.0.0.1:0", backend=BACKEND, head_dim=1, block_size=16, num_blocks=80,
-                          host_tier_bytes=64 << 10).validate()
+                          host_tier_bytes=128 << 10, host_tier_writeback_blocks=0).validate()  # 1024 slots: no drop
     handle = build_server(config)
     handle.start()
     tier = handle.service.tier
     assert tier is not None and tier.memory.wait_ready(30)
-    tier.memory.fail_every(3)  # every third offload and every third restore moves half its blocks, then raises
-    tier.memory.inject_failures(1, offloads=False)  # and the first restore: a run may make only two restore copies
+    core_tier = tier.tier
+    address = f"127.0.0.1:{handle.port}"
     try:
-        prefix = clean(*loadgen(f"127.0.0.1:{handle.port}", tmp_path, *WORKLOAD))
+        first = clean(*loadgen(address, tmp_path, *WORKLOAD))
+        assert len(first["resident_copies"]) == 16  # every prompt ran (the seed's choice): in the pool or the tier
+        tier.memory.inject_failures(1, restores=False)  # the flush's first offload: half copied, then it raises
+        clean(*loadgen(address, tmp_path, *WORKLOAD, "--seed", "4", "--completions", "16"))
+        failed_offloads, failed_restores, restored = (
+            core_tier.num_offload_failed, core_tier.num_restore_failed, core_tier.num_restored)
+        assert failed_offloads > 0
+        tier.start_writeback(handle.service.guard.lock, 128)  # the default mode from now on
+        tier.memory.fail_every(3)  # every third offload (write-back) and restore moves half its blocks, then raises
+        tier.memory.inject_failures(1, offloads=False)  # and the next restore
+        prefix = clean(*loadgen(address, tmp_path, *WORKLOAD))
     finally:
         handle.stop()
         handle.pool.close()
-    core_tier = handle.service.tier.tier if handle.service.tier is not None else None
-    assert core_tier is not None
     print("prefix:", prefix, "offloads failed:", core_tier.num_offload_failed,
           "restores failed:", core_tier.num_restore_failed, "restored:", core_tier.num_restored,
           "written back ahead:", core_tier.num_written_back)
-    assert core_tier.num_offload_failed > 0 and core_tier.num_restore_failed > 0 and core_tier.num_restored > 0
+    assert core_tier.num_restore_failed > failed_restores and core_tier.num_restored > restored

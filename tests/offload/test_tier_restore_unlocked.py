@@ -166,8 +166,8 @@ def test_with_the_write_back_on_an_eviction_never_waits_and_never_copies_under_t
 
 
 def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(tiered) -> None:
-    """``TierCopies.call`` (``settle``, before every mutation's core call) commits a completed write-back before the call's own
-    evictions: its blocks are kept (not torn) and come back with their KV."""
+    """A call that evicts a write-back's blocks first commits the write-backs whose copy completed (``TierCopies.store_plan``,
+    ``settle``): its blocks are kept (not torn) and come back with their KV."""
     svc, scope = tiered
     assert svc.tier is not None
     tier, full = svc.tier.tier, PROMPT_BLOCKS * BLOCK_SIZE
@@ -181,7 +181,7 @@ def test_a_write_back_that_completed_is_settled_before_a_call_evicts_its_blocks(
         ticket = svc.tier.memory.start_offload(pairs)
         assert ticket.wait()  # the copy completed (what the write-back thread waits for, outside the lock)
         svc.tier.writebacks.append((ticket, pairs))
-    # ``TierCopies.call`` settles before every mutation's core call; a restore's staging settles too
+    # the call that evicts them settles first (``store_plan``); a restore's staging settles too
     evict_everything(svc, scope)
     assert tier.num_torn == 0 and tier.num_written_back == PROMPT_BLOCKS
     seq, cached = prefill(svc, scope, prompt_of(0), tag=99)

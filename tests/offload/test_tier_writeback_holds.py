@@ -1,7 +1,7 @@
 """What the host tier's write-back does while holding the guard's lock (docs/prefix-caching.md, "The host tier"):
 with the write-back thread's mode on, a write-back's copy is queued with the lock released, its events are built
-there too, settling is O(completed) (oldest first, stopping at the first copy still in flight) and a call settles
-one chunk at most, and a plan's scan resumes past the blocks it already covered. Structure, not timing."""
+there too, settling is O(completed) (oldest first, stopping at the first copy still in flight), a call settles
+nothing unless it evicts a write-back's block, and a plan's scan resumes past the blocks it already covered. Structure, not timing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from kvpool_server.offload import writeback as tier_writeback
 from kvpool_server.offload.host_tier import HostTier
-from kvpool_server.offload.events import host_stored
+from kvpool_server.offload.events import host_stored_runs
 from kvpool_server.core.kv_event_types import BlockStored
 from kvpool_server.offload.tier_pool import CopyTicket
 from kvpool_server.service.kvpool import KVPoolService
@@ -50,24 +50,24 @@ def test_a_write_back_queues_its_copy_and_builds_its_events_with_the_lock_releas
         return start(pairs)
 
     memory.start_offload = queued  # type: ignore[method-assign]
-    built = []
     events = svc.guard.events.log.pending  # the tier's events go there too (the pool cache's pending list)
     assert svc.tier.writeback_once(lock, 64) == 2 * PROMPT_BLOCKS
     assert held == [False]  # the copy was queued (on the GPU) or run (host backend) with no lock held
     stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     tier = svc.tier.tier
-    for event in stored:  # exactly the events a commit builds itself: one block each, of a committed slot
-        (h,) = event.block_hashes
-        built.append(host_stored(tier.entries[tier.slot_of_hash[h]]))
-    assert stored == built and len(stored) == 2 * PROMPT_BLOCKS
+    hashes = [h for event in stored for h in event.block_hashes]
+    assert len(hashes) == 2 * PROMPT_BLOCKS and len(stored) == 2  # a run of blocks that chain: one event, a prompt
+    built = host_stored_runs([tier.entries[tier.slot_of_hash[h]] for h in reversed(hashes)])  # (eviction order)
+    assert stored == built  # exactly the events a commit builds itself, of committed slots
     check(svc)
 
 
 class Completion(CopyTicket):
-    """A write-back whose copy completed (or not yet: ``landed``), counting how often it is asked."""
+    """A write-back whose copy completed (or not yet: ``landed``; or failed: not ``ok``), counting how often it is
+    asked."""
 
-    def __init__(self, landed: bool) -> None:
-        super().__init__()
+    def __init__(self, landed: bool, ok: bool = True) -> None:
+        super().__init__(ok)
         self.landed, self.asked = landed, 0
 
     def done(self) -> bool:
@@ -75,7 +75,7 @@ class Completion(CopyTicket):
         return self.landed
 
 
-def test_settling_stops_at_the_first_write_back_in_flight_and_a_call_settles_one_chunk(threaded) -> None:
+def test_settling_stops_at_the_first_write_back_in_flight_and_a_call_that_evicts_none_settles_nothing(threaded) -> None:
     svc, scope = threaded
     assert svc.tier is not None
     parked(svc, scope, 3)
@@ -86,13 +86,31 @@ def test_settling_stops_at_the_first_write_back_in_flight_and_a_call_settles_one
             pairs = tier_writeback.plan(tier, cache.evictable, cache.entries, 2)
             assert len(pairs) == 2
             svc.tier.writebacks.append((ticket, pairs))
-        svc.tier.settle()  # what ``TierCopies.call`` runs before each call: one chunk at most
-        assert tier.num_written_back == 2 and [t.asked for t in tickets] == [1, 0, 0, 0]
-        assert svc.tier.finish_writebacks(wait=False) == 2  # the second; the third is in flight: the fourth waits
-        assert [t.asked for t in tickets] == [1, 1, 1, 0] and tier.num_written_back == 4
+        svc.tier.call(lambda: None)  # a mutation that evicts nothing: the write-backs are not even asked
+        assert tier.num_written_back == 0 and [t.asked for t in tickets] == [0, 0, 0, 0]
+        svc.tier.settle()  # what an eviction of a write-back's block runs first: the completed ones
+        assert tier.num_written_back == 4 and [t.asked for t in tickets] == [1, 1, 1, 0]
         tickets[2].landed = True
         assert svc.tier.finish_writebacks(wait=False) == 4 and not svc.tier.writebacks
     assert tier.num_written_back == 8
+    check(svc)
+
+
+def test_a_settle_before_an_eviction_stops_at_a_failed_write_back(threaded) -> None:
+    """A failed write-back is the write-back thread's to settle (its abort reports the hashes the pool no longer
+    holds; after an eviction the eviction's own store plan reports them)."""
+    svc, scope = threaded
+    assert svc.tier is not None
+    parked(svc, scope, 2)
+    tier, cache = svc.tier.tier, svc.guard.manager.allocator.cache
+    tickets = [Completion(True, ok=False), Completion(True)]
+    with svc.guard.lock:
+        for ticket in tickets:
+            svc.tier.writebacks.append((ticket, tier_writeback.plan(tier, cache.evictable, cache.entries, 2)))
+        svc.tier.settle()
+        assert len(svc.tier.writebacks) == 2 and tier.num_offload_failed == 0
+        assert svc.tier.finish_writebacks(wait=False) == 4  # the thread's settle: the failure, then the other
+    assert tier.num_offload_failed == 2 and tier.num_written_back == 2
     check(svc)
 
 

@@ -76,6 +76,25 @@ class BlockRecords(Mapping[int, CachedBlock]):
     def __delitem__(self, key: int) -> None:
         self.pop(key)
 
+    def pop_hash(self, key: int) -> bytes:
+        """``self.pop(key).block_hash``, without making the CachedBlock."""
+        del self.order[key]  # KeyError when not held
+        record, self.records[key] = self.records[key], None
+        return record[0]
+
+    def copy_from(self, key: int, other: Mapping[int, CachedBlock], other_key: int) -> None:
+        """``self[key] = other[other_key]``; when ``other`` is a BlockRecords too, its record itself (a tuple:
+        shared, never copied or made a CachedBlock)."""
+        if key < 0:
+            raise KeyError(key)
+        if isinstance(other, BlockRecords):
+            if other_key not in other.order:
+                raise KeyError(other_key)
+            self.records[key] = other.records[other_key]
+            self.order[key] = None
+        else:
+            self[key] = other[other_key]
+
     def values(self) -> ValuesView[CachedBlock]:
         return _Values(self)
 

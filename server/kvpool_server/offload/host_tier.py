@@ -8,6 +8,7 @@ and the driver (``tier_copies.TierCopies``) runs them and reports back.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from itertools import islice
 from typing import NamedTuple
 
@@ -19,7 +20,7 @@ from kvpool_server.core.block_records import BlockRecords
 from kvpool_server.core.errors import InvalidArgumentError, InvariantViolationError
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored
 from kvpool_server.core.types import EvictedBlocks
-from kvpool_server.offload.events import HOST_MEDIUM, host_stored
+from kvpool_server.offload.events import HOST_MEDIUM, host_stored, host_stored_runs
 
 NO_PAIRS = np.zeros((0, 2), dtype=np.int32)
 NO_PAIRS.flags.writeable = False
@@ -214,7 +215,7 @@ class HostTier:
         if not self.lru:
             return None
         slot, _ = self.lru.popitem(last=False)
-        h = self.entries.pop(slot).block_hash
+        h = self.entries.pop_hash(slot)
         del self.slot_of_hash[h]
         self.num_dropped += 1
         if h not in self.cache.block_of_hash:
@@ -225,15 +226,16 @@ class HostTier:
 
     def commit(self, slots: list[int], stored: list[BlockStored] | None = None) -> None:
         """The offloads into ``slots`` completed: the slots are matchable (BlockStored, medium "CPU"; ``stored``:
-        those events, built ahead with ``host_stored`` off the lock, one per slot in order)."""
-        entries, pending, slot_of_hash, lru, events = self.entries, self.pending_hashes, self.slot_of_hash, self.lru, self.cache.events
-        for i, slot in enumerate(slots):
-            h = entries[slot].block_hash
+        those events, built ahead with ``host_stored_runs`` of the slots' entries, off the lock; else built here)."""
+        pending, slot_of_hash, lru, events = self.pending_hashes, self.slot_of_hash, self.lru, self.cache.events
+        hash_of = self.entries.hash_of
+        for slot in slots:
+            h = hash_of(slot)
             del pending[h]
             slot_of_hash[h] = slot
             lru[slot] = None
-            if events is not None:
-                events.append(host_stored(entries[slot]) if stored is None else stored[i])
+        if events is not None and slots:
+            events.extend(host_stored_runs([self.entries[s] for s in slots]) if stored is None else stored)
         self.num_offloaded += len(slots)
 
     def abort(self, slots: list[int], failed: bool = True) -> None:
@@ -259,11 +261,16 @@ class HostTier:
         """Where the write-back's scan resumes: past the first ``scan_skip`` blocks of the LRU if the last of them is
         still ``scan_mark`` (blocks join the LRU at its end; an eviction from its head is subtracted by ``prepare_store``;
         a block taken back from inside the run moves the mark), else 0."""
-        skip = self.scan_skip
-        if skip > 0 and next(islice(evictable, skip - 1, skip), None) != self.scan_mark:
-            skip = 0
+        return self.scan_from(evictable)[0]
+
+    def scan_from(self, evictable: OrderedDict[int, None]) -> tuple[int, Iterator[int]]:
+        """``scan_start``, and an iterator over the LRU from there on: the run is walked once (an OrderedDict is
+        walked from its start: the skipped run costs a C loop, not a second one)."""
+        skip, blocks = self.scan_skip, iter(evictable)
+        if skip > 0 and next(islice(blocks, skip - 1, skip), None) != self.scan_mark:
+            skip, blocks = 0, iter(evictable)
         self.scan_skip = max(skip, 0)  # -1: reset (a pool-held hash left the tier) until this plan's scan ends
-        return self.scan_skip
+        return self.scan_skip, blocks
 
     # ------------------------------------------------------------------ restore
     def pin(self, slots: list[int]) -> None:

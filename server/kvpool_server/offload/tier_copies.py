@@ -1,8 +1,8 @@
 """TierCopies: the host tier's driver -- runs the tier's plans (stores, loads, write-backs) in the order the core's
 plans need them, none of them (but the rare waits below) while the guard's lock is held.
 
-    plan = tier.append(lambda: manager.append(...))   # under the lock: settle, the core's call, its plan's stores
-    answer = tier.call(apply)                          # under the lock: any other mutation (settle, apply)
+    plan = tier.append(lambda: manager.append(...))   # under the lock: the core's call, its plan's stores
+    answer = tier.call(apply)                          # under the lock: any other mutation (apply, its stores)
     restoring = tier.start_restore(lock, fence, hashes)  # a register: staged (and its stores run), copied unlocked
     ... under the lock, in the register's hold: tier.finish_restore(restoring), then the core's register ...
 
@@ -30,10 +30,12 @@ released it builds the chunk's events and queues its copy, or waits for the olde
 blocks whose content the tier already holds, and its call copies nothing. With the write-back on, an eviction the
 write-back did not reach first is dropped from the tier (``HostTier.offload_on_evict`` off: a later miss) rather
 than copied under the lock, and an eviction of a block whose write-back is in flight (queued or not yet) tears that
-slot (aborted when the chunk settles) rather than wait; ``settle`` (``call``, before each mutation) commits the
-oldest chunk if its copy completed, so that few are torn. With offload on eviction (write-back driven by hand), a
-store plan waits for such a copy instead (``StorePlan.wait``). The events of a write-back (BlockStored "CPU", a
-BlockRemoved of a dropped slot) are published with the next call's batch. Without the write-back (0), offloads run
+slot (aborted when the chunk settles) rather than wait; a call that evicts such a block first commits the chunks
+whose copy completed (``store_plan``, ``settle``), so that few are torn, and a call that evicts none does nothing
+of the write-back's: its commits are the write-back thread's, in its own holds. With offload on eviction
+(write-back driven by hand), a store plan waits for such a copy instead (``StorePlan.wait``). The events of a
+write-back (BlockStored "CPU", a BlockRemoved of a dropped slot) are published by the thread at the end of its
+hold (``start_writeback``'s ``publish``; without it, with the next call's batch). Without the write-back (0), offloads run
 on eviction and hold the lock across their copy: with 2 MiB blocks ~50 us a block at host-link speed.
 """
 
@@ -47,10 +49,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvpool_server.core.types import AppendPlan
+from kvpool_server.core.types import AppendPlan, EvictedBlocks
 from kvpool_server.log_limits import RateLimitedLog
 from kvpool_server.offload import restore, writeback
-from kvpool_server.offload.events import host_stored
+from kvpool_server.offload.events import host_stored_runs
 from kvpool_server.offload.host_tier import NO_PAIRS, HostTier, StorePlan
 from kvpool_server.offload.restore import StagedRestore
 from kvpool_server.offload.tier_pool import CopyTicket, TierPool
@@ -61,7 +63,7 @@ logger = logging.getLogger(__name__)
 # of those held back (the failures are counted in Stats' host_tier all the same).
 failures_log = RateLimitedLog(logger)
 FAILURE_BACKOFF_S = 1.0  # the write-back thread idles this long after a write-back failed (not a busy retry loop)
-# The write-back thread plans (and a settle commits) at most this many blocks a lock hold: with 2 MiB blocks, a
+# The write-back thread plans at most this many blocks a lock hold: with 2 MiB blocks, a
 # chunk's copy is ~0.3 ms at host-link speed. On the H200 (bench_tier --sections append, four runs each) 8 against
 # 32 cut the thread's hold p99 from ~320 to 100-280 us and the decode step's p99 ratio from ~2.2x to ~1.3x (median).
 WRITEBACK_CHUNK_BLOCKS = 8
@@ -89,25 +91,33 @@ class TierCopies:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_failed_writebacks = 0  # write-back chunks that failed (or could not start), since start
+        self._publish: Callable[[], None] | None = None  # the write-back thread's: publish its holds' events
 
     def call(self, apply: Callable[[], A]) -> A:
-        """A mutation's core call, under the guard's lock: ``settle`` first (so that its evictions find the
-        completed write-backs committed), then ``apply()``. Evictions of a call that raised (the core raises
-        before it changes anything: none) are stored all the same."""
-        self.settle()
+        """A mutation's core call, under the guard's lock: ``apply()``, then the stores of its evictions
+        (``store_plan``). Evictions of a call that raised (the core raises before it changes anything: none) are
+        stored all the same. A call that evicts nothing does nothing of the tier's."""
         try:
             return apply()
         finally:
             if self.cache.evicted_ids:
-                self.run_stores(self.tier.prepare_store(self.cache.take_evicted()))
+                self.run_stores(self.store_plan(self.cache.take_evicted()))
 
     def append(self, append: Callable[[], AppendPlan]) -> AppendPlan:
         """An append's core call (``call``), then the stores its plan's evictions need (``plan.evicted``), run
         before the caller's device work (the plan's clearing and copy-on-write copies) writes into them."""
         plan = self.call(append)
         if plan.evicted.block_ids:
-            self.run_stores(self.tier.prepare_store(plan.evicted))
+            self.run_stores(self.store_plan(plan.evicted))
         return plan
+
+    def store_plan(self, evicted: EvictedBlocks) -> StorePlan:
+        """``HostTier.prepare_store`` of a call's evictions, right after the core's call (the evicted blocks
+        not written yet): when one of them is a write-back's, the completed write-backs are settled first
+        (``settle``), so that a block whose copy completed is kept (committed), not torn. O(evicted) otherwise."""
+        if self.writebacks and not self.tier.inflight.keys().isdisjoint(evicted.block_ids):
+            self.settle()
+        return self.tier.prepare_store(evicted)
 
     def run_stores(self, stores: StorePlan) -> None:
         """Run a store plan: first, if the call evicted a block a write-back is copying, wait for that copy; then
@@ -135,7 +145,7 @@ class TierCopies:
         the caller with the lock free."""
         with lock:
             fence()
-            self.settle()
+            self.settle()  # (the staging's own evictions are planned inside ``stage``)
             staged = restore.stage(self.tier, hashes)
             if staged is not None:  # the staging's allocation may have evicted: read before the loads write
                 self.run_stores(staged.stores)
@@ -164,9 +174,13 @@ class TierCopies:
         return len(restoring.staged.pairs) if restoring.ok else 0
 
     # ------------------------------------------------------------------ write-back
-    def start_writeback(self, lock: AbstractContextManager, max_blocks: int, idle_s: float = 0.02) -> None:
-        """Start the background write-back thread (``lock``: the guard's; ``max_blocks`` a batch). From now on an
-        eviction the write-back did not reach first is dropped from the tier, never copied under the lock."""
+    def start_writeback(self, lock: AbstractContextManager, max_blocks: int, idle_s: float = 0.02,
+                        publish: Callable[[], None] | None = None) -> None:
+        """Start the background write-back thread (``lock``: the guard's; ``max_blocks`` a batch; ``publish``: the
+        guard's event publishing, which the thread calls at the end of its holds, so that its events are a batch of
+        their own instead of the next call's work). From now on an eviction the write-back did not reach first is
+        dropped from the tier, never copied under the lock."""
+        self._publish = publish
         with lock:
             self.tier.offload_on_evict = False
         self._thread = threading.Thread(target=self._writeback_loop, args=(lock, max_blocks, idle_s),
@@ -214,6 +228,8 @@ class TierCopies:
                 cache = self.cache
                 pairs = writeback.plan(self.tier, cache.evictable, cache.entries,
                                             min(WRITEBACK_CHUNK_BLOCKS, max_blocks - in_flight), 8 * max_blocks)
+            if self._publish is not None:  # this hold's commits and drops: a batch of their own
+                self._publish()
         if len(pairs):  # a copy that could not start: idle a while (0), as with nothing to do
             return len(pairs) if self._queue(pairs, lock) is not None else 0
         for ticket, *_ in self.writebacks[:1]:  # the oldest (a settle under the lock may take it meanwhile: harmless)
@@ -228,7 +244,7 @@ class TierCopies:
         under the lock). Its slots' BlockStored events are built here, for the commit to append. Returns its ticket;
         None: the copy could not start, the slots are aborted (under ``lock``)."""
         tier = self.tier
-        stored = None if tier.cache.events is None else [host_stored(tier.entries[s]) for s in pairs[:, 1].tolist()]
+        stored = None if tier.cache.events is None else host_stored_runs([tier.entries[s] for s in pairs[:, 1].tolist()])
         try:
             ticket = self.memory.start_offload(pairs)
         except Exception as exc:  # closed, or the copy could not be queued
@@ -245,22 +261,26 @@ class TierCopies:
         return ticket
 
     def settle(self) -> None:
-        """Before a call that may evict (``call``; under the lock): commit the oldest
-        write-back if its copy completed, so that an eviction finds its blocks in the tier (not torn: a torn slot
-        is lost). One chunk at most: the write-back thread settles the rest (a call pays for ``WRITEBACK_CHUNK_BLOCKS``
-        commits at most)."""
+        """Commit the write-backs whose copy completed (under the lock), oldest first, stopping at the first in
+        flight or failed (a failure is the write-back thread's to settle): before an eviction of a block one of them
+        copies (``store_plan``) or a restore's staging, so that the eviction finds its block in the tier (not torn:
+        a torn slot is lost). The write-back thread settles the rest; a call that evicts no write-back's block
+        settles nothing."""
         if self.writebacks:
-            self.finish_writebacks(wait=False, max_batches=1)
+            self.finish_writebacks(wait=False, completed_only=True)
 
-    def finish_writebacks(self, wait: bool, max_batches: int | None = None) -> int:
+    def finish_writebacks(self, wait: bool, completed_only: bool = False) -> int:
         """Settle the write-backs that completed, oldest first, stopping at the first still in flight (copies
         complete in the order queued: one stream), or all of them, waiting, with ``wait``; under the lock.
-        O(settled), not O(queued). Returns the blocks settled."""
+        ``completed_only``: stop at the first that failed too. O(settled), not O(queued). Returns the blocks
+        settled."""
         settled, writebacks = 0, self.writebacks
-        while writebacks and (max_batches is None or max_batches > 0):
+        while writebacks:
             entry = writebacks[0]
             ticket, pairs = entry[0], entry[1]
             if not wait and not ticket.done():
+                break
+            if completed_only and not ticket.wait():  # done: no wait; failed: left for the write-back's thread
                 break
             ok = self.memory.settle_writeback(ticket)  # waits; its bytes and seconds counted once
             if not ok:
@@ -270,8 +290,6 @@ class TierCopies:
             writeback.finish(self.tier, pairs, ok, entry[2] if len(entry) > 2 else None)
             del writebacks[0]
             settled += len(pairs)
-            if max_batches is not None:
-                max_batches -= 1
         return settled
 
     def _writeback_loop(self, lock: AbstractContextManager, max_blocks: int, idle_s: float) -> None:

@@ -34,18 +34,19 @@ def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: Mapping[int
     pairs: list[tuple[int, int]] = []
     dropped: list[bytes] = []
     inflight, slot_of_hash, pending, tier_entries = tier.inflight, tier.slot_of_hash, tier.pending_hashes, tier.entries
-    start = tier.scan_start(evictable)
+    free = tier.free
+    hash_of = getattr(entries, "hash_of", None) or (lambda block_id: entries[block_id].block_hash)  # BlockRecords'
+    start, blocks = tier.scan_from(evictable)
     scanned, mark = 0, tier.scan_mark  # the run of blocks held or planned from ``start`` on
-    for block_id in islice(evictable, start, max(start, 8 * max_blocks if max_scan is None else max_scan)):
+    for block_id in islice(blocks, max(0, (8 * max_blocks if max_scan is None else max_scan) - start)):
         if len(pairs) == max_blocks:
             break
-        entry = entries[block_id]
-        h = entry.block_hash
+        h = hash_of(block_id)
         if not (block_id in inflight or h in slot_of_hash or h in pending):
-            slot = tier.take_slot(dropped)
+            slot = free.pop() if free else tier.take_slot(dropped)
             if slot is None:
                 break
-            tier_entries[slot] = entry
+            tier_entries.copy_from(slot, entries, block_id)
             pending[h] = slot
             inflight[block_id] = slot
             pairs.append((block_id, slot))
@@ -59,7 +60,7 @@ def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: Mapping[int
 
 def finish(tier: HostTier, pairs: np.ndarray, ok: bool, stored: list[BlockStored] | None = None) -> None:
     """The write-back of ``pairs`` completed (``ok``: its slots are committed) or failed (aborted).
-    ``stored``: the slots' BlockStored events built ahead (``host_stored``, one per pair in order), if any."""
+    ``stored``: the slots' BlockStored events built ahead (``host_stored_runs`` of their entries), if any."""
     slots: list[int] = []
     torn: list[int] = []
     inflight, torn_slots = tier.inflight, tier.torn
@@ -70,9 +71,7 @@ def finish(tier: HostTier, pairs: np.ndarray, ok: bool, stored: list[BlockStored
         torn_slots.difference_update(torn)
         tier.num_torn += len(torn)
         tier.abort(torn, failed=False)  # their block was evicted while the copy read it: the bytes may be torn
-        if stored is not None:
-            overtaken = set(torn)
-            stored = [event for event, slot in zip(stored, pairs[:, 1].tolist()) if slot not in overtaken]
+        stored = None  # the events built ahead name the torn blocks too: the commit builds its own
     if ok:
         tier.commit(slots, stored)
         tier.num_written_back += len(slots)

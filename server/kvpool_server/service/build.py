@@ -72,7 +72,7 @@ def build_service(config: ServerConfig, *, metrics: KVPoolMetrics | None = None,
         guard = CoreGuard(manager, pool, sessions, ReplyCache(), events)
         tier = start_host_tier(host_tier, pool, guard.lock) if host_tier is not None else None
         if tier is not None and config.host_tier_writeback_blocks:
-            tier.start_writeback(guard.lock, config.host_tier_writeback_blocks)
+            tier.start_writeback(guard.lock, config.host_tier_writeback_blocks, publish=guard.events.publish)
         sessions_service = SessionService(guard, metrics, on_drain, max_sessions=config.max_sessions,
                                           max_message_bytes=config.max_message_bytes)
         service = KVPoolService(
