@@ -91,20 +91,18 @@ def split_register_many(ids: np.ndarray, counts: np.ndarray, tokens: np.ndarray,
     if counts.size != 2 * n:
         raise RecordInconsistent(f"fast path: a RegisterSequences record of {n} key lengths needs {2 * n} counts "
                                  f"(each prompt's token count, then its public_prefix_len), got {counts.size}")
-    lens = counts[:n]
-    if int(lens.sum()) != tokens.size:
-        raise RecordInconsistent(f"fast path: a RegisterSequences record's token counts sum to {int(lens.sum())}, "
+    values, key_lens = counts.tolist(), ids.tolist()  # Python ints: no sum wraps
+    if sum(values[:n]) != tokens.size:
+        raise RecordInconsistent(f"fast path: a RegisterSequences record's token counts sum to {sum(values[:n])}, "
                                  f"its tokens are {tokens.size}")
-    if (ids > len(extra)).any() or int(ids.sum()) != len(extra):  # each <= len(extra) first: the sum cannot wrap
-        raise RecordInconsistent(f"fast path: a RegisterSequences record's key lengths do not sum to its "
-                                 f"{len(extra)} key bytes")
-    ends = np.cumsum(lens).tolist()
-    key_ends = np.cumsum(ids.astype(np.int64)).tolist()
-    public = counts[n:].tolist()
+    if sum(key_lens) != len(extra):
+        raise RecordInconsistent(f"fast path: a RegisterSequences record's key lengths sum to {sum(key_lens)}, its "
+                                 f"key bytes are {len(extra)}")
     out, at, key_at = [], 0, 0
     for i in range(n):
-        out.append((tokens[at:ends[i]], public[i], extra[key_at:key_ends[i]]))
-        at, key_at = ends[i], key_ends[i]
+        end, key_end = at + values[i], key_at + key_lens[i]
+        out.append((tokens[at:end], values[n + i], extra[key_at:key_end]))
+        at, key_at = end, key_end
     return out
 
 
@@ -185,22 +183,23 @@ def write_registered_reply(views: fp.Views, seq_id: int, num_cached_tokens: int,
     views.rep[fp.REP_N_NEW] = block_ids.size
 
 
-def write_registered_many_reply(views: fp.Views, block_size: int, seq_ids: np.ndarray, cached: np.ndarray,
+def write_registered_many_reply(views: fp.Views, block_size: int, seq_ids: list[int], cached: list[int],
                                 block_ids: np.ndarray) -> None:
     """An OK register-many reply: the block size (value0), each prompt's num_cached_tokens (slots, int64), their
     cached blocks concatenated (new block ids, int32; prompt i's ``cached[i] // block_size``), the seq ids
     (children, uint64). The caller has checked that it fits (``fp.register_many_reply_bytes``)."""
     rep, area = views.rep, views.rep_area
+    n = len(cached)
     rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0
     rep[fp.REP_VALUE0], rep[fp.REP_VALUE1] = block_size, 0
     at = fp.HEADER_BYTES
-    area[at:at + 8 * cached.size].view(np.int64)[:] = cached
-    at += 8 * cached.size
+    area[at:at + 8 * n].view(np.int64)[:] = cached
+    at += 8 * n
     if block_ids.size:
         area[at:at + 4 * block_ids.size].view(np.int32)[:] = block_ids
     at += fp.align8(4 * block_ids.size)
-    area[at:at + 8 * seq_ids.size].view(np.uint64)[:] = seq_ids
-    rep[fp.REP_N_SLOTS:fp.REP_N_CHILDREN + 1] = (cached.size, block_ids.size, 0, seq_ids.size)
+    area[at:at + 8 * n].view(np.uint64)[:] = seq_ids
+    rep[fp.REP_N_SLOTS:fp.REP_N_CHILDREN + 1] = (n, block_ids.size, 0, n)
 
 
 def write_error_reply(views: fp.Views, code: int, reason: str, message: str) -> None:

@@ -101,7 +101,6 @@ def write_reply(views: fp.Views, block_size: int, answer: tuple[RegisteredPrompt
     n_blocks = sum(b.size for b in blocks)
     if fp.register_many_reply_bytes(len(answer), n_blocks) > views.area_bytes:
         raise AssertionError(f"kvpool bug: a RegisterSequences reply of {n_blocks} block ids passed its bound")
-    codec.write_registered_many_reply(
-        views, block_size, np.fromiter((a.seq_id for a in answer), np.uint64, len(answer)),
-        np.fromiter((a.num_cached_tokens for a in answer), np.int64, len(answer)),
-        np.concatenate(blocks) if blocks else np.zeros(0, np.int32))
+    codec.write_registered_many_reply(views, block_size, [a.seq_id for a in answer],
+                                      [a.num_cached_tokens for a in answer],
+                                      np.concatenate(blocks) if blocks else np.zeros(0, np.int32))
