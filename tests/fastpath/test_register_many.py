@@ -207,3 +207,18 @@ def test_a_server_that_does_not_know_the_record_is_asked_over_grpc(monkeypatch):
             assert client.stats().num_sequences == 4
     finally:
         handle.stop()
+
+
+def test_the_asyncio_client_sends_the_record_with_the_same_answers_and_refusals(server_factory):
+    from tests.client.blocking_aio import BlockingAsyncClient
+
+    fast_server, grpc_server = server_factory(*POOL), server_factory(*POOL)
+    fast = BlockingAsyncClient(fast_server.address)
+    try:
+        with KVPoolClient(grpc_server.address, fast_path=False) as slow:
+            fast.register(), slow.register()
+            assert refusals(fast) == refusals(slow)  # the record's error replies, thrown into the async plan
+            assert workload(fast) == workload(slow)
+            assert fast.fast_path_open
+    finally:
+        fast.close()
