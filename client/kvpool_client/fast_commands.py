@@ -1,6 +1,7 @@
-"""register / register_prompt / append / fork / free over the session's fast-path channel when the client has one
-(docs/fast-path.md), else -- a remote server, ``fast_path=False``, ``session=False``, a server with the fast path
-off, a record too big for the channel's areas, an argument the record cannot carry -- the same call over gRPC
+"""register / register_prompt / register_prompts / append / fork / free over the session's fast-path channel when
+the client has one (docs/fast-path.md), else -- a remote server, ``fast_path=False``, ``session=False``, a server
+with the fast path off, a record too big for the channel's areas, an argument the record cannot carry, a record
+the server does not know -- the same call over gRPC
 (commands.py). Same arguments, same results, same exceptions either way; both clients (KVPoolClient, and
 AsyncKVPoolClient, whose exchange parks on its event loop) run these plans.
 

@@ -1,5 +1,5 @@
-"""The fast path's four records on the client's side: a writer (the request, not yet published) and a reader (the
-reply's answer) for each of register, append, fork and free -- the codec's (kvpool.fastpath_codec, the one
+"""The fast path's records on the client's side: a writer (the request, not yet published) and a reader (the
+reply's answer) for each of register, register many, append, fork and free -- the codec's (kvpool.fastpath_codec, the one
 definition of the layout both sides use) bound to the client's arguments and types."""
 
 from __future__ import annotations
