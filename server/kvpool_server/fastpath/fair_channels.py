@@ -124,7 +124,8 @@ class FairChannels:
         try:
             arrays = _arrays(views, header)
             if op == fp.OP_REGISTER_MANY:
-                jobs = register_many.submit(self.service, self.key(channel), channel.tenant, arrays, self._hashed)
+                many = register_many.submit(self.service, self.key(channel), channel.tenant, arrays, self._hashed)
+                jobs = None if many is None else tuple(many)
             else:
                 job = self.hasher.submit(self.key(channel), channel.tenant, arrays[2], header[fp.REQ_ARG1],
                                          arrays[3], self._hashed)

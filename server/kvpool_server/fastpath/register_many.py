@@ -9,7 +9,8 @@
     reply     write_reply(): the block size, the cached counts, the cached block ids, the seq ids (the codec's)
 
 The hashing: a batch of more than ``CHUNK_BLOCKS`` full blocks in all (``is_long``) is hashed on the hasher
-(``submit``: one job a prompt, in order, of the session's fair share, each hashed CHUNK_BLOCKS blocks at a time),
+(``submit``: one job a prompt, in order, of the session's fair share, CHUNK_BLOCKS blocks a chunk, short prompts
+sharing one),
 while the fast-path thread serves the other channels (``fair_channels``), then served with those hashes. So the
 fast-path thread hashes at most CHUNK_BLOCKS blocks of any record inline -- the bound of a single register
 record -- and spends on a batch only its locked part (each block's cache lookup and a row per prompt: the same
@@ -65,33 +66,17 @@ def is_long(hasher: PromptHasher, n_tokens: int) -> bool:
 
 
 def submit(service: KVPoolService, key: int, tenant: int | None, arrays: Arrays,
-           on_done: Callable[[HashJob], None]) -> tuple[HashJob, ...] | None:
-    """One hasher job a prompt, in order (``on_done`` once the last is done: a session's jobs end in order). None:
-    not hashed -- a batch the service refuses before any hashing (its count, its size, a prompt the hasher's checks
-    refuse: then ``register_many`` refuses it, checking all prompts before hashing any). The hasher full: its
-    QuotaExceededError, every job of the batch cancelled (the caller then serves it inline, as a register)."""
+           on_done: Callable[[HashJob], None]) -> list[HashJob] | None:
+    """One hasher job a prompt, queued at once, in order (``PromptHasher.submit_many``: ``on_done`` once the last is
+    done). None: not hashed -- a batch the service refuses before any hashing (its count, its size, a prompt the
+    hasher's checks refuse: then ``register_many`` refuses it, checking all prompts before hashing any). The hasher
+    full: its QuotaExceededError, nothing queued (the caller then serves the record inline, as a register)."""
     try:
         prompts = split(service, arrays)
         register_batch.check_batch(prompts, service.max_batch, service.limits.max_tokens_per_call)
     except InvalidArgumentError:
         return None
-    jobs: list[HashJob] = []
-    try:
-        for i, p in enumerate(prompts):
-            job = service.hasher.submit(key, tenant, p.prompt_token_ids, p.public_prefix_len, p.cache_extra_key,
-                                        on_done if i == len(prompts) - 1 else _nothing)
-            if job is None:
-                break
-            jobs.append(job)
-    finally:
-        if len(jobs) < len(prompts):  # refused, or the hasher is full: none of it hashed
-            for job in jobs:
-                service.hasher.cancel(job)
-    return tuple(jobs) if len(jobs) == len(prompts) else None
-
-
-def _nothing(job: HashJob) -> None:
-    pass
+    return service.hasher.submit_many(key, tenant, prompts, on_done)
 
 
 def write_reply(views: fp.Views, block_size: int, answer: tuple[RegisteredPrompt, ...]) -> None:
