@@ -21,8 +21,8 @@ transport passes that same copy to ``register``. A prompt that ``register`` woul
 (``submit`` answers None and the call goes on as before: refused, unchanged).
 
 Bounded: the queued jobs hold at most MAX_QUEUED_TOKENS tokens (4 bytes each, and 32 bytes a block of hashes);
-``submit`` refuses past that (RESOURCE_EXHAUSTED, nothing applied). A job cancelled (its channel closed, its call
-cancelled) is dropped before its next chunk.
+``submit`` and ``submit_many`` refuse past that (RESOURCE_EXHAUSTED, nothing applied, nothing queued). A job
+cancelled (its channel closed, its call cancelled) is dropped before its next chunk.
 """
 
 from __future__ import annotations
