@@ -222,3 +222,23 @@ def test_the_asyncio_client_sends_the_record_with_the_same_answers_and_refusals(
             assert fast.fast_path_open
     finally:
         fast.close()
+
+
+def test_the_record_carries_each_prompts_public_prefix_len(server_factory):
+    """A prompt sealed with a public prefix of 64 tokens: a record asking for it with public_prefix_len 64 finds
+    its blocks (the public ones and the tenant's after them), one with 0 (the tenant's salt from the first block)
+    does not -- each prompt's own, in one record (written by hand: ``register_prompts`` sends 0 for each)."""
+    server = server_factory(*POOL)
+    with KVPoolClient(server.address) as client:
+        prompt = np.arange(3, 3 + 100, dtype=np.uint32)
+        seq, _ = client.register_prompt(prompt, public_prefix_len=64)
+        client.append(seq, 100, token_ids=prompt)
+        client.append(seq, 1, token_ids=[1])
+        channel, before = client._fast_channel, client.stats().num_sequences
+        code = hostile(channel, ids=[0, 0], counts=[100, 100, 64, 0], tokens=np.concatenate([prompt, prompt]))
+        assert code == 0
+        found = codec.read_registered_many_reply(channel.views)
+        bs = client.block_table(seq).block_size
+        assert [cached for _, cached, _ in found] == [96, 0]  # all but the last token's block
+        assert found[0][2].tolist() == client.block_table(seq).block_ids[: 96 // bs].tolist()
+        assert client.stats().num_sequences == before + 2 and client.check_invariants().ok
