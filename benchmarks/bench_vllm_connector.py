@@ -5,7 +5,8 @@ pool, unix socket); the model runner is replaced by an answer of one sampled tok
 ``finished_sending`` for the stores the step's metadata carried), so what is timed is the scheduler and the
 connector only. Every prompt is new (0% hits). The same steps run with and without the connector; reported: the
 step time of each (p50, mean, and p50 of decode-only steps), the time spent inside the connector's methods per
-step (p50, mean, by kind of step: timed around each call vLLM makes), and kvpool round trips, split
+step (p50, mean, by kind of step: timed around each call vLLM makes) and of it the lookup's (the step's one
+RegisterSequences of its new requests: a register-many record over the fast path), and kvpool round trips, split
 into steps that admit new requests (one RegisterSequences for all of them, an append and a free), steps that
 store finished requests (an append and a free at most) and steps that only decode (the bar: 0 on those).
 
@@ -83,16 +84,18 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
         scheduler.add_request(Request(f"r{i}", p, params, None, block_hasher=hasher))
     connector = getattr(scheduler.connector, "scheduler", None)
     spent = [0.0]  # seconds inside the connector's scheduler-side methods, this step
+    looked = [0.0]  # of which in its lookups (one RegisterSequences of the step's new requests)
     if scheduler.connector is not None:
         for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                      "request_finished", "update_connector_output", "has_pending_push_work"):
             setattr(scheduler.connector, name, _timed(getattr(scheduler.connector, name), spent))
+        connector._register_many = _timed(connector._register_many, looked)
     steps = []
     while scheduler.has_requests():
         trips = connector.round_trips if connector else 0
         registers = connector.registers if connector else 0
         stores = bool(connector and (connector._stores or connector._to_seal or connector._to_free))
-        spent[0] = 0.0
+        spent[0] = looked[0] = 0.0
         start = time.perf_counter()
         out = scheduler.schedule()
         ids = list(out.num_scheduled_tokens)
@@ -102,7 +105,8 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
                                    sampled_token_ids=[[7] for _ in ids],
                                    kv_connector_output=KVConnectorOutput(finished_sending=sending or None))
         scheduler.update_from_output(out, runner)
-        steps.append({"s": time.perf_counter() - start, "connector_s": spent[0], "new": bool(out.scheduled_new_reqs),
+        steps.append({"s": time.perf_counter() - start, "connector_s": spent[0], "lookup_s": looked[0],
+                      "new": bool(out.scheduled_new_reqs),
                       "stores": stores, "loaded_blocks": sum(len(c.pool_blocks) for c in getattr(meta, "loads", ())),
                       "trips": (connector.round_trips - trips) if connector else 0,
                       "registers": (connector.registers - registers) if connector else 0})
@@ -128,11 +132,14 @@ def summary(steps: list[dict]) -> dict:
                            "mean": statistics.fmean([s["connector_s"] * 1e6 for s in group]) if group else 0.0}
                     for kind, group in kinds.items()}
     new = [s for s in steps if s["new"]]
+    lookup_us = [s["lookup_s"] * 1e6 for s in new]
     stores = [s for s in steps if s["stores"] and not s["new"]]
     decode = [s for s in steps if not s["new"] and not s["stores"]]
     decode_us = [s["s"] * 1e6 for s in decode]
     return {"steps": len(steps), "p50_us": statistics.median(times), "mean_us": statistics.fmean(times),
             "connector_us": connector_us,
+            "lookup_us_on_new_request_steps": {"p50": statistics.median(lookup_us) if lookup_us else 0.0,
+                                               "mean": statistics.fmean(lookup_us) if lookup_us else 0.0},
             "decode_only_p50_us": statistics.median(decode_us) if decode_us else 0.0,
             "steps_with_new_requests": len(new), "round_trips_on_new_request_steps": sum(s["trips"] for s in new),
             "max_round_trips_on_a_new_request_step": max((s["trips"] for s in new), default=0),

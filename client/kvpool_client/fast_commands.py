@@ -1,6 +1,7 @@
-"""register / register_prompt / append / fork / free over the session's fast-path channel when the client has one
-(docs/fast-path.md), else -- a remote server, ``fast_path=False``, ``session=False``, a server with the fast path
-off, a record too big for the channel's areas, an argument the record cannot carry -- the same call over gRPC
+"""register / register_prompt / register_prompts / append / fork / free over the session's fast-path channel when
+the client has one (docs/fast-path.md), else -- a remote server, ``fast_path=False``, ``session=False``, a server
+with the fast path off, a record too big for the channel's areas, an argument the record cannot carry, a record
+the server does not know -- the same call over gRPC
 (commands.py). Same arguments, same results, same exceptions either way; both clients (KVPoolClient, and
 AsyncKVPoolClient, whose exchange parks on its event loop) run these plans.
 
@@ -25,7 +26,7 @@ from kvpool_client import fastpath_records as channel_ops
 from kvpool_client import convert, rpcs
 from kvpool_client.command import command
 from kvpool_client.commands import KVPoolCommands
-from kvpool_client.errors import KVPoolClientError
+from kvpool_client.errors import InvalidArgumentError, KVPoolClientError
 from kvpool_client.fastpath import FastChannel, is_local_target
 from kvpool_client.plan import Exchange, Plan
 from kvpool_client.types import AppendResult, RegisteredSequence
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 # wants replay across transports may fill it.)
 NO_REQUEST_ID = 0
 MAX_EXTRA_KEY = 4096
+UNKNOWN_OP = "fast path: unknown op"  # what a server answers a record it does not know (applied: nothing)
 
 
 class FastPathCommands(KVPoolCommands):
@@ -50,6 +52,7 @@ class FastPathCommands(KVPoolCommands):
         enabled = kwargs.get("channel") is None if fast_path is None else fast_path
         self._fast_off = not (enabled and self._session.enabled and is_local_target(target))
         self._fast_channel: FastChannel | None = None
+        self._no_register_many = False  # the server refused a register-many record as an unknown op
         # The receive limit this client declares to the server (convert.call_metadata): a call whose worst-case
         # reply is over it goes over gRPC, where the server refuses it unapplied -- as it would without the fast path.
         declared = int(dict(self._metadata).get(convert.RECEIVE_LIMIT_KEY, "-1"))
@@ -103,8 +106,11 @@ class FastPathCommands(KVPoolCommands):
                          cache_extra_keys: Sequence[bytes] = (),
                          timeout: float | None = None) -> Plan[list[RegisteredSequence]]:
         """One prompt goes over the fast path as a register record, whose reply carries its cached block ids (a
-        server that sends none: they are read with ``block_table``); several, or what a record cannot carry, as
-        one RegisterSequences over gRPC."""
+        server that sends none: they are read with ``block_table``); several as one register-many record (the
+        server's RegisterSequences: same checks, all or none); what a record cannot carry (or a server that does
+        not know the record: refused unapplied) as one RegisterSequences over gRPC."""
+        if len(prompts) > 1:
+            return (yield from self._register_many(prompts, cache_extra_keys, timeout))
         method = rpcs.REGISTER_SEQUENCE.name
         prompt = _uint32(prompts[0]) if len(prompts) == 1 else None
         key = cache_extra_keys[0] if len(cache_extra_keys) == 1 else b""
@@ -122,6 +128,32 @@ class FastPathCommands(KVPoolCommands):
             cached = np.asarray(table.block_ids, dtype=np.int32)
             found = [RegisteredSequence(found[0].seq_id, found[0].num_cached_tokens, cached)]
         return found
+
+    def _register_many(self, prompts: Sequence[Sequence[int] | np.ndarray], cache_extra_keys: Sequence[bytes],
+                       timeout: float | None) -> Plan[list[RegisteredSequence]]:
+        """``register_prompts`` of two or more prompts: one register-many record when the channel is open (or
+        opens) and the record fits its areas, else RegisterSequences over gRPC."""
+        method = rpcs.REGISTER_SEQUENCES.name
+        converted = [] if self._fast_off or self._no_register_many else [_uint32(p) for p in prompts]
+        arrays = [a for a in converted if a is not None]  # all of them, or gRPC gives its error
+        keys = list(cache_extra_keys) or [b""] * len(prompts)
+        channel, sizes = None, None
+        if len(arrays) == len(prompts) == len(keys) and all(len(k) <= MAX_EXTRA_KEY for k in keys):
+            n_tokens = int(sum(a.size for a in arrays))
+            sizes = (len(prompts), 2 * len(prompts), n_tokens, sum(len(k) for k in keys),
+                     fp.register_many_reply_bytes(len(prompts), n_tokens))  # a block id per token at most
+            if self._fits(*sizes[:4], reply=sizes[4]):
+                channel = yield from self._fast_channel_plan(method, timeout)
+        if channel is not None and sizes is not None and channel.fits(*sizes):  # the channel may have just opened
+            write = channel_ops.register_many_writer(channel.generation, arrays, keys, NO_REQUEST_ID)
+            try:
+                return (yield from self._exchange(channel, write, channel_ops.read_registered_many, method, timeout))
+            except InvalidArgumentError as error:
+                if not error.details.startswith(UNKNOWN_OP):
+                    raise
+                self._no_register_many = True  # a server without the record refused it unapplied: gRPC from now on
+        return (yield from super().register_prompts.__wrapped__(  # type: ignore[attr-defined]
+            self, prompts, cache_extra_keys=cache_extra_keys, timeout=timeout))
 
     @command
     def append(self, seq_ids: int | Sequence[int] | np.ndarray, num_tokens: int | Sequence[int] | np.ndarray = 1,

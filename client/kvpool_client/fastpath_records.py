@@ -1,5 +1,5 @@
-"""The fast path's four records on the client's side: a writer (the request, not yet published) and a reader (the
-reply's answer) for each of register, append, fork and free -- the codec's (kvpool.fastpath_codec, the one
+"""The fast path's records on the client's side: a writer (the request, not yet published) and a reader (the
+reply's answer) for each of register, register many, append, fork and free -- the codec's (kvpool.fastpath_codec, the one
 definition of the layout both sides use) bound to the client's arguments and types."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from typing import Any
 import numpy as np
 
 from kvpool import fastpath as fp
-from kvpool.fastpath_codec import read_append_reply, read_children, read_registered_reply, read_values, write_request
+from kvpool.fastpath_codec import (read_append_reply, read_children, read_registered_many_reply, read_registered_reply,
+                                   read_values, register_many_arrays, write_request)
 from kvpool_client.types import AppendResult, RegisteredSequence
 
 __all__ = ["write_request", "append_writer", "append_reader", "register_writer", "read_registered",
-           "read_registered_blocks", "fork_writer",
+           "read_registered_blocks", "register_many_writer", "read_registered_many", "fork_writer",
            "read_children", "free_writer", "read_freed"]
 
 
@@ -47,6 +48,18 @@ def read_registered_blocks(views: fp.Views) -> list[RegisteredSequence]:
     none from a server that sends none)."""
     seq_id, cached, blocks = read_registered_reply(views)
     return [RegisteredSequence(seq_id, cached, blocks)]
+
+
+def register_many_writer(generation: int, prompts: list[np.ndarray], keys: list[bytes], request_id: int) -> Any:
+    """A register-many record of ``prompts`` (uint32 each), ``keys`` one each, no public prefix."""
+    ids, counts, tokens, extra = register_many_arrays(prompts, keys, [0] * len(prompts))
+    return lambda views: write_request(views, fp.OP_REGISTER_MANY, request_id, generation, ids=ids, counts=counts,
+                                       tokens=tokens, extra=extra)
+
+
+def read_registered_many(views: fp.Views) -> list[RegisteredSequence]:
+    """A register-many's answer as ``register_prompts``'s: a RegisteredSequence a prompt, in order."""
+    return [RegisteredSequence(seq_id, cached, blocks) for seq_id, cached, blocks in read_registered_many_reply(views)]
 
 
 def fork_writer(generation: int, parent: int, num_children: int, children: list[int], request_id: int) -> Any:

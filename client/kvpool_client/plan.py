@@ -9,8 +9,8 @@ A plan never touches a channel, a sleep or an event loop. It yields two kinds of
     Attempt(rpc, request, timeout)   make one unary call; the response comes back at the yield, or the call's
                                      exception (errors.py) is raised there
     Pause(seconds)                   wait that long (between retries, between health polls)
-    Exchange(channel, write, read,   one record over the session's fast-path channel (fast_commands.py)
-             method, timeout)
+    Exchange(channel, write, read,   one record over the session's fast-path channel (fast_commands.py); its
+             method, timeout)        error reply is raised at the yield as the client's exception
 
 and returns the call's result. ``run`` makes the steps with blocking calls (KVPoolClient), ``run_async`` with
 awaited ones (AsyncKVPoolClient): that is all the two clients do differently. psycopg 3 drives its protocol the
@@ -60,8 +60,9 @@ Explain = Callable[[KVPoolClientError], KVPoolClientError]
 
 class Steps:
     """The steps of one plan, in order. Make each inside ``with steps as reply``: the value given to ``reply`` goes
-    back to the plan; a grpc.RpcError raised inside is thrown into the plan as the client's exception. When the
-    iteration ends, ``result`` holds what the plan returned."""
+    back to the plan; a grpc.RpcError raised inside is thrown into the plan as the client's exception, and so is
+    an Exchange's (the client's exception already). When the iteration ends, ``result`` holds what the plan
+    returned."""
 
     def __init__(self, plan: Plan[Any], explain: Explain | None = None) -> None:
         self._plan = plan
@@ -87,6 +88,9 @@ class Steps:
         return self._reply
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: object) -> bool:
+        if isinstance(error, KVPoolClientError) and isinstance(self._step, Exchange):
+            self._error = error  # a record's error reply, the client's exception already
+            return True
         if not isinstance(error, grpc.RpcError):  # grpc.aio.AioRpcError is one too
             return False
         self._error = from_rpc_error(error, self._step.rpc.name)

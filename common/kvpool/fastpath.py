@@ -44,13 +44,18 @@ OP_REGISTER = 1
 OP_APPEND = 2
 OP_FORK = 3
 OP_FREE = 4
-OP_NAMES = {OP_REGISTER: "RegisterSequence", OP_APPEND: "AppendToken", OP_FORK: "Fork", OP_FREE: "Free"}
+OP_REGISTER_MANY = 5
+OP_NAMES = {OP_REGISTER: "RegisterSequence", OP_APPEND: "AppendToken", OP_FORK: "Fork", OP_FREE: "Free",
+            OP_REGISTER_MANY: "RegisterSequences"}
 
 # request header words
 #   register: ARG0 = seq_id (0: the server assigns), ARG1 = public_prefix_len; arrays: tokens (the prompt), extra
 #   append:   ids, counts (one for all, or one each), tokens (token ids, or none)
 #   fork:     ARG0 = parent, ARG1 = num_children; arrays: ids (the children's chosen ids)
 #   free:     ids
+#   register many (RegisterSequences, N prompts): ids = each prompt's cache_extra_key length (N); counts = each
+#             prompt's token count, then each prompt's public_prefix_len (2N); tokens = the prompts concatenated;
+#             extra = the keys concatenated
 REQ_OP = 0
 REQ_REQUEST_ID = 1
 REQ_GENERATION = 2
@@ -64,11 +69,13 @@ REQ_SEQ = 9  # the CTL_REQ_SEQ this record is for
 
 # reply header words
 #   arrays: message (utf-8, MSG_LEN bytes), slots int64, new block ids int32, copies int32 [c, 2], children uint64
+#   register many: slots = each prompt's num_cached_tokens (N); new block ids = their cached blocks concatenated
+#             (prompt i's num_cached_tokens[i] // block size); children = the seq ids (N)
 REP_SEQ = 0
 REP_CODE = 1  # the canonical status code (gRPC's numbers); 0: OK
 REP_REASON = 2  # REASONS index
 REP_MSG_LEN = 3
-REP_VALUE0 = 4  # register: seq_id; free: blocks freed
+REP_VALUE0 = 4  # register: seq_id; free: blocks freed; register many: the block size
 REP_VALUE1 = 5  # register: num_cached_tokens
 REP_N_SLOTS = 6
 REP_N_NEW = 7
@@ -106,6 +113,18 @@ def append_reply_bound(n_ids: int, n_tokens: int, block_size: int) -> int:
     token). ``block_size`` 1 when it is not known: the bound still holds for every block size."""
     new = min(n_tokens, n_tokens // block_size + 2 * n_ids)
     return reply_bytes(0, n_tokens, new, min(n_ids, n_tokens), 0)
+
+
+def register_many_request_bytes(n_prompts: int, n_tokens: int, extra_len: int) -> int:
+    """The request area a register-many record of ``n_prompts`` prompts needs."""
+    return request_bytes(n_prompts, 2 * n_prompts, n_tokens, extra_len)
+
+
+def register_many_reply_bytes(n_prompts: int, n_blocks: int) -> int:
+    """The reply area a register-many reply of ``n_blocks`` cached block ids in all needs. A prompt of ``t``
+    tokens has at most ``(t - 1) // block_size`` cached blocks (all but its last token), so the reply of a record
+    that fits its request area always fits an area as big: 4 bytes a block against 4 a token."""
+    return reply_bytes(0, n_prompts, n_blocks, 0, n_prompts)
 
 
 class Views:

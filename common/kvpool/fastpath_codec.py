@@ -2,13 +2,17 @@
 use (the server in kvpool_server/fastpath/records.py, the client in kvpool_client/fastpath_records.py and
 fastpath.py). The words and offsets are kvpool.fastpath's; docs/fast-path.md has the picture.
 
-    request   write_request (client) -> publish_request (client) -> request_header, request_arrays (server)
-    reply     write_append_reply / write_children_reply / write_values_reply / write_error_reply (server)
-              -> publish_reply (server) -> reply_error, read_append_reply, read_children, read_values (client)
+    request   write_request (client; register_many_arrays: N prompts as its arrays) -> publish_request (client)
+              -> request_header, request_arrays (server; split_register_many: the arrays as N prompts again)
+    reply     write_append_reply / write_children_reply / write_values_reply / write_registered_reply /
+              write_registered_many_reply / write_error_reply (server) -> publish_reply (server) -> reply_error,
+              read_append_reply, read_children, read_values, read_registered_reply, read_registered_many_reply
+              (client)
 
 What a side decides stays with it: the server's bounds (``append_reply_bound``, which error is whose status) and the
 client's types. The codec checks only what a reader must check before it reads: a request's counts against its area
-(``RecordTooBig``); the server trusts nothing it reads, so ``request_arrays`` copies the arrays out of the segment.
+(``RecordTooBig``) and a register-many record's lengths against its arrays (``RecordInconsistent``); the server
+trusts nothing it reads, so ``request_arrays`` copies the arrays out of the segment.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ _barrier = threading.Lock()
 
 class RecordTooBig(ValueError):
     """A request whose counts pass its area: nothing of it is read."""
+
+
+class RecordInconsistent(ValueError):
+    """A register-many record whose lengths do not match its arrays: nothing of it is applied."""
 
 
 def memory_barrier() -> None:
@@ -61,6 +69,41 @@ def write_request(views: fp.Views, op: int, request_id: int, generation: int, *,
     if extra:
         area[at:at + len(extra)] = np.frombuffer(extra, np.uint8)
     req[:fp.REQ_SEQ] = (op, _word(request_id), generation, n_ids, n_counts, n_tokens, _word(arg0), arg1, len(extra))
+
+
+def register_many_arrays(prompts: list[np.ndarray], keys: list[bytes],
+                         public_prefix_lens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
+    """N prompts (uint32 each), their keys and public prefix lengths as a register-many record's arrays (ids,
+    counts, tokens, extra: ``kvpool.fastpath``'s layout), for ``write_request``."""
+    ids = np.fromiter((len(k) for k in keys), np.uint64, len(keys))
+    counts = np.fromiter((p.size for p in prompts), np.uint32, len(prompts))
+    counts = np.concatenate([counts, np.asarray(public_prefix_lens, dtype=np.uint32)])
+    tokens = np.concatenate(prompts) if prompts else np.zeros(0, np.uint32)
+    return ids, counts, tokens.astype(np.uint32, copy=False), b"".join(keys)
+
+
+def split_register_many(ids: np.ndarray, counts: np.ndarray, tokens: np.ndarray,
+                        extra: bytes) -> list[tuple[np.ndarray, int, bytes]]:
+    """A register-many record's arrays (as ``request_arrays`` copied them) as its prompts: (token ids, a view of
+    ``tokens``; public_prefix_len; cache_extra_key) each. ``RecordInconsistent`` unless there are two counts a key
+    length, the token counts sum to the tokens and the key lengths to the extra bytes."""
+    n = ids.size
+    if counts.size != 2 * n:
+        raise RecordInconsistent(f"fast path: a RegisterSequences record of {n} key lengths needs {2 * n} counts "
+                                 f"(each prompt's token count, then its public_prefix_len), got {counts.size}")
+    values, key_lens = counts.tolist(), ids.tolist()  # Python ints: no sum wraps
+    if sum(values[:n]) != tokens.size:
+        raise RecordInconsistent(f"fast path: a RegisterSequences record's token counts sum to {sum(values[:n])}, "
+                                 f"its tokens are {tokens.size}")
+    if sum(key_lens) != len(extra):
+        raise RecordInconsistent(f"fast path: a RegisterSequences record's key lengths sum to {sum(key_lens)}, its "
+                                 f"key bytes are {len(extra)}")
+    out, at, key_at = [], 0, 0
+    for i in range(n):
+        end, key_end = at + values[i], key_at + key_lens[i]
+        out.append((tokens[at:end], values[n + i], extra[key_at:key_end]))
+        at, key_at = end, key_end
+    return out
 
 
 def publish_request(views: fp.Views, seq: int) -> None:
@@ -140,6 +183,25 @@ def write_registered_reply(views: fp.Views, seq_id: int, num_cached_tokens: int,
     views.rep[fp.REP_N_NEW] = block_ids.size
 
 
+def write_registered_many_reply(views: fp.Views, block_size: int, seq_ids: list[int], cached: list[int],
+                                block_ids: np.ndarray) -> None:
+    """An OK register-many reply: the block size (value0), each prompt's num_cached_tokens (slots, int64), their
+    cached blocks concatenated (new block ids, int32; prompt i's ``cached[i] // block_size``), the seq ids
+    (children, uint64). The caller has checked that it fits (``fp.register_many_reply_bytes``)."""
+    rep, area = views.rep, views.rep_area
+    n = len(cached)
+    rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0
+    rep[fp.REP_VALUE0], rep[fp.REP_VALUE1] = block_size, 0
+    at = fp.HEADER_BYTES
+    area[at:at + 8 * n].view(np.int64)[:] = cached
+    at += 8 * n
+    if block_ids.size:
+        area[at:at + 4 * block_ids.size].view(np.int32)[:] = block_ids
+    at += fp.align8(4 * block_ids.size)
+    area[at:at + 8 * n].view(np.uint64)[:] = seq_ids
+    rep[fp.REP_N_SLOTS:fp.REP_N_CHILDREN + 1] = (n, block_ids.size, 0, n)
+
+
 def write_error_reply(views: fp.Views, code: int, reason: str, message: str) -> None:
     """An error reply: ``code`` (nonzero), ``reason`` (a kvpool-error reason, "" when none or unknown) and the
     message, cut to ``MAX_MESSAGE_BYTES`` (and to the area)."""
@@ -202,3 +264,18 @@ def read_registered_reply(views: fp.Views) -> tuple[int, int, np.ndarray]:
 def read_values(views: fp.Views) -> tuple[int, int]:
     """An OK reply's two values, the first as its uint64 (a register's seq_id; a free's count is never negative)."""
     return int(views.rep[fp.REP_VALUE0]) & (WRAP - 1), int(views.rep[fp.REP_VALUE1])
+
+
+def read_registered_many_reply(views: fp.Views) -> list[tuple[int, int, np.ndarray]]:
+    """An OK register-many reply: (seq_id, num_cached_tokens, its cached block ids: int32, a copy) per prompt."""
+    rep, area = views.rep, views.rep_area
+    block_size, n_slots, n_new, n_children = (int(rep[fp.REP_VALUE0]), int(rep[fp.REP_N_SLOTS]),
+                                              int(rep[fp.REP_N_NEW]), int(rep[fp.REP_N_CHILDREN]))
+    at = fp.HEADER_BYTES
+    cached = area[at:at + 8 * n_slots].view(np.int64).tolist()
+    at += 8 * n_slots
+    blocks = area[at:at + 4 * n_new].view(np.int32).copy()
+    at += fp.align8(4 * n_new)
+    seq_ids = area[at:at + 8 * n_children].view(np.uint64).tolist()
+    ends = np.cumsum([c // max(block_size, 1) for c in cached]).tolist()
+    return [(seq_id, c, blocks[end - c // max(block_size, 1):end]) for seq_id, c, end in zip(seq_ids, cached, ends)]

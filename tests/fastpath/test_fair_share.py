@@ -48,6 +48,31 @@ def test_fast_path_serves_another_session_while_a_long_register_is_hashed(server
         assert flooder.fast_path_open and other.fast_path_open  # both went over their channels
 
 
+def test_fast_path_serves_another_session_while_a_long_batch_of_prompts_is_hashed(server_factory) -> None:
+    """The same for a register-many record (RegisterSequences of four prompts, LONG tokens in all): its prompts are
+    hashed on the hasher, the other session's register, published after it, is applied before it."""
+    server = server_factory(*SERVER_ARGS, "--max-tokens-per-call", str(2 * LONG))
+    with KVPoolClient(server.address, lease_ttl_s=30.0) as flooder, \
+            KVPoolClient(server.address, lease_ttl_s=30.0) as other:
+        flooder.register()
+        other.register()
+        ctl = flooder._fast_channel.views.ctl  # type: ignore[union-attr]
+        published = int(ctl[fp.CTL_REQ_SEQ])
+        result: list[int] = []
+        prompts = [long_prompt(i, LONG // 4) for i in range(4)]
+        flood = threading.Thread(target=lambda: result.extend(r.seq_id for r in flooder.register_prompts(prompts)))
+        flood.start()
+        while int(ctl[fp.CTL_REQ_SEQ]) == published:  # the batch's record is published
+            time.sleep(0.0005)
+        other_id = other.register()
+        flood.join(60)
+        assert len(result) == 4, "the batch did not complete"
+        assert int(ctl[fp.CTL_REQ_SEQ]) == published + 1  # one record, not gRPC
+        assert other_id < min(result), ("the other session's register was applied after the batch published "
+                                        "before it: the fast-path thread hashed the batch inline")
+        assert flooder.fast_path_open and other.fast_path_open
+
+
 def test_grpc_hashes_a_light_sessions_long_register_before_a_flooders_queued_ones(monkeypatch) -> None:
     """In-process, to see the hasher's queue: a flooder's 48 long registers have all reached the hasher and are
     queued (its hashing held at a gate until then: how fast the machine hashes does not decide what is queued);

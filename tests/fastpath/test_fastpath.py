@@ -156,7 +156,7 @@ def _fuzz(channel, rng: np.random.Generator, n: int) -> list[int]:
     for _ in range(n):
         views.req_area[:4096] = rng.integers(0, 256, 4096, dtype=np.uint8)  # garbage arrays
         header = rng.integers(-(1 << 40), 1 << 40, fp.HEADER_WORDS, dtype=np.int64)
-        header[fp.REQ_OP] = rng.choice([0, 1, 2, 3, 4, 9, -1])
+        header[fp.REQ_OP] = rng.choice([0, 1, 2, 3, 4, 5, 9, -1])
         small = rng.integers(0, 6, 4)
         if rng.random() < 0.7:  # mostly plausible counts, so that the checks behind the first ones are reached
             header[[fp.REQ_N_IDS, fp.REQ_N_COUNTS, fp.REQ_N_TOKENS, fp.REQ_EXTRA_LEN]] = small

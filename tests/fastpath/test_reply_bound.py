@@ -85,11 +85,11 @@ def test_a_record_whose_reply_fails_after_it_was_applied_is_answered_once_never_
             assert client.fast_path_open
             original, failures = records.write_answer, []
 
-            def fails_once(views, seq_, op, answer):
+            def fails_once(views, seq_, op, answer, block_size):
                 if not failures:
                     failures.append(seq_)
                     raise RuntimeError("the reply cannot be written")
-                return original(views, seq_, op, answer)
+                return original(views, seq_, op, answer, block_size)
 
             monkeypatch.setattr(records, "write_answer", fails_once)
             try:

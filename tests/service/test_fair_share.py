@@ -7,6 +7,7 @@ import math
 import threading
 
 import numpy as np
+import pytest
 
 from kvpool_server.config import ServerConfig
 from kvpool_server.service.build import build_service
@@ -130,6 +131,46 @@ def test_chunked_hashes_equal_the_inline_ones() -> None:
             assert job.hashes == prefix.prompt_hashes(None, prompt, public, extra)
         assert svc.hasher.submit(-1, None, np.zeros(1 << 17, np.uint32), 0, b"", print) is None  # too long: refused
         svc.hasher.check_invariants()
+    finally:
+        svc.hasher.stop()
+        svc.guard.pool.close()
+
+
+def test_a_batchs_jobs_are_queued_at_once_hashed_in_shared_chunks_and_equal_the_inline_ones(monkeypatch) -> None:
+    """``submit_many``: one job a prompt, all or none (a prompt register refuses: none queued; past the queue's
+    bound: QuotaExceededError, none queued), ``on_done`` once, for the last; short prompts share a chunk."""
+    from kvpool_server.core.errors import QuotaExceededError
+    from kvpool_server.service import prompt_hasher
+
+    config = ServerConfig(backend="host", num_blocks=256, head_dim=1, max_seq_len=1 << 16).validate()
+    svc, _ = build_service(config)
+    try:
+        prefix, hasher = svc.guard.manager.prefix, svc.hasher
+        rng = np.random.default_rng(1)
+        prompts = [(rng.integers(0, 50_000, int(n), dtype=np.uint32), 0, b"k" if n % 2 else b"")
+                   for n in (5, 100, 700, 17, 3000, 40)]
+        assert hasher.submit_many(-1, None, prompts + [(np.zeros(1 << 17, np.uint32), 0, b"")], print) is None
+        assert hasher.queued_tokens == 0 and not hasher.jobs.get(-1)
+        monkeypatch.setattr(prompt_hasher, "MAX_QUEUED_TOKENS", 3000)
+        with pytest.raises(QuotaExceededError):
+            hasher.submit_many(-1, None, prompts, print)
+        assert hasher.queued_tokens == 0
+        monkeypatch.undo()
+        chunks: list[float] = []  # the hasher charges its session once a chunk
+        charge = svc.fair.charge
+        monkeypatch.setattr(svc.fair, "charge", lambda key, s, heavy=False: (chunks.append(s), charge(key, s, heavy)))
+        done: list = []
+        finished = threading.Event()
+        jobs = hasher.submit_many(-1, None, prompts, lambda job: (done.append(job), finished.set()))
+        assert jobs is not None and finished.wait(30)
+        assert done == [jobs[-1]] and all(job.done for job in jobs)
+        for job, (prompt, public, extra) in zip(jobs, prompts):
+            assert job.result == prefix.prompt_hashes(None, prompt, public, extra)
+        chunk = prompt_hasher.CHUNK_BLOCKS
+        alone = sum(max(1, -(-job.num_blocks // chunk)) for job in jobs)  # a chunk or more each, unshared
+        assert len(chunks) == -(-sum(job.num_blocks for job in jobs) // chunk) < alone, (len(chunks), alone)
+        hasher.check_invariants()
+        assert hasher.queued_tokens == 0
     finally:
         svc.hasher.stop()
         svc.guard.pool.close()

@@ -66,3 +66,32 @@ def test_requests_past_a_lookups_bounds_are_looked_up_the_next_step(tmp_path, mo
         assert sum(step["loaded_blocks"] for step in again) == 6 * (299 // BLOCK_SIZE)
     finally:
         server.stop()
+
+
+def test_a_lookup_of_several_prompts_makes_no_grpc_call_when_the_fast_path_is_open(tmp_path):
+    """The step's lookups go as one register-many record over the connector's fast-path channel: no gRPC
+    RegisterSequences (the client's gRPC calls counted), and a second scheduler still finds the blocks."""
+    server = start_server(tmp_path, "--num-blocks", "2048", *server_layout_args(), unix=True)
+    try:
+        model = write_tiny_llama(tmp_path / "model")
+        for again in (False, True):
+            scheduler = make_scheduler(model, server.address, 1024, 6)
+            client = scheduler.connector.scheduler.link.client
+            client.free(client.register())  # the session and the channel open
+            calls: list[str] = []
+            real_call = client._call
+
+            def counted(rpc, *args, _real=real_call, _calls=calls, **kwargs):
+                _calls.append(rpc.name)
+                return (yield from _real(rpc, *args, **kwargs))
+
+            client._call = counted
+            steps = run(scheduler, PROMPTS, 8)
+            assert client.fast_path_open
+            scheduler.connector.shutdown()
+            assert summary(steps)["registers"] == 2  # two lookups of six prompts each
+            assert "RegisterSequences" not in calls, calls
+            loaded = sum(step["loaded_blocks"] for step in steps)
+            assert loaded == (len(PROMPTS) * (299 // BLOCK_SIZE) if again else 0)
+    finally:
+        server.stop()

@@ -10,6 +10,8 @@
                  queued on the hasher (``prompt_hasher``); the channel is skipped -- the thread serves the others
                  -- until the hashes are there (the hasher wakes the thread), then the record is served from that
                  copy with those hashes (``serve_record(prepared=...)``): the client cannot change it meanwhile
+    a register   of several prompts (``register_many``) of more than CHUNK_BLOCKS blocks in all: the same, one job
+    many         a prompt (``register_many.submit``); served once the last is done
 
 Never a wait on the thread. Bounded: at most one ``Prepared`` and one raw-seconds entry per live channel (``forget``
 when it closes: its seconds are folded then).
@@ -25,6 +27,7 @@ import numpy as np
 
 from kvpool import fastpath as fp
 from kvpool_server.core.errors import KVPoolError
+from kvpool_server.fastpath import register_many
 from kvpool_server.fastpath.channel import Channel, memory_barrier
 from kvpool_server.fastpath.records import _arrays
 from kvpool_server.service.fair_share import key_of
@@ -35,16 +38,21 @@ ORDER_S = 0.001  # the raw seconds are folded, and the channels' order decided, 
 
 
 class Prepared(NamedTuple):
-    """A register record copied out of its channel, its prompt hashed (by ``job``) or being hashed."""
+    """A register (or register-many) record copied out of its channel, its prompts hashed (by ``jobs``, one a
+    prompt, in order) or being hashed."""
 
     seq: int
     header: list[int]
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray, bytes]
-    job: HashJob
+    jobs: tuple[HashJob, ...]
 
     @property
-    def hashes(self) -> list[bytes] | None:
-        return self.job.result
+    def done(self) -> bool:
+        return self.jobs[-1].done  # a session's jobs end in order (prompt_hasher)
+
+    @property
+    def hashes(self) -> list[list[bytes] | None]:
+        return [job.result for job in self.jobs]
 
 
 class FairChannels:
@@ -102,25 +110,35 @@ class FairChannels:
         prepared = self.prepared.get(channel)
         if prepared is not None:
             if prepared.seq == seq:
-                return not prepared.job.done
+                return not prepared.done
             self._drop(channel)
-        if int(views.req[fp.REQ_OP]) != fp.OP_REGISTER or not self.hasher.is_long(int(views.req[fp.REQ_N_TOKENS])):
+        op, n_tokens = int(views.req[fp.REQ_OP]), int(views.req[fp.REQ_N_TOKENS])
+        if not (op == fp.OP_REGISTER and self.hasher.is_long(n_tokens) or
+                op == fp.OP_REGISTER_MANY and register_many.is_long(self.hasher, n_tokens)):
             return False
         memory_barrier()  # the record's loads after the seq's
         header = views.req.tolist()  # what serve_record reads then, instead of the segment
-        if header[fp.REQ_SEQ] != seq or header[fp.REQ_GENERATION] != channel.generation or header[fp.REQ_ARG1] < 0:
-            return False  # serve_record refuses it
+        if header[fp.REQ_SEQ] != seq or header[fp.REQ_GENERATION] != channel.generation or \
+                op == fp.OP_REGISTER and header[fp.REQ_ARG1] < 0:
+            return False  # serve_record refuses it (a register-many record has no arg1)
         try:
             arrays = _arrays(views, header)
-            job = self.hasher.submit(self.key(channel), channel.tenant, arrays[2], header[fp.REQ_ARG1], arrays[3],
-                                     self._hashed)
+            if op == fp.OP_REGISTER_MANY:
+                many = register_many.submit(self.service, self.key(channel), channel.tenant, arrays, self._hashed)
+                jobs = None if many is None else tuple(many)
+            else:
+                job = self.hasher.submit(self.key(channel), channel.tenant, arrays[2], header[fp.REQ_ARG1],
+                                         arrays[3], self._hashed)
+                jobs = None if job is None else (job,)
         except KVPoolError:  # a record too big for the area (refused by serve_record); the hasher full (inline)
             return False
-        if job is None:  # a prompt register refuses: serve_record does, with its status
+        if jobs is None:  # a prompt register refuses: serve_record does, with its status
             return False
-        ids, counts, _, extra = arrays
-        self.prepared[channel] = Prepared(seq, header, (ids, counts, job.prompt, extra), job)
-        return not job.done
+        ids, counts, tokens, extra = arrays
+        if op == fp.OP_REGISTER:
+            tokens = jobs[0].prompt  # the copy hashed (a register-many's jobs hashed copies of ``tokens``' slices)
+        prepared = self.prepared[channel] = Prepared(seq, header, (ids, counts, tokens, extra), jobs)
+        return not prepared.done
 
     def take(self, channel: Channel) -> Prepared | None:
         """The record ``defer`` prepared, once (the thread serves it now)."""
@@ -151,7 +169,8 @@ class FairChannels:
         """The channel's prepared record, if any, is no longer wanted: its job cancelled, its copy dropped."""
         prepared = self.prepared.pop(channel, None)
         if prepared is not None:
-            self.hasher.cancel(prepared.job)
+            for job in prepared.jobs:
+                self.hasher.cancel(job)
 
     def check_invariants(self, live: list[Channel]) -> None:
         """At most one ``Prepared`` per channel, only for live channels, each for the record after the last one

@@ -5,7 +5,8 @@ the area before an array is read, and the arrays are copied out of the segment b
 client cannot change a request while it is applied). Whatever goes wrong -- a bad op, a count past the area, an
 id 0, a fenced session -- is an exception inside the scope, so it gets the same status as on gRPC and the core is
 left exactly as it was (the core validates fully before it changes anything). A reply that might not fit the reply
-area is refused before anything is applied (``append_reply_bound``: the real worst case). The reply is written in
+area is refused before anything is applied (``append_reply_bound``: the real worst case; a register-many record's
+in ``register_many.py``, which also says how its prompts are hashed). The reply is written in
 full, then published by ``CTL_REP_SEQ``. The bytes are the codec's (``kvpool.fastpath_codec``, the client's too):
 this module decides what is read, checked and answered.
 
@@ -31,6 +32,7 @@ from kvpool_server.core import InvalidArgumentError
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
 from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, MAX_ROWS_PER_HOLD
 from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.fastpath import register_many
 from kvpool_server.service.register_batch import RegisteredPrompt
 from kvpool_server.service import answers
 from kvpool_server.service.answers import Pending
@@ -62,10 +64,10 @@ class Deferred:
     call made on the loop from the start): its call scope stays open until ``settle`` (on the event loop) has the
     final answer -- or the exception, whose status is then ``call.status``."""
 
-    __slots__ = ("call", "op", "pending", "answer", "failed")
+    __slots__ = ("call", "op", "pending", "answer", "failed", "block_size")
 
-    def __init__(self, call: Call, op: int, pending: Pending) -> None:
-        self.call, self.op, self.pending = call, op, pending
+    def __init__(self, call: Call, op: int, pending: Pending, block_size: int) -> None:
+        self.call, self.op, self.pending, self.block_size = call, op, pending, block_size
         self.answer: Any = None
         self.failed = False
 
@@ -107,7 +109,7 @@ class Deferred:
         if self.failed:
             write_error(views, seq, self.call.status)
         else:
-            write_answer(views, seq, self.op, self.answer)
+            write_answer(views, seq, self.op, self.answer, self.block_size)
 
 
 def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, headers: ChannelHeaders,
@@ -136,10 +138,11 @@ def serve_record(service: KVPoolService, scope: CallScope, views: fp.Views, head
             raise
         write_error(views, seq, call.status)
         return None
+    block_size = service.guard.manager.block_size
     if isinstance(answer, answers.Pending):
-        return Deferred(call, op, answer)
+        return Deferred(call, op, answer, block_size)
     call.__exit__(None, None, None)
-    write_answer(views, seq, op, answer)
+    write_answer(views, seq, op, answer, block_size)
     return None
 
 
@@ -172,9 +175,13 @@ def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list
     if op == fp.OP_REGISTER:
         if arg1 < 0:
             raise InvalidArgumentError(f"RegisterSequence public_prefix_len must be >= 0, got {arg1}")
-        hashes = None if prepared is None else prepared.hashes
+        hashes = None if prepared is None else prepared.hashes[0]
         return lambda: service.register(call, arg0 or None, session_id, request_id, cast(Any, tokens), arg1,
                                         extra, hashes), False
+    if op == fp.OP_REGISTER_MANY:
+        prompts = register_many.prompts_of(service, views.area_bytes, (ids, counts, tokens, extra))
+        many_hashes = None if prepared is None else prepared.hashes
+        return lambda: service.register_many(call, prompts, session_id, request_id, many_hashes), False
     if op == fp.OP_FORK:
         if not 0 <= arg1 <= service.max_batch:
             raise InvalidArgumentError(f"Fork num_children must be in [0, max_batch={service.max_batch}], got {arg1}")
@@ -200,10 +207,12 @@ def _same(answer: Any) -> Any:
     return answer
 
 
-def write_answer(views: fp.Views, seq: int, op: int, answer: Any) -> None:
+def write_answer(views: fp.Views, seq: int, op: int, answer: Any, block_size: int) -> None:
     """An OK reply. Its size is checked before anything is written: a reply that would not fit raises (a bug of
     ours: the bounds checked before the call should have refused it) and leaves the area as it was."""
-    if op == fp.OP_APPEND:
+    if op == fp.OP_REGISTER_MANY:
+        register_many.write_reply(views, block_size, answer)
+    elif op == fp.OP_APPEND:
         slots, new, copies = answer.slot_mapping, answer.new_block_ids, answer.copies
         needed = fp.reply_bytes(0, slots.size, new.size, copies.shape[0], 0)
         if needed > views.area_bytes:

@@ -151,15 +151,21 @@ class KVPoolService:
                     tier.finish_restore(restoring)  # type: ignore[union-attr]
 
     def register_many(self, call: Call, prompts: Sequence[PromptToRegister], session_id: int = 0,
-                      request_id: int = 0) -> tuple[RegisteredPrompt, ...]:
-        """RegisterSequences: a sequence per prompt, all or none (register_batch.py says how)."""
+                      request_id: int = 0,
+                      prompt_hashes: Sequence[list[bytes] | None] | None = None) -> tuple[RegisteredPrompt, ...]:
+        """RegisterSequences: a sequence per prompt, all or none (register_batch.py says how). ``prompt_hashes``:
+        each prompt's hashes from ``self.hasher`` (jobs of these very prompts; None where a job failed), else
+        computed here."""
         register_batch.check_batch(prompts, self.max_batch, self.limits.max_tokens_per_call)
         self.limits.check_reply(register_batch.reply_bytes(prompts, self.guard.manager.block_size),
                                 register_batch.RPC, call.headers, register_batch.ITEM_BYTES, "prompts")
         if not session_id:
             self.sessions.refuse_if_drained(register_batch.RPC)
         tenant, manager, tier = call.caller.tenant_id, self.guard.manager, self.tier
-        hashes = [register_batch.checked_hashes(call.caller, manager, i, p) for i, p in enumerate(prompts)]
+        checked = [register_batch.checked_input(call.caller, manager, i, p) for i, p in enumerate(prompts)]
+        given = prompt_hashes if prompt_hashes is not None else [None] * len(prompts)
+        hashes = [h if h is not None else register_batch.hashes_of(manager, c, p.cache_extra_key)
+                  for p, c, h in zip(prompts, checked, given)]
         restoring: list = []  # each prompt's host-tier blocks, copied back unlocked, before the match
         fence = (lambda: self.guard.fence(call.caller, session_id))  # the first restore's hold renews the lease
 

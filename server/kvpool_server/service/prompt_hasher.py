@@ -9,8 +9,10 @@ and of the process (the event loop waits for the GIL up to the 5 ms switch inter
     transport: job = hasher.submit(key, tenant, prompt, ...)      prompts over CHUNK_BLOCKS blocks only
                (gRPC: awaits job's future; fast path: serves the other channels, this one once job.done)
     hasher:    the job of the least-used session (FairShare) whose session is within its share; CHUNK_BLOCKS
-               blocks of it; that time charged to its session; then, while another session is active, the GIL
-               given up for real (a sleep of GIL_GAP_S: a thread woken for a light call takes it at once)
+               blocks of it (and of that session's next jobs, while the chunk has blocks left: a batch's short
+               prompts share a chunk; at most CHUNK_BLOCKS jobs); that time charged to its session; then, while
+               another session is active, the GIL given up for real (a sleep of GIL_GAP_S: a thread woken for a
+               light call takes it at once)
     transport: service.register(..., prompt_hashes=job.hashes)    the locked part only
 
 The hashes are those ``prompt_hashes`` gives (the same chain, cut into chunks: ``reusable_hashes`` of slices with
@@ -19,8 +21,8 @@ transport passes that same copy to ``register``. A prompt that ``register`` woul
 (``submit`` answers None and the call goes on as before: refused, unchanged).
 
 Bounded: the queued jobs hold at most MAX_QUEUED_TOKENS tokens (4 bytes each, and 32 bytes a block of hashes);
-``submit`` refuses past that (RESOURCE_EXHAUSTED, nothing applied). A job cancelled (its channel closed, its call
-cancelled) is dropped before its next chunk.
+``submit`` and ``submit_many`` refuse past that (RESOURCE_EXHAUSTED, nothing applied, nothing queued). A job
+cancelled (its channel closed, its call cancelled) is dropped before its next chunk.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ CHUNK_BLOCKS = 32  # blocks hashed between two looks at the others (~55 us); a p
 GIL_GAP_S = 20e-6  # after a chunk, while others are active: the GIL released this long (really ~70 us: timer slack)
 MAX_PACE_S = 0.005  # an over-share session's chunk waits at most this long before the share is looked at again
 MAX_QUEUED_TOKENS = 16 << 20  # the queued prompts' tokens, all jobs together (64 MiB of tokens + 32 MiB of hashes)
+
+
+def _nothing(job: HashJob) -> None:
+    pass
 
 
 class HashJob:
@@ -119,11 +125,42 @@ class PromptHasher:
                     f"{MAX_QUEUED_TOKENS}): retry")
             self.jobs.setdefault(key, deque()).append(job)
             self.queued_tokens += prompt.size
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="kvpool-hasher", daemon=True)
-                self.thread.start()
+            self._start()
             self.cond.notify()
         return job
+
+    def _start(self) -> None:
+        """Under ``cond``: the thread, started on the first job."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="kvpool-hasher", daemon=True)
+            self.thread.start()
+
+    def submit_many(self, key: int, tenant: int | None,
+                    prompts: Sequence[tuple[Sequence[int] | np.ndarray, int, bytes]],
+                    on_done: Callable[[HashJob], None]) -> list[HashJob] | None:
+        """``submit`` of several prompts (token ids, public_prefix_len, cache_extra_key each) at once, all or none:
+        one job each, queued in order under one hold (a session's jobs end in order: ``on_done`` runs once, for the
+        last). None: one of them ``register`` refuses (nothing queued); QuotaExceededError: they would pass
+        MAX_QUEUED_TOKENS (nothing queued)."""
+        jobs: list[HashJob] = []
+        for i, (tokens, public_prefix_len, extra) in enumerate(prompts):
+            try:
+                prompt, salt, num_public = self.prefix.hash_input(tenant, tokens, public_prefix_len, extra)
+            except (KVPoolError, IndexError):
+                return None
+            jobs.append(HashJob(key, np.array(prompt, dtype=np.uint32), salt, num_public, extra, self.block_size,
+                                on_done if i == len(prompts) - 1 else _nothing))
+        total = sum(job.prompt.size for job in jobs)
+        with self.cond:
+            if self.queued_tokens + total > MAX_QUEUED_TOKENS:
+                raise QuotaExceededError(
+                    f"the prompt hasher holds {self.queued_tokens} tokens of queued prompts (at most "
+                    f"{MAX_QUEUED_TOKENS}): retry")
+            self.jobs.setdefault(key, deque()).extend(jobs)
+            self.queued_tokens += total
+            self._start()
+            self.cond.notify()
+        return jobs
 
     def cancel(self, job: HashJob) -> None:
         job.cancelled = True  # dropped before its next chunk (its memory with it)
@@ -159,7 +196,8 @@ class PromptHasher:
                 time.sleep(0.01)
 
     def _serve_one(self) -> None:
-        """Wait for a job whose turn it is; hash one chunk of it; hand it over once complete."""
+        """Wait for a job whose turn it is; hash one chunk of it -- and of its session's next jobs while the chunk
+        has blocks left (at most CHUNK_BLOCKS jobs); hand each over once complete."""
         fair = self.fair
         with self.cond:
             job = self._next()
@@ -168,19 +206,22 @@ class PromptHasher:
                 job = self._next()
             if not self.running or job is None:
                 return
-        started = time.perf_counter()
-        try:
-            job.step(CHUNK_BLOCKS)
-        except Exception:  # a bug: the job ends without its hashes (``result`` None: register hashes inline)
-            logger.exception("prompt hasher: hashing failed")
-            job.done = True
-        fair.charge(job.key, time.perf_counter() - started, heavy=True)  # heavy: gives way to light work
-        if job.done:
-            with self.cond:
-                queue = self.jobs.get(job.key)
-                if queue and queue[0] is job:
-                    queue.popleft()
-                    self.queued_tokens -= job.prompt.size
+        key, started = job.key, time.perf_counter()
+        budget, finished = CHUNK_BLOCKS, []
+        while job is not None:
+            hashed = len(job.hashes)
+            try:
+                job.step(budget)
+            except Exception:  # a bug: the job ends without its hashes (``result`` None: register hashes inline)
+                logger.exception("prompt hasher: hashing failed")
+                job.done = True
+            budget -= len(job.hashes) - hashed
+            if not job.done:
+                break
+            finished.append(job)
+            job = self._done(job, budget > 0 and len(finished) < CHUNK_BLOCKS)
+        fair.charge(key, time.perf_counter() - started, heavy=True)  # heavy: gives way to light work
+        for job in finished:
             if not job.cancelled:
                 try:
                     job.on_done(job)
@@ -188,6 +229,17 @@ class PromptHasher:
                     logger.debug("prompt hasher: a finished job's transport is gone", exc_info=True)
         if fair.level() != float("inf"):  # others are active: let a thread waiting for the GIL take it
             time.sleep(GIL_GAP_S)
+
+    def _done(self, job: HashJob, more: bool) -> HashJob | None:
+        """``job`` complete: off its session's queue; its session's next job not cancelled when ``more``."""
+        with self.cond:
+            queue = self.jobs.get(job.key)
+            if queue and queue[0] is job:
+                queue.popleft()
+                self.queued_tokens -= job.prompt.size
+            while more and queue and queue[0].cancelled:
+                self.queued_tokens -= queue.popleft().prompt.size
+            return queue[0] if more and queue else None
 
     def check_invariants(self) -> None:
         with self.cond:

@@ -4,11 +4,14 @@
     registered[i].seq_id, registered[i].num_cached_tokens, registered[i].cached_block_ids
 
 All or none: every prompt is checked before anything changes -- its own arguments as RegisterSequence checks them
-(``check_batch`` here and the core's ``check_register_args`` through ``prompt_hashes``), the tenant's
+(``check_batch`` here and the core's ``check_register_args`` through ``hash_input``), the tenant's
 ``share_prefixes`` for a public prefix, then under the lock the tenant's ``max_sequences`` and the server's
 ``--max-num-seqs`` for all of them at once (``check_room``) -- and a refusal of any refuses the call with that
-prompt's status, nothing registered. Past those checks a register cannot fail (prefix reuse takes fewer blocks
-rather than exceed a quota), so the batch is applied in one lock hold.
+prompt's status, nothing registered. Every prompt is checked before any is hashed (``checked_input``, then
+``hashes_of``): a bad prompt after good ones costs no hashing. Past those checks a register cannot fail (prefix
+reuse takes fewer blocks rather than exceed a quota), so the batch is applied in one lock hold. Both transports
+call it: gRPC's RegisterSequences and the fast path's register-many record (which may bring the prompts' hashes,
+made on the hasher).
 
 Bounds: at most ``--max-batch`` prompts and ``--max-tokens-per-call`` prompt tokens in all; the reply holds one id
 and one count per prompt and at most ``(len(prompt) - 1) // block_size`` block ids each (checked against the
@@ -24,6 +27,7 @@ import numpy as np
 
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.core.manager import KVCacheManager
+from kvpool_server.core.prefix_reuse import reusable_hashes
 from kvpool_server.core.tenants import DEFAULT_TENANT
 from kvpool_server.core.errors import KVPoolError, OutOfBlocksError
 from kvpool_server.service.auth import Identity, check_may_share_prefixes
@@ -46,10 +50,7 @@ class RegisteredPrompt(NamedTuple):
 
 def check_batch(prompts: Sequence[PromptToRegister], max_batch: int, max_tokens_per_call: int) -> int:
     """The batch's own bounds (INVALID_ARGUMENT); returns its prompt tokens in all."""
-    if not prompts:
-        raise InvalidArgumentError(f"{RPC} needs at least one prompt")
-    if len(prompts) > max_batch:
-        raise InvalidArgumentError(f"{RPC} takes at most max_batch={max_batch} prompts, got {len(prompts)}")
+    check_count(len(prompts), max_batch)
     total = 0
     for i, prompt in enumerate(prompts):
         if not len(prompt.prompt_token_ids):
@@ -62,15 +63,31 @@ def check_batch(prompts: Sequence[PromptToRegister], max_batch: int, max_tokens_
     return total
 
 
-def checked_hashes(caller: Identity, manager: KVCacheManager, index: int, prompt: PromptToRegister) -> list[bytes]:
-    """Prompt ``index`` checked as RegisterSequence checks it (its refusal names it), and its chain hashes."""
+def check_count(num_prompts: int, max_batch: int) -> None:
+    """The batch's number of prompts (INVALID_ARGUMENT): 1 to ``max_batch``."""
+    if not num_prompts:
+        raise InvalidArgumentError(f"{RPC} needs at least one prompt")
+    if num_prompts > max_batch:
+        raise InvalidArgumentError(f"{RPC} takes at most max_batch={max_batch} prompts, got {num_prompts}")
+
+
+def checked_input(caller: Identity, manager: KVCacheManager, index: int,
+                  prompt: PromptToRegister) -> tuple[np.ndarray, bytes, int]:
+    """Prompt ``index`` checked as RegisterSequence checks it (its refusal names it), and what its chain hashes
+    hash (``PrefixReuse.hash_input``: no hashing yet)."""
     try:
         check_may_share_prefixes(caller, prompt.public_prefix_len)
-        return manager.prefix.prompt_hashes(caller.tenant_id, prompt.prompt_token_ids, prompt.public_prefix_len,
-                                            prompt.cache_extra_key)
+        return manager.prefix.hash_input(caller.tenant_id, prompt.prompt_token_ids, prompt.public_prefix_len,
+                                         prompt.cache_extra_key)
     except KVPoolError as error:
         error.args = (f"{RPC} prompts[{index}]: {error}",)
         raise
+
+
+def hashes_of(manager: KVCacheManager, checked: tuple[np.ndarray, bytes, int], cache_extra_key: bytes) -> list[bytes]:
+    """A checked prompt's chain hashes (``PrefixReuse.prompt_hashes``'s)."""
+    prompt, salt, num_public = checked
+    return reusable_hashes(prompt, manager.block_size, salt, num_public, cache_extra_key)
 
 
 def reply_bytes(prompts: Sequence[PromptToRegister], block_size: int) -> int:
