@@ -103,3 +103,24 @@ def test_on_cuda_the_split_matches_one_flash_call_and_the_math_path(dtype, n, m)
     math_path = _math_attention(q.float(), k.float(), v.float(), spans, 4, 128 ** -0.5)
     torch.testing.assert_close(got, math_path, atol=2e-2, rtol=0)
     torch.testing.assert_close(got, one, atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(split_kv._merge_kernel is None, reason="Triton is not installed here")
+@pytest.mark.parametrize("pieces,empty", [(2, 0), (5, 2), (16, 15)])
+def test_the_merge_kernel_matches_the_torch_merge(monkeypatch, pieces, empty):
+    """The Triton merge under its interpreter (CPU tensors) against PyTorch's arithmetic, ``empty`` pieces without
+    keys (lse +inf): fp16 outputs, float32 sums."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    gen = torch.Generator().manual_seed(pieces)
+    n, heads, dim = 7, 3, 16
+    o_pieces = torch.randn(pieces * n, heads, dim, generator=gen).half()
+    o_own = torch.randn(n, heads, dim, generator=gen).half()
+    lse = torch.randn(heads, pieces + 1, n, generator=gen) * 3
+    lse[:, :empty] = math.inf
+    want = split_kv.merge(o_pieces, o_own, lse)
+    monkeypatch.setattr(split_kv, "_merge_kernel", InterpretedFunction(split_kv._merge_kernel.fn))
+    monkeypatch.setattr(split_kv, "MERGE_ON_CPU", True)
+    got = split_kv.merge(o_pieces, o_own, lse)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=1e-3)

@@ -12,8 +12,9 @@ queries' own (query i sees the first i + 1). So:
 - the first ``p`` keys in ``S`` pieces, as ``S`` sequences of one non-causal varlen call, the ``n`` queries repeated
   for each (``cu_q = [0, n, .., S n]``, ``cu_k`` the pieces' bounds: ``p j // S``);
 - the own keys by one causal call (``cu_k = [p, m]``: the call reads the keys from offset ``p``);
-- the ``S + 1`` partial outputs merged in float32, each weighted by ``exp(lse_j - max lse)``. A piece with no keys
-  (``p < S``) has ``lse = +inf`` from the kernel and weight 0; the own keys are never empty.
+- the ``S + 1`` partial outputs merged in float32, each weighted by ``exp(lse_j - max lse)`` (``merge``: one
+  Triton kernel on CUDA). A piece with no keys (``p < S``) has ``lse = +inf`` from the kernel and weight 0; the own
+  keys are never empty.
 
 The bounds are computed on the device from ``spans.cu_k`` (the CUDA graph of a prefill bucket replays them with
 each prompt's lengths); ``n`` and the bucket's largest context are the plan's static sizes. ``S`` is chosen so the
@@ -64,7 +65,7 @@ def pieces_for(n: int, max_k: int, num_heads: int, sms: int) -> int:
     fill at most a quarter of the multiprocessors -- the merge costs about what the pieces save at half (H200,
     ``benchmarks/bench_split_kv.py``: 256 new tokens x 32 heads over 4,352 keys 0.79-0.92x, 64 over 8,192 2.3x)."""
     programs = math.ceil(n / QUERY_BLOCK) * num_heads
-    if programs * SPARSE_FRACTION > sms:
+    if programs * SPARSE_FRACTION > sms and os.environ.get(ENV) != "all":
         return 1
     want = math.ceil(PROGRAMS_PER_SM * sms / programs)
     return max(1, min(MAX_PIECES, want, (max_k - n) // MIN_PIECE_KEYS))
@@ -110,13 +111,69 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Spl
                     scale: float) -> torch.Tensor:
     """The causal attention of one span's ``q`` [n, Hq, D] over ``k``/``v`` [m, Hkv, D] (bottom-right aligned),
     as ``plan`` splits it."""
-    n, heads, dim = q.shape
+    n, heads, _ = q.shape
     s = plan.pieces
     o_pieces, lse_pieces = _flash(q.repeat(s, 1, 1), k, v, plan.cu_q, plan.cu_k, n, plan.max_piece, False, scale)
     o_own, lse_own = _flash(q, k, v, plan.cu_q[:2], plan.cu_own, n, n, True, scale)
     lse = torch.cat([_lse_by_piece(lse_pieces, heads, s, n), _lse_by_piece(lse_own, heads, 1, n)], dim=1)
-    lse = lse.masked_fill(lse == math.inf, -math.inf)  # a piece without keys: weight 0
-    weights = torch.softmax(lse, dim=1)  # [Hq, S + 1, n]: exp(lse_j - max) / sum
-    outs = torch.cat([o_pieces.view(s, n, heads, dim), o_own.view(1, n, heads, dim)])  # [S + 1, n, Hq, D]
-    merged = torch.einsum("snhd,hsn->nhd", outs.float(), weights)
-    return merged.to(q.dtype)
+    return merge(o_pieces, o_own, lse.contiguous())
+
+
+def merge(o_pieces: torch.Tensor, o_own: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The pieces' outputs ``o_pieces`` [S n, Hq, D] and the own keys' ``o_own`` [n, Hq, D] weighted by their
+    log-sum-exps ``lse`` [Hq, S + 1, n] (float32; +inf: a piece without keys, weight 0), in ``o_own``'s dtype. On
+    CUDA one Triton kernel (a program per query and head: the S + 1 rows read once, summed in float32); elsewhere
+    the same arithmetic in PyTorch."""
+    if _merge_kernel is not None and (o_own.is_cuda or MERGE_ON_CPU):
+        return _triton_merge(o_pieces, o_own, lse)
+    n, heads, dim = o_own.shape
+    pieces = lse.shape[1] - 1
+    weights = torch.softmax(lse.masked_fill(lse == math.inf, -math.inf), dim=1)  # [Hq, S + 1, n]
+    outs = torch.cat([o_pieces.view(pieces, n, heads, dim), o_own.view(1, n, heads, dim)])  # [S + 1, n, Hq, D]
+    return torch.einsum("snhd,hsn->nhd", outs.float(), weights).to(o_own.dtype)
+
+
+MERGE_ON_CPU = False  # the tests: the kernel on CPU tensors under Triton's interpreter
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch merge
+    triton = None
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n"])
+    def _merge_kernel(O_PIECES, O_OWN, LSE, OUT, n, PIECES: tl.constexpr, HEADS: tl.constexpr,
+                      DIM: tl.constexpr, DIM_P: tl.constexpr):
+        i = tl.program_id(0)  # the query
+        h = tl.program_id(1)  # the head
+        lse_row = LSE + h * (PIECES + 1) * n + i  # [Hq, S + 1, n]: piece s at lse_row + s * n, the own keys last
+        top = tl.load(lse_row + PIECES * n)  # the own keys: never empty, finite
+        for s in range(PIECES):
+            lse = tl.load(lse_row + s * n)
+            top = tl.maximum(top, tl.where(lse == float("inf"), float("-inf"), lse))
+        offs = tl.arange(0, DIM_P)
+        mask = offs < DIM
+        row = (i * HEADS + h) * DIM  # [n, Hq, D] row of the own keys' output
+        weight = tl.exp(tl.load(lse_row + PIECES * n) - top)
+        acc = weight * tl.load(O_OWN + row + offs, mask=mask, other=0.0).to(tl.float32)
+        total = weight
+        for s in range(PIECES):
+            lse = tl.load(lse_row + s * n)
+            w = tl.where(lse == float("inf"), 0.0, tl.exp(lse - top))
+            piece = tl.load(O_PIECES + s * n * HEADS * DIM + row + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += w * piece
+            total += w
+        tl.store(OUT + row + offs, (acc / total).to(OUT.dtype.element_ty), mask=mask)
+else:
+    _merge_kernel = None
+
+
+def _triton_merge(o_pieces: torch.Tensor, o_own: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    n, heads, dim = o_own.shape
+    o_pieces, o_own = o_pieces.contiguous(), o_own.contiguous()
+    out = torch.empty_like(o_own)
+    _merge_kernel[(n, heads)](o_pieces, o_own, lse, out, n, PIECES=lse.shape[1] - 1, HEADS=heads, DIM=dim,
+                              DIM_P=triton.next_power_of_2(dim))
+    return out
