@@ -73,10 +73,10 @@ def test_a_padded_bucket_splits_only_the_real_keys(monkeypatch):
 
 
 def test_how_many_pieces():
-    assert split_kv.pieces_for(64, 8192, 32, 132) == 9  # 32 programs: about two a multiprocessor with 9 pieces
-    assert split_kv.pieces_for(128, 4352, 16, 132) == 8  # a tensor-parallel rank's 16 heads
-    assert split_kv.pieces_for(256, 4352, 32, 132) == 1  # 64 programs: half the device, the merge costs the gain
-    assert split_kv.pieces_for(4352, 4352, 32, 132) == 1  # a long prefill fills the device alone
+    assert split_kv.pieces_for(256, 4352, 32, 132) == 4  # 64 programs: 4 pieces make 256, within two waves
+    assert split_kv.pieces_for(64, 8192, 32, 132) == 8  # 32 programs
+    assert split_kv.pieces_for(128, 4352, 16, 132) == 8  # a tensor-parallel rank's 16 heads: keys bound it
+    assert split_kv.pieces_for(1024, 4352, 32, 132) == 1  # 256 programs: a long suffix fills the device alone
     assert split_kv.pieces_for(64, 700, 32, 132) == 1  # too few keys for two pieces of MIN_PIECE_KEYS
     assert split_kv.pieces_for(16, 1 << 20, 8, 132) == split_kv.MAX_PIECES
 
@@ -90,7 +90,7 @@ def test_the_cpu_and_several_spans_are_not_split():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen flash kernel needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n,m", [(64, 8192), (16, 2048), (100, 5000)])
+@pytest.mark.parametrize("n,m", [(256, 4352), (64, 8192), (16, 2048), (100, 5000)])
 def test_on_cuda_the_split_matches_one_flash_call_and_the_math_path(dtype, n, m):
     gen = torch.Generator().manual_seed(n + m)
     q = torch.randn(n, 32, 128, generator=gen).to(dtype).cuda()

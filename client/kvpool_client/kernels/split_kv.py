@@ -4,9 +4,9 @@ that run side by side, their partial attentions merged by log-sum-exp.
     plan = split_plan(spans, num_heads, device)      None: one flash call fills the device already
     o = split_attention(q, k, v, spans, plan, scale)  o: [n, Hq, D], as the one flash call gives it
 
-One varlen FlashAttention call runs a program per (128 queries, head): 64 new tokens of a 32-head model are 32
-programs, a quarter of the H200's 132 multiprocessors, each walking the whole context. For one span of ``n`` new tokens over
-``m`` keys, the first ``p = m - n`` keys come before every query (each sees all of them) and the last ``n`` are the
+One varlen FlashAttention call runs a program per (128 queries, head): 256 new tokens of a 32-head model are 64
+programs, half the H200's 132 multiprocessors, each walking the whole context. For one span of ``n`` new tokens
+over ``m`` keys, the first ``p = m - n`` keys come before every query (each sees all of them) and the last ``n`` are the
 queries' own (query i sees the first i + 1). So:
 
 - the first ``p`` keys in ``S`` pieces, as ``S`` sequences of one non-causal varlen call, the ``n`` queries repeated
@@ -18,9 +18,8 @@ queries' own (query i sees the first i + 1). So:
 
 The bounds are computed on the device from ``spans.cu_k`` (the CUDA graph of a prefill bucket replays them with
 each prompt's lengths); ``n`` and the bucket's largest context are the plan's static sizes. ``S`` is chosen so the
-two calls have about two programs a multiprocessor, each piece at least ``MIN_PIECE_KEYS`` keys, at most
-``MAX_PIECES``, and only where one call fills at most a quarter of the device (``pieces_for``): the merge is
-several unfused float32 kernels, about what the pieces save at half. ``KVPOOL_ENGINE_SPLIT_KV=0`` turns it off (the benchmarks' same-run comparison).
+two calls have at most two programs a multiprocessor, each piece at least ``MIN_PIECE_KEYS`` keys, at most
+``MAX_PIECES`` (``pieces_for``). ``KVPOOL_ENGINE_SPLIT_KV=0`` turns it off (the benchmarks' same-run comparison).
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ MIN_PIECE_KEYS = 512
 MAX_PIECES = 16
 QUERY_BLOCK = 128  # the queries a flash program takes (FlashAttention 2, head size <= 128 on sm80/sm90)
 PROGRAMS_PER_SM = 2
-SPARSE_FRACTION = 4  # split only when one call's programs are at most 1/4 of the multiprocessors
 ENV = "KVPOOL_ENGINE_SPLIT_KV"
 
 
@@ -61,14 +59,12 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def pieces_for(n: int, max_k: int, num_heads: int, sms: int) -> int:
-    """How many pieces the first ``max_k - n`` keys are cut into (1: no split): only where one call's programs
-    fill at most a quarter of the multiprocessors -- the merge costs about what the pieces save at half (H200,
-    ``benchmarks/bench_split_kv.py``: 256 new tokens x 32 heads over 4,352 keys 0.79-0.92x, 64 over 8,192 2.3x)."""
+    """How many pieces the first ``max_k - n`` keys are cut into (1: no split): as many as keep the two calls'
+    programs within ``PROGRAMS_PER_SM`` a multiprocessor (rounded down: a partial wave costs a whole one), each
+    piece at least ``MIN_PIECE_KEYS`` keys. H200 (``benchmarks/bench_split_kv.py``, in CUDA graphs): 256 new tokens x
+    32 heads over 4,352 keys 1.24x with 4 pieces (1.06x with 5); 64 over 8,192 2.3x with 8."""
     programs = math.ceil(n / QUERY_BLOCK) * num_heads
-    if programs * SPARSE_FRACTION > sms and os.environ.get(ENV) != "all":
-        return 1
-    want = math.ceil(PROGRAMS_PER_SM * sms / programs)
-    return max(1, min(MAX_PIECES, want, (max_k - n) // MIN_PIECE_KEYS))
+    return max(1, min(MAX_PIECES, PROGRAMS_PER_SM * sms // programs, (max_k - n) // MIN_PIECE_KEYS))
 
 
 def split_plan(spans: Any, num_heads: int, device: torch.device) -> SplitPlan | None:
