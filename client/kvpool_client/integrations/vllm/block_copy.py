@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvpool_client.integrations.vllm.copy_config import CopyConfig, IdStages
+from kvpool_client.integrations.vllm.copy_config import CopyConfig, IdStages, KernelLaunch
 
 try:
     import triton
@@ -56,7 +56,7 @@ INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 if triton is not None:
 
     # The ids and their count are not specialised on (alignment, divisibility): one compiled kernel serves every copy
-    # of a pool layout and direction, so a copy after the first can launch it directly (``_Launch.compiled``).
+    # of a pool layout and direction, so a copy after the first can launch it directly (``KernelLaunch.compiled``).
     @triton.jit(do_not_specialize=["IDS", "n_pairs"])
     def _block_copy_kernel(VLLM, POOL, LAYER_OFFS, IDS, n_pairs,
                            v_sb, v_st, v_sh, p_sb, p_sl, p_skv, p_st, p_sh,
@@ -152,7 +152,7 @@ class BlockCopier:
         self._refusal = self._views_refusal()
         self._offset_bytes: list[int] = []
         self._tables: dict[int, tuple[torch.Tensor, int]] = {}  # word -> (offset table in words, its alignment)
-        self._launch: tuple[tuple[Any, ...], _Launch | str] | None = None  # the last pool's key, its launch or refusal
+        self._launch: tuple[tuple[Any, ...], KernelLaunch | str] | None = None  # the last pool's key, its launch or refusal
         if self._refusal is None:
             self._offset_bytes = [o * layers[0][0].element_size() for o in layer_offsets(layers)]
 
@@ -196,14 +196,14 @@ class BlockCopier:
         if not pairs.shape[1]:
             return
         launch = self._launch_of(pool)
-        if isinstance(launch, _Launch):
+        if isinstance(launch, KernelLaunch):
             self._kernel_copy(launch, pairs, into_vllm)
             self.path = "triton"
         else:
             _torch_copy(self.layers, pool, pairs[0], pairs[1], into_vllm)
             self.path = f"torch ({launch})"
 
-    def _launch_of(self, pool: torch.Tensor) -> _Launch | str:
+    def _launch_of(self, pool: torch.Tensor) -> KernelLaunch | str:
         """The kernel's arguments for ``pool`` (or why the kernel refuses it), worked out again only when the pool
         tensor's address, shape, strides, dtype or device change: vLLM's side is fixed for the copier."""
         key = (pool.data_ptr(), tuple(pool.shape), tuple(pool.stride()), pool.dtype, pool.device)
@@ -229,7 +229,7 @@ class BlockCopier:
                                   common_alignment(offsets, word))
         return self._tables[word]
 
-    def _plan_launch(self, pool: torch.Tensor) -> _Launch:
+    def _plan_launch(self, pool: torch.Tensor) -> KernelLaunch:
         k0, cfg = self.layers[0][0], self.config
         word = self._widest_word(pool)
         per = word // k0.element_size()  # elements a word
@@ -243,10 +243,10 @@ class BlockCopier:
         constants = dict(TOKENS=tokens, HEADS=heads, HEAD=head_w, HEAD_P=head_p, ROWS=rows, ALIGN=align,
                          BLOCKS_PER_PROGRAM=cfg.blocks_per_program,
                          EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps)
-        return _Launch(k0.view(as_int), pool.view(as_int), offsets, strides, constants, word,
+        return KernelLaunch(k0.view(as_int), pool.view(as_int), offsets, strides, constants, word,
                        k0.device.index if k0.is_cuda else None, {})
 
-    def _kernel_copy(self, launch: _Launch, pairs: np.ndarray, into_vllm: bool) -> None:
+    def _kernel_copy(self, launch: KernelLaunch, pairs: np.ndarray, into_vllm: bool) -> None:
         k0 = self.layers[0][0]
         if k0.is_cuda:
             self.ids = self.ids or IdStages(k0.device)
@@ -263,7 +263,7 @@ class BlockCopier:
             if k0.is_cuda:
                 self.ids.read()  # type: ignore[union-attr]
 
-    def _launch_kernel(self, launch: _Launch, grid: tuple[int, int, int], args: tuple[Any, ...],
+    def _launch_kernel(self, launch: KernelLaunch, grid: tuple[int, int, int], args: tuple[Any, ...],
                        into_vllm: bool) -> None:
         compiled = launch.compiled.get(into_vllm)
         if compiled is not None:
@@ -276,29 +276,6 @@ class BlockCopier:
         kernel = _block_copy_kernel[grid](*args, INTO_VLLM=into_vllm, **launch.constants)
         if self.direct and self.config.direct_launch and callable(getattr(kernel, "__getitem__", None)):
             launch.compiled[into_vllm] = kernel
-
-
-class _Launch(NamedTuple):
-    """What every kernel copy between one pool tensor and the copier's views passes (``BlockCopier._launch_of``):
-    both sides as integers of ``word`` bytes, the layer offset table, the strides in words, the constexprs; and
-    the kernel Triton compiled for them, by direction, once the first copy made it (``compiled``): the copies after
-    it launch that directly, without the JIT's dispatch (binding, specialisation key, cache lookup) -- sound
-    because nothing that varies between copies (the ids, their count) is specialised on."""
-
-    vllm: torch.Tensor
-    pool: torch.Tensor
-    offsets: torch.Tensor
-    strides: tuple[int, ...]
-    constants: dict[str, Any]
-    word: int
-    device: int | None  # the views' CUDA device (None: CPU tensors, the interpreter)
-    compiled: dict[bool, Any]  # into_vllm -> Triton's compiled kernel (None: launch through the JIT)
-
-    def constexpr_values(self, into_vllm: bool) -> tuple[Any, ...]:
-        """The kernel's constexpr arguments in its signature's order (``num_warps`` is an option, not one)."""
-        c = self.constants
-        return (c["TOKENS"], c["HEADS"], c["HEAD"], c["HEAD_P"], c["ROWS"], c["ALIGN"], into_vllm,
-                c["BLOCKS_PER_PROGRAM"], c["EVICT"])
 
 
 def _torch_copy(layers: list[tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, pool_ids: Sequence[int] | np.ndarray,

@@ -1,12 +1,15 @@
-"""The block-copy kernel's tuning (``CopyConfig``) and the way the copy's block ids reach the device (``IdStages``).
+"""The block-copy kernel's tuning (``CopyConfig``), what a launch of it passes (``KernelLaunch``), and the way the
+copy's block ids reach the device (``IdStages``).
 
-Both belong to ``block_copy.BlockCopier``: the config picks the kernel variant (constexpr parameters of its one
-definition), the stages carry every copy's ids up without an allocation or a wait.
+All belong to ``block_copy.BlockCopier``: the config picks the kernel variant (constexpr parameters of its one
+definition), the launch holds its arguments for one pool tensor, the stages carry every copy's ids up without an
+allocation or a wait.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,6 +41,29 @@ class CopyConfig:
         return (f"tile {self.tile_bytes:6d} B  warps {self.num_warps:2d}  blocks/prog {self.blocks_per_program}  "
                 f"word {self.word_bytes}  evict {'first' if self.evict_first else 'none '}"
                 f"{'' if self.direct_launch else '  JIT launch'}")
+
+
+class KernelLaunch(NamedTuple):
+    """What every kernel copy between one pool tensor and the copier's views passes (``block_copy.BlockCopier._launch_of``):
+    both sides as integers of ``word`` bytes, the layer offset table, the strides in words, the constexprs; and
+    the kernel Triton compiled for them, by direction, once the first copy made it (``compiled``): the copies after
+    it launch that directly, without the JIT's dispatch (binding, specialisation key, cache lookup) -- sound
+    because nothing that varies between copies (the ids, their count) is specialised on."""
+
+    vllm: torch.Tensor
+    pool: torch.Tensor
+    offsets: torch.Tensor
+    strides: tuple[int, ...]
+    constants: dict[str, Any]
+    word: int
+    device: int | None  # the views' CUDA device (None: CPU tensors, the interpreter)
+    compiled: dict[bool, Any]  # into_vllm -> Triton's compiled kernel (None: launch through the JIT)
+
+    def constexpr_values(self, into_vllm: bool) -> tuple[Any, ...]:
+        """The kernel's constexpr arguments in its signature's order (``num_warps`` is an option, not one)."""
+        c = self.constants
+        return (c["TOKENS"], c["HEADS"], c["HEAD"], c["HEAD_P"], c["ROWS"], c["ALIGN"], into_vllm,
+                c["BLOCKS_PER_PROGRAM"], c["EVICT"])
 
 
 class IdStages:
