@@ -23,7 +23,7 @@ import numpy as np
 from kvpool import fastpath as fp
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client import fastpath_records as channel_ops
-from kvpool_client import convert, rpcs
+from kvpool_client import convert, fast_args, rpcs
 from kvpool_client.command import command
 from kvpool_client.commands import KVPoolCommands
 from kvpool_client.errors import InvalidArgumentError, KVPoolClientError
@@ -88,7 +88,7 @@ class FastPathCommands(KVPoolCommands):
                         public_prefix_len: int = 0, cache_extra_key: bytes = b"",
                         timeout: float | None = None) -> Plan[tuple[int, int]]:
         method = rpcs.REGISTER_SEQUENCE.name
-        prompt = _uint32(prompt_token_ids)
+        prompt = fast_args.uint32_tokens(prompt_token_ids)
         channel = None
         if prompt is not None and seq_id != 0 and public_prefix_len >= 0 and len(cache_extra_key) <= MAX_EXTRA_KEY \
                 and self._fits(0, 0, prompt.size, len(cache_extra_key)):
@@ -112,7 +112,7 @@ class FastPathCommands(KVPoolCommands):
         if len(prompts) > 1:
             return (yield from self._register_many(prompts, cache_extra_keys, timeout))
         method = rpcs.REGISTER_SEQUENCE.name
-        prompt = _uint32(prompts[0]) if len(prompts) == 1 else None
+        prompt = fast_args.uint32_tokens(prompts[0]) if len(prompts) == 1 else None
         key = cache_extra_keys[0] if len(cache_extra_keys) == 1 else b""
         channel = None
         if prompt is not None and prompt.size and len(cache_extra_keys) <= 1 and len(key) <= MAX_EXTRA_KEY \
@@ -134,7 +134,7 @@ class FastPathCommands(KVPoolCommands):
         """``register_prompts`` of two or more prompts: one register-many record when the channel is open (or
         opens) and the record fits its areas, else RegisterSequences over gRPC."""
         method = rpcs.REGISTER_SEQUENCES.name
-        converted = [] if self._fast_off or self._no_register_many else [_uint32(p) for p in prompts]
+        converted = [] if self._fast_off or self._no_register_many else [fast_args.uint32_tokens(p) for p in prompts]
         arrays = [a for a in converted if a is not None]  # all of them, or gRPC gives its error
         keys = list(cache_extra_keys) or [b""] * len(prompts)
         channel, sizes = None, None
@@ -160,8 +160,8 @@ class FastPathCommands(KVPoolCommands):
                *, token_ids: Sequence[int] | np.ndarray | None = None,
                timeout: float | None = None) -> Plan[AppendResult]:
         method = rpcs.APPEND_TOKEN.name
-        args = None if self._fast_off else _append_args(seq_ids, num_tokens)  # None: gRPC's path gives its error
-        tokens = _uint32(token_ids) if token_ids is not None and args is not None else None
+        args = None if self._fast_off else fast_args.append_args(seq_ids, num_tokens)  # None: gRPC's path gives its error
+        tokens = fast_args.uint32_tokens(token_ids) if token_ids is not None and args is not None else None
         channel = None
         if args is not None and (tokens is not None or token_ids is None):
             n_tokens = 0 if tokens is None else tokens.size
@@ -180,7 +180,7 @@ class FastPathCommands(KVPoolCommands):
         method = rpcs.FORK.name
         children = list(child_seq_ids)
         channel = None
-        if 0 <= num_children < (1 << 32) and 0 < parent_seq_id < (1 << 64) and _uint64_ok(children) and \
+        if 0 <= num_children < (1 << 32) and 0 < parent_seq_id < (1 << 64) and fast_args.uint64_ok(children) and \
                 self._fits(len(children), 0, 0, reply=fp.reply_bytes(0, 0, 0, 0, max(num_children, len(children)))):
             channel = yield from self._fast_channel_plan(method, timeout)
         if channel is None:
@@ -194,7 +194,7 @@ class FastPathCommands(KVPoolCommands):
         method = rpcs.FREE.name
         ids = [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
         channel = None
-        if not self._fast_off and _uint64_ok(ids) and self._fits(len(ids), 0, 0):
+        if not self._fast_off and fast_args.uint64_ok(ids) and self._fits(len(ids), 0, 0):
             channel = yield from self._fast_channel_plan(method, timeout)
         if channel is None:
             return (yield from super().free.__wrapped__(self, seq_ids, timeout=timeout))  # type: ignore[attr-defined]
@@ -244,76 +244,3 @@ class FastPathCommands(KVPoolCommands):
         self._fast_off = True
         if channel is not None:
             channel.close()
-
-
-class _LastIds:
-    """The last list of ids converted, and its uint64 array (read-only): a decode loop appends to the same batch
-    step after step, and comparing the ids (a tuple compare) costs a fifth of converting them again. One (ids,
-    array) pair, replaced whole: safe across threads."""
-
-    pair: tuple[tuple[Any, ...], np.ndarray] = ((), np.zeros(0, dtype=np.uint64))
-
-
-def _id_array(seq_ids: list[Any] | tuple[Any, ...]) -> tuple[tuple[Any, ...], np.ndarray]:
-    ids = tuple(seq_ids)
-    last_ids, last_array = _LastIds.pair
-    if ids == last_ids:  # equal values convert equally
-        return last_ids, last_array
-    id_array = np.asarray(ids, dtype=np.uint64)
-    id_array.flags.writeable = False
-    if id_array.ndim == 1:
-        _LastIds.pair = (ids, id_array)
-    return ids, id_array
-
-
-def _append_args(seq_ids: Any, num_tokens: Any) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, int] | None:
-    """(ids, ids as uint64, one count per id, the counts the record carries, their total), cheaper than
-    convert.append_args for a decode step; None for anything unusual (gRPC's path then raises its own error)."""
-    try:
-        if isinstance(seq_ids, (int, np.integer)):
-            seq_ids = [int(seq_ids)]
-        if isinstance(seq_ids, (list, tuple)):
-            ids, id_array = _id_array(seq_ids)
-        else:
-            id_array = np.asarray(seq_ids, dtype=np.uint64)
-            ids = ()
-        if id_array.ndim != 1 or id_array.size == 0:
-            return None
-        if not ids:
-            ids = tuple(id_array.tolist())
-        if isinstance(num_tokens, (int, np.integer)):
-            if num_tokens < 1 or num_tokens >= 1 << 32:
-                return None
-            one_each: np.ndarray = np.full(id_array.size, int(num_tokens), dtype=np.int64)
-            return ids, id_array, one_each, np.array([num_tokens], dtype=np.uint32), int(num_tokens) * id_array.size
-        counts: np.ndarray = np.asarray(num_tokens, dtype=np.int64)
-        if counts.shape != id_array.shape or (counts < 1).any() or (counts >= 1 << 32).any():
-            return None
-        return ids, id_array, counts, counts.astype(np.uint32), int(counts.sum())
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
-def _uint32(values: Any) -> np.ndarray | None:
-    """``values`` as uint32 token ids, or None when they are not (gRPC then gives its own error)."""
-    try:
-        array = np.asarray(values)
-        if array.ndim != 1:
-            return None
-        dtype = array.dtype
-        if dtype.kind == "u" and dtype.itemsize <= 4:  # in range by its type: no pass over the values
-            return array.astype(np.uint32, copy=False)
-        if array.size and (dtype.kind not in "iu" or array.min() < 0 or array.max() >= 1 << 32):
-            return None
-        return array.astype(np.uint32, copy=False)
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
-def _uint64_ok(ids: list[Any]) -> bool:
-    """Every id fits a uint64 (else gRPC gives its own error)."""
-    try:
-        np.asarray(ids, dtype=np.uint64)
-    except (OverflowError, ValueError, TypeError):
-        return False
-    return True
