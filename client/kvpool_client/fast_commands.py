@@ -90,9 +90,10 @@ class FastPathCommands(KVPoolCommands):
         method = rpcs.REGISTER_SEQUENCE.name
         prompt = fast_args.uint32_tokens(prompt_token_ids)
         channel = None
+        need = (0, 0, 0 if prompt is None else prompt.size, len(cache_extra_key), 0)
         if prompt is not None and seq_id != 0 and public_prefix_len >= 0 and len(cache_extra_key) <= MAX_EXTRA_KEY \
-                and self._fits(0, 0, prompt.size, len(cache_extra_key)):
-            channel = yield from self._fast_channel_plan(method, timeout)
+                and self._fits(*need):
+            channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None or prompt is None:
             return (yield from super().register_prompt.__wrapped__(  # type: ignore[attr-defined]
                 self, prompt_token_ids, seq_id, public_prefix_len=public_prefix_len, cache_extra_key=cache_extra_key,
@@ -115,9 +116,11 @@ class FastPathCommands(KVPoolCommands):
         prompt = fast_args.uint32_tokens(prompts[0]) if len(prompts) == 1 else None
         key = cache_extra_keys[0] if len(cache_extra_keys) == 1 else b""
         channel = None
+        need = (0, 0, 0, len(key), 0) if prompt is None else (0, 0, prompt.size, len(key),
+                                                                fp.reply_bytes(0, 0, prompt.size, 0, 0))
         if prompt is not None and prompt.size and len(cache_extra_keys) <= 1 and len(key) <= MAX_EXTRA_KEY \
-                and self._fits(0, 0, prompt.size, len(key), reply=fp.reply_bytes(0, 0, prompt.size, 0, 0)):
-            channel = yield from self._fast_channel_plan(method, timeout)
+                and self._fits(*need):
+            channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None or prompt is None:
             return (yield from super().register_prompts.__wrapped__(  # type: ignore[attr-defined]
                 self, prompts, cache_extra_keys=cache_extra_keys, timeout=timeout))
@@ -142,9 +145,9 @@ class FastPathCommands(KVPoolCommands):
             n_tokens = int(sum(a.size for a in arrays))
             sizes = (len(prompts), 2 * len(prompts), n_tokens, sum(len(k) for k in keys),
                      fp.register_many_reply_bytes(len(prompts), n_tokens))  # a block id per token at most
-            if self._fits(*sizes[:4], reply=sizes[4]):
-                channel = yield from self._fast_channel_plan(method, timeout)
-        if channel is not None and sizes is not None and channel.fits(*sizes):  # the channel may have just opened
+            if self._fits(*sizes):
+                channel = yield from self._fast_channel_plan(method, timeout, sizes)
+        if channel is not None and sizes is not None:
             write = channel_ops.register_many_writer(channel.generation, arrays, keys, NO_REQUEST_ID)
             try:
                 return (yield from self._exchange(channel, write, channel_ops.read_registered_many, method, timeout))
@@ -165,8 +168,9 @@ class FastPathCommands(KVPoolCommands):
         channel = None
         if args is not None and (tokens is not None or token_ids is None):
             n_tokens = 0 if tokens is None else tokens.size
-            if self._fits(len(args[0]), args[3].size, n_tokens, reply=fp.append_reply_bound(len(args[0]), args[4], 1)):
-                channel = yield from self._fast_channel_plan(method, timeout)
+            need = (len(args[0]), args[3].size, n_tokens, 0, fp.append_reply_bound(len(args[0]), args[4], 1))
+            if self._fits(*need):
+                channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None or args is None:
             return (yield from super().append.__wrapped__(  # type: ignore[attr-defined]
                 self, seq_ids, num_tokens, token_ids=token_ids, timeout=timeout))
@@ -180,9 +184,10 @@ class FastPathCommands(KVPoolCommands):
         method = rpcs.FORK.name
         children = list(child_seq_ids)
         channel = None
+        need = (len(children), 0, 0, 0, fp.reply_bytes(0, 0, 0, 0, max(num_children, len(children))))
         if 0 <= num_children < (1 << 32) and 0 < parent_seq_id < (1 << 64) and fast_args.uint64_ok(children) and \
-                self._fits(len(children), 0, 0, reply=fp.reply_bytes(0, 0, 0, 0, max(num_children, len(children)))):
-            channel = yield from self._fast_channel_plan(method, timeout)
+                self._fits(*need):
+            channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None:
             return (yield from super().fork.__wrapped__(  # type: ignore[attr-defined]
                 self, parent_seq_id, num_children, child_seq_ids, timeout=timeout))
@@ -194,8 +199,9 @@ class FastPathCommands(KVPoolCommands):
         method = rpcs.FREE.name
         ids = [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
         channel = None
-        if not self._fast_off and fast_args.uint64_ok(ids) and self._fits(len(ids), 0, 0):
-            channel = yield from self._fast_channel_plan(method, timeout)
+        need = (len(ids), 0, 0, 0, 0)
+        if not self._fast_off and fast_args.uint64_ok(ids) and self._fits(*need):
+            channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None:
             return (yield from super().free.__wrapped__(self, seq_ids, timeout=timeout))  # type: ignore[attr-defined]
         write = channel_ops.free_writer(channel.generation, [int(i) for i in ids], NO_REQUEST_ID)
@@ -203,13 +209,18 @@ class FastPathCommands(KVPoolCommands):
 
     # ---------------------------------------------------------------- plumbing
     def _fits(self, n_ids: int, n_counts: int, n_tokens: int, extra: int = 0, reply: int = 0) -> bool:
+        """The record and its worst-case reply fit the open channel's areas (True before one is open: then
+        ``_fast_channel_plan`` checks the channel it opens) and the reply this client declared it receives."""
         if reply > self._fast_reply_limit:
             return False
         channel = self._fast_channel
         return channel is None or channel.fits(n_ids, n_counts, n_tokens, extra, reply)
 
-    def _fast_channel_plan(self, method: str, timeout: float | None) -> Plan[FastChannel | None]:
-        """The channel, opening the session and the channel on first use; None: use gRPC."""
+    def _fast_channel_plan(self, method: str, timeout: float | None,
+                           need: tuple[int, int, int, int, int] | None = None) -> Plan[FastChannel | None]:
+        """The channel, opening the session and the channel on first use; None: use gRPC -- also when the record
+        (``need``: its ids, counts, tokens, extra bytes and worst-case reply) does not fit the channel's areas,
+        checked again here for a channel this call opened."""
         if self._fast_off:
             return None
         session = yield from self._session_fields(method, timeout)
@@ -231,6 +242,8 @@ class FastPathCommands(KVPoolCommands):
                 logger.info("kvpool fast path not used (gRPC instead): %s", exc)
                 self._fast_off = True
             channel = None if self._fast_off else self._fast_channel
+        if channel is not None and need is not None and not channel.fits(*need):
+            return None
         return channel
 
     def _exchange(self, channel: FastChannel, write: Any, read: Any, method: str, timeout: float | None) -> Plan[Any]:

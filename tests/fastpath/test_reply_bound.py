@@ -103,3 +103,21 @@ def test_a_record_whose_reply_fails_after_it_was_applied_is_answered_once_never_
             handle.fast_path.check_invariants()
     finally:
         handle.stop()
+
+
+def test_a_clients_first_call_too_big_for_the_channel_it_opens_goes_over_grpc(server_factory):
+    """The first fast-path call of a client opens its channel; a record bigger than that channel's areas then goes
+    over gRPC with gRPC's answer -- it raised NumPy's ValueError writing past the area (the size was only checked
+    against a channel already open): a prompt's register, and a batch's (which checked it already)."""
+    server = server_factory(*SERVER, "--max-tokens-per-call", str(4 * AREA))
+    big = [1 + i % 1000 for i in range(AREA // 4 + 64)]  # more uint32 tokens than the 64 KiB request area holds
+    with KVPoolClient(server.address) as fast, KVPoolClient(server.address, fast_path=False) as slow:
+        assert not fast.fast_path_open
+        fast_seq, fast_cached = fast.register_prompt(big)
+        slow_seq, slow_cached = slow.register_prompt(big)
+        assert fast.fast_path_open and fast_cached == slow_cached == 0
+        assert fast.block_table(fast_seq).num_tokens == slow.block_table(slow_seq).num_tokens
+    with KVPoolClient(server.address) as fresh:  # a batch as the first call
+        found = fresh.register_prompts([big, big[:100]])
+        assert [f.num_cached_tokens for f in found] == [0, 0] and fresh.fast_path_open
+        assert fresh.check_invariants().ok
