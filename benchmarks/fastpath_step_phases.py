@@ -24,7 +24,7 @@ import numpy as np
 
 from kvpool import fastpath as fp
 from kvpool_client import fastpath_records as ops
-from kvpool_client.fast_commands import _append_args, _uint32
+from kvpool_client.fast_args import append_args, uint32_tokens
 from kvpool_server.config import ServerConfig
 from kvpool_server.fastpath.records import ChannelHeaders, serve_record
 from kvpool_server.service.build import build_service
@@ -49,10 +49,10 @@ def next_tokens(with_ids: bool) -> np.ndarray | None:
 
 
 def record_step(ids: list[int], with_ids: bool) -> None:
-    args = _append_args(ids, 1)
+    args = append_args(ids, 1)
     assert args is not None
     toks = next_tokens(with_ids)
-    ops.append_writer(GENERATION, args[1], args[3], None if toks is None else _uint32(toks), 0)(views)
+    ops.append_writer(GENERATION, args[1], args[3], None if toks is None else uint32_tokens(toks), 0)(views)
     state["seq"] += 1
     views.req[fp.REQ_SEQ] = state["seq"]
     serve_record(service, scope, views, headers, SESSION, GENERATION, state["seq"])
