@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+import pytest
 import numpy as np
 
 from kvpool import fastpath as fp
@@ -247,3 +248,77 @@ def test_fast_path_order_is_round_robin_until_a_session_is_over_its_share() -> N
     finally:
         svc.hasher.stop()
         svc.guard.pool.close()
+
+
+def test_grpc_register_sequences_of_a_long_batch_is_hashed_on_the_hasher_not_the_event_loop(monkeypatch) -> None:
+    """In-process, to hold the hasher: a gRPC RegisterSequences of three prompts of 48 blocks each (over
+    CHUNK_BLOCKS in all) queues one job a prompt on the hasher, whose hashing is held at a gate -- meanwhile the
+    event loop answers another session's Stats and a short batch (hashed in the call, not queued). Then the gate
+    opens and the long batch is answered with the cached run of a prompt the other session wrote; a batch with
+    an empty prompt is refused with RegisterSequences' own status and queues nothing."""
+    import threading
+
+    from kvpool_server.config import load_config
+    from kvpool_server.grpc_api.server import build_server
+    from kvpool_server.service.prompt_hasher import HashJob
+
+    gate, step = threading.Event(), HashJob.step
+
+    def gated_step(job, num_blocks):  # noqa: ANN001, ANN202 -- the real step, once the gate is open
+        gate.wait(60)
+        step(job, num_blocks)
+
+    monkeypatch.setattr(HashJob, "step", gated_step)
+    handle = build_server(load_config(["--backend", "host", "--num-blocks", "1024", "--head-dim", "1",
+                                       "--block-size", "16", "--address", "127.0.0.1:0"]))
+    handle.start()
+    hasher, batches = handle.service.hasher, []
+    submit_many = hasher.submit_many
+
+    def counted(key, tenant, prompts, on_done):  # noqa: ANN001, ANN202 -- the real submit_many, counted
+        batches.append(len(prompts))
+        return submit_many(key, tenant, prompts, on_done)
+
+    hasher.submit_many = counted  # type: ignore[method-assign]
+    try:
+        address = f"127.0.0.1:{handle.port}"
+        with connect(address) as stub, connect(address) as other:
+            session = stub.OpenSession(pb.OpenSessionRequest(client_name="long")).session_id
+            other_session = other.OpenSession(pb.OpenSessionRequest(client_name="short")).session_id
+            shared = long_prompt(7, 48 * 16 + 1)
+            seq = other.RegisterSequence(pb.RegisterSequenceRequest(session_id=other_session), timeout=30).seq_id
+            append = pb.AppendTokenRequest(session_id=other_session, seq_ids=[seq], num_tokens=[len(shared)])
+            append.token_ids.extend(shared.tolist())
+            other.AppendToken(append, timeout=30)
+            other.AppendToken(pb.AppendTokenRequest(session_id=other_session, seq_ids=[seq], num_tokens=[1],
+                                                    token_ids=[2]), timeout=30)
+
+            def batch(session_id: int, *prompts: np.ndarray) -> pb.RegisterSequencesRequest:
+                request = pb.RegisterSequencesRequest(session_id=session_id)
+                for p in prompts:
+                    request.prompts.add().prompt_token_ids.extend(p.tolist())
+                return request
+
+            # the writer's 769 tokens, 48 blocks sealed: the long batch's first prompt is the same tokens
+            future = stub.RegisterSequences.future(batch(session, shared, long_prompt(8, 48 * 16 + 1),
+                                                         long_prompt(9, 48 * 16 + 1)), timeout=120)
+            deadline = time.monotonic() + 60
+            while not batches and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert batches == [3], "the long batch did not reach the hasher"
+            assert not future.done()
+            assert other.Stats(pb.StatsRequest(), timeout=10).num_sequences >= 1  # the loop is free meanwhile
+            short = other.RegisterSequences(batch(other_session, long_prompt(10, 40), long_prompt(11, 40)), timeout=10)
+            assert len(short.sequences) == 2 and batches == [3], "a short batch went to the hasher"
+            with pytest.raises(grpc.RpcError) as refused:
+                other.RegisterSequences(batch(other_session, long_prompt(12, 48 * 16), np.zeros(0, np.uint32)),
+                                        timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and batches == [3]
+            gate.set()
+            answer = future.result()
+            assert [s.num_cached_tokens for s in answer.sequences] == [48 * 16, 0, 0]  # the writer's 48 blocks
+        handle.service.guard.manager.check_invariants()  # raises on a broken invariant
+    finally:
+        gate.set()
+        handle.stop()
+        handle.pool.close()

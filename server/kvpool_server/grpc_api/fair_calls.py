@@ -4,7 +4,9 @@
                                         MAX_TURN_WAIT_S, and never past the call's deadline): the event loop
                                         serves the other sessions meanwhile; a RegisterSequence of a long prompt
                                         has its hashes made on the hasher (prompt_hasher.py), awaited here, so
-                                        the loop does only the locked part -> ``HashedRegister``
+                                        the loop does only the locked part -> ``HashedRegister``; so has a
+                                        RegisterSequences of more than CHUNK_BLOCKS blocks in all (one job a
+                                        prompt, queued at once) -> ``HashedRegisterMany``
     charge(service, call, request, s)   the seconds the loop spent on the call (parse, serve, encode), charged to
                                         its session (or its tenant's key without a live one)
 """
@@ -17,9 +19,12 @@ from typing import Any
 import numpy as np
 
 from kvpool.v1 import kvpool_pb2 as pb
+from kvpool_server.core.errors import InvalidArgumentError, QuotaExceededError
+from kvpool_server.service import register_batch
 from kvpool_server.service.fair_share import key_of
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.service.prompt_hasher import HashJob
+from kvpool_server.service.prompt_hasher import CHUNK_BLOCKS, HashJob
+from kvpool_server.service.register_batch import PromptToRegister
 from kvpool_server.service.scope import Call
 
 MAX_TURN_WAIT_S = 0.05  # the longest one call waits for its session's share (then it runs: no session starves)
@@ -38,6 +43,21 @@ class HashedRegister:
         return getattr(self.request, name)
 
 
+class HashedRegisterMany:
+    """A RegisterSequencesRequest whose prompts the hasher has hashed: ``prompts`` and ``hashes`` (each prompt's,
+    None where its job did not finish: ``register_many`` hashes that one itself) go to ``service.register_many``;
+    every other field is the request's."""
+
+    def __init__(self, request: pb.RegisterSequencesRequest, prompts: list[PromptToRegister],
+                 jobs: list[HashJob]) -> None:
+        self.request = request
+        self.prompts = prompts
+        self.hashes = [job.result for job in jobs]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.request, name)
+
+
 def call_key(service: KVPoolService, call: Call, request: Any) -> int:
     return key_of(getattr(request, "session_id", 0), call.caller.tenant_id, service.guard.sessions)
 
@@ -48,6 +68,8 @@ async def take_turn(service: KVPoolService, call: Call, request: Any, max_wait_s
     wait = service.fair.wait_s(key)
     if wait > 0:
         await asyncio.sleep(min(wait, MAX_TURN_WAIT_S, max(0.0, max_wait_s)))
+    if isinstance(request, pb.RegisterSequencesRequest):
+        return await _hashed_many(service, call, request, key)
     if not isinstance(request, pb.RegisterSequenceRequest) or not service.hasher.is_long(
             len(request.prompt_token_ids)):
         return request
@@ -71,6 +93,43 @@ async def take_turn(service: KVPoolService, call: Call, request: Any, max_wait_s
         service.hasher.cancel(job)
         raise
     return HashedRegister(request, job)
+
+
+async def _hashed_many(service: KVPoolService, call: Call, request: pb.RegisterSequencesRequest, key: int) -> Any:
+    """The batch, its prompts hashed on the hasher when they have more than CHUNK_BLOCKS blocks in all (the
+    fast path's register-many record does the same). A batch the service refuses by its count or its size, or
+    whose prompts do not all pass the hasher's checks, is not hashed (``register_many`` refuses it); the hasher
+    full: hashed in the call, as before."""
+    prompts = [PromptToRegister(p.prompt_token_ids, p.public_prefix_len, p.cache_extra_key) for p in request.prompts]
+    try:
+        n_tokens = register_batch.check_batch(prompts, service.max_batch, service.limits.max_tokens_per_call)
+    except InvalidArgumentError:
+        return request
+    if n_tokens // service.hasher.block_size <= CHUNK_BLOCKS:
+        return request
+    loop = asyncio.get_running_loop()
+    hashed = loop.create_future()
+
+    def resolve() -> None:
+        if not hashed.done():
+            hashed.set_result(None)
+
+    def done(job: HashJob) -> None:  # on the hasher's thread, once the last job is done
+        loop.call_soon_threadsafe(resolve)
+
+    try:
+        jobs = service.hasher.submit_many(key, call.caller.tenant_id, prompts, done)
+    except QuotaExceededError:
+        return request
+    if jobs is None:
+        return request
+    try:
+        await hashed
+    except BaseException:  # cancelled: the jobs go before their next chunk
+        for job in jobs:
+            service.hasher.cancel(job)
+        raise
+    return HashedRegisterMany(request, prompts, jobs)
 
 
 def charge(service: KVPoolService, call: Call, request: Any, seconds: float) -> None:

@@ -22,7 +22,7 @@ from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.core import AppendPlan
 from kvpool_server.grpc_api import messages
-from kvpool_server.grpc_api.fair_calls import HashedRegister
+from kvpool_server.grpc_api.fair_calls import HashedRegister, HashedRegisterMany
 from kvpool_server.grpc_api.status import PEER_KEY
 from kvpool_server.fastpath.server import FastPathServer
 from kvpool_server.service.kvpool import KVPoolService
@@ -67,7 +67,10 @@ def _register(service: KVPoolService, call: Call, r: Any) -> Any:
                             prompt, r.public_prefix_len, r.cache_extra_key, hashes)
 
 
-def _register_many(service: KVPoolService, call: Call, r: pb.RegisterSequencesRequest) -> Any:
+def _register_many(service: KVPoolService, call: Call, r: Any) -> Any:
+    """``r``: the request, or a ``HashedRegisterMany`` of it (its prompts hashed off the loop: fair_calls.py)."""
+    if isinstance(r, HashedRegisterMany):
+        return service.register_many(call, r.prompts, r.session_id, r.request_id, r.hashes)
     prompts = [PromptToRegister(p.prompt_token_ids, p.public_prefix_len, p.cache_extra_key) for p in r.prompts]
     return service.register_many(call, prompts, r.session_id, r.request_id)
 
