@@ -114,7 +114,7 @@ class FairChannels:
             self._drop(channel)
         op, n_tokens = int(views.req[fp.REQ_OP]), int(views.req[fp.REQ_N_TOKENS])
         if not (op == fp.OP_REGISTER and self.hasher.is_long(n_tokens) or
-                op == fp.OP_REGISTER_MANY and register_many.is_long(self.hasher, n_tokens)):
+                op == fp.OP_REGISTER_MANY and self.hasher.is_long_batch(n_tokens)):
             return False
         memory_barrier()  # the record's loads after the seq's
         header = views.req.tolist()  # what serve_record reads then, instead of the segment

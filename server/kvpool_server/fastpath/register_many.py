@@ -8,7 +8,7 @@
               order, the same statuses and messages, all or none, the reply limit checked before anything is applied
     reply     write_reply(): the block size, the cached counts, the cached block ids, the seq ids (the codec's)
 
-The hashing: a batch of more than ``CHUNK_BLOCKS`` full blocks in all (``is_long``) is hashed on the hasher
+The hashing: a batch of more than ``CHUNK_BLOCKS`` full blocks in all (``PromptHasher.is_long_batch``) is hashed on the hasher
 (``submit``: one job a prompt, in order, of the session's fair share, CHUNK_BLOCKS blocks a chunk, short prompts
 sharing one),
 while the fast-path thread serves the other channels (``fair_channels``), then served with those hashes. So the
@@ -31,7 +31,7 @@ from kvpool import fastpath_codec as codec
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.service import register_batch
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.service.prompt_hasher import CHUNK_BLOCKS, HashJob, PromptHasher
+from kvpool_server.service.prompt_hasher import HashJob
 from kvpool_server.service.register_batch import PromptToRegister, RegisteredPrompt
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, bytes]
@@ -60,23 +60,17 @@ def prompts_of(service: KVPoolService, area_bytes: int, arrays: Arrays) -> list[
     return prompts
 
 
-def is_long(hasher: PromptHasher, n_tokens: int) -> bool:
-    """A batch hashed on the hasher, not inline: more than CHUNK_BLOCKS full blocks in all may be hashed."""
-    return CHUNK_BLOCKS < n_tokens // hasher.block_size
-
-
 def submit(service: KVPoolService, key: int, tenant: int | None, arrays: Arrays,
            on_done: Callable[[HashJob], None]) -> list[HashJob] | None:
-    """One hasher job a prompt, queued at once, in order (``PromptHasher.submit_many``: ``on_done`` once the last is
-    done). None: not hashed -- a batch the service refuses before any hashing (its count, its size, a prompt the
-    hasher's checks refuse: then ``register_many`` refuses it, checking all prompts before hashing any). The hasher
-    full: its QuotaExceededError, nothing queued (the caller then serves the record inline, as a register)."""
+    """The record's prompts queued on the hasher (``register_batch.submit_hashing``: None where the service would
+    refuse the batch; the hasher full: its QuotaExceededError, nothing queued -- the caller then serves the record
+    inline, as a register)."""
     try:
         prompts = split(service, arrays)
-        register_batch.check_batch(prompts, service.max_batch, service.limits.max_tokens_per_call)
     except InvalidArgumentError:
         return None
-    return service.hasher.submit_many(key, tenant, prompts, on_done)
+    return register_batch.submit_hashing(service.hasher, key, tenant, prompts, service.max_batch,
+                                         service.limits.max_tokens_per_call, on_done)
 
 
 def write_reply(views: fp.Views, block_size: int, answer: tuple[RegisteredPrompt, ...]) -> None:

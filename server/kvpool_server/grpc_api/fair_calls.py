@@ -14,16 +14,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool_server.core.errors import InvalidArgumentError, QuotaExceededError
+from kvpool_server.core.errors import QuotaExceededError
 from kvpool_server.service import register_batch
 from kvpool_server.service.fair_share import key_of
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.service.prompt_hasher import CHUNK_BLOCKS, HashJob
+from kvpool_server.service.prompt_hasher import HashJob
 from kvpool_server.service.register_batch import PromptToRegister
 from kvpool_server.service.scope import Call
 
@@ -63,16 +64,42 @@ def call_key(service: KVPoolService, call: Call, request: Any) -> int:
 
 
 async def take_turn(service: KVPoolService, call: Call, request: Any, max_wait_s: float) -> Any:
-    """The request, once its session is within its share (a ``HashedRegister`` for a long prompt)."""
+    """The request, once its session is within its share (a ``HashedRegister`` for a long prompt, a
+    ``HashedRegisterMany`` for a long batch)."""
     key = call_key(service, call, request)
     wait = service.fair.wait_s(key)
     if wait > 0:
         await asyncio.sleep(min(wait, MAX_TURN_WAIT_S, max(0.0, max_wait_s)))
+    tenant = call.caller.tenant_id
     if isinstance(request, pb.RegisterSequencesRequest):
-        return await _hashed_many(service, call, request, key)
+        prompts = [PromptToRegister(p.prompt_token_ids, p.public_prefix_len, p.cache_extra_key)
+                   for p in request.prompts]
+        if not service.hasher.is_long_batch(sum(len(p.prompt_token_ids) for p in prompts)):
+            return request
+        try:  # None: the service refuses the batch itself; the hasher full: hashed in the call, as before
+            jobs = await _hashed(service, lambda done: register_batch.submit_hashing(
+                service.hasher, key, tenant, prompts, service.max_batch, service.limits.max_tokens_per_call, done))
+        except QuotaExceededError:
+            return request
+        return request if jobs is None else HashedRegisterMany(request, prompts, jobs)
     if not isinstance(request, pb.RegisterSequenceRequest) or not service.hasher.is_long(
             len(request.prompt_token_ids)):
         return request
+    jobs = await _hashed(service, lambda done: _one(service.hasher.submit(
+        key, tenant, np.asarray(request.prompt_token_ids, dtype=np.uint32), request.public_prefix_len,
+        request.cache_extra_key, done)))
+    return request if jobs is None else HashedRegister(request, jobs[0])  # None: a register refuses it itself
+
+
+def _one(job: HashJob | None) -> list[HashJob] | None:
+    return None if job is None else [job]
+
+
+async def _hashed(service: KVPoolService,
+                  submit: Callable[[Callable[[HashJob], None]], list[HashJob] | None]) -> list[HashJob] | None:
+    """``submit(done)``'s jobs once the hasher has done them (``done`` runs on the hasher's thread, for the last),
+    the loop serving the other calls meanwhile; None when nothing was queued. Cancelled: the jobs go before their
+    next chunk."""
     loop = asyncio.get_running_loop()
     hashed = loop.create_future()
 
@@ -83,53 +110,16 @@ async def take_turn(service: KVPoolService, call: Call, request: Any, max_wait_s
     def done(job: HashJob) -> None:  # on the hasher's thread
         loop.call_soon_threadsafe(resolve)
 
-    job = service.hasher.submit(key, call.caller.tenant_id, np.asarray(request.prompt_token_ids, dtype=np.uint32),
-                                request.public_prefix_len, request.cache_extra_key, done)
-    if job is None:  # a prompt register refuses: it does so with its status
-        return request
-    try:
-        await hashed
-    except BaseException:  # cancelled: the job goes before its next chunk
-        service.hasher.cancel(job)
-        raise
-    return HashedRegister(request, job)
-
-
-async def _hashed_many(service: KVPoolService, call: Call, request: pb.RegisterSequencesRequest, key: int) -> Any:
-    """The batch, its prompts hashed on the hasher when they have more than CHUNK_BLOCKS blocks in all (the
-    fast path's register-many record does the same). A batch the service refuses by its count or its size, or
-    whose prompts do not all pass the hasher's checks, is not hashed (``register_many`` refuses it); the hasher
-    full: hashed in the call, as before."""
-    prompts = [PromptToRegister(p.prompt_token_ids, p.public_prefix_len, p.cache_extra_key) for p in request.prompts]
-    try:
-        n_tokens = register_batch.check_batch(prompts, service.max_batch, service.limits.max_tokens_per_call)
-    except InvalidArgumentError:
-        return request
-    if n_tokens // service.hasher.block_size <= CHUNK_BLOCKS:
-        return request
-    loop = asyncio.get_running_loop()
-    hashed = loop.create_future()
-
-    def resolve() -> None:
-        if not hashed.done():
-            hashed.set_result(None)
-
-    def done(job: HashJob) -> None:  # on the hasher's thread, once the last job is done
-        loop.call_soon_threadsafe(resolve)
-
-    try:
-        jobs = service.hasher.submit_many(key, call.caller.tenant_id, prompts, done)
-    except QuotaExceededError:
-        return request
+    jobs = submit(done)
     if jobs is None:
-        return request
+        return None
     try:
         await hashed
-    except BaseException:  # cancelled: the jobs go before their next chunk
+    except BaseException:
         for job in jobs:
             service.hasher.cancel(job)
         raise
-    return HashedRegisterMany(request, prompts, jobs)
+    return jobs
 
 
 def charge(service: KVPoolService, call: Call, request: Any, seconds: float) -> None:

@@ -101,6 +101,11 @@ class PromptHasher:
         self.thread: threading.Thread | None = None
         self.running = True
 
+    def is_long_batch(self, num_tokens: int) -> bool:
+        """A batch (RegisterSequences, either transport) hashed here, not inline: more than CHUNK_BLOCKS full
+        blocks in all may be hashed."""
+        return CHUNK_BLOCKS < num_tokens // self.block_size
+
     def is_long(self, num_tokens: int) -> bool:
         """A prompt hashed here, not inline: more than CHUNK_BLOCKS blocks to hash, and no longer than a register
         takes (a longer one is refused by its size, before any per-token work: not copied here first)."""

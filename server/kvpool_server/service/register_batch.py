@@ -20,8 +20,8 @@ reply limit before anything is applied).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from kvpool_server.core.prefix_reuse import reusable_hashes
 from kvpool_server.core.tenants import DEFAULT_TENANT
 from kvpool_server.core.errors import KVPoolError, OutOfBlocksError
 from kvpool_server.service.auth import Identity, check_may_share_prefixes
+
+if TYPE_CHECKING:
+    from kvpool_server.service.prompt_hasher import HashJob, PromptHasher
 
 RPC = "RegisterSequences"
 ITEM_BYTES = 24  # a reply's sequence: an id, a count and their keys, beside its block ids (5 bytes each at most)
@@ -109,3 +112,18 @@ def registered(manager: KVCacheManager, seq_id: int, tenant: int | None) -> Regi
     num_tokens = manager.num_tokens(seq_id, tenant)
     blocks = manager.block_table(seq_id, tenant)[: num_tokens // manager.block_size].astype(np.int32)
     return RegisteredPrompt(seq_id, num_tokens, blocks)
+
+
+def submit_hashing(hasher: PromptHasher, key: int, tenant: int | None, prompts: Sequence[PromptToRegister],
+                   max_batch: int, max_tokens_per_call: int,
+                   on_done: Callable[[HashJob], None]) -> list[HashJob] | None:
+    """The batch's hashes queued on the hasher, one job a prompt (``PromptHasher.submit_many``; ``on_done`` once
+    the last is done), for a transport that then serves the batch with them. None: not queued -- a batch the
+    service refuses by its count or its size (``check_batch``), or one of whose prompts the hasher's checks refuse
+    (``register_many`` then refuses it, checking every prompt before it hashes any). The hasher full: its
+    QuotaExceededError, nothing queued."""
+    try:
+        check_batch(prompts, max_batch, max_tokens_per_call)
+    except InvalidArgumentError:
+        return None
+    return hasher.submit_many(key, tenant, prompts, on_done)
