@@ -157,6 +157,20 @@ def count_locked_copies(memory, lock: TimedLock, counted: list[int]) -> None:  #
         setattr(memory, name, counting)
 
 
+def churn_prompt(svc, scope, k: int, tokens: int) -> None:  # type: ignore[no-untyped-def]
+    """One churned prompt through the service: ``k``'s ``tokens`` token ids registered, prefilled, sealed by one
+    more token and freed -- its blocks cached, evictable (into the tier, with one)."""
+    prompt = [(k * 7919 + t) % 50_000 for t in range(tokens)]
+    with scope.call("RegisterSequence") as call:
+        seq, cached, _ = svc.register(call, prompt_token_ids=prompt)
+    with scope.call("AppendToken") as call:
+        svc.append(call, [seq], [len(prompt) - cached], prompt[cached:])
+    with scope.call("AppendToken") as call:
+        svc.append(call, [seq], [1], [1])
+    with scope.call("Free") as call:
+        svc.free(call, [seq])
+
+
 def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
                    args: argparse.Namespace) -> tuple[float, float, int, int, list[float], int, int, list[float]]:
     """(p50 us, p99 us, blocks offloaded, blocks restored, lock holds s, blocks copied under the lock, write-backs
@@ -204,16 +218,8 @@ def append_latency(backend: str, layout: KVLayout, tier_blocks: int,
             bs, n = layout.block_size, 0
             while not stop.is_set():
                 k = n % args.churn_prompts if args.churn_prompts else n
-                prompt = [(k * 7919 + t) % 50_000 for t in range(args.prompt_blocks * bs + 1)]
+                churn_prompt(svc, scope, k, args.prompt_blocks * bs + 1)
                 n += 1
-                with scope.call("RegisterSequence") as call:
-                    seq, cached, _ = svc.register(call, prompt_token_ids=prompt)
-                with scope.call("AppendToken") as call:
-                    svc.append(call, [seq], [len(prompt) - cached], prompt[cached:])
-                with scope.call("AppendToken") as call:
-                    svc.append(call, [seq], [1], [1])
-                with scope.call("Free") as call:
-                    svc.free(call, [seq])
 
         churner = threading.Thread(target=churn, daemon=True)
         churner.start()

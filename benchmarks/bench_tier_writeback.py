@@ -33,8 +33,8 @@ from kvpool_server.config import ServerConfig  # noqa: E402
 from kvpool_server.service.build import build_service  # noqa: E402
 from kvpool_server.service.scope import CallScope  # noqa: E402
 
-LLAMA = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 2 MiB blocks
-SMALL = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")  # 32 KiB blocks
+from bench_tier import LLAMA, SMALL, churn_prompt  # noqa: E402  (this directory)
+
 
 
 class CpuTimedLock:
@@ -83,15 +83,7 @@ def run(layout: KVLayout, backend: str, with_tier: bool, args: argparse.Namespac
                 svc.append(call, ids, [1])
             cpu["decode step"].append(time.thread_time() - t0)
             lock.part = "churn"
-            prompt = [(n * 7919 + t) % 50_000 for t in range(pb * bs + 1)]
-            with scope.call("RegisterSequence") as call:
-                seq, cached, _ = svc.register(call, prompt_token_ids=prompt)
-            with scope.call("AppendToken") as call:
-                svc.append(call, [seq], [len(prompt) - cached], prompt[cached:])
-            with scope.call("AppendToken") as call:
-                svc.append(call, [seq], [1], [1])
-            with scope.call("Free") as call:
-                svc.free(call, [seq])
+            churn_prompt(svc, scope, n, pb * bs + 1)
             for _ in range(args.steps if tier is not None else 0):
                 lock.part, t0 = "write-back step", time.thread_time()
                 moved = tier.writeback_step(lock, config.host_tier_writeback_blocks)  # type: ignore[union-attr]

@@ -24,6 +24,37 @@ SERVER_ARGS = ("--max-seq-len", str(2 * LONG), "--fast-path-area-bytes", str(8 <
 def long_prompt(seed: int, size: int = LONG) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50_000, size, dtype=np.uint32)
 
+@pytest.fixture
+def gated_hashing(monkeypatch) -> threading.Event:  # noqa: ANN001
+    """The hasher's chunks held until the returned gate is set (how fast the machine hashes decides nothing)."""
+    from kvpool_server.service.prompt_hasher import HashJob
+
+    gate, step = threading.Event(), HashJob.step
+
+    def gated_step(job, num_blocks):  # noqa: ANN001, ANN202 -- the real step, once the gate is open
+        gate.wait(60)
+        step(job, num_blocks)
+
+    monkeypatch.setattr(HashJob, "step", gated_step)
+    return gate
+
+
+def in_process_server(*flags: str):  # noqa: ANN201
+    """A started server in this process (host backend, head size 1, an ephemeral TCP port): its hasher and fast
+    path can be looked at and patched. ``stop`` it."""
+    from kvpool_server.config import load_config
+    from kvpool_server.grpc_api.server import build_server
+
+    handle = build_server(load_config(["--backend", "host", "--head-dim", "1", "--address", "127.0.0.1:0", *flags]))
+    handle.start()
+    return handle
+
+
+def stop(handle) -> None:  # noqa: ANN001
+    handle.stop()
+    handle.pool.close()
+
+
 
 def test_fast_path_serves_another_session_while_a_long_register_is_hashed(server_factory) -> None:
     """The flooder's record is published first; the other session's register, published after it, is applied
@@ -74,30 +105,15 @@ def test_fast_path_serves_another_session_while_a_long_batch_of_prompts_is_hashe
         assert flooder.fast_path_open and other.fast_path_open
 
 
-def test_grpc_hashes_a_light_sessions_long_register_before_a_flooders_queued_ones(monkeypatch) -> None:
+def test_grpc_hashes_a_light_sessions_long_register_before_a_flooders_queued_ones(gated_hashing) -> None:
     """In-process, to see the hasher's queue: a flooder's 48 long registers have all reached the hasher and are
     queued (its hashing held at a gate until then: how fast the machine hashes does not decide what is queued);
     then another session's long register (128 blocks to hash) is submitted and the gate opened. The hasher takes
     the least-used session's job next, so it is applied before every queued one but the one being hashed. Without
     the fair share (the hasher first come, first served) it is applied after all of them. Ids give the order in
     which registers are applied."""
-    import threading
-
-    from kvpool_server.config import load_config
-    from kvpool_server.grpc_api.server import build_server
-    from kvpool_server.service.prompt_hasher import HashJob
-
-    gate, step = threading.Event(), HashJob.step
-
-    def gated_step(job, num_blocks):  # noqa: ANN001, ANN202 -- the real step, once the gate is open
-        gate.wait(60)
-        step(job, num_blocks)
-
-    monkeypatch.setattr(HashJob, "step", gated_step)
-
-    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "1",
-                                       "--address", "127.0.0.1:0", *SERVER_ARGS]))
-    handle.start()
+    gate = gated_hashing
+    handle = in_process_server("--num-blocks", "256", *SERVER_ARGS)
     hasher, submitted = handle.service.hasher, []
     submit = hasher.submit
 
@@ -137,8 +153,7 @@ def test_grpc_hashes_a_light_sessions_long_register_before_a_flooders_queued_one
                                      "session's job first")
     finally:
         gate.set()
-        handle.stop()
-        handle.pool.close()
+        stop(handle)
 
 
 def test_a_long_register_over_each_transport_matches_the_inline_hashes(server_factory) -> None:
@@ -173,12 +188,7 @@ def test_a_long_prompt_register_refuses_is_refused_as_before(server_factory) -> 
 def test_the_invariants_hold_while_long_registers_are_deferred_and_after() -> None:
     """In-process: the fast path's registry (a prepared record per deferred channel at most), the hasher's queue
     and the accountant's entries, looked at while two sessions' long registers are hashed, and once they end."""
-    from kvpool_server.config import load_config
-    from kvpool_server.grpc_api.server import build_server
-
-    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "1",
-                                       "--address", "127.0.0.1:0", "--max-seq-len", str(1 << 18)]))
-    handle.start()
+    handle = in_process_server("--num-blocks", "256", "--max-seq-len", str(1 << 18))
     fast, service = handle.fast_path, handle.service
     assert fast is not None
     try:
@@ -197,8 +207,7 @@ def test_the_invariants_hold_while_long_registers_are_deferred_and_after() -> No
         fast.check_invariants()
         assert not fast.fair.prepared and service.hasher.queued_tokens == 0
     finally:
-        handle.stop()
-        handle.pool.close()
+        stop(handle)
 
 
 class Seat:
@@ -250,28 +259,14 @@ def test_fast_path_order_is_round_robin_until_a_session_is_over_its_share() -> N
         svc.guard.pool.close()
 
 
-def test_grpc_register_sequences_of_a_long_batch_is_hashed_on_the_hasher_not_the_event_loop(monkeypatch) -> None:
+def test_grpc_register_sequences_of_a_long_batch_is_hashed_on_the_hasher_not_the_event_loop(gated_hashing) -> None:
     """In-process, to hold the hasher: a gRPC RegisterSequences of three prompts of 48 blocks each (over
     CHUNK_BLOCKS in all) queues one job a prompt on the hasher, whose hashing is held at a gate -- meanwhile the
     event loop answers another session's Stats and a short batch (hashed in the call, not queued). Then the gate
     opens and the long batch is answered with the cached run of a prompt the other session wrote; a batch with
     an empty prompt is refused with RegisterSequences' own status and queues nothing."""
-    import threading
-
-    from kvpool_server.config import load_config
-    from kvpool_server.grpc_api.server import build_server
-    from kvpool_server.service.prompt_hasher import HashJob
-
-    gate, step = threading.Event(), HashJob.step
-
-    def gated_step(job, num_blocks):  # noqa: ANN001, ANN202 -- the real step, once the gate is open
-        gate.wait(60)
-        step(job, num_blocks)
-
-    monkeypatch.setattr(HashJob, "step", gated_step)
-    handle = build_server(load_config(["--backend", "host", "--num-blocks", "1024", "--head-dim", "1",
-                                       "--block-size", "16", "--address", "127.0.0.1:0"]))
-    handle.start()
+    gate = gated_hashing
+    handle = in_process_server("--num-blocks", "1024", "--block-size", "16")
     hasher, batches = handle.service.hasher, []
     submit_many = hasher.submit_many
 
@@ -320,5 +315,4 @@ def test_grpc_register_sequences_of_a_long_batch_is_hashed_on_the_hasher_not_the
         handle.service.guard.manager.check_invariants()  # raises on a broken invariant
     finally:
         gate.set()
-        handle.stop()
-        handle.pool.close()
+        stop(handle)

@@ -16,6 +16,7 @@ import pytest
 from kvpool import fastpath as fp
 from kvpool_client import KVPoolClient, KVPoolClientError, ServerGoneError
 from kvpool_client.fastpath import is_local_target
+from tests.grpc_counting import counting_grpc
 
 WORKER = Path(__file__).with_name("fast_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,14 +116,8 @@ def test_one_prompts_register_and_its_cached_blocks_take_one_fast_path_record(se
         client.append(seq, 70 - cached, token_ids=prompt[cached:])
         client.append(seq, 1, token_ids=[1])  # seals its full blocks
         bs = client.block_table(seq).block_size
-        grpc_calls: list[str] = []
         real_call = client._call
-
-        def counted(rpc, *args, **kwargs):
-            grpc_calls.append(rpc.name)
-            return (yield from real_call(rpc, *args, **kwargs))
-
-        client._call = counted  # type: ignore[method-assign]
+        grpc_calls = counting_grpc(client)
         run = client.register_prompts([prompt], cache_extra_keys=[b""])[0]
         assert client.fast_path_open and grpc_calls == []
         client._call = real_call  # type: ignore[method-assign]

@@ -10,23 +10,11 @@ import pytest
 from kvpool import fastpath as fp
 from kvpool import fastpath_codec as codec
 from kvpool_client import KVPoolClient, KVPoolClientError
+from tests.grpc_counting import counting_grpc
 
 POOL = ("--num-blocks", "2048", "--head-dim", "8", "--max-batch", "8", "--max-seq-len", "4096",
         "--max-tokens-per-call", "9000")
 INVALID_ARGUMENT = 3
-
-
-def counting_grpc(client: KVPoolClient) -> list[str]:
-    """The names of the gRPC calls ``client`` makes from now on."""
-    calls: list[str] = []
-    real_call = client._call
-
-    def counted(rpc, *args, **kwargs):
-        calls.append(rpc.name)
-        return (yield from real_call(rpc, *args, **kwargs))
-
-    client._call = counted  # type: ignore[method-assign]
-    return calls
 
 
 def seal(client: KVPoolClient, prompt: np.ndarray, key: bytes = b"") -> None:

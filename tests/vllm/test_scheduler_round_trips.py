@@ -12,6 +12,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 
 from benchmarks.bench_vllm_connector import make_scheduler, run, summary  # noqa: E402
 from tests.conftest import start_server  # noqa: E402
+from tests.grpc_counting import counting_grpc  # noqa: E402
 from tests.vllm.tiny_model import BLOCK_SIZE, server_layout_args, write_tiny_llama  # noqa: E402
 
 from kvpool_client.integrations.vllm import scheduler as connector_scheduler  # noqa: E402
@@ -78,14 +79,7 @@ def test_a_lookup_of_several_prompts_makes_no_grpc_call_when_the_fast_path_is_op
             scheduler = make_scheduler(model, server.address, 1024, 6)
             client = scheduler.connector.scheduler.link.client
             client.free(client.register())  # the session and the channel open
-            calls: list[str] = []
-            real_call = client._call
-
-            def counted(rpc, *args, _real=real_call, _calls=calls, **kwargs):
-                _calls.append(rpc.name)
-                return (yield from _real(rpc, *args, **kwargs))
-
-            client._call = counted
+            calls = counting_grpc(client)
             steps = run(scheduler, PROMPTS, 8)
             assert client.fast_path_open
             scheduler.connector.shutdown()
