@@ -91,8 +91,7 @@ class FastPathCommands(KVPoolCommands):
         prompt = fast_args.uint32_tokens(prompt_token_ids)
         channel = None
         need = (0, 0, 0 if prompt is None else prompt.size, len(cache_extra_key), 0)
-        if prompt is not None and seq_id != 0 and public_prefix_len >= 0 and len(cache_extra_key) <= MAX_EXTRA_KEY \
-                and self._fits(*need):
+        if prompt is not None and seq_id != 0 and public_prefix_len >= 0 and len(cache_extra_key) <= MAX_EXTRA_KEY:
             channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None or prompt is None:
             return (yield from super().register_prompt.__wrapped__(  # type: ignore[attr-defined]
@@ -118,8 +117,7 @@ class FastPathCommands(KVPoolCommands):
         channel = None
         need = (0, 0, 0, len(key), 0) if prompt is None else (0, 0, prompt.size, len(key),
                                                                 fp.reply_bytes(0, 0, prompt.size, 0, 0))
-        if prompt is not None and prompt.size and len(cache_extra_keys) <= 1 and len(key) <= MAX_EXTRA_KEY \
-                and self._fits(*need):
+        if prompt is not None and prompt.size and len(cache_extra_keys) <= 1 and len(key) <= MAX_EXTRA_KEY:
             channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None or prompt is None:
             return (yield from super().register_prompts.__wrapped__(  # type: ignore[attr-defined]
@@ -145,8 +143,7 @@ class FastPathCommands(KVPoolCommands):
             n_tokens = int(sum(a.size for a in arrays))
             sizes = (len(prompts), 2 * len(prompts), n_tokens, sum(len(k) for k in keys),
                      fp.register_many_reply_bytes(len(prompts), n_tokens))  # a block id per token at most
-            if self._fits(*sizes):
-                channel = yield from self._fast_channel_plan(method, timeout, sizes)
+            channel = yield from self._fast_channel_plan(method, timeout, sizes)
         if channel is not None and sizes is not None:
             write = channel_ops.register_many_writer(channel.generation, arrays, keys, NO_REQUEST_ID)
             try:
@@ -169,8 +166,7 @@ class FastPathCommands(KVPoolCommands):
         if args is not None and (tokens is not None or token_ids is None):
             n_tokens = 0 if tokens is None else tokens.size
             need = (len(args[0]), args[3].size, n_tokens, 0, fp.append_reply_bound(len(args[0]), args[4], 1))
-            if self._fits(*need):
-                channel = yield from self._fast_channel_plan(method, timeout, need)
+            channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None or args is None:
             return (yield from super().append.__wrapped__(  # type: ignore[attr-defined]
                 self, seq_ids, num_tokens, token_ids=token_ids, timeout=timeout))
@@ -185,8 +181,7 @@ class FastPathCommands(KVPoolCommands):
         children = list(child_seq_ids)
         channel = None
         need = (len(children), 0, 0, 0, fp.reply_bytes(0, 0, 0, 0, max(num_children, len(children))))
-        if 0 <= num_children < (1 << 32) and 0 < parent_seq_id < (1 << 64) and fast_args.uint64_ok(children) and \
-                self._fits(*need):
+        if 0 <= num_children < (1 << 32) and 0 < parent_seq_id < (1 << 64) and fast_args.uint64_ok(children):
             channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None:
             return (yield from super().fork.__wrapped__(  # type: ignore[attr-defined]
@@ -200,7 +195,7 @@ class FastPathCommands(KVPoolCommands):
         ids = [int(seq_ids)] if isinstance(seq_ids, (int, np.integer)) else list(seq_ids)
         channel = None
         need = (len(ids), 0, 0, 0, 0)
-        if not self._fast_off and fast_args.uint64_ok(ids) and self._fits(*need):
+        if not self._fast_off and fast_args.uint64_ok(ids):
             channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None:
             return (yield from super().free.__wrapped__(self, seq_ids, timeout=timeout))  # type: ignore[attr-defined]
@@ -208,20 +203,13 @@ class FastPathCommands(KVPoolCommands):
         return (yield from self._exchange(channel, write, channel_ops.read_freed, method, timeout))
 
     # ---------------------------------------------------------------- plumbing
-    def _fits(self, n_ids: int, n_counts: int, n_tokens: int, extra: int = 0, reply: int = 0) -> bool:
-        """The record and its worst-case reply fit the open channel's areas (True before one is open: then
-        ``_fast_channel_plan`` checks the channel it opens) and the reply this client declared it receives."""
-        if reply > self._fast_reply_limit:
-            return False
-        channel = self._fast_channel
-        return channel is None or channel.fits(n_ids, n_counts, n_tokens, extra, reply)
-
     def _fast_channel_plan(self, method: str, timeout: float | None,
                            need: tuple[int, int, int, int, int] | None = None) -> Plan[FastChannel | None]:
         """The channel, opening the session and the channel on first use; None: use gRPC -- also when the record
-        (``need``: its ids, counts, tokens, extra bytes and worst-case reply) does not fit the channel's areas,
-        checked again here for a channel this call opened."""
-        if self._fast_off:
+        (``need``: its ids, counts, tokens, extra bytes and worst-case reply) does not fit the channel's areas, or
+        its reply is over the limit this client declares to the server (convert.call_metadata: over gRPC the
+        server refuses it unapplied, as it would without the fast path)."""
+        if self._fast_off or (need is not None and need[4] > self._fast_reply_limit):
             return None
         session = yield from self._session_fields(method, timeout)
         if not session:
