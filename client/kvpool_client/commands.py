@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2_grpc
 from kvpool.layout import KVLayout
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
-from kvpool_client import convert, diagnose, rpcs
+from kvpool_client import convert, diagnose, fast_step, rpcs
 from kvpool_client.errors import (ConnectionFailedError, DeadlineExceededError, InvalidArgumentError, KVPoolClientError,
                                   UnavailableError)
 from kvpool_client.command import command
@@ -43,6 +43,7 @@ from kvpool_client.types import (
     PoolDescription,
     PoolStats,
     RegisteredSequence,
+    StepResult,
 )
 
 P = ParamSpec("P")
@@ -216,6 +217,18 @@ class KVPoolCommands(SessionCommands, ABC):
         session = yield from self._session_fields(rpcs.FREE.name, timeout)
         response = yield from self._call(rpcs.FREE, convert.free_request(seq_ids, **session), timeout)
         return response.num_blocks_freed
+
+    @command
+    def step(self, free: Sequence[int] = (), append: fast_step.Append | None = None,
+             register: fast_step.Register | None = None, *, timeout: float | None = None) -> Plan[StepResult]:
+        """A scheduler's step: ``free`` (seq ids), then ``append`` ((seq ids, a count each, token ids or None)),
+        then ``register`` ((prompts, a cache_extra_key each or none)), as ``free``, ``append`` and
+        ``register_prompts`` would make them -- in one round trip over the fast path (one step record), else the
+        three calls one after the other. Each part's answer, or the error it was refused with (the parts after
+        it are still made): a ``StepResult`` (fast_step.py)."""
+        if not (len(free) or append is not None or register is not None):
+            return StepResult()
+        return (yield from fast_step.separate(self, free, append, register, timeout))
 
     # ---------------------------------------------------------------- reads (retried on UNAVAILABLE)
     @command

@@ -1,4 +1,4 @@
-"""register / register_prompt / register_prompts / append / fork / free over the session's fast-path channel when
+"""register / register_prompt / register_prompts / append / fork / free / step over the session's fast-path channel when
 the client has one (docs/fast-path.md), else -- a remote server, ``fast_path=False``, ``session=False``, a server
 with the fast path off, a record too big for the channel's areas, an argument the record cannot carry, a record
 the server does not know -- the same call over gRPC
@@ -23,13 +23,13 @@ import numpy as np
 from kvpool import fastpath as fp
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool_client import fastpath_records as channel_ops
-from kvpool_client import convert, fast_args, rpcs
+from kvpool_client import convert, fast_args, fast_step, rpcs
 from kvpool_client.command import command
 from kvpool_client.commands import KVPoolCommands
 from kvpool_client.errors import InvalidArgumentError, KVPoolClientError
-from kvpool_client.fastpath import FastChannel, is_local_target
+from kvpool_client.fastpath import FastChannel, error_for, is_local_target
 from kvpool_client.plan import Exchange, Plan
-from kvpool_client.types import AppendResult, RegisteredSequence
+from kvpool_client.types import AppendResult, RegisteredSequence, StepResult
 
 logger = logging.getLogger(__name__)
 # Records carry no request id: a channel applies each record at most once (its seq), never resends one, and gives
@@ -53,6 +53,7 @@ class FastPathCommands(KVPoolCommands):
         self._fast_off = not (enabled and self._session.enabled and is_local_target(target))
         self._fast_channel: FastChannel | None = None
         self._no_register_many = False  # the server refused a register-many record as an unknown op
+        self._no_step = False  # the same for a step record
         # The receive limit this client declares to the server (convert.call_metadata): a call whose worst-case
         # reply is over it goes over gRPC, where the server refuses it unapplied -- as it would without the fast path.
         declared = int(dict(self._metadata).get(convert.RECEIVE_LIMIT_KEY, "-1"))
@@ -201,6 +202,27 @@ class FastPathCommands(KVPoolCommands):
             return (yield from super().free.__wrapped__(self, seq_ids, timeout=timeout))  # type: ignore[attr-defined]
         write = channel_ops.free_writer(channel.generation, [int(i) for i in ids], NO_REQUEST_ID)
         return (yield from self._exchange(channel, write, channel_ops.read_freed, method, timeout))
+
+    @command
+    def step(self, free: Sequence[int] = (), append: fast_step.Append | None = None,
+             register: fast_step.Register | None = None, *, timeout: float | None = None) -> Plan[StepResult]:
+        """One step record (fast_step.py) when the channel is open (or opens) and the record fits its areas; else
+        -- or for a server that does not know the record (refused unapplied) -- the three calls one by one."""
+        if not (len(free) or append is not None or register is not None):
+            return StepResult()
+        record = None if self._fast_off or self._no_step else fast_step.record_of(free, append, register)
+        channel = None if record is None else (yield from self._fast_channel_plan(fast_step.METHOD, timeout,
+                                                                                  record.need))
+        if channel is not None and record is not None:
+            read = fast_step.reader(record, bool(len(free)), append is not None, register is not None, error_for)
+            try:
+                return (yield from self._exchange(channel, fast_step.writer(channel.generation, record), read,
+                                                  fast_step.METHOD, timeout))
+            except InvalidArgumentError as error:
+                if not error.details.startswith(UNKNOWN_OP):
+                    raise
+                self._no_step = True  # a server without the record refused it unapplied: the calls one by one
+        return (yield from fast_step.separate(self, free, append, register, timeout))
 
     # ---------------------------------------------------------------- plumbing
     def _fast_channel_plan(self, method: str, timeout: float | None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -236,3 +237,20 @@ class SequenceInfo:
     seq_id: int
     num_tokens: int
     num_blocks: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The answer to ``step``: each part's -- its result, the ``KVPoolClientError`` the server refused it with
+    (nothing of that part applied), or None where the step had no such part. ``value(part)`` gives the result or
+    raises the error."""
+
+    freed: Any = None  # int: the Free's blocks freed
+    appended: Any = None  # AppendResult
+    registered: Any = None  # list[RegisteredSequence]
+
+    def value(self, part: str) -> Any:
+        answer = getattr(self, part)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer

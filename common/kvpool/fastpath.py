@@ -45,8 +45,9 @@ OP_APPEND = 2
 OP_FORK = 3
 OP_FREE = 4
 OP_REGISTER_MANY = 5
+OP_STEP = 6  # a Free, an AppendToken and a RegisterSequences in one record (kvpool.fastpath_step)
 OP_NAMES = {OP_REGISTER: "RegisterSequence", OP_APPEND: "AppendToken", OP_FORK: "Fork", OP_FREE: "Free",
-            OP_REGISTER_MANY: "RegisterSequences"}
+            OP_REGISTER_MANY: "RegisterSequences", OP_STEP: "Step"}
 
 # request header words
 #   register: ARG0 = seq_id (0: the server assigns), ARG1 = public_prefix_len; arrays: tokens (the prompt), extra
@@ -56,6 +57,7 @@ OP_NAMES = {OP_REGISTER: "RegisterSequence", OP_APPEND: "AppendToken", OP_FORK: 
 #   register many (RegisterSequences, N prompts): ids = each prompt's cache_extra_key length (N); counts = each
 #             prompt's token count, then each prompt's public_prefix_len (2N); tokens = the prompts concatenated;
 #             extra = the keys concatenated
+#   step:     a Free, an AppendToken, a RegisterSequences (each optional), in that order: see kvpool.fastpath_step
 REQ_OP = 0
 REQ_REQUEST_ID = 1
 REQ_GENERATION = 2

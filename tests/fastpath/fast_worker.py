@@ -4,6 +4,7 @@ says READY on stdout, then does what MODE says.
     python tests/fastpath/fast_worker.py TARGET MODE [TTL_S]
 
 MODE  append   append a token to its sequences in a loop, over the channel (killed mid-record, most likely)
+      step     step records in a loop -- a Free, an append with token ids and a register of prompts each
       zombie   wait for a line on stdin; then try an append and print APPLIED or REFUSED <exception class>
 """
 
@@ -28,6 +29,12 @@ def main() -> None:
             if client.stats().num_blocks_free < 8:
                 client.free(seq_ids)
                 seq_ids = [client.register() for _ in range(3)]
+    elif mode == "step":
+        prompts = [list(range(3, 3 + 70)), list(range(5, 5 + 40))]
+        while True:
+            result = client.step(free=seq_ids[:1], append=(seq_ids[1:], [1] * len(seq_ids[1:]), [7] * len(seq_ids[1:])),
+                                 register=(prompts, []))
+            seq_ids = seq_ids[1:] + [r.seq_id for r in result.value("registered")]
     elif mode == "zombie":
         sys.stdin.readline()
         try:

@@ -12,6 +12,8 @@
                  copy with those hashes (``serve_record(prepared=...)``): the client cannot change it meanwhile
     a register   of several prompts (``register_many``) of more than CHUNK_BLOCKS blocks in all: the same, one job
     many         a prompt (``register_many.submit``); served once the last is done
+    a step       whose tokens (its append's and its prompts') pass CHUNK_BLOCKS blocks: its register part's prompts
+                 the same (``step.register_arrays``)
 
 Never a wait on the thread. Bounded: at most one ``Prepared`` and one raw-seconds entry per live channel (``forget``
 when it closes: its seconds are folded then).
@@ -27,7 +29,7 @@ import numpy as np
 
 from kvpool import fastpath as fp
 from kvpool_server.core.errors import KVPoolError
-from kvpool_server.fastpath import register_many
+from kvpool_server.fastpath import register_many, step
 from kvpool_server.fastpath.channel import Channel, memory_barrier
 from kvpool_server.fastpath.records import _arrays
 from kvpool_server.service.fair_share import key_of
@@ -114,7 +116,7 @@ class FairChannels:
             self._drop(channel)
         op, n_tokens = int(views.req[fp.REQ_OP]), int(views.req[fp.REQ_N_TOKENS])
         if not (op == fp.OP_REGISTER and self.hasher.is_long(n_tokens) or
-                op == fp.OP_REGISTER_MANY and self.hasher.is_long_batch(n_tokens)):
+                op in (fp.OP_REGISTER_MANY, fp.OP_STEP) and self.hasher.is_long_batch(n_tokens)):
             return False
         memory_barrier()  # the record's loads after the seq's
         header = views.req.tolist()  # what serve_record reads then, instead of the segment
@@ -123,8 +125,10 @@ class FairChannels:
             return False  # serve_record refuses it (a register-many record has no arg1)
         try:
             arrays = _arrays(views, header)
-            if op == fp.OP_REGISTER_MANY:
-                many = register_many.submit(self.service, self.key(channel), channel.tenant, arrays, self._hashed)
+            if op in (fp.OP_REGISTER_MANY, fp.OP_STEP):
+                batch = arrays if op == fp.OP_REGISTER_MANY else step.register_arrays(arrays, header)
+                many = None if batch is None else register_many.submit(self.service, self.key(channel),
+                                                                       channel.tenant, batch, self._hashed)
                 jobs = None if many is None else tuple(many)
             else:
                 job = self.hasher.submit(self.key(channel), channel.tenant, arrays[2], header[fp.REQ_ARG1],

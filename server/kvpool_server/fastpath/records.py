@@ -6,7 +6,8 @@ client cannot change a request while it is applied). Whatever goes wrong -- a ba
 id 0, a fenced session -- is an exception inside the scope, so it gets the same status as on gRPC and the core is
 left exactly as it was (the core validates fully before it changes anything). A reply that might not fit the reply
 area is refused before anything is applied (``append_reply_bound``: the real worst case; a register-many record's
-in ``register_many.py``, which also says how its prompts are hashed). The reply is written in
+in ``register_many.py``, which also says how its prompts are hashed; a step record's -- a Free, an append and a
+register in one -- in ``step.py``). The reply is written in
 full, then published by ``CTL_REP_SEQ``. The bytes are the codec's (``kvpool.fastpath_codec``, the client's too):
 this module decides what is read, checked and answered.
 
@@ -32,7 +33,7 @@ from kvpool_server.core import InvalidArgumentError
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
 from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, MAX_ROWS_PER_HOLD
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.fastpath import register_many
+from kvpool_server.fastpath import register_many, step
 from kvpool_server.service.register_batch import RegisteredPrompt
 from kvpool_server.service import answers
 from kvpool_server.service.answers import Pending
@@ -182,6 +183,9 @@ def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list
         prompts = register_many.prompts_of(service, views.area_bytes, (ids, counts, tokens, extra))
         many_hashes = None if prepared is None else prepared.hashes
         return lambda: service.register_many(call, prompts, session_id, request_id, many_hashes), False
+    if op == fp.OP_STEP:
+        return step.invocation(service, call, views.area_bytes, (ids, counts, tokens, extra), header, session_id,
+                               None if prepared is None else prepared.hashes)
     if op == fp.OP_FORK:
         if not 0 <= arg1 <= service.max_batch:
             raise InvalidArgumentError(f"Fork num_children must be in [0, max_batch={service.max_batch}], got {arg1}")
@@ -212,6 +216,8 @@ def write_answer(views: fp.Views, seq: int, op: int, answer: Any, block_size: in
     ours: the bounds checked before the call should have refused it) and leaves the area as it was."""
     if op == fp.OP_REGISTER_MANY:
         register_many.write_reply(views, block_size, answer)
+    elif op == fp.OP_STEP:
+        step.write_reply(views, answer)
     elif op == fp.OP_APPEND:
         slots, new, copies = answer.slot_mapping, answer.new_block_ids, answer.copies
         needed = fp.reply_bytes(0, slots.size, new.size, copies.shape[0], 0)

@@ -1,0 +1,169 @@
+"""The step record (``OP_STEP``): a Free, an AppendToken and a RegisterSequences in one record -- a scheduler's
+whole step (docs/fast-path.md; the layout is ``kvpool.fastpath_step``'s).
+
+    record    split (``split_step``: counts that do not match the arrays are INVALID_ARGUMENT, nothing applied); a
+              request_id is refused (a channel applies a record at most once: its parts are never replayed); the
+              reply's bound checked against the reply area (INVALID_ARGUMENT, nothing applied)
+    parts     in order -- the Free, then the AppendToken, then the RegisterSequences -- each served by the very
+              service method its own call is (``service.free``, ``service.append``, ``service.register_many``):
+              the same checks, statuses and messages, each all or none. A part that fails gets its status in the
+              reply and the parts after it still run, as they would after that call failed: the record answers
+              what the three calls, made one after the other, would have answered
+    reply     OK, with each part's status and an OK part's answer (``write_reply``)
+
+Answers that are not final: a Free of a sequence with a copy in flight raises the service's ``Wait`` before
+anything is applied -- and the Free comes first, so the whole record is served again once the copy is done,
+nothing of it applied twice. A Free that may take more than one lock hold makes the record a call on the event
+loop from the start (as a Free record is); once its sequences are detached the other parts run, and the reply
+waits for the last chunk (an ``Offload``: ``service.freeing``). The register part's prompts are hashed on the
+hasher when long, as a register-many record's (``fair_channels``): ``hashes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+
+from kvpool import fastpath as fp
+from kvpool import fastpath_codec as codec
+from kvpool import fastpath_step as step_codec
+from kvpool_server.core import InvalidArgumentError
+from kvpool_server.fastpath import register_many
+from kvpool_server.service import register_batch
+from kvpool_server.service.answers import Offload, Wait
+from kvpool_server.service.errors import Status
+from kvpool_server.service.kvpool import KVPoolService
+from kvpool_server.service.scope import OK, Call
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, bytes]
+
+
+class StepAnswer:
+    """The parts' statuses (free, append, register) and the OK ones' answers."""
+
+    __slots__ = ("statuses", "freed", "append", "register", "block_size")
+
+    def __init__(self, block_size: int) -> None:
+        self.statuses: list[Status] = [OK, OK, OK]
+        self.freed = 0
+        self.append: Any = None  # an AppendPlan
+        self.register: Any = None  # RegisteredPrompt a prompt
+        self.block_size = block_size
+
+
+def parts_of(arrays: Arrays, header: list[int]) -> step_codec.StepParts:
+    """The record's parts, or INVALID_ARGUMENT."""
+    if header[fp.REQ_REQUEST_ID]:
+        raise InvalidArgumentError("fast path: a Step record carries no request_id (a channel applies a record at "
+                                   "most once; its parts are never replayed)")
+    try:
+        return step_codec.split_step(*arrays, header[fp.REQ_ARG0], header[fp.REQ_ARG1])
+    except codec.RecordInconsistent as exc:
+        raise InvalidArgumentError(str(exc)) from None
+
+
+def register_arrays(arrays: Arrays, header: list[int]) -> Arrays | None:
+    """The record's register part as a register-many record's arrays (for its hashing), None when it has none
+    or the record is refused."""
+    try:
+        register = parts_of(arrays, header).register
+    except InvalidArgumentError:
+        return None
+    return register if register[0].size else None
+
+
+def invocation(service: KVPoolService, call: Call, area_bytes: int, arrays: Arrays, header: list[int],
+               session_id: int, hashes: Any = None) -> tuple[Callable[[], Any], bool]:
+    """The record as its three parts' calls (``invoke()`` may be called again, on the loop, after a Wait), and
+    whether to call it on the loop from the start (a Free that may be released in chunks)."""
+    from kvpool_server.fastpath.records import _may_chunk
+
+    parts = parts_of(arrays, header)
+    bs = service.guard.manager.block_size
+    n_append, appended = parts.append_ids.size, int(parts.append_counts.sum())
+    key_lens, counts = parts.register[0], parts.register[1]
+    n_prompts = key_lens.size
+    prompt_blocks = int((np.maximum(counts[:n_prompts] - 1, 0) // bs).sum())  # (t - 1) // bs at most each
+    if step_codec.step_reply_bytes(n_append, appended, n_prompts, prompt_blocks, bs) > area_bytes:
+        raise InvalidArgumentError(f"fast path: the reply of a Step of {n_append} appends ({appended} tokens) and "
+                                   f"{n_prompts} prompts may not fit the {area_bytes}-byte reply area: make the "
+                                   "calls one by one")
+    free_ids = parts.free_ids.tolist()
+    append_counts = parts.append_counts
+    append_tokens: Any = () if parts.append_tokens is None else parts.append_tokens
+
+    def invoke() -> StepAnswer | Offload:
+        answer = StepAnswer(bs)
+        freeing = None
+        if free_ids:
+            status, freed = _part(call, "Free", lambda c: service.free(c, free_ids, session_id, 0))
+            answer.statuses[0] = status
+            if isinstance(freed, Offload):
+                freeing = freed
+            elif freed is not None:
+                answer.freed = int(freed)
+        if n_append:
+            answer.statuses[1], answer.append = _part(call, "AppendToken", lambda c: service.append(
+                c, cast(Any, parts.append_ids), cast(Any, append_counts), append_tokens, session_id, 0))
+        if n_prompts:
+            def register(c: Call) -> Any:
+                prompts = register_many.split(service, parts.register)  # --max-batch checked first
+                return service.register_many(c, prompts, session_id, 0, hashes)
+
+            answer.statuses[2], answer.register = _part(call, register_batch.RPC, register)
+        if freeing is None:
+            return answer
+        return Offload(lambda: _freed(call, answer, freeing), freeing.finish)
+
+    return invoke, _may_chunk(service, len(free_ids))
+
+
+def _part(outer: Call, rpc: str, run: Callable[[Call], Any]) -> tuple[Status, Any]:
+    """One part as its own call (the record's caller and headers; admitted and observed as the record): its
+    status and answer (None when it failed). A ``Wait`` goes through: the record is served again."""
+    call = outer.scope.call(rpc, outer.headers, admit=False, observe=False)
+    call.caller = outer.caller
+    try:
+        return OK, run(call)
+    except Wait:
+        raise
+    except Exception as exc:  # noqa: BLE001  (the part's status; the parts after it still run)
+        return outer.scope.failed(call, exc), None
+
+
+def _freed(outer: Call, answer: StepAnswer, freeing: Offload) -> StepAnswer:
+    """A chunked Free's blocks, once its last chunk is released (a copy thread): the Free part's answer."""
+    try:
+        answer.freed = int(freeing.work())
+    except Exception as exc:  # noqa: BLE001  (the Free part's status)
+        answer.statuses[0] = outer.scope.failed(outer.scope.call("Free", outer.headers, admit=False,
+                                                                 observe=False), exc)
+    return answer
+
+
+def write_reply(views: fp.Views, answer: StepAnswer) -> None:
+    """The OK reply of a step. Its size is checked before anything is written (a bug of ours if it does not fit:
+    ``invocation`` checked the bound)."""
+    plan, registered = answer.append, answer.register
+    append = None if plan is None else (plan.slot_mapping, plan.new_block_ids, plan.copies)
+    register = None
+    n_slots = n_new = n_copies = n_prompts = n_blocks = 0
+    if plan is not None:
+        n_slots, n_new, n_copies = plan.slot_mapping.size, plan.new_block_ids.size, plan.copies.shape[0]
+    if registered is not None:
+        blocks = [r.cached_block_ids for r in registered]
+        flat = np.concatenate(blocks) if blocks else np.zeros(0, np.int32)
+        register = (answer.block_size, [r.seq_id for r in registered], [r.num_cached_tokens for r in registered],
+                    flat)
+        n_prompts, n_blocks = len(registered), flat.size
+    needed = (fp.HEADER_BYTES + 8 * step_codec.TABLE_WORDS + 3 * step_codec.PART_MESSAGE_BYTES +
+              fp.reply_bytes(0, n_slots, n_new, n_copies, 0) + fp.register_many_reply_bytes(n_prompts, n_blocks) -
+              2 * fp.HEADER_BYTES)
+    if needed > views.area_bytes:
+        raise AssertionError(f"kvpool bug: a Step's reply of {needed} bytes passed its bound (area "
+                             f"{views.area_bytes})")
+    statuses = [(int(s.code), fp.REASONS.index(s.reason) if s.reason in fp.REASONS else 0, s.message)
+                for s in answer.statuses]
+    step_codec.write_step_reply(views, statuses, answer.freed, append, register)
