@@ -28,9 +28,10 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):
     restarted since) copies nothing and reports the loads as failed."""
 
     pool_id: str = ""
-    loads: list[BlockCopy] = field(default_factory=list)  # before the forward pass: pool -> vLLM
-    stores: list[BlockCopy] = field(default_factory=list)  # after it: vLLM -> pool (finished requests)
-    saves: list[BlockCopy] = field(default_factory=list)  # after it: vLLM -> pool (running requests' prompts)
+    loads: list[BlockCopy] = field(default_factory=list)  # before the forward pass, after the stores: pool -> vLLM
+    # Before the forward pass, first: vLLM -> pool, KV an earlier step computed (appended by this step's call).
+    stores: list[BlockCopy] = field(default_factory=list)  # finished requests'
+    saves: list[BlockCopy] = field(default_factory=list)  # running requests' prompt blocks
 
 
 @dataclass

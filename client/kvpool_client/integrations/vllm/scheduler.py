@@ -69,14 +69,16 @@ class KVPoolScheduler:
         self._lookup_step = -1  # the step whose lookup was made
         self._loads: list[BlockCopy] = []
         self._stores: list[Store] = []  # finished requests' stores, for the next step
+        self._saves: list[Store] = []  # the last step's prompt stores, for this step's call
+        self._copies: list[BlockCopy] = []  # this step's call's stores, for its workers (before their loads)
         self._sent: dict[str, tuple[RequestState, int]] = {}  # finished stores the workers copy: (state, seal)
         self._saving: dict[str, RequestState] = {}  # prompt stores sent, until the step's output said how they went
         self._to_seal: list[tuple[RequestState, int]] = []  # finished requests' blocks to seal, then free
         self._to_free: list[RequestState] = []
-        self._step = 0
-        self._trips_built = 0  # round_trips when the last step was built: more now = this step called kvpool
+        self._step = 0  # the step being scheduled (one more once its metadata is built)
+        self._called_step = -1  # the step whose kvpool call was made
         self.round_trips = 0
-        self.registers = 0  # of them RegisterSequences: at most one a step for lookups, one for stores
+        self.registers = 0  # of them with a register (the step's lookups, finished requests with no sequence)
 
     # ------------------------------------------------------------------ lookups and loads
     def on_new_request(self, request: Any) -> None:
@@ -131,17 +133,8 @@ class KVPoolScheduler:
             self._requests[other.request_id] = state
 
     def _register_many(self, prompts: list[list[int]], keys: list[bytes]) -> list[RequestState]:
-        """One RegisterSequences for ``prompts``: a state each (a miss each when the call failed)."""
-        self.round_trips += 1
-        self.registers += 1
-        found = self.link.call("RegisterSequences", lambda c: c.register_prompts(prompts, cache_extra_keys=keys),
-                               per_request=REQUEST_ERRORS)
-        if found is None:
-            return [RequestState() for _ in prompts]
-        generation, size = self.link.generation, self.block_size
-        return [RequestState(r.seq_id, generation, kv_tokens=r.num_cached_tokens, seq_tokens=r.num_cached_tokens,
-                             key=key, pool_blocks=[int(b) for b in r.cached_block_ids[: r.num_cached_tokens // size]])
-                for r, key in zip(found, keys)]  # type: ignore[attr-defined]
+        """The step's call with the lookups of ``prompts``: a state each (a miss each when it failed)."""
+        return self._call(prompts, keys)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -191,24 +184,31 @@ class KVPoolScheduler:
 
     def has_pending_work(self) -> bool:
         """Seals and frees not made yet: vLLM keeps stepping until they are (then the blocks are matchable)."""
-        return self.link.client is not None and bool(self._to_seal or self._to_free)
+        return bool(self._stores) or self.link.client is not None and bool(self._to_seal or self._to_free)
 
     # ------------------------------------------------------------------ the step
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolConnectorMetadata:
-        self._step += 1
         meta = KVPoolConnectorMetadata(pool_id=self.link.pool_id, loads=self._loads)
         self._loads = []
-        stores, self._stores = self._stores, []
-        saves = self._prompt_saves(scheduler_output) if self._blocks_of is not None else []
-        seals = self._prompt_seals({s.req_id for s in saves})
-        called = self.round_trips > self._trips_built  # lookups this step
-        forced = any(self._step - state.saved_step >= SEAL_WITHIN_STEPS for state in seals)
-        if stores or saves or self._to_seal or self._to_free or (seals and (called or forced)):
-            copies = self._flush(stores + saves, seals)
-            meta.stores = [c for c in copies if c.req_id not in self._requests]  # finished: answered
-            meta.saves = [c for c in copies if c.req_id in self._requests]  # running: prompt stores
-        self._trips_built = self.round_trips
+        if self._called_step != self._step and self._pending():
+            self._call()  # no lookup this step: the step's one call here
+        copies, self._copies = self._copies, []
+        meta.stores = [c for c in copies if c.req_id not in self._requests]  # finished: answered
+        meta.saves = [c for c in copies if c.req_id in self._requests]  # running: prompt stores
+        if meta.stores or meta.saves:
+            scheduler_output.has_sync_kv_loads = True  # start_load_kv before the forward pass: stores, then loads
+        # This step's prompt blocks: appended by the next step's call, copied before its loads.
+        self._saves = self._prompt_saves(scheduler_output) if self._blocks_of is not None else []
+        self._step += 1
         return meta
+
+    def _pending(self) -> bool:
+        """Work for a call: stores, saves, seals and frees waiting, or a prompt seal due (SEAL_WITHIN_STEPS)."""
+        if self.link.client is None:  # the finished requests' stores are still answered (nothing stored)
+            self._saves, self._to_seal, self._to_free = [], [], []
+            return bool(self._stores)
+        return bool(self._stores or self._saves or self._to_seal or self._to_free) or any(
+            self._step - state.saved_step >= SEAL_WITHIN_STEPS for state in self._prompt_seals(set()))
 
     def _prompt_saves(self, scheduler_output: Any) -> list[Store]:
         """The prompt blocks this step computes that kvpool does not hold: stored after its forward pass."""
@@ -243,45 +243,92 @@ class KVPoolScheduler:
                 if state.unsealed and not state.poisoned and state.saved_step < self._step and req_id not in appending
                 and self._live(state) and state.num_tokens() > state.seq_tokens]
 
-    def _flush(self, stores: list[Store], prompt_seals: list[RequestState]) -> list[BlockCopy]:
-        """The step's kvpool calls: registers for stores that have no sequence, one append (stores, prompt stores
-        and seals), one free. Returns the copies for the workers (a finished request's, with no blocks where
-        kvpool took none, is still answered)."""
-        seals, frees = self._to_seal, self._to_free
-        self._to_seal, self._to_free = [], []
-        unregistered = [s for s in stores if s.state.seq_id is None and self.link.client is not None]
-        if unregistered:  # finished requests kvpool has no sequence of (their lookup missed): one register
-            found = self._register_many([s.tokens + [s.seal_token] for s in unregistered], [s.key for s in unregistered])
-            for store, state in zip(unregistered, found):
-                store.state = state
+    def _call(self, prompts: list[list[int]] | None = None, keys: list[bytes] | None = None) -> list[RequestState]:
+        """The step's one kvpool call (``KVPoolClient.step``): the frees waiting; one append of the stores
+        waiting (the last step's prompt saves, finished requests') and the seals due; one register of ``prompts``
+        (the step's lookups) and of the finished requests kvpool has no sequence of (appended by the next call).
+        Returns a state per prompt (a miss each where the register failed); the append's copies go into this
+        step's metadata (``_copies``)."""
+        self._called_step = self._step
+        prompts, keys = list(prompts or []), list(keys or [])
+        n_lookups = len(prompts)
+        frees = [state for state in self._to_free if self._live(state)]
+        stores = self._stores + [s for s in self._saves if self._requests.get(s.req_id) is s.state]
+        seals = self._to_seal
+        self._to_free, self._stores, self._saves, self._to_seal = [], [], [], []
+        unregistered = [s for s in stores if s.state.seq_id is None and not s.running]
+        prompts += [s.tokens + [s.seal_token] for s in unregistered]
+        keys += [s.key for s in unregistered]
         appending = [s for s in stores if self._live(s.state) and not s.state.poisoned
                      and len(s.tokens) > s.state.kv_tokens]
-        taken = {id(s) for s in appending}
-        frees += [s.state for s in stores if not s.running and id(s) not in taken]
-        frees += [state for state, _ in seals if state.poisoned]
+        taken = {id(s) for s in appending + unregistered}
+        done = [s.state for s in stores if not s.running and id(s) not in taken]  # nothing to store: freed
+        done += [state for state, _ in seals if state.poisoned]
         seals = [(state, token) for state, token in seals if self._live(state) and not state.poisoned]
-        seals += [(state, state.token(state.seq_tokens)) for state in prompt_seals]
-        copies = {s.req_id: BlockCopy(s.req_id, (), ()) for s in stores if not s.running}
+        running_seals = self._prompt_seals({s.req_id for s in appending})
+        seals += [(state, state.token(state.seq_tokens)) for state in running_seals]
+        copies = {s.req_id: BlockCopy(s.req_id, (), ()) for s in stores if not s.running and id(s) not in taken}
+        append = None
         if appending or seals:
-            ids = [s.state.seq_id for s in appending] + [state.seq_id for state, _ in seals]
-            counts = [len(s.tokens) - s.state.seq_tokens for s in appending] + [1] * len(seals)
-            token_ids = [t for s in appending for t in s.tokens[s.state.seq_tokens:]] + [t for _, t in seals]
+            append = ([s.state.seq_id for s in appending] + [state.seq_id for state, _ in seals],
+                      [len(s.tokens) - s.state.seq_tokens for s in appending] + [1] * len(seals),
+                      [t for s in appending for t in s.tokens[s.state.seq_tokens:]] + [t for _, t in seals])
+        free_ids = [state.seq_id for state in frees]
+        if not (free_ids or append or prompts):
+            self._to_free = done
+            self._copies += list(copies.values())
+            return []
+        if self.link.client is not None:
             self.round_trips += 1
-            result = self.link.call("AppendToken", lambda c: c.append(ids, counts, token_ids=token_ids),
-                                    per_request=REQUEST_ERRORS)
-            running = {id(state) for state in prompt_seals}
-            frees += [state for state, _ in seals if id(state) not in running]  # sealed now, or never: done
-            if result is None:
-                frees += [s.state for s in appending if not s.running]
-                for state in [s.state for s in appending] + prompt_seals:
-                    state.poisoned = True  # what it appended (if anything) is never sealed
+            self.registers += bool(prompts)
+        result = self.link.call("Step", lambda c: c.step(free=free_ids, append=append,
+                                                         register=(prompts, keys) if prompts else None),
+                                per_request=REQUEST_ERRORS)
+        appended = self._part(result, "appended", "AppendToken")
+        registered = self._part(result, "registered", "RegisterSequences")
+        self._part(result, "freed", "Free")  # a Free refused: its sequences end with the session
+        running = {id(state) for state in running_seals}
+        done += [state for state, _ in seals if id(state) not in running]  # sealed now, or never: done
+        if append is not None and appended is None:
+            done += [s.state for s in appending if not s.running]
+            for state in [s.state for s in appending] + running_seals:
+                state.poisoned = True  # what it appended (if anything) is never sealed
+        elif appended is not None:
+            for state in running_seals:
+                state.seq_tokens, state.unsealed = state.seq_tokens + 1, False
+            for store in appending:
+                copies[store.req_id] = self._copy(store, appended.slots_of(store.state.seq_id))
+        found = self._states(registered, prompts, keys)
+        for store, state in zip(unregistered, found[n_lookups:]):
+            store.state = state
+            if self._live(state):
+                self._stores.append(store)  # appended by the next call; vLLM keeps its blocks meanwhile
             else:
-                for state in prompt_seals:
-                    state.seq_tokens, state.unsealed = state.seq_tokens + 1, False
-                for store in appending:
-                    copies[store.req_id] = self._copy(store, result.slots_of(store.state.seq_id))  # type: ignore[attr-defined]
-        self._free(frees)
-        return list(copies.values())
+                copies[store.req_id] = BlockCopy(store.req_id, (), ())  # not stored: answered now
+        self._to_free += done
+        self._copies += list(copies.values())
+        return found[:n_lookups]
+
+    def _part(self, result: Any, part: str, what: str) -> Any:
+        """A part of the step's answer; None when it failed (a request's own error: a miss; any other takes the
+        link down, as a failed call does)."""
+        if result is None:
+            return None
+        answer = getattr(result, part)
+        if isinstance(answer, Exception):
+            if not isinstance(answer, REQUEST_ERRORS):
+                self.link.down(f"{what} failed ({type(answer).__name__}: {answer})")
+            return None
+        return answer
+
+    def _states(self, registered: Any, prompts: list[list[int]], keys: list[bytes]) -> list[RequestState]:
+        """A state per registered prompt (a miss each when the register failed)."""
+        if registered is None:
+            return [RequestState() for _ in prompts]
+        generation, size = self.link.generation, self.block_size
+        return [RequestState(r.seq_id, generation, kv_tokens=r.num_cached_tokens, seq_tokens=r.num_cached_tokens,
+                             key=key, pool_blocks=[int(b) for b in r.cached_block_ids[: r.num_cached_tokens // size]])
+                for r, key in zip(registered, keys)]
 
     def _copy(self, store: Store, slots: Any) -> BlockCopy:
         """The workers' copy for an append of ``store``'s tokens that kvpool answered with ``slots``."""
@@ -301,12 +348,6 @@ class KVPoolScheduler:
     def _release(self, state: RequestState) -> None:
         if self._live(state):
             self._to_free.append(state)
-
-    def _free(self, states: list[RequestState]) -> None:
-        ids = [s.seq_id for s in states if self._live(s)]
-        if ids:
-            self.round_trips += 1
-            self.link.call("Free", lambda c: c.free(ids), per_request=REQUEST_ERRORS)
 
     def _live(self, state: RequestState) -> bool:
         """The state's sequence exists on the connection in use (a reconnect ended the old session's)."""

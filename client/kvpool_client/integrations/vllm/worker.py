@@ -1,6 +1,6 @@
 """The connector's worker side: kvpool's pool mapped into the worker, and whole-block copies between it and vLLM's
-KV cache -- every layer of a step's blocks in ``start_load_kv`` (before the forward pass) and ``wait_for_save``
-(after it), never in the per-layer hooks, so vLLM keeps its full CUDA graphs. The copies are ``BlockCopier``'s
+KV cache -- every layer of a step's blocks in ``start_load_kv``, before the forward pass (the stores, then the
+loads), never in the per-layer hooks, so vLLM keeps its full CUDA graphs. The copies are ``BlockCopier``'s
 (``block_copy``): one Triton launch per direction on CUDA, PyTorch's indexing on the CPU backend.
 
 The pool is mapped with the client library's ``attach()`` (shared memory on the host backend, CUDA IPC on a GPU)
@@ -155,6 +155,11 @@ class KVPoolWorker:
 
     # ------------------------------------------------------------------ the copies
     def start_load_kv(self, meta: KVPoolConnectorMetadata | None) -> None:
+        """Before the forward pass: the step's stores, then its loads. The stores copy KV an earlier step
+        computed (the scheduler appends a step's prompt blocks in the next step's one kvpool call), so they go
+        first: vLLM may have given a preempted request's block to a request whose load, or this step's forward
+        pass, writes it -- and nothing else writes vLLM's KV between two forward passes."""
+        self._store(meta)
         loads = [load for load in (meta.loads if meta else ()) if load.pool_blocks]
         if not loads:
             return
@@ -175,8 +180,11 @@ class KVPoolWorker:
             self._load_errors.update(load.vllm_blocks)
 
     def wait_for_save(self, meta: KVPoolConnectorMetadata | None) -> None:
+        """Nothing: the step's stores were made before its loads (``start_load_kv``)."""
+
+    def _store(self, meta: KVPoolConnectorMetadata | None) -> None:
         """The step's stores (finished requests: each answered in ``finished_sending``) and saves (running
-        requests' prompt blocks, computed by this step's forward pass), in one copy."""
+        requests' prompt blocks, computed by an earlier step's forward pass), in one copy."""
         stores = list(meta.stores if meta else ())
         self._finished_stores.update(store.req_id for store in stores)
         stores = [store for store in stores + list(meta.saves if meta else ()) if store.pool_blocks]
