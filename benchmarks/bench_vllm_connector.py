@@ -109,7 +109,9 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
         scheduler.update_from_output(out, runner)
         steps.append({"s": time.perf_counter() - start, "connector_s": spent[0], "lookup_s": looked[0],
                       "new": bool(out.scheduled_new_reqs),
-                      "stores": stores, "loaded_blocks": sum(len(c.pool_blocks) for c in getattr(meta, "loads", ())),
+                      "stores": stores, "copies_before_forward": bool(getattr(meta, "stores", None) or
+                                                                     getattr(meta, "saves", None)),
+                      "sync_loads": bool(out.has_sync_kv_loads), "loaded_blocks": sum(len(c.pool_blocks) for c in getattr(meta, "loads", ())),
                       "trips": (connector.round_trips - trips) if connector else 0,
                       "registers": (connector.registers - registers) if connector else 0})
     return steps

@@ -26,6 +26,8 @@ def check_steps(steps: list[dict]) -> None:
     for step in steps:
         assert step["trips"] <= 1, step  # the step's lookups, stores, seals and frees: one call, whatever the number
         assert step["registers"] <= step["trips"], step
+        if step["copies_before_forward"]:  # the deferred stores: vLLM calls start_load_kv before the forward pass
+            assert step["sync_loads"], step
 
 
 def test_round_trips_per_step_and_a_second_scheduler_loads_from_kvpool(tmp_path):
@@ -37,6 +39,7 @@ def test_round_trips_per_step_and_a_second_scheduler_loads_from_kvpool(tmp_path)
         first.connector.shutdown()
         check_steps(steps)
         assert summary(steps)["registers"] == 2  # 12 requests, 6 a step: two lookups
+        assert sum(step["copies_before_forward"] for step in steps) >= 2  # each prefill's stores, the next step
         assert not any(step["loaded_blocks"] for step in steps)
         second = make_scheduler(model, server.address, 1024, 6)
         again = run(second, PROMPTS, 8)
