@@ -242,3 +242,80 @@ def test_a_dead_server_raises_from_step(server_factory, transport):
         assert type(error.value).__name__ in ("ServerGoneError", "UnavailableError", "ConnectionFailedError")
     finally:
         client.close()
+
+
+def test_a_step_whose_free_is_released_in_chunks_answers_as_the_three_grpc_calls(server_factory):
+    pool = ("--num-blocks", "2048", "--head-dim", "8")
+    fast_server, grpc_server = server_factory(*pool), server_factory(*pool)
+
+    def script(address: str, fast: bool) -> tuple:
+        with KVPoolClient(address, fast_path=fast) as client:
+            ids = [client.register() for _ in range(1100)]
+            client.append(ids, 3)
+            other = client.register()
+            result = client.step(free=ids, append=([other], [20], None),
+                                 register=([np.arange(40, dtype=np.uint32)], []))  # over 1,024 rows: chunks
+            assert client.fast_path_open == fast
+            stats = client.stats()
+            return (result.freed, result.appended.slot_mapping.size, len(result.registered),
+                    client.block_table(other).num_tokens, stats.num_sequences, stats.num_blocks_used,
+                    client.check_invariants().ok)
+
+    assert script(fast_server.address, True) == script(grpc_server.address, False) == (1100, 20, 1, 20, 2, 2, True)
+
+
+def test_a_step_whose_free_waits_for_a_read_in_flight_is_applied_once_when_it_ends():
+    """In-process (the pool's copy held): the step's Free names a sequence a ReadKV is copying, so the Free waits
+    (the service's Wait, raised before anything is applied); the record is served again once the copy is done --
+    its append made once, not twice -- and other channels are served meanwhile."""
+    from kvpool_server.config import load_config
+    from kvpool_server.grpc_api.server import build_server
+    from kvpool_server.service.kv_copies import INLINE_BYTES
+    from tests.fastpath.test_deferred_answers import HeldReads, _in_thread
+
+    handle = build_server(load_config(["--backend", "host", "--num-blocks", "2048", "--head-dim", "8",
+                                       "--address", "127.0.0.1:0"]))
+    handle.start()
+    held = HeldReads(handle.service.guard.pool)
+    address = f"127.0.0.1:{handle.port}"
+    a = KVPoolClient(address, timeout=20)
+    reader = KVPoolClient(address, fast_path=False, session=False, timeout=60)
+    b = KVPoolClient(address, timeout=5)
+    try:
+        seq, other = a.register(), a.register()
+        tokens = INLINE_BYTES // reader.describe_pool().layout.token_bytes + 1  # a copy off the loop: pinned
+        a.append(seq, tokens)
+        b_seq = b.register()
+        held.hold()
+        read = _in_thread(lambda: reader.read_kv(seq))
+        assert held.entered.wait(20), "the ReadKV's copy did not start"
+        waiting = _in_thread(lambda: a.step(free=[seq], append=([other], [5], None),
+                                            register=([np.arange(40, dtype=np.uint32)], [])))
+        for _ in range(20):
+            b.append(b_seq, 1)
+        assert not waiting.done(), f"the step did not wait for the copy: {waiting.exception()!r}"
+        assert a.stats().num_sequences == 3  # nothing of it applied yet
+        held.release()
+        assert read.result(30).shape[0] == tokens
+        result = waiting.result(30)
+        assert result.freed > 0 and result.appended.slot_mapping.size == 5 and len(result.registered) == 1
+        assert a.block_table(other).num_tokens == 5  # appended once
+        assert a.stats().num_sequences == 3 and a.fast_path_open and a.check_invariants().ok
+    finally:
+        held.release()
+        for client in (a, b, reader):
+            client.close()
+        handle.stop()
+
+
+def test_the_asyncio_client_sends_the_record_with_the_same_answers(server_factory):
+    from tests.client.blocking_aio import BlockingAsyncClient
+
+    fast_server, grpc_server = server_factory(*POOL), server_factory(*POOL)
+    fast = BlockingAsyncClient(fast_server.address)
+    try:
+        with KVPoolClient(grpc_server.address, fast_path=False) as slow:
+            fast.free(fast.register())
+            assert workload(fast) == workload(slow) and fast.fast_path_open
+    finally:
+        fast.close()
