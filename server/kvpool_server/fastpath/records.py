@@ -31,7 +31,7 @@ from kvpool import fastpath as fp
 from kvpool import fastpath_codec as codec
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
-from kvpool_server.service.freeing import MAX_REFS_PER_HOLD, MAX_ROWS_PER_HOLD
+from kvpool_server.service.freeing import may_chunk
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.fastpath import register_many, step
 from kvpool_server.service.register_batch import RegisteredPrompt
@@ -195,16 +195,8 @@ def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list
         return lambda: service.fork(call, arg0, arg1, children, session_id, request_id), False
     if op == fp.OP_FREE:
         id_list = ids.tolist()
-        return lambda: service.free(call, id_list, session_id, request_id), _may_chunk(service, len(id_list))
+        return lambda: service.free(call, id_list, session_id, request_id), may_chunk(service.guard.manager, len(id_list))
     raise InvalidArgumentError(f"fast path: unknown op {op}")
-
-
-def _may_chunk(service: KVPoolService, n_ids: int) -> bool:
-    """A Free of ``n_ids`` sequences may take more than one lock hold (each holds at most ``max_seq_len``
-    tokens' blocks)."""
-    manager = service.guard.manager
-    most_blocks = -(-manager.max_seq_len // manager.block_size)
-    return n_ids > MAX_ROWS_PER_HOLD or n_ids * most_blocks > MAX_REFS_PER_HOLD
 
 
 def _same(answer: Any) -> Any:

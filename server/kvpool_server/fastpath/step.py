@@ -34,6 +34,7 @@ from kvpool_server.fastpath import register_many
 from kvpool_server.service import register_batch
 from kvpool_server.service.answers import Offload, Wait
 from kvpool_server.service.errors import Status
+from kvpool_server.service.freeing import may_chunk
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import OK, Call
 
@@ -78,8 +79,6 @@ def invocation(service: KVPoolService, call: Call, area_bytes: int, arrays: Arra
                session_id: int, hashes: Any = None) -> tuple[Callable[[], Any], bool]:
     """The record as its three parts' calls (``invoke()`` may be called again, on the loop, after a Wait), and
     whether to call it on the loop from the start (a Free that may be released in chunks)."""
-    from kvpool_server.fastpath.records import _may_chunk
-
     parts = parts_of(arrays, header)
     bs = service.guard.manager.block_size
     n_append, appended = parts.append_ids.size, int(parts.append_counts.sum())
@@ -117,7 +116,7 @@ def invocation(service: KVPoolService, call: Call, area_bytes: int, arrays: Arra
             return answer
         return Offload(lambda: _freed(call, answer, freeing), freeing.finish)
 
-    return invoke, _may_chunk(service, len(free_ids))
+    return invoke, may_chunk(service.guard.manager, len(free_ids))
 
 
 def _part(outer: Call, rpc: str, run: Callable[[Call], Any]) -> tuple[Status, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -115,6 +116,13 @@ class Freeing:
         self.done.set()
         for callback in self._then:
             callback(self.num_freed)
+
+
+def may_chunk(manager: Any, n_ids: int) -> bool:
+    """A Free of ``n_ids`` sequences may take more than one lock hold (each holds at most ``max_seq_len``
+    tokens' blocks): a transport then makes it on the event loop, whose callbacks release its chunks."""
+    most_blocks = -(-manager.max_seq_len // manager.block_size)
+    return n_ids > MAX_ROWS_PER_HOLD or n_ids * most_blocks > MAX_REFS_PER_HOLD
 
 
 def free_rows(guard: CoreGuard, rows: list[int]) -> int | Freeing:
