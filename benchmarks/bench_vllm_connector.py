@@ -95,8 +95,8 @@ def run(scheduler, prompts: list[list[int]], max_tokens: int) -> list[dict]:
         trips = connector.round_trips if connector else 0
         registers = connector.registers if connector else 0
         # work waiting for this step's call: the last step's prompt stores, finished requests', seals, frees
-        stores = bool(connector and (connector._stores or connector._saves or connector._to_seal or
-                                     connector._to_free))
+        stores = bool(connector and (connector._stores or getattr(connector, "_saves", ()) or connector._to_seal
+                                     or connector._to_free))
         spent[0] = looked[0] = 0.0
         start = time.perf_counter()
         out = scheduler.schedule()
@@ -148,6 +148,8 @@ def summary(steps: list[dict]) -> dict:
             "steps_with_new_requests": len(new), "round_trips_on_new_request_steps": sum(s["trips"] for s in new),
             "max_round_trips_on_a_new_request_step": max((s["trips"] for s in new), default=0),
             "max_round_trips_in_a_step": max((s["trips"] for s in steps), default=0),
+            "round_trips": sum(s["trips"] for s in steps),
+            "connector_ms_in_all": sum(s["connector_s"] for s in steps) * 1e3,
             "max_registers_in_a_step": max((s["registers"] for s in steps), default=0),
             "registers": sum(s["registers"] for s in steps),
             "steps_storing_finished_requests": len(stores),

@@ -1,6 +1,6 @@
 """The vLLM connector's CUDA data path on a GPU without vLLM (issue 31): a real kvpool server on the GPU backend,
 its pool mapped by CUDA IPC through the connector's own worker (``KVPoolWorker``: ``register_kv_caches``,
-``wait_for_save``, ``start_load_kv``), vLLM-layout KV tensors of Llama-3-8B (32 layers, 8 KV heads, head size 128,
+``start_load_kv``: its stores, then its loads), vLLM-layout KV tensors of Llama-3-8B (32 layers, 8 KV heads, head size 128,
 fp16, block size 16) for a 4,096-token prompt (256 blocks).
 
 vLLM 0.32's CUDA backends see each layer's cache as the logical ``[num_blocks, heads, block_size, 2 x head]``
@@ -136,7 +136,7 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
     load = meta_mod.KVPoolConnectorMetadata(pid, loads=[meta_mod.BlockCopy("r", tuple(pool_blocks), tuple(dst))])
     ok = True
     stored = worker.blocks_stored
-    worker.wait_for_save(save)
+    worker.start_load_kv(save)
     sync(torch)
     if worker.worker_meta() is not None or worker.blocks_stored != stored + n:
         print(f"[{layout}] FAILED: the store reported a failure (see the warning above)")
@@ -175,7 +175,7 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
         nbytes = n * model_block_bytes()
         a = torch.empty(nbytes // 2, dtype=torch.float16, device=DEVICE)
         b = torch.empty_like(a)
-        t_store = median_s(torch, lambda: worker.wait_for_save(save), repeats)
+        t_store = median_s(torch, lambda: worker.start_load_kv(save), repeats)
         t_load = median_s(torch, lambda: worker.start_load_kv(load), repeats)
         t_copy = median_s(torch, lambda: b.copy_(a), repeats)
         fresh = fresh_loads(torch, meta_mod, pid, pool_blocks, dst, ROTATE)

@@ -227,10 +227,10 @@ def test_a_failed_copy_is_a_recompute_or_a_failed_store(vllm_pkg):
     worker._pool, worker._pool_id = type("Live", (), {"check_live": lambda self, what: None})(), "p"
     worker.start_load_kv(meta.KVPoolConnectorMetadata("p", loads=[meta.BlockCopy("a", (1, P), (3, 4))]))
     assert worker.get_block_ids_with_load_errors() == {3, 4} and worker.blocks_loaded == 0
-    worker.wait_for_save(meta.KVPoolConnectorMetadata("p", saves=[meta.BlockCopy("b", (2, 5), (0, N))]))
+    worker.start_load_kv(meta.KVPoolConnectorMetadata("p", saves=[meta.BlockCopy("b", (2, 5), (0, N))]))
     assert worker.worker_meta().failed_stores == {"b"} and worker.blocks_stored == 0
     assert not worker._pool_tensor.any()
-    worker.wait_for_save(meta.KVPoolConnectorMetadata("p", saves=[meta.BlockCopy("c", (2, 5), (0, 7))]))
+    worker.start_load_kv(meta.KVPoolConnectorMetadata("p", saves=[meta.BlockCopy("c", (2, 5), (0, 7))]))
     assert worker.worker_meta() is None and worker.blocks_stored == 2
     assert worker.copy_path.startswith("torch (")
     k7 = worker._layers[1][0][7]

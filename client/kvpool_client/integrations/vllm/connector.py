@@ -96,11 +96,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         return  # loaded whole in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # stored whole in wait_for_save
+        return  # stored whole in start_load_kv, before the loads
 
     def wait_for_save(self) -> None:
-        assert self.worker is not None
-        self.worker.wait_for_save(self._meta())
+        return  # a step's stores are copied at the start of the next step's start_load_kv
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None

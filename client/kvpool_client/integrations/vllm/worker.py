@@ -179,9 +179,6 @@ class KVPoolWorker:
         for load in loads:
             self._load_errors.update(load.vllm_blocks)
 
-    def wait_for_save(self, meta: KVPoolConnectorMetadata | None) -> None:
-        """Nothing: the step's stores were made before its loads (``start_load_kv``)."""
-
     def _store(self, meta: KVPoolConnectorMetadata | None) -> None:
         """The step's stores (finished requests: each answered in ``finished_sending``) and saves (running
         requests' prompt blocks, computed by an earlier step's forward pass), in one copy."""
