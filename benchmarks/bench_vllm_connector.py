@@ -6,9 +6,10 @@ pool, unix socket); the model runner is replaced by an answer of one sampled tok
 connector only. Every prompt is new (0% hits). The same steps run with and without the connector; reported: the
 step time of each (p50, mean, and p50 of decode-only steps), the time spent inside the connector's methods per
 step (p50, mean, by kind of step: timed around each call vLLM makes) and of it the lookup's (the step's one
-RegisterSequences of its new requests: a register-many record over the fast path), and kvpool round trips, split
-into steps that admit new requests (one RegisterSequences for all of them, an append and a free), steps that
-store finished requests (an append and a free at most) and steps that only decode (the bar: 0 on those).
+call that carries the RegisterSequences of its new requests: a step record over the fast path), and kvpool round
+trips -- one at most a step, a step record: the frees, stores and seals waiting and the step's lookups -- split
+into steps that admit new requests, steps that carry work waiting (the last step's prompt stores, finished
+requests' stores, seals, frees) and steps that only decode (the bar: 0 on those).
 
     .venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--requests 64] [--prompt 512] [--max-tokens 64]
         [--batch 16] [--json out/bench_vllm_connector.json]
