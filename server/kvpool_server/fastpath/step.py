@@ -4,25 +4,21 @@ whole step (docs/fast-path.md; the layout is ``kvpool.fastpath_step``'s).
     record    split (``split_step``: counts that do not match the arrays are INVALID_ARGUMENT, nothing applied); a
               request_id is refused (a channel applies a record at most once: its parts are never replayed); the
               reply's bound checked against the reply area (INVALID_ARGUMENT, nothing applied)
-    parts     in order -- the Free, then the AppendToken, then the RegisterSequences -- each served by the very
-              service method its own call is (``service.free``, ``service.append``, ``service.register_many``):
-              the same checks, statuses and messages, each all or none. A part that fails gets its status in the
-              reply and the parts after it still run, as they would after that call failed: the record answers
-              what the three calls, made one after the other, would have answered
+    parts     ``service/step.py``: the Free, then the AppendToken, then the RegisterSequences, each by the service
+              method of its own call (same checks, statuses and messages, each all or none); a part that fails gets
+              its status and the parts after it still run
     reply     OK, with each part's status and an OK part's answer (``write_reply``)
 
-Answers that are not final: a Free of a sequence with a copy in flight raises the service's ``Wait`` before
-anything is applied -- and the Free comes first, so the whole record is served again once the copy is done,
-nothing of it applied twice. A Free that may take more than one lock hold makes the record a call on the event
-loop from the start (as a Free record is); once its sequences are detached the other parts run, and the reply
-waits for the last chunk (an ``Offload``: ``service.freeing``). The register part's prompts are hashed on the
-hasher when long, as a register-many record's (``fair_channels``): ``hashes``.
+A Free that may take more than one lock hold makes the record a call on the event loop from the start (as a Free
+record is); the step's Wait and Offload are the one adapter's (``answers.honour``), as any service answer. The
+register part's prompts are hashed on the hasher when long, as a register-many record's (``fair_channels``):
+``hashes``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -31,27 +27,12 @@ from kvpool import fastpath_codec as codec
 from kvpool import fastpath_step as step_codec
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.fastpath import register_many
-from kvpool_server.service import register_batch
-from kvpool_server.service.answers import Offload, Wait
-from kvpool_server.service.errors import Status
+from kvpool_server.service import step as service_step
 from kvpool_server.service.freeing import may_chunk
 from kvpool_server.service.kvpool import KVPoolService
-from kvpool_server.service.scope import OK, Call
+from kvpool_server.service.scope import Call
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, bytes]
-
-
-class StepAnswer:
-    """The parts' statuses (free, append, register) and the OK ones' answers."""
-
-    __slots__ = ("statuses", "freed", "append", "register", "block_size")
-
-    def __init__(self, block_size: int) -> None:
-        self.statuses: list[Status] = [OK, OK, OK]
-        self.freed = 0
-        self.append: Any = None  # an AppendPlan
-        self.register: Any = None  # RegisteredPrompt a prompt
-        self.block_size = block_size
 
 
 def parts_of(arrays: Arrays, header: list[int]) -> step_codec.StepParts:
@@ -90,59 +71,14 @@ def invocation(service: KVPoolService, call: Call, area_bytes: int, arrays: Arra
                                    f"{n_prompts} prompts may not fit the {area_bytes}-byte reply area: make the "
                                    "calls one by one")
     free_ids = parts.free_ids.tolist()
-    append_counts = parts.append_counts
-    append_tokens: Any = () if parts.append_tokens is None else parts.append_tokens
-
-    def invoke() -> StepAnswer | Offload:
-        answer = StepAnswer(bs)
-        freeing = None
-        if free_ids:
-            status, freed = _part(call, "Free", lambda c: service.free(c, free_ids, session_id, 0))
-            answer.statuses[0] = status
-            if isinstance(freed, Offload):
-                freeing = freed
-            elif freed is not None:
-                answer.freed = int(freed)
-        if n_append:
-            answer.statuses[1], answer.append = _part(call, "AppendToken", lambda c: service.append(
-                c, cast(Any, parts.append_ids), cast(Any, append_counts), append_tokens, session_id, 0))
-        if n_prompts:
-            def register(c: Call) -> Any:
-                prompts = register_many.split(service, parts.register)  # --max-batch checked first
-                return service.register_many(c, prompts, session_id, 0, hashes)
-
-            answer.statuses[2], answer.register = _part(call, register_batch.RPC, register)
-        if freeing is None:
-            return answer
-        return Offload(lambda: _freed(call, answer, freeing), freeing.finish)
-
-    return invoke, may_chunk(service.guard.manager, len(free_ids))
+    append = None if not n_append else (parts.append_ids, parts.append_counts,
+                                        () if parts.append_tokens is None else parts.append_tokens)
+    prompts = None if not n_prompts else (lambda: register_many.split(service, parts.register))  # --max-batch first
+    return (lambda: service_step.step(service, call, session_id, free_ids, append, prompts, hashes),
+            may_chunk(service.guard.manager, len(free_ids)))
 
 
-def _part(outer: Call, rpc: str, run: Callable[[Call], Any]) -> tuple[Status, Any]:
-    """One part as its own call (the record's caller and headers; admitted and observed as the record): its
-    status and answer (None when it failed). A ``Wait`` goes through: the record is served again."""
-    call = outer.scope.call(rpc, outer.headers, admit=False, observe=False)
-    call.caller = outer.caller
-    try:
-        return OK, run(call)
-    except Wait:
-        raise
-    except Exception as exc:  # noqa: BLE001  (the part's status; the parts after it still run)
-        return outer.scope.failed(call, exc), None
-
-
-def _freed(outer: Call, answer: StepAnswer, freeing: Offload) -> StepAnswer:
-    """A chunked Free's blocks, once its last chunk is released (a copy thread): the Free part's answer."""
-    try:
-        answer.freed = int(freeing.work())
-    except Exception as exc:  # noqa: BLE001  (the Free part's status)
-        answer.statuses[0] = outer.scope.failed(outer.scope.call("Free", outer.headers, admit=False,
-                                                                 observe=False), exc)
-    return answer
-
-
-def write_reply(views: fp.Views, answer: StepAnswer) -> None:
+def write_reply(views: fp.Views, answer: service_step.StepAnswer) -> None:
     """The OK reply of a step. Its size is checked before anything is written (a bug of ours if it does not fit:
     ``invocation`` checked the bound)."""
     plan, registered = answer.append, answer.register
