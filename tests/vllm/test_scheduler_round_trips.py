@@ -89,3 +89,25 @@ def test_a_lookup_of_several_prompts_makes_no_grpc_call_when_the_fast_path_is_op
             assert loaded == (len(PROMPTS) * (299 // BLOCK_SIZE) if again else 0)
     finally:
         server.stop()
+
+
+def test_finished_requests_kvpool_has_no_sequence_of_are_registered_then_stored_a_call_each(tmp_path):
+    """Prompts of less than a block are never looked up; when they finish past a block, their one register goes
+    in a step's call, their append in the next one's (one round trip a step still), and a second scheduler given
+    those tokens (the prompt and the model's 7s) finds the block."""
+    server = start_server(tmp_path, "--num-blocks", "2048", *server_layout_args(), unix=True)
+    try:
+        model = write_tiny_llama(tmp_path / "model")
+        short = [p[:20] for p in PROMPTS[:4]]
+        first = make_scheduler(model, server.address, 1024, 6)
+        steps = run(first, short, 20)  # 40 tokens each at the end: one full block
+        first.connector.shutdown()
+        check_steps(steps)
+        assert summary(steps)["registers"] == 1  # the four finished requests' sequences, in one call
+        second = make_scheduler(model, server.address, 1024, 6)
+        again = run(second, [p + [7] * 20 for p in short], 4)
+        second.connector.shutdown()
+        check_steps(again)
+        assert sum(step["loaded_blocks"] for step in again) == len(short)  # a block each, from kvpool
+    finally:
+        server.stop()
