@@ -13,7 +13,7 @@ Each attacker is a thread of its own, hammering one bound until the time is up:
     subscribers    SubscribeEvents streams that never read, past --max-event-subscribers (the slow are shed)
     garbage        random bytes to every unary method (INVALID_ARGUMENT, nothing kept)
     fp-*           the fast path's attackers (benchmarks/hostile_fastpath.py): overflowing records, channels
-                   never connected, silent socket connections
+                   never connected, silent socket connections, step records of random shape
     replay-*, idle-holders   the KV events' attackers (benchmarks/hostile_zmq.py)
 
 The result counts each answer by status code and the server's resident memory before, at its peak and after;

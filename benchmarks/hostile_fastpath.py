@@ -8,6 +8,9 @@
                small for --max-batch: the soak's 64 KiB); refused, never applied twice
     pending    OpenFastPath up to --fast-path-max-channels, never connecting, CloseSession; again
     silent     connections to the fast-path socket that never send their token (and never close)
+    step       hand-written step records of random shape (the header's F and A, counts, tokens, key bytes) naming
+               random ids beside the channel's own sequence: refused whole, or each part answered; the own
+               sequence grows at most once by what a record asked
 
     python benchmarks/hostile_fastpath.py --seconds 4    # a frontend's steps alone and under a silent flood
 
@@ -26,6 +29,7 @@ import grpc
 import numpy as np
 
 from kvpool import fastpath as fp
+from kvpool.fastpath_step import read_step_reply, step_arrays
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from kvpool_client.fastpath import FastChannel
@@ -44,7 +48,7 @@ class RawChannel:
         self.channel = FastChannel.connect(self.response)
 
     def send(self, op: int, *, ids: Any = None, counts: Any = None, tokens: Any = None, arg0: int = 0,
-             arg1: int = 0, timeout: float = 30.0) -> dict[str, int]:
+             arg1: int = 0, extra: bytes = b"", timeout: float = 30.0) -> dict[str, int]:
         channel = self.channel
         ids = None if ids is None else np.asarray(ids, dtype=np.uint64)
         counts = None if counts is None else np.asarray(counts, dtype=np.uint32)
@@ -52,7 +56,7 @@ class RawChannel:
 
         def write(views: fp.Views) -> None:
             write_request(views, op, 0, channel.generation, ids=ids, counts=counts, tokens=tokens, arg0=arg0,
-                          arg1=arg1)
+                          arg1=arg1, extra=extra)
 
         views, seq = channel._publish(write, "raw")
         channel._wait(views, seq, "raw", timeout)
@@ -113,7 +117,7 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 def fastpath_attackers(address: str, end: float, count: Callable[[str, str], None]) -> list[Callable[[], None]]:
-    """The three attacks as thread bodies, each counting its answers (``count(kind, what)``) until ``end``. An
+    """The four attacks as thread bodies, each counting its answers (``count(kind, what)``) until ``end``. An
     attack refused on its way (--max-sessions full, its session expired meanwhile) counts that and starts again."""
     grpc_channel = grpc.insecure_channel(address)
     stub = pb_grpc.KVPoolServiceStub(grpc_channel)
@@ -174,6 +178,47 @@ def fastpath_attackers(address: str, end: float, count: Callable[[str, str], Non
             for sock in held:
                 sock.close()
 
+    def step() -> None:
+        raw = RawChannel(stub)
+        rng = np.random.default_rng()
+        try:
+            own = raw.send(fp.OP_REGISTER)["value0"] & ((1 << 64) - 1)
+            while time.monotonic() < end:
+                n = int(rng.integers(0, 5))
+                ids = [int(i) for i in rng.integers(1, 1 << 62, n)]
+                ids.insert(int(rng.integers(0, n + 1)), own)
+                n_free, n_append = int(rng.integers(-1, len(ids) + 2)), int(rng.integers(-1, len(ids) + 2))
+                n_free = min(n_free, 0) if rng.random() < 0.8 else n_free  # mostly no Free: keep the own sequence
+                counts = [int(c) for c in rng.integers(0, 40, int(rng.integers(0, 2 * len(ids) + 2)))]
+                tokens = [int(t) for t in rng.integers(0, 1000, int(rng.integers(0, 120)))]
+                extra = rng.bytes(int(rng.integers(0, 4))) if rng.random() < 0.3 else b""
+                if rng.random() < 0.5:  # a well-formed record whose parts lie: unknown ids, repeats, 0 counts
+                    lies = [int(i) for i in rng.integers(1, 1 << 62, int(rng.integers(0, 3)))]
+                    appended = [own, *lies] + ([own] if rng.random() < 0.2 else [])
+                    counts_a = rng.integers(0 if rng.random() < 0.1 else 1, 20, len(appended)).astype(np.uint32)
+                    prompts = [rng.integers(0, 1000, int(rng.integers(0, 80))).astype(np.uint32)
+                               for _ in range(int(rng.integers(0, 3)))]
+                    arrays = step_arrays(np.asarray(lies[:1] if rng.random() < 0.3 else [], np.uint64),
+                                         np.asarray(appended, np.uint64), counts_a, None, prompts,
+                                         [b""] * len(prompts))
+                    ids, counts, tokens, extra, n_free, n_append = arrays
+                    ids, counts, tokens = ids.tolist(), counts.tolist(), tokens.tolist()
+                before = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=own), timeout=10).num_tokens
+                reply = raw.send(fp.OP_STEP, ids=ids, counts=counts, tokens=tokens, arg0=n_free, arg1=n_append,
+                                 extra=extra)
+                views = raw.channel.views
+                statuses = [] if reply["code"] else [c for c, _, _ in read_step_reply(views).statuses]
+                count("fp-step", f"refused {reply['code']}" if reply["code"] else f"answered {statuses}")
+                try:
+                    after = stub.GetBlockTable(pb.GetBlockTableRequest(seq_id=own), timeout=10).num_tokens
+                except grpc.RpcError:  # freed by the record (named in its Free): a new one
+                    own = raw.send(fp.OP_REGISTER)["value0"] & ((1 << 64) - 1)
+                    count("fp-step", "own sequence freed")
+                    continue
+                count("fp-step", "APPLIED TWICE" if after - before > max(counts, default=0) else "at most once")
+        finally:
+            raw.close()
+
     def again(kind: str, attack: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
             while time.monotonic() < end:
@@ -185,7 +230,8 @@ def fastpath_attackers(address: str, end: float, count: Callable[[str, str], Non
                     time.sleep(0.1)
         return run
 
-    return [again("fp-overflow", overflow), again("fp-pending", pending), again("fp-silent", silent)]
+    return [again("fp-overflow", overflow), again("fp-pending", pending), again("fp-silent", silent),
+            again("fp-step", step)]
 
 
 def measure_silent_flood(seconds: float, seqs: int) -> dict:

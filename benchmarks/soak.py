@@ -141,7 +141,8 @@ def main() -> None:
     grew = hostile[-1]["rss_mib"]["after"] - hostile[0]["rss_mib"]["before"] if hostile else 0.0
     hostile_ok = all(h["stats_after"] == "OK" and h["pid_alive"] for h in hostile) and \
         grew * 2**20 <= POOL_BYTES + HOSTILE_RSS_SLACK
-    hostile_ok = hostile_ok and not any("APPLIED TWICE" in h["answers"].get("fp-overflow", {}) for h in hostile)
+    hostile_ok = hostile_ok and not any("APPLIED TWICE" in h["answers"].get(kind, {}) for h in hostile
+                                        for kind in ("fp-overflow", "fp-step"))
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
