@@ -2,9 +2,10 @@
 # Every GPU check of kvpool in one call to the lent H200 (the `run` tool of this workplace):
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # .whl holds the pure-Python wheels the GPU image lacks (grpcio-health-checking, grpcio-reflection, both matching
-# its grpcio 1.84.0 / protobuf 7.36.2), fetched here once with
+# its grpcio 1.84.0 / protobuf 7.36.2; liger-kernel, the engine's elementwise kernels), fetched here once with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 -d .whl grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
+#     --platform manylinux_2_17_x86_64 -d .whl grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
+#     liger-kernel==0.8.5
 # Logs go to $OUT; docs/results.md quotes them.
 set -o pipefail
 OUT=${OUT:-/tmp/kvpool-gpu-out}; mkdir -p "$OUT"
