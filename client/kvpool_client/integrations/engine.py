@@ -194,20 +194,20 @@ class DecodeEngine:
         counts = np.array([len(p) for p in prompts], dtype=np.int64)
         flat = [t for p in prompts for t in p]
         rows, slots = self._append(seqs, counts, np.asarray(flat, dtype=np.uint32))
-        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         lens = self.tables.lens[rows]
         positions = np.concatenate([np.arange(n - c, n) for n, c in zip(lens, counts)])
-        starts = np.cumsum(counts) - counts
-        spans = [(int(s), int(c), torch.from_numpy(self.tables.context_slots(int(r))).to(self.device))
-                 for s, c, r in zip(starts, counts, rows)]
-        attend = self.model.prefill_attend(self.blocks, self.error, spans)
-        keep = torch.from_numpy(starts + counts - 1).to(self.device)
         if self.prefill_graphs is not None and len(seqs) == 1:  # a graph replay, when one serves this size
             logits = self.prefill_graphs.run(np.asarray(flat, dtype=np.int64), positions, slots,
                                              self.tables.context_slots(int(rows[0])))
             if logits is not None:
                 self.fence.record(self._write_devices())
                 return logits
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        starts = np.cumsum(counts) - counts
+        spans = [(int(s), int(c), torch.from_numpy(self.tables.context_slots(int(r))).to(self.device))
+                 for s, c, r in zip(starts, counts, rows)]
+        attend = self.model.prefill_attend(self.blocks, self.error, spans)
+        keep = torch.from_numpy(starts + counts - 1).to(self.device)
         pos, dev_slots = torch.from_numpy(positions).to(self.device), torch.from_numpy(slots).to(self.device)
         logits = self._guarded(lambda: self.model.forward(ids, pos, dev_slots, self.blocks, self.error, attend, keep))
         self.fence.record(self._write_devices())
