@@ -113,9 +113,25 @@ class SequenceIndex:
             if seq_id not in self._row_of:  # a caller may hold it
                 return seq_id
 
+    def new_server_ids(self, rows: list[int]) -> list[int]:
+        """``new_server_id`` of each row in turn, made with a few NumPy operations when no id a caller holds is
+        among them (else one by one, skipping those: the same ids either way)."""
+        serial, num = self._next_serial, len(rows)
+        ids = ((np.arange(serial, serial + num, dtype=np.uint64) << np.uint64(self.row_bits))
+               | np.array(rows, dtype=np.uint64)).tolist()
+        if not self._row_of.keys().isdisjoint(ids):
+            return [self.new_server_id(row) for row in rows]
+        self._next_serial = serial + num
+        return ids
+
     def add(self, seq_id: int, row: int) -> None:
         self._row_of[seq_id] = row
         self.row_to_id[row] = seq_id
+
+    def add_many(self, seq_ids: list[int], rows: list[int]) -> None:
+        """``add`` of each (distinct, new) id and its row."""
+        self._row_of.update(zip(seq_ids, rows))
+        self.row_to_id[rows] = np.array(seq_ids, dtype=np.uint64)
 
     def remove(self, seq_id: int) -> int:
         row = self._row_of.pop(seq_id)
