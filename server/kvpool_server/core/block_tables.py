@@ -77,6 +77,7 @@ class BlockTables:
         self.num_copies: int = 0
         self.num_tokens_appended: int = 0
         self.by_length: LengthLookups = LengthLookups(self.max_seq_len, self.block_size)  # derived from the shape above, read-only
+        self._offsets: np.ndarray = np.arange(block_size, dtype=np.int64)  # a block's slots, from its first (run_slots)
 
     @overload
     def blocks_for(self, num_tokens: int) -> int: ...
@@ -97,6 +98,28 @@ class BlockTables:
         blocks = self.table[rows].take(index) if rows.__class__ is int else self.table[rows, index]
         return blocks * lookup.block_size + lookup.offset[positions]
 
+    def run_slots(self, rows: np.ndarray, lengths: np.ndarray, new_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``slots()`` of the tokens [lengths[i], new_lengths[i]) of each row ``rows[i]`` (runs of at least one
+        token, in blocks the rows hold), concatenated in that order, and each row's next slot (its last slot + 1).
+        Per block, not per token: every block a run touches is expanded whole (``block * block_size +
+        arange(block_size)``), then the slots before each run's first token and past its last are trimmed off."""
+        lookup, bs = self.by_length, self.block_size
+        first = lookup.block_index.take(lengths)
+        touched = lookup.num_blocks.take(new_lengths) - first  # >= 1 each
+        starts = np.cumsum(touched) - touched  # each row's first block among the touched
+        num = starts.item(-1) + touched.item(-1)
+        blocks = self.table[np.repeat(rows, touched), np.repeat(first - starts, touched) + np.arange(num)]
+        expanded = (blocks[:, None] * lookup.block_size + self._offsets).reshape(-1)
+        head, last = lookup.offset.take(lengths), starts + touched - ONE
+        tail = lookup.offset.take(new_lengths - ONE) + ONE  # slots used in each run's last block
+        next_slots = blocks.take(last) * lookup.block_size + tail
+        if np.count_nonzero(head) or np.count_nonzero(tail != bs):
+            keep = np.ones((num, bs), dtype=bool)
+            keep[starts] = self._offsets >= head[:, None]
+            keep[last] &= self._offsets < tail[:, None]
+            expanded = expanded[keep.reshape(-1)]
+        return expanded, next_slots
+
     # ---------------------------------------------------------------- rows
     @property
     def num_rows(self) -> int:
@@ -112,7 +135,9 @@ class BlockTables:
             )
         if len(self._free_rows) < num:
             self._grow(self.num_live_rows() + num)
-        return [self._free_rows.pop() for _ in range(num)]
+        rows = self._free_rows[: -num - 1 : -1] if num else []  # popped from the end, one after the other
+        del self._free_rows[len(self._free_rows) - num :]
+        return rows
 
     def acquire_row(self) -> int:
         if self._free_rows:
@@ -264,7 +289,8 @@ class BlockTables:
             held = first_block + (first_offset > 0)
             new_blocks = allocator.allocate(last_block + 1 - held, budget, why)  # raises before any change
             self.table[row, held : last_block + 1] = new_blocks
-            slots = self.slots(row, slice(length, new_length))
+            blocks = self.table[row, first_block : last_block + 1]  # expanded whole, trimmed by a slice
+            slots = (blocks[:, None] * self.by_length.block_size + self._offsets).reshape(-1)[first_offset : first_offset + count]
             next_slot = slots.item(-1) + 1
         self.num_tokens[row] = new_length
         self.next_slot[row] = next_slot
@@ -278,7 +304,6 @@ class BlockTables:
         new_lengths = lengths + num_new_tokens
         if new_lengths.max() > self.max_seq_len:
             raise self._too_long(new_lengths)
-        counts = new_lengths - lengths  # one per row, whether num_new_tokens was
         held = lookup.num_blocks.take(lengths)
         grow = lookup.num_blocks.take(new_lengths) - held
         num_copies = 0
@@ -304,10 +329,7 @@ class BlockTables:
             before = np.cumsum(grow) - grow  # blocks the earlier rows take
             table[np.repeat(rows, grow), np.repeat(held - before, grow) + np.arange(num_grow)] = new_blocks[num_copies:]
         self.num_tokens[rows] = new_lengths
-        ends = np.cumsum(counts)
-        positions = np.repeat(lengths - (ends - counts), counts) + np.arange(ends.item(-1))
-        slots = self.slots(np.repeat(rows, counts), positions)
-        self.next_slot[rows] = slots.take(ends - ONE) + ONE
+        slots, self.next_slot[rows] = self.run_slots(rows, lengths, new_lengths)
         return AppendPlan(slots, new_blocks, copies, new_blocks[num_copies:] if num_copies else new_blocks)
 
     def _writes_into_shared(self, rows: np.ndarray | int, lengths: np.ndarray | int) -> np.ndarray | bool:

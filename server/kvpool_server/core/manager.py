@@ -158,15 +158,17 @@ class KVCacheManager:
         if not num:
             return []
         rows = self.tables.acquire_rows(num)
+        row_array = np.array(rows, dtype=np.intp)
+        if seq_ids is None or self.tenancy:  # internal ids are server ids
+            internal = named = self.index.add_server_ids(rows, row_array)
+        else:
+            internal = named = [int(s) for s in seq_ids]
+            self.index.add_many(internal, rows)
         if self.tenancy:
-            internal = self.index.new_server_ids(rows)
             chosen: Sequence[int | None] = [None] * num if seq_ids is None else seq_ids
             named = [self.tenant_ids.add(tenant, row, seq_id) for row, seq_id in zip(rows, chosen)]
-        else:
-            internal = named = self.index.new_server_ids(rows) if seq_ids is None else [int(s) for s in seq_ids]
-        self.index.add_many(internal, rows)
         self.members.own(internal, session_id)
-        self.tenants.add_rows(rows, tenant)
+        self.tenants.add_rows(row_array, tenant)
         for i, prompt in enumerate(prompts if prompt_token_ids is not None or cache_extra_keys is not None else ()):
             if prompt is not None:
                 self.prefix.start(rows[i], tenant, prompt, 0 if public_prefix_lens is None else public_prefix_lens[i],

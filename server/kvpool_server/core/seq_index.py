@@ -113,16 +113,21 @@ class SequenceIndex:
             if seq_id not in self._row_of:  # a caller may hold it
                 return seq_id
 
-    def new_server_ids(self, rows: list[int]) -> list[int]:
-        """``new_server_id`` of each row in turn, made with a few NumPy operations when no id a caller holds is
-        among them (else one by one, skipping those: the same ids either way)."""
+    def add_server_ids(self, rows: list[int], row_array: np.ndarray) -> list[int]:
+        """``add(new_server_id(row), row)`` for each of the distinct free ``rows`` (``row_array``: the same, intp) in
+        turn: the same ids, made and added with a few NumPy operations unless an id a caller holds is among them
+        (then one by one, skipping those)."""
         serial, num = self._next_serial, len(rows)
-        ids = ((np.arange(serial, serial + num, dtype=np.uint64) << np.uint64(self.row_bits))
-               | np.array(rows, dtype=np.uint64)).tolist()
-        if not self._row_of.keys().isdisjoint(ids):
-            return [self.new_server_id(row) for row in rows]
+        ids = (np.arange(serial, serial + num, dtype=np.uint64) << np.uint64(self.row_bits)) | row_array.view(np.uint64)
+        id_list = ids.tolist()
+        if not self._row_of.keys().isdisjoint(id_list):
+            id_list = [self.new_server_id(row) for row in rows]
+            self.add_many(id_list, rows)
+            return id_list
         self._next_serial = serial + num
-        return ids
+        self._row_of.update(zip(id_list, rows))
+        self.row_to_id[row_array] = ids
+        return id_list
 
     def add(self, seq_id: int, row: int) -> None:
         self._row_of[seq_id] = row
