@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from kvpool_server.core import BlockAllocator, OutOfBlocksError
+from kvpool_server.core import BlockAllocator, OutOfBlocksError, block_tables
 from kvpool_server.core.block_tables import UNSET, BlockTables
 from kvpool_server.core.checks import check_block_tables
 
@@ -82,10 +82,13 @@ def test_the_three_planners_agree():
     check_block_tables(general)
 
 
+@pytest.mark.parametrize("scratch_blocks", [4, block_tables.SCRATCH_BLOCKS])
 @pytest.mark.parametrize("block_size", [1, 3, 4, 16])
-def test_run_slots_are_the_slots_of_every_token_of_each_run(block_size):
+def test_run_slots_are_the_slots_of_every_token_of_each_run(block_size, scratch_blocks, monkeypatch):
     """The per-block expansion (each touched block whole, then each run's head and tail trimmed) gives the slots
-    ``slots()`` defines token by token, and each row's next slot; through the general planner too."""
+    ``slots()`` defines token by token, and each row's next slot; through the general planner too; whether the
+    runs fit the kept scratch or not."""
+    monkeypatch.setattr(block_tables, "SCRATCH_BLOCKS", scratch_blocks)
     rng = np.random.default_rng(block_size)
     tables = BlockTables(block_size, 200, 12, BlockAllocator(4096))
     rows = np.array(tables.acquire_rows(12))

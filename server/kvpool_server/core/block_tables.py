@@ -12,6 +12,7 @@ from kvpool_server.core.length_lookups import LengthLookups
 from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, UNLIMITED, AppendPlan
 
 UNSET = -1
+SCRATCH_BLOCKS = 1 << 13  # run_slots keeps a scratch of up to this many blocks' slots (1 MiB at block size 16)
 PREALLOCATED_BYTES = 64 << 20  # a table up to this size is made whole at start (growing it stalls a call ~20 ms)
 # A 0-d array, not a Python int: NumPy adds it to an array faster (no scalar conversion per call).
 ONE = np.array(1, dtype=np.int64)
@@ -78,6 +79,7 @@ class BlockTables:
         self.num_tokens_appended: int = 0
         self.by_length: LengthLookups = LengthLookups(self.max_seq_len, self.block_size)  # derived from the shape above, read-only
         self._offsets: np.ndarray = np.arange(block_size, dtype=np.int64)  # a block's slots, from its first (run_slots)
+        self._expanded: np.ndarray = np.empty((64, block_size), dtype=np.int64)  # run_slots' scratch (SCRATCH_BLOCKS)
 
     @overload
     def blocks_for(self, num_tokens: int) -> int: ...
@@ -102,14 +104,20 @@ class BlockTables:
         """``slots()`` of the tokens [lengths[i], new_lengths[i]) of each row ``rows[i]`` (runs of at least one
         token, in blocks the rows hold), concatenated in that order, and each row's next slot (its last slot + 1).
         Per block, not per token: every block a run touches is expanded whole (``block * block_size +
-        arange(block_size)``), then the slots before each run's first token and past its last are trimmed off."""
+        arange(block_size)``, into a scratch array kept across calls), then the slots before each run's first token
+        and past its last are trimmed off."""
         lookup, bs = self.by_length, self.block_size
         first = lookup.block_index.take(lengths)
         touched = lookup.num_blocks.take(new_lengths) - first  # >= 1 each
         starts = np.cumsum(touched) - touched  # each row's first block among the touched
         num = starts.item(-1) + touched.item(-1)
         blocks = self.table[np.repeat(rows, touched), np.repeat(first - starts, touched) + np.arange(num)]
-        expanded = (blocks[:, None] * lookup.block_size + self._offsets).reshape(-1)
+        if self._expanded.shape[0] < num <= SCRATCH_BLOCKS:  # kept: a fresh array each call costs its page faults
+            self._expanded = np.empty((min(max(num, 2 * self._expanded.shape[0]), SCRATCH_BLOCKS), bs), dtype=np.int64)
+        scratch = self._expanded[:num] if num <= SCRATCH_BLOCKS else np.empty((num, bs), dtype=np.int64)
+        np.multiply(blocks[:, None], lookup.block_size, out=scratch)
+        scratch += self._offsets
+        expanded = scratch.reshape(-1)
         head, last = lookup.offset.take(lengths), starts + touched - ONE
         tail = lookup.offset.take(new_lengths - ONE) + ONE  # slots used in each run's last block
         next_slots = blocks.take(last) * lookup.block_size + tail
@@ -117,8 +125,8 @@ class BlockTables:
             keep = np.ones((num, bs), dtype=bool)
             keep[starts] = self._offsets >= head[:, None]
             keep[last] &= self._offsets < tail[:, None]
-            expanded = expanded[keep.reshape(-1)]
-        return expanded, next_slots
+            return expanded[keep.reshape(-1)], next_slots
+        return expanded.copy(), next_slots
 
     # ---------------------------------------------------------------- rows
     @property
