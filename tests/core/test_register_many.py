@@ -18,6 +18,7 @@ import pytest
 
 from kvpool_server.core import (
     InvalidArgumentError,
+    InvariantViolationError,
     KVCacheManager,
     KVPoolError,
     OutOfBlocksError,
@@ -241,3 +242,25 @@ def test_a_burst_with_prompts_finds_cached_blocks_and_keeps_the_rest_for_the_pre
     row = manager.index.row(ids[1])
     assert len(manager.chains.prompts.entries[row].hashes) == 2  # its prefill hashes nothing again
     manager.check_invariants()
+
+
+@pytest.mark.parametrize("corrupt", ["index", "ledger", "session", "namespace"])
+def test_check_invariants_catches_a_burst_written_half(corrupt: str) -> None:
+    """What a burst writes once for all -- the index, the ledger, the sessions, the tenant's namespace -- is what
+    check_invariants reads: a burst that left one of them unwritten for a row is caught."""
+    manager = KVCacheManager(num_blocks=64, block_size=BS, tenancy=True)
+    a = manager.tenants.tenant_id("a")
+    ids = manager.register_many(4, session_id=9, tenant=a)
+    manager.check_invariants()
+    row = manager.tenant_ids.row(a, ids[2])
+    internal = manager.index.row_to_id.item(row)
+    if corrupt == "index":
+        manager.index.row_to_id[row] = row ^ 1
+    elif corrupt == "ledger":
+        manager.tenants.tenant_of_row[row] = 0
+    elif corrupt == "session":
+        manager.members.seqs_of_session[9].discard(internal)
+    else:
+        del manager.tenant_ids.spaces[a].row_of[ids[2]]
+    with pytest.raises(InvariantViolationError):
+        manager.check_invariants()
