@@ -228,6 +228,8 @@ def test_per_register_arguments_must_match_the_count() -> None:
     manager = KVCacheManager(num_blocks=64, block_size=BS)
     with pytest.raises(InvalidArgumentError, match="2 prompts for 3 new sequences"):
         manager.register_many(3, prompt_token_ids=[[1], [2]])
+    with pytest.raises(InvalidArgumentError):
+        manager.register_many(-1)
     assert manager.register_many(0) == [] and manager.num_sequences == 0
 
 

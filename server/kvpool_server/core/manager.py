@@ -147,6 +147,8 @@ class KVCacheManager:
         would return (a list left None: that argument's default for all), or -- nothing registered -- the refusal
         of the first of them that would be refused (``new_sequences.check_burst``). Rows, ids, the index, the
         sessions and the tenant ledger are written once for all; each prompt is looked up as ``register`` does."""
+        if num < 0:
+            raise InvalidArgumentError(f"register_many needs num >= 0 new sequences, got {num}")
         for values, name in ((seq_ids, "seq_ids"), (prompt_token_ids, "prompts"), (prompt_hashes, "prompt_hashes"),
                              (public_prefix_lens, "public_prefix_lens"), (cache_extra_keys, "cache_extra_keys")):
             per_register(values, num, name)
