@@ -75,17 +75,17 @@ def first_token(engine: DecodeEngine, prompt: list[int], key: bytes, args: argpa
     seq, cached = engine.add_prompt(prompt, key)
     registered = time.perf_counter() - t0
     try:
-        logits = [engine.prefill([seq], [prompt[cached:]])[0]]
-        token = int(logits[0].argmax())
+        first = engine.prefill([seq], [prompt[cached:]])[0]
+        token = int(first.argmax())
         ttft = time.perf_counter() - t0
-        tokens = [token]
+        tokens, logits = [token], [first.float().cpu()]
         for _ in range(args.new_tokens - 1):
-            logits.append(engine.decode([seq], [tokens[-1]])[0])
+            logits.append(engine.decode([seq], [tokens[-1]])[0].float().cpu())  # a copy: a graph's output is reused
             tokens.append(int(logits[-1].argmax()))
         engine.check_errors()
     finally:
         engine.free([seq])
-    return ttft, cached, token, tokens, registered, torch.stack(logits).float().cpu()
+    return ttft, cached, token, tokens, registered, torch.stack(logits)
 
 
 def agreement(hit: tuple, miss: tuple) -> dict:
