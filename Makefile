@@ -102,7 +102,7 @@ $(VLLM_STAMP): requirements/vllm.txt pyproject.toml
 TORCH_TESTS := tests/client/test_engine.py tests/client/test_engine_prefix.py tests/client/test_engine_resume.py \
 	tests/client/test_engine_tp.py tests/client/test_integration_llama.py tests/client/test_torch_ops.py \
 	tests/client/test_flex_paged.py tests/client/test_prefill_attention.py tests/client/test_split_kv.py \
-	tests/client/test_vllm_block_copy.py \
+	tests/client/test_layer_helpers.py tests/client/test_vllm_block_copy.py \
 	tests/benchmarks/test_bench_ttft.py tests/benchmarks/test_bench_engine.py tests/benchmarks/test_bench_vllm_gpu.py
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p tests.skip_summary tests/vllm $(TORCH_TESTS)

@@ -49,6 +49,7 @@ import transformers  # noqa: E402
 
 from kvpool_client import KVPoolClient  # noqa: E402
 from kvpool_client.integrations.engine import DecodeEngine  # noqa: E402
+from kvpool_client.integrations.layer_helpers import NAMES  # noqa: E402
 from kvpool_client.integrations.hf_llama import layout_for  # noqa: E402
 
 FULL = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -166,9 +167,9 @@ def run_variant(name: str, make_engine, args, results: dict, context: int) -> No
 
 def run_context(name: str, make_engine, args, results: dict, context: int) -> None:
     engine = make_engine(max_batch=max(args.batches), max_model_len=context + 2 * args.steps + 2 * WARMUP + 32,
-                         graph_sizes=list(args.batches), compile_helpers=False if args.no_compile else None)
+                         graph_sizes=list(args.batches), helpers=args.helpers)
     print(f"  {name}: graphs for batches {sorted(engine.graphs) or 'none (eager)'}, elementwise helpers "
-          f"{'compiled' if engine.model.compiled else 'eager'}", flush=True)
+          f"{engine.model.helpers}", flush=True)
     try:
         for batch in args.batches:
             r = measure(engine, batch, context, args.steps, args.device)
@@ -192,8 +193,8 @@ def main() -> None:
     p.add_argument("--contexts", default=None, help="comma-separated (default 512,2048)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kv-layout", default="block-major", choices=["block-major", "layer-major"])
-    p.add_argument("--no-compile", action="store_true", help="the elementwise helpers eager (default: compiled "
-                   "on CUDA, ``PagedLlama``)")
+    p.add_argument("--helpers", default=None, choices=NAMES, help="the elementwise helpers (default: Liger's "
+                   "kernels on CUDA when installed, else torch.compile; eager on the CPU: ``layer_helpers``)")
     p.add_argument("--control", default="fast", choices=["fast", "stream", "unary"],
                    help="kvpool's control path: the fast path (default), one AppendTokenStream, unary gRPC calls")
     p.add_argument("--json", default=None)

@@ -17,7 +17,8 @@ own suffix``, so the prefix's blocks are sealed in the pool, and exits. Then, fo
 
 TTFT = from the register to the first token on the host (register, GetBlockTable, Append, prefill forward,
 argmax). The medians are reported; ``--new-tokens`` greedy tokens of both are compared (tokens identical: the
-cached KV gave what recomputing gives). The same for the in-process baseline (``DecodeEngine.in_process``: the same
+cached KV gave what recomputing gives), and where they part, the recompute's top-2 margin there (a random-weight
+model's near ties, which fp16 rounding of different GEMM shapes may flip), with the first token's logit error. The same for the in-process baseline (``DecodeEngine.in_process``: the same
 prefix cache over ``LocalBlockCache``), its prefix written by the same engine. The last line:
 
     prefix reuse: <cached>/<prompt> prompt tokens served from the pool; TTFT hit <a> ms vs recompute <b> ms (<b/a>x);
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 from bench_engine import build_model, start_server  # noqa: E402
 from kvpool_client import KVPoolClient  # noqa: E402
 from kvpool_client.integrations.engine import DecodeEngine  # noqa: E402
+from kvpool_client.integrations.layer_helpers import NAMES  # noqa: E402
 from kvpool_client.integrations.hf_llama import layout_for  # noqa: E402
 
 BLOCK_SIZE, SEED = 16, 0
@@ -57,7 +59,7 @@ def prompts(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {"max_batch": 1, "max_model_len": args.prefix + args.suffix + args.new_tokens + BLOCK_SIZE,
-            "graph_sizes": [1], "compile_helpers": args.compile}
+            "graph_sizes": [1], "helpers": args.helpers}
 
 
 def sync(device: str) -> None:
@@ -66,27 +68,48 @@ def sync(device: str) -> None:
 
 
 def first_token(engine: DecodeEngine, prompt: list[int], key: bytes, args: argparse.Namespace) -> tuple:
-    """(TTFT s, cached tokens, first token, the greedy tokens after it, the register's s); the sequence freed."""
+    """(TTFT s, cached tokens, first token, the greedy tokens after it, the register's s, the logits of each of
+    those tokens [new_tokens, V] float32 on the host); the sequence freed."""
     sync(args.device)
     t0 = time.perf_counter()
     seq, cached = engine.add_prompt(prompt, key)
     registered = time.perf_counter() - t0
     try:
-        token = int(engine.prefill([seq], [prompt[cached:]])[0].argmax())
+        first = engine.prefill([seq], [prompt[cached:]])[0]
+        token = int(first.argmax())
         ttft = time.perf_counter() - t0
-        tokens = [token]
+        tokens, logits = [token], [first.float().cpu()]
         for _ in range(args.new_tokens - 1):
-            tokens.append(int(engine.decode([seq], [tokens[-1]])[0].argmax()))
+            logits.append(engine.decode([seq], [tokens[-1]])[0].float().cpu())  # a copy: a graph's output is reused
+            tokens.append(int(logits[-1].argmax()))
         engine.check_errors()
     finally:
         engine.free([seq])
-    return ttft, cached, token, tokens, registered
+    return ttft, cached, token, tokens, registered, torch.stack(logits)
+
+
+def agreement(hit: tuple, miss: tuple) -> dict:
+    """How a hit's output compares with the recompute's: the first-token logits' largest difference over the largest
+    |logit|, and where the greedy tokens first differ (None: nowhere) with the recompute's top-2 margin there over
+    its largest |logit| (a margin of the size of the logits' difference is a near tie either rounding may flip)."""
+    hit_logits, miss_logits = hit[5], miss[5]
+    scale = float(miss_logits[0].abs().max())
+    out = {"logits_error": float((hit_logits[0] - miss_logits[0]).abs().max()) / scale, "first_difference": None,
+           "margin_there": None, "error_there": None}
+    step = next((j for j, (a, b) in enumerate(zip(hit[3], miss[3])) if a != b), None)
+    if step is not None:
+        top2 = miss_logits[step].topk(2).values
+        there = float(miss_logits[step].abs().max())
+        out["first_difference"] = step
+        out["margin_there"] = float(top2[0] - top2[1]) / there
+        out["error_there"] = float((hit_logits[step] - miss_logits[step]).abs().max()) / there
+    return out
 
 
 def measure(engine: DecodeEngine, args: argparse.Namespace, prefix: list[int], suffixes: list[list[int]]) -> dict:
     first_token(engine, prefix + suffixes[1], b"warm-up", args)  # kernels, allocator, graphs warm
     first_token(engine, prefix + suffixes[1], b"", args)
-    hits, misses, same, cached, registers = [], [], True, [], []
+    hits, misses, same, cached, registers, agreements = [], [], True, [], [], []
     for i, suffix in enumerate(suffixes[2:]):
         hit = first_token(engine, prefix + suffix, b"", args)
         miss = first_token(engine, prefix + suffix, f"recompute-{i}".encode(), args)
@@ -97,10 +120,25 @@ def measure(engine: DecodeEngine, args: argparse.Namespace, prefix: list[int], s
         misses.append(miss[0])
         cached.append(hit[1])
         same &= hit[3] == miss[3]
+        agreements.append(agreement(hit, miss))
     return {"hit_s": statistics.median(hits), "recompute_s": statistics.median(misses), "hits_s": hits,
             "hit_register_s": statistics.median(registers),
             "recomputes_s": misses, "cached": min(cached), "prompt": len(prefix) + len(suffixes[0]),
-            "tokens_identical": same}
+            "tokens_identical": same, "agreement": agreements}
+
+
+def describe_agreement(r: dict) -> str:
+    """One clause: the largest first-token logit error, and each prompt whose tokens differ, where and how close."""
+    agreements = r.get("agreement") or []
+    if not agreements:
+        return ""
+    text = f"first-token logits within {max(a['logits_error'] for a in agreements):.1e} of the largest"
+    parted = [(i, a) for i, a in enumerate(agreements) if a["first_difference"] is not None]
+    if parted:
+        text += "; tokens part at " + ", ".join(f"prompt {i} step {a['first_difference']} (there the recompute's "
+                                               f"top-2 margin {a['margin_there']:.1e}, the logits' difference "
+                                               f"{a['error_there']:.1e})" for i, a in parted)
+    return text
 
 
 def writer(args: argparse.Namespace) -> None:
@@ -118,7 +156,8 @@ def run_writer(args: argparse.Namespace, address: str) -> None:
     cmd = [sys.executable, __file__, "--role", "writer", "--address", address, "--device", args.device,
            "--prefix", str(args.prefix), "--suffix", str(args.suffix), "--repeats", str(args.repeats),
            "--new-tokens", str(args.new_tokens), "--kv-layout", args.kv_layout]
-    cmd += [f for f, on in (("--tiny", args.tiny), ("--quick", args.quick), ("--compile", args.compile)) if on]
+    cmd += [f for f, on in (("--tiny", args.tiny), ("--quick", args.quick)) if on]
+    cmd += ["--helpers", args.helpers] if args.helpers else []
     subprocess.run(cmd, check=True)
 
 
@@ -131,7 +170,8 @@ def main() -> None:
     p.add_argument("--suffix", type=int, default=None, help="computed suffix tokens (256; --tiny: 32)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens compared, hit against recompute")
-    p.add_argument("--compile", action="store_true", help="the elementwise helpers through torch.compile")
+    p.add_argument("--helpers", default=None, choices=NAMES, help="the elementwise helpers (default: the engine's, "
+                   "``layer_helpers.default_helpers``)")
     p.add_argument("--kv-layout", default="block-major", choices=["block-major", "layer-major"])
     p.add_argument("--workload", default="single", choices=["single", "chat"],
                    help="chat: four engine processes, conversations spread over them (ttft_chat.py)")
@@ -203,6 +243,8 @@ def main() -> None:
               f" ms; {r['cached']}/{r['prompt']} cached), recompute "
               f"{r['recompute_s'] * 1e3:8.2f} ms, {r['recompute_s'] / r['hit_s']:.1f}x; tokens identical: "
               f"{'yes' if r['tokens_identical'] else 'no'}", flush=True)
+        if r.get("agreement"):
+            print(f"{'':10s}  {describe_agreement(r)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda"
                                                else "cpu", "layers": model.config.num_hidden_layers,

@@ -9,7 +9,7 @@ rounds evict the blocks cached by earlier ones. Rounds alternate which side runs
 counted; the figures are medians over --rounds rounds (9; ``--stat min``: the least
 disturbed round).
 
-*off*, the same cycle as plain block management: no token ids reach kvpool (``register()``, ``append(ids,
+*off*, the same cycle as plain block management: no token ids reach kvpool (``register_many(N)``, ``append(ids,
 counts)``, ``append(ids)`` / ``SequenceBatch.step()``: nothing hashed, looked up or sealed), and vLLM runs as with
 ``--no-enable-prefix-caching`` (``VllmDriver(enable_caching=False)``: no block hasher, no lookup, no caching, its
 BlockPool built with ``enable_caching=False``). vLLM still appends each sampled token to its Request, as its
@@ -20,8 +20,9 @@ its prefix cache are printed (``cached blocks``): 0 on every side when caching i
   from extracted source files (``--vllm-src DIR``, see ``scripts/extract_vllm_core.sh``), driven the way its
   KVCacheManager / FullAttentionManager drive them, one request at a time (``vllm_block_pool.py`` says what it
   runs and what is stubbed). Its calls give block ids; vLLM computes the slot mapping later, in its model runner.
-- kvpool, *batched*: ``manager.register(prompt_token_ids=...)`` per sequence (the prefix cache is looked up), one
-  ``manager.append(ids, counts, token_ids=...)`` for all prefills, one ``manager.append(ids, token_ids=...)`` a
+- kvpool, *batched*: one ``manager.register_many(N, prompt_token_ids=...)`` for the burst of new sequences (what
+  a frontend's RegisterSequences does; each prompt looked up in the prefix cache; on code before ``register_many``,
+  a ``manager.register`` per sequence), one ``manager.append(ids, counts, token_ids=...)`` for all prefills, one ``manager.append(ids, token_ids=...)`` a
   decode step, one ``manager.free(ids)``. Each append also produces the slot of every token.
 - kvpool, *persistent*: the same, but the decode steps run ``SequenceBatch.step(token_ids)``
   (``persistent_batch.py``: rows resolved once when the batch is built, at register time).
@@ -95,12 +96,15 @@ def run_kvpool(manager: KVCacheManager, work: Workload, persistent: bool, cachin
     hits = manager.prefix.hit_tokens
     decode_tokens = work.decode_tokens if caching else [None] * len(work.decode_tokens)
     start = clock()
-    register = manager.register
+    register, register_many = manager.register, getattr(manager, "register_many", None)  # None: code before it
+    num = len(work.prompts)
     if caching:
-        ids = np.array([register(prompt_token_ids=p) for p in work.prompts], dtype=np.uint64)
+        ids = np.array(register_many(num, prompt_token_ids=work.prompts) if register_many is not None else
+                       [register(prompt_token_ids=p) for p in work.prompts], dtype=np.uint64)
         manager.append(ids, work.prefill_counts, token_ids=work.prefill_tokens)
     else:
-        ids = np.array([register() for _ in work.prompts], dtype=np.uint64)
+        ids = np.array(register_many(num) if register_many is not None else [register() for _ in work.prompts],
+                       dtype=np.uint64)
         manager.append(ids, work.prefill_counts)
     batch = None
     if persistent:

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import bench_engine  # noqa: E402
 from kvpool_client.integrations.engine import DecodeEngine  # noqa: E402
+from kvpool_client.integrations.layer_helpers import NAMES  # noqa: E402
 
 PREFIX, SUFFIX = 4096, 256
 
@@ -37,7 +38,8 @@ def prefill_once(engine: DecodeEngine, prompt: list[int], key: bytes) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.parse_args()
+    p.add_argument("--helpers", default=None, choices=NAMES, help="the elementwise helpers (the engine's default)")
+    helpers = p.parse_args().helpers
     args = argparse.Namespace(device="cuda", dtype="float16", tiny=False, quick=False)
     torch.manual_seed(0)
     model = bench_engine.build_model(args)
@@ -45,7 +47,8 @@ def main() -> None:
     prefix = rng.integers(0, model.config.vocab_size, PREFIX).tolist()
     suffixes = [rng.integers(0, model.config.vocab_size, SUFFIX).tolist() for _ in range(8)]
     engine = DecodeEngine.in_process(model, 4096, 16, max_batch=1, max_model_len=PREFIX + SUFFIX + 32,
-                                     graph_sizes=[1], compile_helpers=False)
+                                     graph_sizes=[1], helpers=helpers)
+    print(f"elementwise helpers: {engine.model.helpers}", flush=True)
     engine.generate([prefix + suffixes[0]], 2)
     for name, miss in (("hit (4,096 cached + 256)", False), ("recompute (4,352)", True)):
         def key(i: int, miss: bool = miss) -> bytes:  # a key nobody used: nothing cached

@@ -44,7 +44,7 @@ def worker(index: int, address: str | None, args: argparse.Namespace, requests: 
     results.put(("ready", index))
     for request in iter(requests.get, None):
         req_id, prompt = request
-        ttft, cached, _, tokens, _ = bench_ttft.first_token(engine, prompt, b"", args)
+        ttft, cached, _, tokens, *_ = bench_ttft.first_token(engine, prompt, b"", args)
         results.put((req_id, ttft, cached, tokens))
     engine.close()
     if client:

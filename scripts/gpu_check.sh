@@ -2,9 +2,10 @@
 # Every GPU check of kvpool in one call to the lent H200 (the `run` tool of this workplace):
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # .whl holds the pure-Python wheels the GPU image lacks (grpcio-health-checking, grpcio-reflection, both matching
-# its grpcio 1.84.0 / protobuf 7.36.2), fetched here once with
+# its grpcio 1.84.0 / protobuf 7.36.2; liger-kernel, the engine's elementwise kernels), fetched here once with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_17_x86_64 -d .whl grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
+#     --platform manylinux_2_17_x86_64 -d .whl grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
+#     liger-kernel==0.8.5
 # Logs go to $OUT; docs/results.md quotes them.
 set -o pipefail
 OUT=${OUT:-/tmp/kvpool-gpu-out}; mkdir -p "$OUT"
@@ -142,12 +143,14 @@ fi
 engine_prefix() {  # issue 32: the engines on the shared prefix cache (about 3 minutes; the chat run: SKIP_CHAT=1 skips it)
     step "GPU tests: prefill over another frontend's cached prefix vs a full prefill (1 and 2 shards), unsealed blocks no hit, the sealing append after the prefill's writes, resume after a SIGKILL" \
         bash -c "set -o pipefail; timeout ${T_PREFIX_TESTS:-240} python3 -m pytest -q -p no:cacheprovider -rs -s \
-            tests/client/test_prefill_attention.py tests/client/test_split_kv.py tests/client/test_engine_prefix.py \
-            tests/client/test_engine_resume.py -k 'not cpu' 2>&1 | tee $OUT/engine_prefix_tests.log"
+            tests/client/test_prefill_attention.py tests/client/test_split_kv.py tests/client/test_layer_helpers.py \
+            tests/client/test_engine_prefix.py tests/client/test_engine_resume.py -k 'not cpu' 2>&1 | tee $OUT/engine_prefix_tests.log"
     step "TTFT: random Llama-3-8B fp16, a 4,096-token prefix written by another process + 256 computed, hit (from the pool, from the host tier) vs recompute" \
         bash -c "set -o pipefail; timeout ${T_TTFT:-240} python3 benchmarks/bench_ttft.py --tier --json $OUT/ttft.json 2>&1 | tee $OUT/bench_ttft.log"
     step "TTFT, the same without split-KV (one flash call over the whole context)" \
         bash -c "set -o pipefail; KVPOOL_ENGINE_SPLIT_KV=0 timeout ${T_TTFT:-240} python3 benchmarks/bench_ttft.py --json $OUT/ttft_nosplit.json 2>&1 | tee $OUT/bench_ttft_nosplit.log"
+    step "TTFT, the same with the elementwise helpers eager (not Liger's kernels)" \
+        bash -c "set -o pipefail; timeout ${T_TTFT:-240} python3 benchmarks/bench_ttft.py --helpers eager --json $OUT/ttft_eager_helpers.json 2>&1 | tee $OUT/bench_ttft_eager_helpers.log"
     step "TTFT, the same without prefill graphs (every prefill eager)" \
         bash -c "set -o pipefail; KVPOOL_ENGINE_PREFILL_GRAPHS=0 timeout ${T_TTFT:-240} python3 benchmarks/bench_ttft.py --json $OUT/ttft_eager.json 2>&1 | tee $OUT/bench_ttft_eager.log"
     [ -n "$SKIP_CHAT" ] || step "TTFT, chat: four engine processes (Llama-3-8B's shape, 8 layers), conversations spread over them, shared pool vs four private caches" \

@@ -124,7 +124,7 @@ def _frontend(address: str, index: int, device: str, dtype: str, results) -> Non
         model = tiny_llama(dtype, device, seed=index)
         prompt = _prompt(13 + index, 100 + index)
         with KVPoolClient(address) as client:
-            engine = DecodeEngine.on_pool(model, client, compile_helpers=False, **ENGINE)  # (compiling: above)
+            engine = DecodeEngine.on_pool(model, client, helpers="eager", **ENGINE)  # (compiling: above)
             for width in (1, 3):
                 ours, decisions, our_logits = _search(EngineBeams(engine), prompt, width)
                 _, _, dense_logits = _search(DenseBeams(model), prompt, width, decisions)

@@ -30,7 +30,7 @@ def _prompts() -> list[list[int]]:
 def _generate_forever(address: str, device: str, dtype: str) -> None:
     """The engine that crashes: all prompts in one batch, far more steps than the parent lets it run."""
     with KVPoolClient(address) as client:
-        engine = DecodeEngine.on_pool(tiny_llama(dtype, device), client, compile_helpers=False, **ENGINE)
+        engine = DecodeEngine.on_pool(tiny_llama(dtype, device), client, helpers="eager", **ENGINE)
         engine.generate(_prompts(), 512 - max(PROMPT_LENS) - 1)
 
 
@@ -38,7 +38,7 @@ def _resume(address: str, device: str, dtype: str, results) -> None:
     """The new engine process: the same prompts; how many tokens each got from the pool, and its tokens."""
     try:
         with KVPoolClient(address) as client:
-            engine = DecodeEngine.on_pool(tiny_llama(dtype, device), client, compile_helpers=False, **ENGINE)
+            engine = DecodeEngine.on_pool(tiny_llama(dtype, device), client, helpers="eager", **ENGINE)
             tokens = engine.generate(_prompts(), 4)
             results.put({"cached": engine.cached_tokens, "tokens": tokens})
             engine.close()
@@ -76,5 +76,5 @@ def test_a_new_engine_resumes_from_a_killed_ones_prompt_blocks(server_factory, d
     full_blocks = sum(n // BS for n in PROMPT_LENS)
     print(f"\n{device}: {report['cached'] // BS}/{full_blocks} full prompt blocks from the pool after the crash")
     assert report["cached"] // BS >= 0.99 * full_blocks
-    reference = DecodeEngine.in_process(tiny_llama(dtype, device), 128, BS, **ENGINE)
+    reference = DecodeEngine.in_process(tiny_llama(dtype, device), 128, BS, helpers="eager", **ENGINE)  # like theirs
     assert report["tokens"] == reference.generate(_prompts(), 4)

@@ -31,4 +31,7 @@ def test_token_ids_of_unsigned_types_skip_the_range_pass_and_others_are_checked(
     assert uint32_tokens(np.array([2**32], dtype=np.uint64)) is None
     assert uint32_tokens(np.array([-1], dtype=np.int64)) is None
     assert uint32_tokens([1, 2]).tolist() == [1, 2]
+    assert uint32_tokens([0, 2**32 - 1]).dtype == np.uint32 and uint32_tokens([]).tolist() == []
+    for bad in ([-1], [2**32], [2**70], [1.5], ["1"], [[1, 2]], [None]):  # a list: through array.array
+        assert uint32_tokens(bad) is None, bad
     assert uint32_tokens(np.zeros((1, 2), dtype=np.uint32)) is None

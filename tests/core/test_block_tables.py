@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from kvpool_server.core import BlockAllocator, OutOfBlocksError
+from kvpool_server.core import BlockAllocator, OutOfBlocksError, block_tables
 from kvpool_server.core.block_tables import UNSET, BlockTables
 from kvpool_server.core.checks import check_block_tables
 
@@ -80,3 +80,27 @@ def test_the_three_planners_agree():
         assert np.array_equal(fast.table, general.table) and np.array_equal(fast.next_slot, general.next_slot)
     check_block_tables(fast)
     check_block_tables(general)
+
+
+@pytest.mark.parametrize("scratch_blocks", [4, block_tables.SCRATCH_BLOCKS])
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+def test_run_slots_are_the_slots_of_every_token_of_each_run(block_size, scratch_blocks, monkeypatch):
+    """The per-block expansion (each touched block whole, then each run's head and tail trimmed) gives the slots
+    ``slots()`` defines token by token, and each row's next slot; through the general planner too; whether the
+    runs fit the kept scratch or not."""
+    monkeypatch.setattr(block_tables, "SCRATCH_BLOCKS", scratch_blocks)
+    rng = np.random.default_rng(block_size)
+    tables = BlockTables(block_size, 200, 12, BlockAllocator(4096))
+    rows = np.array(tables.acquire_rows(12))
+    for _ in range(25):
+        chosen = rows[np.sort(rng.choice(rows.size, size=int(rng.integers(1, rows.size + 1)), replace=False))]
+        counts = rng.integers(1, 12, size=chosen.size)
+        if (tables.num_tokens[chosen] + counts).max() > 200:
+            break
+        lengths = tables.num_tokens[chosen].copy()
+        plan = tables._plan_general(chosen, counts)
+        expected = np.concatenate([tables.slots(int(r), slice(n, n + c)) for r, n, c in zip(chosen, lengths, counts)])
+        slots, next_slots = tables.run_slots(chosen, lengths, lengths + counts)
+        assert slots.tolist() == expected.tolist() == plan.slot_mapping.tolist()
+        assert next_slots.tolist() == (expected[np.cumsum(counts) - 1] + 1).tolist()
+    check_block_tables(tables)

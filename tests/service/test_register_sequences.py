@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvpool.v1 import kvpool_pb2 as pb
-from kvpool_client import InvalidArgumentError, KVPoolClient
+from kvpool_client import InvalidArgumentError, KVPoolClient, ResourceExhaustedError
 from tests.security.tenant_helpers import As, write_tokens
 
 BS = 16
@@ -92,3 +92,18 @@ def test_a_tenants_max_sequences_refuses_the_batch_whole(server_factory, tmp_pat
         request = pb.RegisterSequencesRequest(prompts=prompts[:1], session_id=session, request_id=7)
         once, again = a.RegisterSequences(request), a.RegisterSequences(request)
         assert once == again and a.Stats(pb.StatsRequest()).tenants[0].num_sequences == 2
+
+
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_the_servers_max_num_seqs_reached_mid_batch_refuses_it_whole(server_factory, fast_path):
+    """The core's register_many refuses the burst where its third register would exceed --max-num-seqs: nothing of it
+    registered, over gRPC and over the fast path's register-many record alike; a batch that fits is then served."""
+    server = server_factory("--num-blocks", "256", "--block-size", str(BS), "--max-num-seqs", "4", unix=True)
+    with KVPoolClient(server.address, fast_path=fast_path) as client:
+        client.register_prompts([[1] * 20, [2] * 20])  # opens the fast path's channel (when on)
+        assert client.fast_path_open == fast_path
+        with pytest.raises(ResourceExhaustedError, match="max_num_seqs=4"):
+            client.register_prompts([[3] * 20, [4] * 20, [5] * 20])
+        assert client.stats().num_sequences == 2 and client.check_invariants().ok
+        assert len(client.register_prompts([[3] * 20, [4] * 20])) == 2
+        assert client.stats().num_sequences == 4

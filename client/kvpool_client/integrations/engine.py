@@ -40,6 +40,7 @@ import torch
 
 import kvpool_client.kernels.torch_ops as ops
 from kvpool_client.integrations.engine_prompts import WriteFence, register_prompt
+from kvpool_client.integrations.layer_helpers import default_helpers
 from kvpool_client.integrations.local_cache import LocalBlockCache, zeros_like_pool
 from kvpool_client.integrations.paged_llama import PagedLlama
 from kvpool_client.integrations.prefill_graphs import PrefillGraphs
@@ -61,10 +62,9 @@ class DecodeEngine:
     def __init__(self, model: Any, control: Any, blocks: torch.Tensor, *, max_batch: int = 256,
                  max_model_len: int = 4096, graph_sizes: Sequence[int] | None = None,
                  live_check: Callable[[], None] | None = None, pool: Any = None,
-                 compile_helpers: bool | None = None, prefill_graphs: bool | None = None) -> None:
-        if compile_helpers is None:  # default: on CUDA, unless KVPOOL_ENGINE_COMPILE=0
-            compile_helpers = blocks.device.type == "cuda" and os.environ.get("KVPOOL_ENGINE_COMPILE", "1") != "0"
-        self.model = self._paged_model(model, compile_helpers)
+                 helpers: str | None = None, prefill_graphs: bool | None = None) -> None:
+        """``helpers``: the layers' elementwise kernels (``layer_helpers.NAMES``; default ``default_helpers``)."""
+        self.model = self._paged_model(model, helpers or default_helpers(blocks.device))
         self.control, self.blocks, self.pool = control, blocks, pool
         self.live_check = live_check or (lambda: None)
         self.device = blocks.device
@@ -100,8 +100,8 @@ class DecodeEngine:
         self.prefill_graphs = PrefillGraphs(self.model, blocks, self.error, self.scratch_slot,
                                             max_model_len) if prefill_graphs and self.PREFILL_GRAPHS else None
 
-    def _paged_model(self, model: Any, compiled: bool) -> Any:  # the forward (tp_engine: TPLlama's)
-        return PagedLlama(model, compiled)
+    def _paged_model(self, model: Any, helpers: str) -> Any:  # the forward (tp_engine: TPLlama's)
+        return PagedLlama(model, helpers)
 
     # --- the two variants ---------------------------------------------------------------------------------------
 
@@ -194,20 +194,20 @@ class DecodeEngine:
         counts = np.array([len(p) for p in prompts], dtype=np.int64)
         flat = [t for p in prompts for t in p]
         rows, slots = self._append(seqs, counts, np.asarray(flat, dtype=np.uint32))
-        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         lens = self.tables.lens[rows]
         positions = np.concatenate([np.arange(n - c, n) for n, c in zip(lens, counts)])
-        starts = np.cumsum(counts) - counts
-        spans = [(int(s), int(c), torch.from_numpy(self.tables.context_slots(int(r))).to(self.device))
-                 for s, c, r in zip(starts, counts, rows)]
-        attend = self.model.prefill_attend(self.blocks, self.error, spans)
-        keep = torch.from_numpy(starts + counts - 1).to(self.device)
         if self.prefill_graphs is not None and len(seqs) == 1:  # a graph replay, when one serves this size
             logits = self.prefill_graphs.run(np.asarray(flat, dtype=np.int64), positions, slots,
                                              self.tables.context_slots(int(rows[0])))
             if logits is not None:
                 self.fence.record(self._write_devices())
                 return logits
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        starts = np.cumsum(counts) - counts
+        spans = [(int(s), int(c), torch.from_numpy(self.tables.context_slots(int(r))).to(self.device))
+                 for s, c, r in zip(starts, counts, rows)]
+        attend = self.model.prefill_attend(self.blocks, self.error, spans)
+        keep = torch.from_numpy(starts + counts - 1).to(self.device)
         pos, dev_slots = torch.from_numpy(positions).to(self.device), torch.from_numpy(slots).to(self.device)
         logits = self._guarded(lambda: self.model.forward(ids, pos, dev_slots, self.blocks, self.error, attend, keep))
         self.fence.record(self._write_devices())
@@ -281,11 +281,11 @@ class DecodeEngine:
             try:
                 graph, out = self._capture_one(bucket, pool)
             except Exception as e:  # noqa: BLE001  (a compiled helper recompiling inside the capture, say)
-                if not self.model.compiled:
+                if self.model.helpers == "eager":
                     raise
-                warnings.warn(f"capture with compiled helpers failed ({e!r:.300}); capturing them eager",
-                              stacklevel=2)
-                self.model.use_compiled(False)
+                warnings.warn(f"capture with the {self.model.helpers} helpers failed ({e!r:.300}); capturing "
+                              "them eager", stacklevel=2)
+                self.model.use_helpers("eager")
                 self._forward(bucket)
                 torch.cuda.synchronize(self.device)
                 graph, out = self._capture_one(bucket, pool)
@@ -301,16 +301,16 @@ class DecodeEngine:
         return graph, out
 
     def _guarded(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``run()``; if it fails with the helpers compiled (``torch.compile`` compiles at a first call), once more
-        with them eager. Outside any capture only (warm-ups, prefill): a rerun rewrites the same slots."""
+        """``run()``; if it fails with the helpers not eager (``torch.compile`` and Triton compile at a first call),
+        once more with them eager. Outside any capture only (warm-ups, prefill): a rerun rewrites the same slots."""
         try:
             return run()
         except Exception as e:  # noqa: BLE001
-            if not self.model.compiled:
+            if self.model.helpers == "eager":
                 raise
-            warnings.warn(f"torch.compile of the elementwise helpers failed ({e!r:.300}); running them eagerly",
+            warnings.warn(f"the {self.model.helpers} elementwise helpers failed ({e!r:.300}); running them eagerly",
                           stacklevel=2)
-            self.model.use_compiled(False)
+            self.model.use_helpers("eager")
             return run()
 
     def check_errors(self) -> None:

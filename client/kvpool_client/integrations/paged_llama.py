@@ -11,9 +11,9 @@ used as they are (embedding, norms, projections, MLP, rotary embedding, LM head)
 
 The decode path is what an engine captures in a CUDA graph: every tensor it reads is a static buffer, no op
 synchronizes with the host. The elementwise parts (residual add + RMSNorm, RoPE, SiLU-and-multiply) are written
-here op for op as transformers computes them (``rms_norm`` is ``LlamaRMSNorm.forward``); ``compiled=True`` runs
-them through ``torch.compile`` (one fused kernel each instead of ~8, ~12 and 2 -- what nano-vllm does), which
-matters once a step is a graph replay of ~40 kernels a layer. ``fused`` (the default): Q, K, V in one GEMM and
+by ``layer_helpers``: eager (op for op as transformers computes them), ``torch.compile``d, or Liger-Kernel's
+Triton kernels (one kernel each instead of ~8, ~12 and 2), which matters once a step is a graph replay of ~40
+kernels a layer. ``fused`` (the default): Q, K, V in one GEMM and
 gate, up in another, over concatenated copies of the weights (Llama-3-8B: +9 GiB), V written to the pool straight
 from its strided view of the QKV output.
 """
@@ -25,52 +25,16 @@ from typing import Any
 
 import torch
 
+from kvpool_client.integrations.layer_helpers import helpers as helper_set
 from kvpool_client.kernels.prefill_attention import PrefillSpans, prefill_attention
 
 Attend = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, q [T, Hq, D]) -> [T, Hq, D]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps)).to(dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    h = x + residual
-    return h, rms_norm(h, weight, eps)
-
-
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.silu(gate) * up
-
-
-PLAIN = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
-_COMPILED: dict[str, Callable] = {}
-
-
-def compiled_helpers() -> dict[str, Callable]:
-    if not _COMPILED:
-        _COMPILED.update({name: torch.compile(fn, fullgraph=True) for name, fn in PLAIN.items()})
-    return _COMPILED
-
-
 class PagedLlama:
     """The forward of ``hf_model`` (a ``LlamaForCausalLM``, or a model of the same module structure)."""
 
-    def __init__(self, hf_model: Any, compiled: bool = False, fused: bool = True) -> None:
+    def __init__(self, hf_model: Any, helpers: str = "eager", fused: bool = True) -> None:
         config = hf_model.config
         inner = hf_model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
@@ -84,7 +48,7 @@ class PagedLlama:
                            self.num_kv_heads * self.head_dim]
         if config.hidden_act != "silu":
             raise ValueError(f"PagedLlama computes the MLP with SiLU, the model's is {config.hidden_act}")
-        self.use_compiled(compiled)
+        self.use_helpers(helpers)
         # one GEMM for Q, K and V, one for gate and up (copies of the weights: +(Hq + 2 Hkv) D + 2 I rows of
         # ``hidden`` a layer; transformers' own modules keep theirs)
         self.fused = fused and not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
@@ -96,9 +60,9 @@ class PagedLlama:
                 self.qkv.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach())
                 self.gate_up.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
 
-    def use_compiled(self, compiled: bool) -> None:
-        self.compiled = compiled
-        self.f = compiled_helpers() if compiled else PLAIN
+    def use_helpers(self, name: str) -> None:
+        self.f = helper_set(name)
+        self.helpers = name
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
@@ -123,10 +87,10 @@ class PagedLlama:
             h, x = f["add_rms_norm"](attn.o_proj(o.reshape(t, self.num_heads * self.head_dim)), h,
                                      layer.post_attention_layernorm.weight, eps)
             if self.fused:
-                gate, up = torch.nn.functional.linear(x, self.gate_up[i]).chunk(2, -1)
+                gate_up = torch.nn.functional.linear(x, self.gate_up[i])
             else:
-                gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-            y = mlp.down_proj(f["silu_mul"](gate, up))
+                gate_up = torch.cat((mlp.gate_proj(x), mlp.up_proj(x)), -1)
+            y = mlp.down_proj(f["silu_mul"](gate_up))
             last = i + 1 == len(self.layers)
             h, x = f["add_rms_norm"](y, h, (self.norm if last else self.layers[i + 1].input_layernorm).weight, eps)
         if keep is not None:

@@ -57,8 +57,8 @@ class TPDecodeEngine(DecodeEngine):
         log.info("tensor-parallel engine: %s", self.placement)
         super().__init__(model, control, self.shards[0], **kwargs)
 
-    def _paged_model(self, model: Any, compiled: bool) -> TPLlama:
-        return TPLlama(model, self.shards, self.heads, compiled)
+    def _paged_model(self, model: Any, helpers: str) -> TPLlama:
+        return TPLlama(model, self.shards, self.heads, helpers)
 
     def _write_devices(self) -> list[torch.device]:
         """Every rank's device: a prefill's writes there are waited for before the append that seals them."""

@@ -20,8 +20,8 @@ once and nothing is counted twice -- each of them writes the same KV into its ow
 
 Ranks sit on their shards' devices. One process drives all N in a loop; with every rank on one device no op crosses
 devices and a decode step is capturable as one CUDA graph; with several devices the ``.to(device)`` moves are real
-peer copies (stream-ordered by PyTorch) and the engine runs eagerly. The elementwise helpers are ``paged_llama``'s
-(``compiled`` as there).
+peer copies (stream-ordered by PyTorch) and the engine runs eagerly. The elementwise helpers are ``layer_helpers``'
+(``helpers`` names the set, as in ``PagedLlama``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import kvpool_client.kernels.torch_ops as ops
-from kvpool_client.integrations.paged_llama import PLAIN, compiled_helpers
+from kvpool_client.integrations.layer_helpers import helpers as helper_set
 from kvpool_client.kernels.prefill_attention import PrefillSpans, prefill_attention
 
 TPAttend = Callable[[int, int, torch.Tensor], torch.Tensor]  # (rank, layer, q [T, Hq_r, D]) -> [T, Hq_r, D]
@@ -72,7 +72,7 @@ class TPLlama:
     arguments are rank 0's (the engine's), the other ranks' are held here."""
 
     def __init__(self, hf_model: Any, shards: Sequence[torch.Tensor], heads: Sequence[range],
-                 compiled: bool = False) -> None:
+                 helpers: str = "eager") -> None:
         config = hf_model.config
         inner = hf_model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
@@ -89,7 +89,7 @@ class TPLlama:
         if inter % n:
             raise ValueError(f"the MLP's {inter} rows do not split over {n} ranks")
         self.home = self.embed.weight.device
-        self.use_compiled(compiled)
+        self.use_helpers(helpers)
         group = self.num_heads // self.num_kv_heads
         self.ranks: list[Rank] = []
         for r, (blocks, kv) in enumerate(zip(shards, heads)):
@@ -128,9 +128,9 @@ class TPLlama:
     def devices(self) -> list[torch.device]:
         return [rank.device for rank in self.ranks]
 
-    def use_compiled(self, compiled: bool) -> None:
-        self.compiled = compiled
-        self.f = compiled_helpers() if compiled else PLAIN
+    def use_helpers(self, name: str) -> None:
+        self.f = helper_set(name)
+        self.helpers = name
 
     def errors(self) -> list[torch.Tensor]:
         """The error flags held here (the ranks on devices other than rank 0's)."""
@@ -162,8 +162,8 @@ class TPLlama:
             partial = None
             for rank in self.ranks:
                 with self._on(rank):
-                    gate, up = torch.nn.functional.linear(x.to(rank.device), rank.gate_up[i]).chunk(2, -1)
-                    y = torch.nn.functional.linear(f["silu_mul"](gate, up), rank.down[i]).to(self.home)
+                    gate_up = torch.nn.functional.linear(x.to(rank.device), rank.gate_up[i])
+                    y = torch.nn.functional.linear(f["silu_mul"](gate_up), rank.down[i]).to(self.home)
                 partial = y if partial is None else partial + y
             assert partial is not None
             last = i + 1 == len(self.layers)

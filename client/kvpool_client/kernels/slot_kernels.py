@@ -13,8 +13,9 @@ contiguous both in the pool and in the caller's array. A call moves ``n`` tokens
 segment_bytes)``, layer-major ``(segment_bytes, num_blocks * segment_bytes)``.
 A thread moves ``UNROLL`` vectors of 16 bytes (8/4/2 when alignment forbids), issuing every load before its first
 store; lanes of a warp touch consecutive vectors of a row (coalesced). Division by the row and token sizes is by
-compile-time constants. A slot outside ``[0, num_slots)`` is skipped (nothing is written outside the pool) and
-sets ``error[0] = 1``, which ``AttachedPool.check_slot_errors()`` reads.
+compile-time constants. A slot outside ``[0, num_slots)`` sets ``error[0] = 1``, which
+``AttachedPool.check_slot_errors()`` reads: a write skips it (nothing is written outside the pool), a read writes
+zeros in its rows of the caller's array (every row of the result is written: the caller may pass it uninitialised).
 """
 
 from __future__ import annotations
@@ -53,16 +54,17 @@ kvpool_slot_rows(unsigned char* __restrict__ pool, unsigned char* __restrict__ d
         const int row = rem / VPR;
         const int v = rem - row * VPR;
         const long long slot = (long long)slots[token];
+        vec_t* d = reinterpret_cast<vec_t*>((row & 1 ? dense_v + token * stride_v : dense_k + token * stride_k)
+                                            + (row >> 1) * (2 * ROW_BYTES)) + v;
         if (slot < 0 || slot >= num_slots) {{
             if (rem == 0) atomicOr(error, 1);
+            if (!to_pool) {{ r[k] = vec_t{{}}; dst[k] = d; }}  // a read: the caller's row zeroed
             continue;
         }}
         const long long block = slot / block_size;
         const long long offset = slot - block * block_size;
         vec_t* p = reinterpret_cast<vec_t*>(pool + block * block_stride + (first_seg + row) * seg_stride
                                             + offset * ROW_BYTES) + v;
-        vec_t* d = reinterpret_cast<vec_t*>((row & 1 ? dense_v + token * stride_v : dense_k + token * stride_k)
-                                            + (row >> 1) * (2 * ROW_BYTES)) + v;
         if (to_pool) {{ r[k] = *d; dst[k] = p; }} else {{ r[k] = *p; dst[k] = d; }}
     }}
 #pragma unroll

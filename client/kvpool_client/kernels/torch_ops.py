@@ -14,8 +14,8 @@ tensors; ``error``: an int32 [1] device tensor the caller owns.
 Checks are split: shapes, dtypes and devices are the caller's contract (an engine checks them once, when it builds
 its buffers); slot ranges are checked on the host when a step is planned (the slots come from an Append reply,
 which is on the host anyway). What still reaches a kernel out of the pool -- a slot outside ``[0, num_slots)`` --
-is skipped (nothing is written outside the pool) and sets ``error[0] = 1``; the caller reads ``error`` when it
-synchronizes anyway (an engine: once a request batch). No op reads a tensor back to the host.
+is skipped by a write (nothing is written outside the pool), read as zeros by a read, and sets ``error[0] = 1``;
+the caller reads ``error`` when it synchronizes anyway (an engine: once a request batch). No op reads a tensor back to the host.
 
 On CUDA the moves are the client's slot kernel (``slot_kernels``, CuPy, enqueued on PyTorch's current stream, so a
 CUDA graph captures it) and the decode is the Triton kernel of ``paged_attention``; on the CPU both are plain
@@ -85,11 +85,12 @@ def write_layer(blocks: Tensor, layer: int, slots: Tensor, k: Tensor, v: Tensor,
 def read_layer(blocks: Tensor, layer: int, slots: Tensor, error: Tensor) -> tuple[Tensor, Tensor]:
     """Copies of layer ``layer``'s K and V at ``slots``, each [n, H, D] (out-of-pool slots: left zero)."""
     shape = (slots.shape[0], blocks.shape[4], blocks.shape[5])
-    k = torch.zeros(shape, dtype=blocks.dtype, device=blocks.device)
-    v = torch.zeros_like(k)
-    if blocks.is_cuda:
+    if blocks.is_cuda:  # the kernel writes every row (zeros for an out-of-pool slot): no fill first
+        k, v = blocks.new_empty(shape), blocks.new_empty(shape)
         _launch_rows(blocks, slots, *_layer_args(k, v), 2, 2 * layer, error, False)
         return k, v
+    k = torch.zeros(shape, dtype=blocks.dtype, device=blocks.device)
+    v = torch.zeros_like(k)
     b, o, inside = _split(blocks, slots, error)
     k[inside], v[inside] = blocks[b, layer, 0, o], blocks[b, layer, 1, o]
     return k, v
@@ -117,8 +118,9 @@ def write_tokens(blocks: Tensor, slots: Tensor, data: Tensor, error: Tensor) -> 
 @torch.library.custom_op("kvpool::read_tokens", mutates_args=("error",))
 def read_tokens(blocks: Tensor, slots: Tensor, error: Tensor) -> Tensor:
     """Copies of the whole tokens at ``slots``, [n, L, 2, H, D] (out-of-pool slots: left zero)."""
-    out = torch.zeros((slots.shape[0], *blocks.shape[1:3], *blocks.shape[4:]), dtype=blocks.dtype,
-                      device=blocks.device)
+    shape = (slots.shape[0], *blocks.shape[1:3], *blocks.shape[4:])
+    # on CUDA the kernel writes every row (zeros for an out-of-pool slot): no fill first
+    out = blocks.new_empty(shape) if blocks.is_cuda else torch.zeros(shape, dtype=blocks.dtype, device=blocks.device)
     if blocks.is_cuda:
         tb = out.stride(0) * out.element_size()
         row = blocks.shape[4] * blocks.shape[5] * blocks.element_size()

@@ -5,7 +5,8 @@ errors.py and kv_event_types.py, the ground floor). No function takes the manage
 the floors below take plain arguments (rows, counts, a budget, arrays) and return plain results. The host tier is
 not here (``kvpool_server.offload``, above the core): the core names what it evicted in its plans::
 
-    7  manager.py          KVCacheManager: ids -> rows, validation; register / append / fork / free, lookups. Append
+    7  manager.py          KVCacheManager: ids -> rows, validation; register (one, or a burst: register_many) /
+                           append / fork / free, lookups. Append
                            is one pipeline: resolve ids and counts, plan within the tenant's budget (an argument),
                            then extend the token chains when tracked. Calls every floor below.
        checks.py           check_invariants(manager), stats(manager): read-only, over the manager's public state
@@ -14,6 +15,8 @@ not here (``kvpool_server.offload``, above the core): the core names what it evi
                            (-> token_chains, tenants)
        tenant_blocks.py    an append planned within its tenant's budget; rows released, each tenant credited
                            (-> tenants, block_tables)
+       new_sequences.py    a register's prompt checked; a burst of registers refused where N single registers
+                           would refuse one, before any is applied (-> call_args, tenants, block_tables)
     5  call_args.py        the calls' plain arguments checked (counts, token ids, register's prompt), pure functions
        session_members.py  SessionMembers: which live sequences each session holds (checked against seq_index)
        tenant_ids.py       TenantIds: with tenancy on, each tenant's own id namespace -> row (-> seq_index)

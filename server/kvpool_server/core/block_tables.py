@@ -12,6 +12,7 @@ from kvpool_server.core.length_lookups import LengthLookups
 from kvpool_server.core.types import EMPTY_BLOCKS, NO_COPIES, UNLIMITED, AppendPlan
 
 UNSET = -1
+SCRATCH_BLOCKS = 1 << 13  # run_slots keeps a scratch of up to this many blocks' slots (1 MiB at block size 16)
 PREALLOCATED_BYTES = 64 << 20  # a table up to this size is made whole at start (growing it stalls a call ~20 ms)
 # A 0-d array, not a Python int: NumPy adds it to an array faster (no scalar conversion per call).
 ONE = np.array(1, dtype=np.int64)
@@ -77,6 +78,8 @@ class BlockTables:
         self.num_copies: int = 0
         self.num_tokens_appended: int = 0
         self.by_length: LengthLookups = LengthLookups(self.max_seq_len, self.block_size)  # derived from the shape above, read-only
+        self._offsets: np.ndarray = np.arange(block_size, dtype=np.int64)  # a block's slots, from its first (run_slots)
+        self._expanded: np.ndarray = np.empty((64, block_size), dtype=np.int64)  # run_slots' scratch (SCRATCH_BLOCKS)
 
     @overload
     def blocks_for(self, num_tokens: int) -> int: ...
@@ -97,6 +100,34 @@ class BlockTables:
         blocks = self.table[rows].take(index) if rows.__class__ is int else self.table[rows, index]
         return blocks * lookup.block_size + lookup.offset[positions]
 
+    def run_slots(self, rows: np.ndarray, lengths: np.ndarray, new_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``slots()`` of the tokens [lengths[i], new_lengths[i]) of each row ``rows[i]`` (runs of at least one
+        token, in blocks the rows hold), concatenated in that order, and each row's next slot (its last slot + 1).
+        Per block, not per token: every block a run touches is expanded whole (``block * block_size +
+        arange(block_size)``, into a scratch array kept across calls), then the slots before each run's first token
+        and past its last are trimmed off."""
+        lookup, bs = self.by_length, self.block_size
+        first = lookup.block_index.take(lengths)
+        touched = lookup.num_blocks.take(new_lengths) - first  # >= 1 each
+        starts = np.cumsum(touched) - touched  # each row's first block among the touched
+        num = starts.item(-1) + touched.item(-1)
+        blocks = self.table[np.repeat(rows, touched), np.repeat(first - starts, touched) + np.arange(num)]
+        if self._expanded.shape[0] < num <= SCRATCH_BLOCKS:  # kept: a fresh array each call costs its page faults
+            self._expanded = np.empty((min(max(num, 2 * self._expanded.shape[0]), SCRATCH_BLOCKS), bs), dtype=np.int64)
+        scratch = self._expanded[:num] if num <= SCRATCH_BLOCKS else np.empty((num, bs), dtype=np.int64)
+        np.multiply(blocks[:, None], lookup.block_size, out=scratch)
+        scratch += self._offsets
+        expanded = scratch.reshape(-1)
+        head, last = lookup.offset.take(lengths), starts + touched - ONE
+        tail = lookup.offset.take(new_lengths - ONE) + ONE  # slots used in each run's last block
+        next_slots = blocks.take(last) * lookup.block_size + tail
+        if np.count_nonzero(head) or np.count_nonzero(tail != bs):
+            keep = np.ones((num, bs), dtype=bool)
+            keep[starts] = self._offsets >= head[:, None]
+            keep[last] &= self._offsets < tail[:, None]
+            return expanded[keep.reshape(-1)], next_slots
+        return expanded.copy(), next_slots
+
     # ---------------------------------------------------------------- rows
     @property
     def num_rows(self) -> int:
@@ -112,7 +143,9 @@ class BlockTables:
             )
         if len(self._free_rows) < num:
             self._grow(self.num_live_rows() + num)
-        return [self._free_rows.pop() for _ in range(num)]
+        rows = self._free_rows[: -num - 1 : -1] if num else []  # popped from the end, one after the other
+        del self._free_rows[len(self._free_rows) - num :]
+        return rows
 
     def acquire_row(self) -> int:
         if self._free_rows:
@@ -264,7 +297,8 @@ class BlockTables:
             held = first_block + (first_offset > 0)
             new_blocks = allocator.allocate(last_block + 1 - held, budget, why)  # raises before any change
             self.table[row, held : last_block + 1] = new_blocks
-            slots = self.slots(row, slice(length, new_length))
+            blocks = self.table[row, first_block : last_block + 1]  # expanded whole, trimmed by a slice
+            slots = (blocks[:, None] * self.by_length.block_size + self._offsets).reshape(-1)[first_offset : first_offset + count]
             next_slot = slots.item(-1) + 1
         self.num_tokens[row] = new_length
         self.next_slot[row] = next_slot
@@ -278,7 +312,6 @@ class BlockTables:
         new_lengths = lengths + num_new_tokens
         if new_lengths.max() > self.max_seq_len:
             raise self._too_long(new_lengths)
-        counts = new_lengths - lengths  # one per row, whether num_new_tokens was
         held = lookup.num_blocks.take(lengths)
         grow = lookup.num_blocks.take(new_lengths) - held
         num_copies = 0
@@ -304,10 +337,7 @@ class BlockTables:
             before = np.cumsum(grow) - grow  # blocks the earlier rows take
             table[np.repeat(rows, grow), np.repeat(held - before, grow) + np.arange(num_grow)] = new_blocks[num_copies:]
         self.num_tokens[rows] = new_lengths
-        ends = np.cumsum(counts)
-        positions = np.repeat(lengths - (ends - counts), counts) + np.arange(ends.item(-1))
-        slots = self.slots(np.repeat(rows, counts), positions)
-        self.next_slot[rows] = slots.take(ends - ONE) + ONE
+        slots, self.next_slot[rows] = self.run_slots(rows, lengths, new_lengths)
         return AppendPlan(slots, new_blocks, copies, new_blocks[num_copies:] if num_copies else new_blocks)
 
     def _writes_into_shared(self, rows: np.ndarray | int, lengths: np.ndarray | int) -> np.ndarray | bool:

@@ -9,9 +9,10 @@ import numpy as np
 from kvpool_server.core import checks
 from kvpool_server.core.allocator import BlockAllocator
 from kvpool_server.core.block_tables import BlockTables
-from kvpool_server.core.call_args import append_counts, append_token_ids, check_register_args
+from kvpool_server.core.call_args import append_counts, append_token_ids
 from kvpool_server.core.eviction_policy import make_eviction_policy
 from kvpool_server.core.errors import FailedPreconditionError, InvalidArgumentError, SequenceExistsError
+from kvpool_server.core.new_sequences import PromptInput, check_burst, per_register, prompt_of
 from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.core.session_members import SessionMembers
 from kvpool_server.core.seq_index import SequenceIndex, check_caller_seq_id
@@ -121,10 +122,7 @@ class KVCacheManager:
         The prompt's first ``public_prefix_len`` tokens (their full blocks) are a public prefix, shared across
         tenants; ``cache_extra_key`` goes into every block's hash (docs/prefix-caching.md). ``prompt_hashes``: the
         prompt's ``prefix.prompt_hashes`` for this tenant, computed off the lock (else hashed here)."""
-        prompt = None if prompt_token_ids is None else np.asarray(prompt_token_ids, dtype=np.uint32)
-        check_register_args(prompt, public_prefix_len, cache_extra_key, self.max_seq_len)
-        if prompt is None and cache_extra_key:
-            prompt = np.zeros(0, dtype=np.uint32)  # tracked from its first append, with the key
+        prompt = prompt_of(prompt_token_ids, public_prefix_len, cache_extra_key, self.max_seq_len)
         scoped = self.tenancy and tenant is not None  # the caller names sequences in its tenant's namespace
         tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
         self.tenants.check_new_sequences(tenant, 1)
@@ -138,6 +136,46 @@ class KVCacheManager:
         self.tenants.add_rows([row], tenant)
         if prompt is not None:
             self.prefix.start(row, tenant, prompt, public_prefix_len, cache_extra_key, prompt_hashes)
+        return named if scoped else internal
+
+    def register_many(self, num: int, session_id: int = 0, tenant: int | None = None,
+                      seq_ids: Sequence[int] | None = None, prompt_token_ids: Sequence[PromptInput] | None = None,
+                      public_prefix_lens: Sequence[int] | None = None, cache_extra_keys: Sequence[bytes] | None = None,
+                      prompt_hashes: Sequence[list[bytes] | None] | None = None) -> list[int]:
+        """``num`` registers in one call, all or none: the ids ``[register(seq_ids[i], session_id, tenant,
+        prompt_token_ids[i], public_prefix_lens[i], cache_extra_keys[i], prompt_hashes[i]) for i in range(num)]``
+        would return (a list left None: that argument's default for all), or -- nothing registered -- the refusal
+        of the first of them that would be refused (``new_sequences.check_burst``). Rows, ids, the index, the
+        sessions and the tenant ledger are written once for all; each prompt is looked up as ``register`` does."""
+        if num < 0:
+            raise InvalidArgumentError(f"register_many needs num >= 0 new sequences, got {num}")
+        for values, name in ((seq_ids, "seq_ids"), (prompt_token_ids, "prompts"), (prompt_hashes, "prompt_hashes"),
+                             (public_prefix_lens, "public_prefix_lens"), (cache_extra_keys, "cache_extra_keys")):
+            per_register(values, num, name)
+        scoped = self.tenancy and tenant is not None
+        tenant = DEFAULT_TENANT if tenant is None or not self.tenancy else tenant
+        taken = (lambda s: self.tenant_ids.holds(tenant, s)) if self.tenancy else self.index.__contains__
+        prompts = check_burst(num, tenant, self.tenants, self.tables, self.max_seq_len, seq_ids, taken,
+                              prompt_token_ids, public_prefix_lens, cache_extra_keys)
+        if not num:
+            return []
+        rows = self.tables.acquire_rows(num)
+        row_array = np.array(rows, dtype=np.intp)
+        if seq_ids is None or self.tenancy:  # internal ids are server ids
+            internal = named = self.index.add_server_ids(rows, row_array)
+        else:
+            internal = named = [int(s) for s in seq_ids]
+            self.index.add_many(internal, rows)
+        if self.tenancy:
+            chosen: Sequence[int | None] = [None] * num if seq_ids is None else seq_ids
+            named = [self.tenant_ids.add(tenant, row, seq_id) for row, seq_id in zip(rows, chosen)]
+        self.members.own(internal, session_id)
+        self.tenants.add_rows(row_array, tenant)
+        for i, prompt in enumerate(prompts if prompt_token_ids is not None or cache_extra_keys is not None else ()):
+            if prompt is not None:
+                self.prefix.start(rows[i], tenant, prompt, 0 if public_prefix_lens is None else public_prefix_lens[i],
+                                  b"" if cache_extra_keys is None else cache_extra_keys[i],
+                                  None if prompt_hashes is None else prompt_hashes[i])
         return named if scoped else internal
 
     def _check_new_id(self, seq_id: int, tenant: int) -> None:

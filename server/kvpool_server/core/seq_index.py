@@ -113,9 +113,30 @@ class SequenceIndex:
             if seq_id not in self._row_of:  # a caller may hold it
                 return seq_id
 
+    def add_server_ids(self, rows: list[int], row_array: np.ndarray) -> list[int]:
+        """``add(new_server_id(row), row)`` for each of the distinct free ``rows`` (``row_array``: the same, intp) in
+        turn: the same ids, made and added with a few NumPy operations unless an id a caller holds is among them
+        (then one by one, skipping those)."""
+        serial, num = self._next_serial, len(rows)
+        ids = (np.arange(serial, serial + num, dtype=np.uint64) << np.uint64(self.row_bits)) | row_array.view(np.uint64)
+        id_list = ids.tolist()
+        if not self._row_of.keys().isdisjoint(id_list):
+            id_list = [self.new_server_id(row) for row in rows]
+            self.add_many(id_list, rows)
+            return id_list
+        self._next_serial = serial + num
+        self._row_of.update(zip(id_list, rows))
+        self.row_to_id[row_array] = ids
+        return id_list
+
     def add(self, seq_id: int, row: int) -> None:
         self._row_of[seq_id] = row
         self.row_to_id[row] = seq_id
+
+    def add_many(self, seq_ids: list[int], rows: list[int]) -> None:
+        """``add`` of each (distinct, new) id and its row."""
+        self._row_of.update(zip(seq_ids, rows))
+        self.row_to_id[rows] = np.array(seq_ids, dtype=np.uint64)
 
     def remove(self, seq_id: int) -> int:
         row = self._row_of.pop(seq_id)

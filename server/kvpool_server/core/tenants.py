@@ -175,7 +175,7 @@ class TenantLedger:
                 f"{num} more asked)"
             )
 
-    def add_rows(self, rows: list[int], tenant: int) -> None:
+    def add_rows(self, rows: list[int] | np.ndarray, tenant: int) -> None:
         if not 0 <= tenant < len(self.names):
             raise InvalidArgumentError(f"tenant {tenant} is not known")
         if len(rows) == 1:  # a register's one row: a scalar store (a list index costs ~1.5 us, most of a register)

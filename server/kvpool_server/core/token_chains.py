@@ -195,9 +195,9 @@ class TokenChains:
             return
         tokens = np.concatenate([self.partial[row, :fill], token_ids]) if fill else token_ids
         num_full = tokens.size // bs
-        chain, full = self.chains[row], tokens[: num_full * bs]
-        known = self.prompts.take(row, chain.num_sealed, chain.sealed_hash, full.tobytes()) if self.prompts.entries else []
-        self._hash_blocks(row, chain, full.reshape(num_full, bs), known)
+        chain, full = self.chains[row], tokens[: num_full * bs].astype(U32, copy=False).tobytes()
+        known = self.prompts.take(row, chain.num_sealed, chain.sealed_hash, full) if self.prompts.entries else []
+        self._hash_blocks(row, chain, full, known)
         rest = tokens[num_full * bs :]
         self.partial[row, : rest.size] = rest
         self.fill[row] = rest.size
@@ -225,18 +225,26 @@ class TokenChains:
             chain.pending = (entry,)
         self.has_pending[rows] = True
 
-    def _hash_blocks(self, row: int, chain: Chain, blocks: np.ndarray, known: Sequence[bytes] = ()) -> None:
-        """Hash new full blocks (``blocks``: their tokens, one row of block_size each) of the sealed chain of ``row``:
-        they become its ``pending``, each block with a copy of its tokens (its own: a view would keep alive the
-        whole prompt). ``known``: the hashes of the first blocks, computed by the row's register (PromptHashes)."""
-        pending, parent, i = [], chain.sealed_hash, chain.num_sealed  # NONE_HASH for block 0
-        for k, view in enumerate(blocks):
-            block = view.copy()
-            block_hash_i = known[k] if k < len(known) else hash_encoded(parent, chain.header_of(i), block.tobytes())
-            pending.append(CachedBlock(block_hash_i, parent, block, PUBLIC_SALT if i < chain.num_public else chain.salt,
-                                       chain.extra))
-            parent, i = block_hash_i, i + 1
-        chain.pending = tuple(pending)
+    def _hash_blocks(self, row: int, chain: Chain, data: bytes, known: Sequence[bytes] = ()) -> None:
+        """Hash new full blocks (``data``: their token ids, u32le, block after block) of the sealed chain of ``row``:
+        they become its ``pending``. ``known``: the hashes of the first blocks, computed by the row's register
+        (PromptHashes). As ``_hash_filled`` does, each part of the work is done for all the blocks at once (the
+        entries made by ``map``) and only the hashes not known are computed block by block (each one's parent is
+        the one before); each block's token array is read-only over its own bytes object (a view would keep alive
+        the whole prompt)."""
+        row_bytes, first = self.block_size * 4, chain.num_sealed
+        num = len(data) // row_bytes
+        chunks = [data[at : at + row_bytes] for at in range(0, len(data), row_bytes)]
+        hashes = list(known[:num])
+        parent = hashes[-1] if hashes else chain.sealed_hash  # NONE_HASH for block 0
+        for k in range(len(hashes), num):
+            parent = hash_encoded(parent, chain.header_of(first + k), chunks[k])
+            hashes.append(parent)
+        num_public = min(num, max(0, chain.num_public - first))
+        salts = [PUBLIC_SALT] * num_public + [chain.salt] * (num - num_public)
+        fields = zip(hashes, [chain.sealed_hash, *hashes[:-1]], map(np.frombuffer, chunks, repeat(U32)), salts,
+                     repeat(chain.extra))
+        chain.pending = tuple(map(tuple.__new__, repeat(CachedBlock), fields))
         self.has_pending[row] = True
 
     def _reserve(self, num_rows: int) -> None:

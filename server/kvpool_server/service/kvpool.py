@@ -172,9 +172,10 @@ class KVPoolService:
         def apply() -> tuple[RegisteredPrompt, ...]:
             for r in restoring:
                 tier.finish_restore(r)  # type: ignore[union-attr]
-            register_batch.check_room(manager, tenant, len(prompts))
-            ids = [manager.register(None, session_id, tenant, p.prompt_token_ids, p.public_prefix_len,
-                                    p.cache_extra_key, h) for p, h in zip(prompts, hashes)]
+            ids = manager.register_many(len(prompts), session_id, tenant,
+                                        prompt_token_ids=[p.prompt_token_ids for p in prompts],
+                                        public_prefix_lens=[p.public_prefix_len for p in prompts],
+                                        cache_extra_keys=[p.cache_extra_key for p in prompts], prompt_hashes=hashes)
             return tuple(register_batch.registered(manager, seq_id, tenant) for seq_id in ids)
 
         request = ("register_many", *(x for p in prompts for x in p))

@@ -6,10 +6,11 @@
 All or none: every prompt is checked before anything changes -- its own arguments as RegisterSequence checks them
 (``check_batch`` here and the core's ``check_register_args`` through ``hash_input``), the tenant's
 ``share_prefixes`` for a public prefix, then under the lock the tenant's ``max_sequences`` and the server's
-``--max-num-seqs`` for all of them at once (``check_room``) -- and a refusal of any refuses the call with that
-prompt's status, nothing registered. Every prompt is checked before any is hashed (``checked_input``, then
-``hashes_of``): a bad prompt after good ones costs no hashing. Past those checks a register cannot fail (prefix
-reuse takes fewer blocks rather than exceed a quota), so the batch is applied in one lock hold. Both transports
+``--max-num-seqs`` for all of them at once (the core's ``register_many``, which refuses a burst whole where one of
+its single registers would be refused) -- and a refusal of any refuses the call with that prompt's status,
+nothing registered. Every prompt is checked before any is hashed (``checked_input``, then ``hashes_of``): a bad
+prompt after good ones costs no hashing. Past those checks a register cannot fail (prefix reuse takes fewer
+blocks rather than exceed a quota), so the batch is applied in one lock hold, by one ``register_many``. Both transports
 call it: gRPC's RegisterSequences and the fast path's register-many record (which may bring the prompts' hashes,
 made on the hasher).
 
@@ -28,8 +29,7 @@ import numpy as np
 from kvpool_server.core import InvalidArgumentError
 from kvpool_server.core.manager import KVCacheManager
 from kvpool_server.core.prefix_reuse import reusable_hashes
-from kvpool_server.core.tenants import DEFAULT_TENANT
-from kvpool_server.core.errors import KVPoolError, OutOfBlocksError
+from kvpool_server.core.errors import KVPoolError
 from kvpool_server.service.auth import Identity, check_may_share_prefixes
 
 if TYPE_CHECKING:
@@ -96,15 +96,6 @@ def hashes_of(manager: KVCacheManager, checked: tuple[np.ndarray, bytes, int], c
 def reply_bytes(prompts: Sequence[PromptToRegister], block_size: int) -> int:
     """The most bytes the reply can take."""
     return 64 + sum(ITEM_BYTES + 5 * max(0, (len(p.prompt_token_ids) - 1) // block_size) for p in prompts)
-
-
-def check_room(manager: KVCacheManager, tenant: int | None, num: int) -> None:
-    """``num`` more sequences fit the tenant's ``max_sequences`` and the server's rows (RESOURCE_EXHAUSTED)."""
-    manager.tenants.check_new_sequences(DEFAULT_TENANT if tenant is None or not manager.tenancy else tenant, num)
-    tables = manager.tables
-    if tables.num_live_rows() + num > tables.max_num_seqs:
-        raise OutOfBlocksError(f"{RPC}: {num} more sequences would exceed max_num_seqs={tables.max_num_seqs} "
-                               f"({tables.num_live_rows()} are live)")
 
 
 def registered(manager: KVCacheManager, seq_id: int, tenant: int | None) -> RegisteredPrompt:
