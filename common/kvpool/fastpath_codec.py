@@ -271,11 +271,18 @@ def read_registered_many_reply(views: fp.Views) -> list[tuple[int, int, np.ndarr
     rep, area = views.rep, views.rep_area
     block_size, n_slots, n_new, n_children = (int(rep[fp.REP_VALUE0]), int(rep[fp.REP_N_SLOTS]),
                                               int(rep[fp.REP_N_NEW]), int(rep[fp.REP_N_CHILDREN]))
-    at = fp.HEADER_BYTES
-    cached = area[at:at + 8 * n_slots].view(np.int64).tolist()
-    at += 8 * n_slots
-    blocks = area[at:at + 4 * n_new].view(np.int32).copy()
-    at += fp.align8(4 * n_new)
-    seq_ids = area[at:at + 8 * n_children].view(np.uint64).tolist()
+    return read_registered(area, fp.HEADER_BYTES, block_size, n_slots, n_new, n_children)
+
+
+def read_registered(area: np.ndarray, at: int, block_size: int, n: int, n_blocks: int,
+                    n_seqs: int) -> list[tuple[int, int, np.ndarray]]:
+    """The registered prompts' part of a reply at ``at``: ``n`` cached-token counts (int64), their ``n_blocks``
+    cached block ids (int32, padded to 8 bytes), ``n_seqs`` seq_ids (uint64) -> (seq_id, cached, its blocks: a
+    copy) per prompt (a register-many reply's whole area; a step reply's register part)."""
+    cached = area[at:at + 8 * n].view(np.int64).tolist()
+    at += 8 * n
+    blocks = area[at:at + 4 * n_blocks].view(np.int32).copy()
+    at += fp.align8(4 * n_blocks)
+    seq_ids = area[at:at + 8 * n_seqs].view(np.uint64).tolist()
     ends = np.cumsum([c // max(block_size, 1) for c in cached]).tolist()
     return [(seq_id, c, blocks[end - c // max(block_size, 1):end]) for seq_id, c, end in zip(seq_ids, cached, ends)]

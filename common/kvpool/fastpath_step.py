@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvpool import fastpath as fp
-from kvpool.fastpath_codec import RecordInconsistent, register_many_arrays, split_register_many
+from kvpool.fastpath_codec import RecordInconsistent, read_registered, register_many_arrays, split_register_many
 
 PART_MESSAGE_BYTES = 1024
 PARTS = ("Free", "AppendToken", "RegisterSequences")
@@ -163,11 +163,5 @@ def read_step_reply(views: fp.Views) -> StepReply:
     copies = area[at:at + 8 * n_copies].view(np.int32).astype(np.int64).reshape(-1, 2)
     at += 8 * n_copies
     block_size, n, n_blocks = table[REGISTER + 3], min(max(table[REGISTER + 4], 0), cap), min(max(table[REGISTER + 5], 0), cap)
-    cached = area[at:at + 8 * n].view(np.int64).tolist()
-    at += 8 * n
-    blocks = area[at:at + 4 * n_blocks].view(np.int32).copy()
-    at += fp.align8(4 * n_blocks)
-    seq_ids = area[at:at + 8 * n].view(np.uint64).tolist()
-    ends = np.cumsum([c // max(block_size, 1) for c in cached]).tolist()
-    register = [(s, c, blocks[e - c // max(block_size, 1):e]) for s, c, e in zip(seq_ids, cached, ends)]
+    register = read_registered(area, at, block_size, n, n_blocks, n)
     return StepReply(statuses, table[FREE + 3], (slots, new, copies), register)

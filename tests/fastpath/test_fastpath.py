@@ -16,6 +16,7 @@ import pytest
 from kvpool import fastpath as fp
 from kvpool_client import KVPoolClient, KVPoolClientError, ServerGoneError
 from kvpool_client.fastpath import is_local_target
+from tests.fastpath.in_process import in_process_server
 from tests.grpc_counting import counting_grpc
 
 WORKER = Path(__file__).with_name("fast_worker.py")
@@ -405,14 +406,8 @@ def test_the_asyncio_client_goes_over_the_fast_path_with_the_same_answers(server
 def test_the_channels_keep_their_invariants_through_open_use_end_and_stop():
     """In-process: the server's channel registry (``FastPathServer.check_invariants``) while channels open, serve,
     end with their sessions and stop with the server; the segments' names are gone afterwards."""
-    from kvpool_server.config import load_config
-    from kvpool_server.grpc_api.server import build_server
-
-    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "8",
-                                       "--address", "127.0.0.1:0"]))
-    handle.start()
-    fast = handle.fast_path
-    try:
+    with in_process_server() as handle:
+        fast = handle.fast_path
         clients = [KVPoolClient(f"127.0.0.1:{handle.port}") for _ in range(3)]
         for client in clients:
             client.append(client.register(), 5)
@@ -425,8 +420,6 @@ def test_the_channels_keep_their_invariants_through_open_use_end_and_stop():
         fast.check_invariants()
         assert clients[1].append(clients[1].register(), 1).slot_mapping.size == 1
         fast.check_invariants()
-    finally:
-        handle.stop()
     assert fast.stats()["channels"] == 0
     assert not any(os.path.exists(f"/dev/shm/{name}") for name in names)
     for client in clients[1:]:

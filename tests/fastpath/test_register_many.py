@@ -10,6 +10,7 @@ import pytest
 from kvpool import fastpath as fp
 from kvpool import fastpath_codec as codec
 from kvpool_client import KVPoolClient, KVPoolClientError
+from tests.fastpath.in_process import in_process_server, refusing_op
 from tests.grpc_counting import counting_grpc
 
 POOL = ("--num-blocks", "2048", "--head-dim", "8", "--max-batch", "8", "--max-seq-len", "4096",
@@ -166,23 +167,8 @@ def test_hostile_register_many_records_are_refused_and_change_nothing(server_fac
 def test_a_server_that_does_not_know_the_record_is_asked_over_grpc(monkeypatch):
     """A server of before the register-many record answers it INVALID_ARGUMENT "unknown op", unapplied: the client
     asks the same over gRPC, and from then on goes there at once (in-process: the server made to refuse the op)."""
-    from kvpool_server.config import load_config
-    from kvpool_server.core import InvalidArgumentError
-    from kvpool_server.fastpath import records
-    from kvpool_server.grpc_api.server import build_server
-
-    real = records._invocation
-
-    def old_server(service, call, views, header, op, *args):
-        if op == fp.OP_REGISTER_MANY:
-            raise InvalidArgumentError(f"fast path: unknown op {op}")
-        return real(service, call, views, header, op, *args)
-
-    monkeypatch.setattr(records, "_invocation", old_server)
-    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "8",
-                                       "--address", "127.0.0.1:0"]))
-    handle.start()
-    try:
+    refusing_op(monkeypatch, fp.OP_REGISTER_MANY)
+    with in_process_server() as handle:
         with KVPoolClient(f"127.0.0.1:{handle.port}", timeout=10) as client:
             client.free(client.register())
             calls = counting_grpc(client)
@@ -193,8 +179,6 @@ def test_a_server_that_does_not_know_the_record_is_asked_over_grpc(monkeypatch):
             assert len(client.register_prompts(prompts)) == 2 and calls == ["RegisterSequences"] * 2
             assert int(client._fast_channel.views.ctl[fp.CTL_REQ_SEQ]) == published + 1  # asked once, then gRPC
             assert client.stats().num_sequences == 4
-    finally:
-        handle.stop()
 
 
 def test_the_asyncio_client_sends_the_record_with_the_same_answers_and_refusals(server_factory):

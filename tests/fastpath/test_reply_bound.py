@@ -13,6 +13,7 @@ from kvpool import fastpath as fp
 from kvpool.v1 import kvpool_pb2 as pb
 from kvpool.v1 import kvpool_pb2_grpc as pb_grpc
 from kvpool_client import KVPoolClient
+from tests.fastpath.in_process import in_process_server
 
 AREA = 64 << 10
 SERVER = ("--num-blocks", "8192", "--head-dim", "8", "--fast-path-area-bytes", str(AREA))
@@ -71,14 +72,9 @@ def test_a_record_whose_reply_fails_after_it_was_applied_is_answered_once_never_
     """In-process, to make the reply's write fail once after the append was applied (a bug of ours, whatever it
     is): the record gets an INTERNAL reply, its seq is served, and the append is not applied a second time."""
     from kvpool_client import InternalError
-    from kvpool_server.config import load_config
     from kvpool_server.fastpath import records
-    from kvpool_server.grpc_api.server import build_server
 
-    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "8",
-                                       "--address", "127.0.0.1:0"]))
-    handle.start()
-    try:
+    with in_process_server() as handle:
         with KVPoolClient(f"127.0.0.1:{handle.port}", timeout=10) as client:
             seq = client.register()
             client.append(seq, 3)
@@ -101,8 +97,6 @@ def test_a_record_whose_reply_fails_after_it_was_applied_is_answered_once_never_
             assert client.append(seq, 1).slot_mapping.size == 1  # the channel is in step
             assert client.fast_path_open and client.block_table(seq).num_tokens == 5
             handle.fast_path.check_invariants()
-    finally:
-        handle.stop()
 
 
 def test_a_clients_first_call_too_big_for_the_channel_it_opens_goes_over_grpc(server_factory):

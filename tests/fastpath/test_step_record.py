@@ -14,6 +14,7 @@ from kvpool import fastpath as fp
 from kvpool import fastpath_codec as codec
 from kvpool import fastpath_step as step_codec
 from kvpool_client import KVPoolClient, KVPoolClientError
+from tests.fastpath.in_process import in_process_server, refusing_op
 from tests.fastpath.test_fastpath import Worker, wait_for
 from tests.grpc_counting import counting_grpc
 
@@ -187,23 +188,8 @@ def test_a_client_killed_mid_step_is_reclaimed(server_factory):
 def test_a_server_that_does_not_know_the_record_gets_the_three_calls(monkeypatch):
     """A server of before the step record answers it INVALID_ARGUMENT "unknown op", unapplied: the client makes
     the three calls instead, and from then on at once (in-process: the server made to refuse the op)."""
-    from kvpool_server.config import load_config
-    from kvpool_server.core import InvalidArgumentError
-    from kvpool_server.fastpath import records
-    from kvpool_server.grpc_api.server import build_server
-
-    real = records._invocation
-
-    def old_server(service, call, views, header, op, *args):
-        if op == fp.OP_STEP:
-            raise InvalidArgumentError(f"fast path: unknown op {op}")
-        return real(service, call, views, header, op, *args)
-
-    monkeypatch.setattr(records, "_invocation", old_server)
-    handle = build_server(load_config(["--backend", "host", "--num-blocks", "256", "--head-dim", "8",
-                                       "--address", "127.0.0.1:0"]))
-    handle.start()
-    try:
+    refusing_op(monkeypatch, fp.OP_STEP)
+    with in_process_server() as handle:
         with KVPoolClient(f"127.0.0.1:{handle.port}", timeout=10) as client:
             a = client.register()
             published = int(client._fast_channel.views.ctl[fp.CTL_REQ_SEQ])
@@ -214,8 +200,6 @@ def test_a_server_that_does_not_know_the_record_gets_the_three_calls(monkeypatch
             client.step(free=[r.seq_id for r in result.registered])
             assert int(client._fast_channel.views.ctl[fp.CTL_REQ_SEQ]) == published + 4  # at once
             assert client.stats().num_sequences == 0
-    finally:
-        handle.stop()
 
 
 def test_a_step_too_big_for_the_channel_goes_as_the_three_calls(server_factory):
