@@ -288,8 +288,8 @@ class BlockCopier:
         """The compiled kernel through its launcher (False: this Triton's launcher takes other arguments; then and
         from now on the JIT's)."""
         hooks = self._hooks
-        enter, leave = (hooks.launch_enter_hook, hooks.launch_exit_hook) if hooks is not None else (None, None)
         try:
+            enter, leave = (hooks.launch_enter_hook, hooks.launch_exit_hook) if hooks is not None else (None, None)
             if enter is None and leave is None:
                 raw.run(grid[0], grid[1], grid[2], self.ids.stream, raw.function, raw.packed,  # type: ignore[union-attr]
                         None, None, None, *launch.pointers, ids, n, *raw.tail)
