@@ -282,3 +282,12 @@ def test_on_cuda_copies_of_every_size_launched_directly_match_the_torch_path(vll
                 assert torch.equal(bits(k), bits(rk)) and torch.equal(bits(v), bits(rv))
     assert copier.direct and all(copier._launch[1].compiled.values()), "the copies after the first were not direct"
     assert copier.ids.uploads == 16
+
+
+def test_a_launch_hook_is_set_only_when_one_is_registered(vllm_pkg):
+    """The raw launch runs only without Triton's launch hooks (a profiler's): None or an empty HookChain."""
+    bc = vllm_pkg[0]
+    chain = type("HookChain", (), {"__init__": lambda self: setattr(self, "calls", [])})()
+    assert bc.unhooked(None) and bc.unhooked(chain) and not bc.unhooked(print)
+    chain.calls.append(print)
+    assert not bc.unhooked(chain)

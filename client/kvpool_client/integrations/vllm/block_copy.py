@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -272,7 +273,7 @@ class BlockCopier:
         if launch.device is None:  # Triton's interpreter (the tests): the array as it is, through the JIT
             self._jit_launch(launch, grid, torch.from_numpy(pairs.reshape(-1)), n, into_vllm)
             return
-        switch = torch.cuda.current_device() != launch.device  # a vLLM worker: never
+        switch = torch._C._cuda_getDevice() != launch.device  # a vLLM worker: never
         with torch.cuda.device(launch.device) if switch else contextlib.nullcontext():  # the views' device
             ids = self.ids = self.ids or IdStages(self.layers[0][0].device)
             address = ids.put(pairs)
@@ -290,7 +291,7 @@ class BlockCopier:
         hooks = self._hooks
         try:
             enter, leave = (hooks.launch_enter_hook, hooks.launch_exit_hook) if hooks is not None else (None, None)
-            if enter is None and leave is None:
+            if unhooked(enter) and unhooked(leave):
                 raw.run(grid[0], grid[1], grid[2], self.ids.stream, raw.function, raw.packed,  # type: ignore[union-attr]
                         None, None, None, *launch.pointers, ids, n, *raw.tail)
             else:  # a profiler's hooks: Triton's own per-call path, which gives them their metadata
@@ -309,6 +310,11 @@ class BlockCopier:
                 hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
             launch.compiled[into_vllm] = RawLaunch(kernel.run, kernel.function, kernel.packed_metadata,
                                                    (*launch.strides, *launch.constexpr_values(into_vllm)), kernel)
+
+
+def unhooked(hook: Any) -> bool:
+    """No launch hook: None, or Triton's empty ``HookChain`` (the default of Triton 3.6 and later: never None)."""
+    return hook is None or not getattr(hook, "calls", True)
 
 
 def _torch_copy(layers: list[tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, pool_ids: Sequence[int] | np.ndarray,
