@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -176,8 +177,14 @@ def test_a_kvctl_events_exit_is_not_an_error(grpc_server_with_metrics, capsys):
     (docs/metrics.md) does not count."""
     target, http, _ = grpc_server_with_metrics
     assert kvctl_main(["--target", target, "events", "--batches", "1", "--json"]) == 0
-    got = scrape_text(urllib.request.urlopen(http.url, timeout=5).read().decode())
-    assert got[("kvpool_stream_duration_seconds_count", (("code", "CANCELLED"), ("method", "SubscribeEvents")))] == 1
+    cancelled = ("kvpool_stream_duration_seconds_count", (("code", "CANCELLED"), ("method", "SubscribeEvents")))
+    deadline = time.monotonic() + 10  # the server sees the client's cancel after kvctl returns: it is recorded then
+    while True:
+        got = scrape_text(urllib.request.urlopen(http.url, timeout=5).read().decode())
+        if cancelled in got or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert got[cancelled] == 1
     errors = [key for key, value in got.items() if key[0] == "kvpool_rpc_duration_seconds_count" and value
               and dict(key[1])["code"] not in ("OK", "CANCELLED")]
     assert errors == []
