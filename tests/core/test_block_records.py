@@ -1,5 +1,6 @@
-"""BlockRecords (core/block_records.py): read and written as a dict of CachedBlock; ``pop_hash``, ``pop_records`` and ``copy_from``
-(the host tier's write-back: a slot takes a pool block's record as it is) keep its invariant."""
+"""BlockRecords (core/block_records.py): read and written as a dict of CachedBlock; ``pop_hash``, ``pop_records``
+(an eviction's) and ``copy_from`` (the host tier's write-back: a slot takes a pool block's record as it is) keep its
+invariant."""
 
 from __future__ import annotations
 
