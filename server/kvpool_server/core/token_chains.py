@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain as chained
 from itertools import repeat
 
 import numpy as np
 
 from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded, hash_many
-from kvpool_server.core.chain import NO_PENDING, Chain, SharedPending
+from kvpool_server.core.chain import NO_PENDING, Chain, PendingBlocks, SharedPending
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
@@ -160,6 +161,9 @@ class TokenChains:
             for k in cache.insert_many(block_ids, entries):
                 public.append((rows[k], block_ids[k]))
             return
+        if SharedPending not in {p.__class__ for p in pendings}:  # no fork shares them (a prefill's seal)
+            self._seal_own(row_array, chains, pendings, table, cache, public)
+            return
         block_ids = []
         entries = []
         owners: list[int] = []  # the row of each of ``entries``
@@ -184,6 +188,25 @@ class TokenChains:
         if entries:
             for k in cache.insert_many(block_ids, entries):
                 public.append((owners[k], block_ids[k]))
+
+    def _seal_own(self, row_array: np.ndarray, chains: list[Chain], pendings: list[PendingBlocks], table: np.ndarray,
+                  cache: PrefixCache, public: list[tuple[int, int]]) -> None:
+        """``_seal`` of rows whose pending blocks are their own (no ``SharedPending``; a prefill's seal: a prompt's
+        blocks each): every row's pending blocks gathered from the table in one index (the row repeated, its logical
+        blocks from ``num_sealed`` on), the entries in one list, one ``insert_many``."""
+        counts = np.fromiter(map(len, pendings), dtype=np.intp, count=len(pendings))
+        firsts = np.fromiter([chain.num_sealed for chain in chains], dtype=np.intp, count=len(chains))
+        owners = np.repeat(row_array, counts)
+        ends = np.cumsum(counts)
+        columns = np.arange(owners.size) + np.repeat(firsts - (ends - counts), counts)  # num_sealed, num_sealed + 1, ..
+        block_ids = table[owners, columns].tolist()
+        for chain, pending in zip(chains, pendings):
+            chain.num_sealed += len(pending)
+            chain.sealed_hash = pending[-1][0]  # its block_hash
+            chain.pending = NO_PENDING
+        self.has_pending[row_array] = False
+        for k in cache.insert_many(block_ids, list(chained.from_iterable(pendings))):
+            public.append((owners.item(k), block_ids[k]))
 
     def _extend(self, row: int, token_ids: np.ndarray) -> None:
         """Add ``token_ids`` to the (sealed: nothing pending) chain of ``row``: its new full blocks become a new
