@@ -63,7 +63,7 @@ help:
 # the pins (requirements/), so that pip checks the pins satisfy the extras. The three distributions of before
 # (kvpool-common, -client, -server) are removed from an old .venv: their paths would shadow the editable install.
 OLD_DISTS := kvpool-common kvpool-client kvpool-server
-$(RUN_STAMP): $(RUN_REQS) pyproject.toml
+$(RUN_STAMP): $(RUN_REQS) pyproject.toml common/kvpool/_block_hash.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip uninstall -q -y $(OLD_DISTS) 2>/dev/null || true

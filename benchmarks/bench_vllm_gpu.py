@@ -132,8 +132,9 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
     src, dst = list(range(n)), list(range(n + 1, 2 * n + 1))  # dst: other vLLM block ids (block n untouched)
     caches, raws = vllm_caches(torch, 2 * n + 2, layout)
     worker.register_kv_caches(caches)
-    save = meta_mod.KVPoolConnectorMetadata(pid, saves=[meta_mod.BlockCopy("r", tuple(pool_blocks), tuple(src))])
-    load = meta_mod.KVPoolConnectorMetadata(pid, loads=[meta_mod.BlockCopy("r", tuple(pool_blocks), tuple(dst))])
+    # with_pairs: the step's id arrays, as the scheduler's build_connector_meta makes them (not timed: its side)
+    save = meta_mod.KVPoolConnectorMetadata(pid, saves=[meta_mod.BlockCopy("r", tuple(pool_blocks), tuple(src))]).with_pairs()
+    load = meta_mod.KVPoolConnectorMetadata(pid, loads=[meta_mod.BlockCopy("r", tuple(pool_blocks), tuple(dst))]).with_pairs()
     ok = True
     stored = worker.blocks_stored
     worker.start_load_kv(save)
@@ -168,6 +169,10 @@ def run_layout(torch, worker, meta_mod, pid: str, pool_blocks: list, layout: str
     print(f"[{layout}] bytes {'verified' if ok else 'WRONG'}: {n} blocks x {LAYERS} layers stored into kvpool "
           f"(checked against the raw tensor) and loaded back into other vLLM block ids")
     print(f"[{layout}] copy path: store {paths['store']}, load {paths['load']}")
+    copier = worker._copier
+    if DEVICE == "cuda" and copier.ids is not None:
+        print(f"[{layout}] launch: {'the compiled kernel raw (RawLaunch)' if copier.direct else 'JIT'}, ids up "
+              f"through {'the CUDA runtime (CuPy)' if copier.ids._rt is not None else 'PyTorch'}")
     if DEVICE == "cuda" and set(paths.values()) != {"triton"}:
         print(f"[{layout}] FAILED: the CUDA copy did not take the Triton kernel (block_copy.py)")
         ok = False
@@ -220,7 +225,7 @@ def fresh_loads(torch, meta_mod, pid: str, pool_blocks: list, dst: list, count: 
     for k in range(count):
         order = torch.randperm(len(dst), generator=torch.Generator().manual_seed(k)).tolist()
         loads.append(meta_mod.KVPoolConnectorMetadata(pid, loads=[meta_mod.BlockCopy(
-            "r", tuple(pool_blocks[i] for i in order), tuple(dst[i] for i in order))]))
+            "r", tuple(pool_blocks[i] for i in order), tuple(dst[i] for i in order))]).with_pairs())
     return loads
 
 

@@ -13,14 +13,21 @@ Every process, restart and router that encodes the same (parent hash, token ids,
 A public prefix (RegisterSequenceRequest.public_prefix_len) hashes its first full blocks with ``PUBLIC_SALT``, the
 one byte 0xFF, which occurs in no UTF-8 string: no tenant's salt can equal it, not even tenant 0's empty one. The
 blocks after it continue the same chain (parent = the last public hash) with the tenant's salt.
+
+The loops of ``chain_hashes`` and ``hash_many`` run in ``kvpool._block_hash`` (C over OpenSSL's SHA-256, the GIL
+released while a long prompt hashes) where the install built it, and in Python otherwise, or when
+``KVPOOL_NATIVE_HASH=0``; both hash the bytes this module assembles (the extension only concatenates the pieces it
+is given), and tests/common/test_block_hash_native.py compares them. ``NATIVE`` says which runs.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import struct
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 
@@ -30,6 +37,21 @@ PUBLIC_SALT = b"\xff"  # the salt of a public prefix's blocks: never valid UTF-8
 MAX_EXTRA_KEY_BYTES = 256  # the longest cache_extra_key (a LoRA adapter's name, a digest of multimodal inputs)
 HEADER_CACHE_SIZE = 1024  # block_header's memo: headers kept (least recently used first out)
 _U32 = struct.Struct("<I")
+
+
+def _native_loops() -> ModuleType | None:
+    """The C loops, unless not built (no C compiler or OpenSSL headers at install) or ``KVPOOL_NATIVE_HASH=0``."""
+    if os.environ.get("KVPOOL_NATIVE_HASH", "1") == "0":
+        return None
+    try:
+        from kvpool import _block_hash
+    except ImportError:
+        return None
+    return _block_hash
+
+
+_native = _native_loops()
+NATIVE = _native is not None
 
 
 def block_hash(parent_hash: bytes, token_ids: Sequence[int] | np.ndarray, salt: bytes = b"", extra: bytes = b"") -> bytes:
@@ -54,9 +76,8 @@ def hash_encoded(parent_hash: bytes, header: bytes, token_bytes: bytes) -> bytes
 
 def hash_many(parents: Sequence[bytes], headers: Sequence[bytes], token_bytes: Sequence[bytes]) -> list[bytes]:
     """``hash_encoded`` of each (parent hash, header, token bytes): many blocks of different chains at once (a
-    decode step's filled blocks, one per sequence), in one comprehension."""
-    sha256, domain = hashlib.sha256, DOMAIN
-    return [sha256(domain + p + h + t).digest() for p, h, t in zip(parents, headers, token_bytes)]
+    decode step's filled blocks, one per sequence), in one call."""
+    return _many(DOMAIN, parents, headers, token_bytes)
 
 
 def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: bytes = b"",
@@ -66,21 +87,39 @@ def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: b
 
     ``block_hash`` per block, unrolled (a register hashes its whole prompt): the token ids made bytes once, each
     block a slice of them, each of the (at most two) headers encoded once."""
-    tokens = np.asarray(token_ids, dtype="<u4")
-    step = block_size * 4
-    data = tokens.tobytes()
-    end = len(data) - len(data) % step
-    split = min(num_public * step, end)  # the public blocks' bytes end here
+    data = np.asarray(token_ids, dtype="<u4").tobytes()
+    return _chain(DOMAIN, parent_hash, data, block_size * 4, block_header(PUBLIC_SALT, extra, block_size),
+                  num_public, block_header(salt, extra, block_size))
+
+
+def chain_loop(prefix: bytes, parent: bytes, data: bytes, block_bytes: int, header_public: bytes, num_public: int,
+               header: bytes) -> list[bytes]:
+    """``kvpool._block_hash.chain`` in Python: sha256(prefix || parent || header || block) for each whole block
+    of ``data``, chained (each block's parent the digest before); the first ``num_public`` with
+    ``header_public``."""
+    if len(parent) != 32 or block_bytes <= 0 or num_public < 0:
+        raise ValueError("chain: parent must be 32 bytes, block_bytes > 0, num_public >= 0")
+    end = len(data) - len(data) % block_bytes
+    split = min(num_public * block_bytes, end)  # the public blocks' bytes end here
     hashes: list[bytes] = []
-    sha256, domain = hashlib.sha256, DOMAIN
-    runs = [(split, end, block_header(salt, extra, block_size))]
-    if split:
-        runs.insert(0, (0, split, block_header(PUBLIC_SALT, extra, block_size)))
-    for start, stop, header in runs:
-        for at in range(start, stop, step):
-            parent_hash = sha256(domain + parent_hash + header + data[at : at + step]).digest()
-            hashes.append(parent_hash)
+    sha256 = hashlib.sha256
+    for start, stop, head in ((0, split, header_public), (split, end, header)):
+        for at in range(start, stop, block_bytes):
+            parent = sha256(prefix + parent + head + data[at : at + block_bytes]).digest()
+            hashes.append(parent)
     return hashes
+
+
+def many_loop(prefix: bytes, parents: Sequence[bytes], headers: Sequence[bytes],
+              blocks: Sequence[bytes]) -> list[bytes]:
+    """``kvpool._block_hash.many`` in Python: sha256(prefix || parent || header || block) of each triple."""
+    if not len(parents) == len(headers) == len(blocks):
+        raise ValueError("many: parents, headers and blocks must be equally long")
+    sha256 = hashlib.sha256
+    return [sha256(prefix + p + h + t).digest() for p, h, t in zip(parents, headers, blocks)]
+
+
+_chain, _many = (chain_loop, many_loop) if _native is None else (_native.chain, _native.many)
 
 
 def salt_of(block_index: int, num_public: int, salt: bytes) -> bytes:

@@ -203,6 +203,25 @@ def test_block_ids_are_checked_before_anything_is_written(vllm_pkg):
     assert not pool.any()
 
 
+def test_the_steps_id_arrays_are_its_copies_in_order_and_are_checked(vllm_pkg):
+    bc, _, meta, _ = vllm_pkg
+    step = meta.KVPoolConnectorMetadata("p", loads=[meta.BlockCopy("a", (1, 2), (3, 4)), meta.BlockCopy("b", (), ()),
+                                                    meta.BlockCopy("c", (5,), (6,))],
+                                        stores=[meta.BlockCopy("d", (7,), (8,))], saves=[meta.BlockCopy("e", (9,), (0,))])
+    step.with_pairs()
+    assert step.load_pairs.tolist() == [[1, 2, 5], [3, 4, 6]] and step.store_pairs.tolist() == [[7, 9], [8, 0]]
+    assert meta.KVPoolConnectorMetadata("p").with_pairs().load_pairs.shape == (2, 0)
+    with pytest.raises(ValueError, match="different number"):
+        meta.pairs_of([meta.BlockCopy("x", (1,), ())])
+    np = pytest.importorskip("numpy")
+    for pairs, what in ((np.array([[0, -1], [1, 2]]), "pool block outside 0..10"),
+                        (np.array([[0, 1], [1, N]]), "vLLM block outside 0..8"),
+                        (np.array([[0], [1]], dtype=np.int32), "int64 array")):
+        with pytest.raises(ValueError, match=what):
+            bc.check_pairs(pairs, P, N)
+    bc.check_pairs(np.array([[0, P - 1], [N - 1, 0]]), P, N)
+
+
 def test_layer_offsets_and_their_alignment(vllm_pkg):
     bc = vllm_pkg[0]
     layers = make_layers("NHD", torch.float16, 4, 2, 16)
@@ -263,3 +282,12 @@ def test_on_cuda_copies_of_every_size_launched_directly_match_the_torch_path(vll
                 assert torch.equal(bits(k), bits(rk)) and torch.equal(bits(v), bits(rv))
     assert copier.direct and all(copier._launch[1].compiled.values()), "the copies after the first were not direct"
     assert copier.ids.uploads == 16
+
+
+def test_a_launch_hook_is_set_only_when_one_is_registered(vllm_pkg):
+    """The raw launch runs only without Triton's launch hooks (a profiler's): None or an empty HookChain."""
+    bc = vllm_pkg[0]
+    chain = type("HookChain", (), {"__init__": lambda self: setattr(self, "calls", [])})()
+    assert bc.unhooked(None) and bc.unhooked(chain) and not bc.unhooked(print)
+    chain.calls.append(print)
+    assert not bc.unhooked(chain)

@@ -5,10 +5,19 @@ KV events' wire contract)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool import block_hash as reference
 from kvpool_server.core.block_hash import NONE_HASH, block_hash, block_header, chain_hashes, hash_many, salt_of
+
+try:
+    from kvpool import _block_hash as native
+except ImportError:
+    native = None
+needs_native = pytest.mark.skipif(native is None, reason="kvpool._block_hash is not built (no C compiler or OpenSSL "
+                                                         "headers at install): the Python loops run")
 
 
 def chained_block_by_block(tokens: np.ndarray, block_size: int, salt: bytes, parent: bytes, extra: bytes,
@@ -42,3 +51,42 @@ def test_hash_many_is_block_hash_of_each(blocks: list[tuple[bytes, bytes, bytes,
     got = hash_many([p for p, _, _, _ in blocks], [block_header(s, e, 4) for _, s, e, _ in blocks],
                     [t.tobytes() for t in tokens])
     assert got == [block_hash(p, t, s, e) for (p, s, e, _), t in zip(blocks, tokens)]
+
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(block_bytes=st.integers(1, 80), data=st.binary(max_size=400), parent=st.binary(min_size=32, max_size=32),
+       header_public=st.binary(max_size=20), header=st.binary(max_size=20), num_public=st.integers(0, 30),
+       prefix=st.sampled_from([reference.DOMAIN, b""]))
+def test_native_chain_is_the_python_loop(block_bytes: int, data: bytes, parent: bytes, header_public: bytes,
+                                         header: bytes, num_public: int, prefix: bytes) -> None:
+    """The C loop and the Python one hash the same bytes: one definition of the encoding (block_hash.py's)."""
+    args = (prefix, parent, data, block_bytes, header_public, num_public, header)
+    assert native.chain(*args) == reference.chain_loop(*args)
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(triples=st.lists(st.tuples(st.binary(max_size=40), st.binary(max_size=20), st.binary(max_size=80)),
+                        max_size=20))
+def test_native_many_is_the_python_loop(triples: list[tuple[bytes, bytes, bytes]]) -> None:
+    parents, headers, blocks = ([t[i] for t in triples] for i in range(3))
+    assert native.many(reference.DOMAIN, parents, headers, blocks) == \
+        reference.many_loop(reference.DOMAIN, parents, headers, blocks)
+
+
+@needs_native
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_bad_arguments_raise_the_same_errors(loop: str) -> None:
+    """Both loops refuse what the other refuses, with the same exception type (the callers never pass it: the
+    core hands them its own hashes and bytes)."""
+    chain, many = (native.chain, native.many) if loop == "native" else (reference.chain_loop, reference.many_loop)
+    with pytest.raises(ValueError):
+        chain(b"", bytes(31), b"abcd", 4, b"", 0, b"")  # a parent of 31 bytes
+    with pytest.raises(ValueError):
+        chain(b"", bytes(32), b"abcd", 0, b"", 0, b"")  # blocks of 0 bytes
+    with pytest.raises(ValueError):
+        many(b"", [bytes(32)], [b"", b""], [b"x"])  # lists of different lengths
+    with pytest.raises(TypeError):
+        many(b"", [bytes(32)], [b""], ["not bytes"])

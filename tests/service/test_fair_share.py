@@ -166,7 +166,7 @@ def test_a_batchs_jobs_are_queued_at_once_hashed_in_shared_chunks_and_equal_the_
         assert done == [jobs[-1]] and all(job.done for job in jobs)
         for job, (prompt, public, extra) in zip(jobs, prompts):
             assert job.result == prefix.prompt_hashes(None, prompt, public, extra)
-        chunk = prompt_hasher.CHUNK_BLOCKS
+        chunk = prompt_hasher.HASHER_CHUNK_BLOCKS
         alone = sum(max(1, -(-job.num_blocks // chunk)) for job in jobs)  # a chunk or more each, unshared
         assert len(chunks) == -(-sum(job.num_blocks for job in jobs) // chunk) < alone, (len(chunks), alone)
         hasher.check_invariants()

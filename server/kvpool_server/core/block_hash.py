@@ -5,6 +5,7 @@ from kvpool.block_hash import (
     DOMAIN,
     HEADER_CACHE_SIZE,
     MAX_EXTRA_KEY_BYTES,
+    NATIVE,
     NONE_HASH,
     PUBLIC_SALT,
     block_hash,
@@ -15,5 +16,5 @@ from kvpool.block_hash import (
     salt_of,
 )
 
-__all__ = ["DOMAIN", "HEADER_CACHE_SIZE", "MAX_EXTRA_KEY_BYTES", "NONE_HASH", "PUBLIC_SALT", "block_hash",
+__all__ = ["DOMAIN", "HEADER_CACHE_SIZE", "MAX_EXTRA_KEY_BYTES", "NATIVE", "NONE_HASH", "PUBLIC_SALT", "block_hash",
            "block_header", "chain_hashes", "hash_encoded", "hash_many", "salt_of"]

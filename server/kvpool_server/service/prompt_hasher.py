@@ -9,10 +9,11 @@ and of the process (the event loop waits for the GIL up to the 5 ms switch inter
     transport: job = hasher.submit(key, tenant, prompt, ...)      prompts over CHUNK_BLOCKS blocks only
                (gRPC: awaits job's future; fast path: serves the other channels, this one once job.done)
     hasher:    the job of the least-used session (FairShare) whose session is within its share; CHUNK_BLOCKS
-               blocks of it (and of that session's next jobs, while the chunk has blocks left: a batch's short
-               prompts share a chunk; at most CHUNK_BLOCKS jobs); that time charged to its session; then, while
-               another session is active, the GIL given up for real (a sleep of GIL_GAP_S: a thread woken for a
-               light call takes it at once)
+               blocks of it -- HASHER_CHUNK_BLOCKS, the same time in C as CHUNK_BLOCKS in Python -- (and of that
+               session's next jobs, while the chunk has blocks left: a batch's short prompts share a chunk; at most
+               CHUNK_BLOCKS jobs); that time charged to its session; the C loop holds no GIL while it hashes (a
+               thread woken for a light call takes it at once); the Python loop holds it, and gives it up for real
+               after the chunk while another session is active (a sleep of GIL_GAP_S)
     transport: service.register(..., prompt_hashes=job.hashes)    the locked part only
 
 The hashes are those ``prompt_hashes`` gives (the same chain, cut into chunks: ``reusable_hashes`` of slices with
@@ -35,14 +36,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, chain_hashes
+from kvpool_server.core.block_hash import NATIVE, NONE_HASH, chain_hashes
 from kvpool_server.core.errors import KVPoolError, QuotaExceededError
 from kvpool_server.core.prefix_reuse import PrefixReuse
 from kvpool_server.service.fair_share import FairShare
 
 logger = logging.getLogger(__name__)
-CHUNK_BLOCKS = 32  # blocks hashed between two looks at the others (~55 us); a prompt of at most this is hashed inline
-GIL_GAP_S = 20e-6  # after a chunk, while others are active: the GIL released this long (really ~70 us: timer slack)
+CHUNK_BLOCKS = 32  # a prompt of at most this many blocks is hashed inline (~55 us in Python, ~6 us in C)
+# Blocks hashed between two looks at the others: ~55 us either way (C hashes a block in ~0.17 us, Python in ~0.65;
+# one core of the development machine, block size 16). The C loop releases the GIL over a chunk this long.
+HASHER_CHUNK_BLOCKS = CHUNK_BLOCKS * (8 if NATIVE else 1)
+GIL_GAP_S = 20e-6  # after a Python chunk, while others are active: the GIL released this long (really ~70 us)
 MAX_PACE_S = 0.005  # an over-share session's chunk waits at most this long before the share is looked at again
 MAX_QUEUED_TOKENS = 16 << 20  # the queued prompts' tokens, all jobs together (64 MiB of tokens + 32 MiB of hashes)
 
@@ -212,7 +216,7 @@ class PromptHasher:
             if not self.running or job is None:
                 return
         key, started = job.key, time.perf_counter()
-        budget, finished = CHUNK_BLOCKS, []
+        budget, finished = HASHER_CHUNK_BLOCKS, []
         while job is not None:
             hashed = len(job.hashes)
             try:
@@ -232,7 +236,7 @@ class PromptHasher:
                     job.on_done(job)
                 except Exception:  # its transport is gone (a stopped fast path, a closed loop): nobody waits
                     logger.debug("prompt hasher: a finished job's transport is gone", exc_info=True)
-        if fair.level() != float("inf"):  # others are active: let a thread waiting for the GIL take it
+        if not NATIVE and fair.level() != float("inf"):  # others active: a thread waiting for the GIL takes it
             time.sleep(GIL_GAP_S)
 
     def _done(self, job: HashJob, more: bool) -> HashJob | None:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool_client.integrations.vllm.copy_config import CopyConfig, IdStages, KernelLaunch
+from kvpool_client.integrations.vllm.copy_config import CopyConfig, IdStages, KernelLaunch, RawLaunch
 
 try:
     import triton
@@ -133,6 +133,18 @@ def pair_ids(pool_ids: Sequence[int] | np.ndarray, vllm_ids: Sequence[int] | np.
     return pairs
 
 
+def check_pairs(pairs: np.ndarray, pool_blocks: int, vllm_blocks: int) -> None:
+    """``pair_ids``'s checks of an int64 array [2, n] made already (``metadata.pairs_of``): one pass over it (a
+    negative id, read as unsigned, is above every bound)."""
+    if not isinstance(pairs, np.ndarray) or pairs.dtype != np.int64 or pairs.ndim != 2 or pairs.shape[0] != 2:
+        raise ValueError("a copy's pairs are not an int64 array [2, n]")
+    if pairs.shape[1]:
+        high = pairs.view(np.uint64).max(axis=1)
+        if high[0] >= pool_blocks or high[1] >= vllm_blocks:
+            pair_ids(pairs[0], pairs[1], pool_blocks, vllm_blocks)  # the error that names the side
+            raise AssertionError("unreachable: pair_ids accepted ids check_pairs refused")
+
+
 class BlockCopier:
     """The copy plan of one set of vLLM views (``register_kv_caches``): their layer offset table, made once.
 
@@ -152,7 +164,9 @@ class BlockCopier:
         self._refusal = self._views_refusal()
         self._offset_bytes: list[int] = []
         self._tables: dict[int, tuple[torch.Tensor, int]] = {}  # word -> (offset table in words, its alignment)
-        self._launch: tuple[tuple[Any, ...], KernelLaunch | str] | None = None  # the last pool's key, its launch or refusal
+        self._launch: tuple[torch.Tensor, KernelLaunch | str] | None = None  # the last pool tensor, its launch or refusal
+        self._vllm_blocks = int(layers[0][0].shape[0])
+        self._hooks = getattr(getattr(triton, "knobs", None), "runtime", None)  # Triton's launch hooks (3.4+)
         if self._refusal is None:
             self._offset_bytes = [o * layers[0][0].element_size() for o in layer_offsets(layers)]
 
@@ -191,25 +205,30 @@ class BlockCopier:
 
     def copy(self, pool: torch.Tensor, pool_ids: Sequence[int] | np.ndarray, vllm_ids: Sequence[int] | np.ndarray, *,
              into_vllm: bool) -> None:
-        k0 = self.layers[0][0]
-        pairs = pair_ids(pool_ids, vllm_ids, int(pool.shape[0]), int(k0.shape[0]))
+        self.copy_pairs(pool, pair_ids(pool_ids, vllm_ids, int(pool.shape[0]), self._vllm_blocks), into_vllm=into_vllm)
+
+    def copy_pairs(self, pool: torch.Tensor, pairs: np.ndarray, *, into_vllm: bool) -> None:
+        """``copy`` of the pairs as one int64 array [2, n] (``pair_ids``, ``metadata.pairs_of``): the kernel is
+        launched after a bounds check, a stage upload and nothing else of Python per id."""
+        launch = self._launch_of(pool)
+        kernel = isinstance(launch, KernelLaunch)
+        check_pairs(pairs, launch.pool_blocks if kernel else int(pool.shape[0]), self._vllm_blocks)  # type: ignore[union-attr]
         if not pairs.shape[1]:
             return
-        launch = self._launch_of(pool)
-        if isinstance(launch, KernelLaunch):
-            self._kernel_copy(launch, pairs, into_vllm)
+        if kernel:
+            self._kernel_copy(launch, pairs, into_vllm)  # type: ignore[arg-type]
             self.path = "triton"
         else:
             _torch_copy(self.layers, pool, pairs[0], pairs[1], into_vllm)
             self.path = f"torch ({launch})"
 
     def _launch_of(self, pool: torch.Tensor) -> KernelLaunch | str:
-        """The kernel's arguments for ``pool`` (or why the kernel refuses it), worked out again only when the pool
-        tensor's address, shape, strides, dtype or device change: vLLM's side is fixed for the copier."""
-        key = (pool.data_ptr(), tuple(pool.shape), tuple(pool.stride()), pool.dtype, pool.device)
-        if self._launch is None or self._launch[0] != key:
+        """The kernel's arguments for ``pool`` (or why the kernel refuses it), worked out again only for another
+        pool tensor object (the copier keeps the last one: its address, shape and strides are the launch's; a
+        pool tensor is never resized in place): vLLM's side is fixed for the copier."""
+        if self._launch is None or self._launch[0] is not pool:
             refusal = self.kernel_refusal(pool)
-            self._launch = (key, refusal if refusal is not None else self._plan_launch(pool))
+            self._launch = (pool, refusal if refusal is not None else self._plan_launch(pool))
         return self._launch[1]
 
     def _widest_word(self, pool: torch.Tensor) -> int:
@@ -243,39 +262,59 @@ class BlockCopier:
         constants = dict(TOKENS=tokens, HEADS=heads, HEAD=head_w, HEAD_P=head_p, ROWS=rows, ALIGN=align,
                          BLOCKS_PER_PROGRAM=cfg.blocks_per_program,
                          EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps)
-        return KernelLaunch(k0.view(as_int), pool.view(as_int), offsets, strides, constants, word,
-                       k0.device.index if k0.is_cuda else None, {})
+        vllm, pool_w = k0.view(as_int), pool.view(as_int)
+        return KernelLaunch(vllm, pool_w, offsets, strides, constants, word, k0.device.index if k0.is_cuda else None,
+                            {}, int(pool.shape[0]), (vllm.data_ptr(), pool_w.data_ptr(), offsets.data_ptr()))
 
     def _kernel_copy(self, launch: KernelLaunch, pairs: np.ndarray, into_vllm: bool) -> None:
-        k0 = self.layers[0][0]
-        if k0.is_cuda:
-            self.ids = self.ids or IdStages(k0.device)
-            ids = self.ids.put(pairs)
-        else:  # Triton's interpreter (the tests): the array as it is
-            ids = torch.from_numpy(pairs.reshape(-1))
         n = pairs.shape[1]
-        grid = (triton.cdiv(n, self.config.blocks_per_program), len(self.layers), 1)  # 3: as compiled[grid] wants
+        grid = (-(-n // self.config.blocks_per_program), len(self.layers), 1)  # 3: as compiled[grid] wants
         self.word = launch.word
-        args = (launch.vllm, launch.pool, launch.offsets, ids, n, *launch.strides)
-        switch = launch.device is not None and torch.cuda.current_device() != launch.device  # a vLLM worker: never
+        if launch.device is None:  # Triton's interpreter (the tests): the array as it is, through the JIT
+            self._jit_launch(launch, grid, torch.from_numpy(pairs.reshape(-1)), n, into_vllm)
+            return
+        switch = torch._C._cuda_getDevice() != launch.device  # a vLLM worker: never
         with torch.cuda.device(launch.device) if switch else contextlib.nullcontext():  # the views' device
-            self._launch_kernel(launch, grid, args, into_vllm)
-            if k0.is_cuda:
-                self.ids.read()  # type: ignore[union-attr]
+            ids = self.ids = self.ids or IdStages(self.layers[0][0].device)
+            address = ids.put(pairs)
+            try:
+                raw = launch.compiled.get(into_vllm)
+                if raw is None or not self._raw_launch(raw, launch, grid, address, n, into_vllm):
+                    self._jit_launch(launch, grid, ids.tensor(), n, into_vllm)
+            finally:
+                ids.read()
 
-    def _launch_kernel(self, launch: KernelLaunch, grid: tuple[int, int, int], args: tuple[Any, ...],
-                       into_vllm: bool) -> None:
-        compiled = launch.compiled.get(into_vllm)
-        if compiled is not None:
-            try:  # Triton's compiled kernel, launched as its JIT would (every argument, constexprs included)
-                compiled[grid](*args, *launch.constexpr_values(into_vllm))
-                return
-            except (TypeError, IndexError):  # a Triton whose compiled kernels take other arguments: its JIT
-                launch.compiled[into_vllm] = None
-                self.direct = False
-        kernel = _block_copy_kernel[grid](*args, INTO_VLLM=into_vllm, **launch.constants)
-        if self.direct and self.config.direct_launch and callable(getattr(kernel, "__getitem__", None)):
-            launch.compiled[into_vllm] = kernel
+    def _raw_launch(self, raw: RawLaunch, launch: KernelLaunch, grid: tuple[int, int, int], ids: int, n: int,
+                    into_vllm: bool) -> bool:
+        """The compiled kernel through its launcher (False: this Triton's launcher takes other arguments; then and
+        from now on the JIT's)."""
+        hooks = self._hooks
+        try:
+            enter, leave = (hooks.launch_enter_hook, hooks.launch_exit_hook) if hooks is not None else (None, None)
+            if unhooked(enter) and unhooked(leave):
+                raw.run(grid[0], grid[1], grid[2], self.ids.stream, raw.function, raw.packed,  # type: ignore[union-attr]
+                        None, None, None, *launch.pointers, ids, n, *raw.tail)
+            else:  # a profiler's hooks: Triton's own per-call path, which gives them their metadata
+                raw.kernel[grid](*launch.pointers, ids, n, *raw.tail)
+            return True
+        except (TypeError, IndexError, AttributeError):
+            launch.compiled[into_vllm] = None
+            self.direct = False
+            return False
+
+    def _jit_launch(self, launch: KernelLaunch, grid: tuple[int, int, int], ids: torch.Tensor, n: int,
+                    into_vllm: bool) -> None:
+        kernel = _block_copy_kernel[grid](launch.vllm, launch.pool, launch.offsets, ids, n, *launch.strides,
+                                          INTO_VLLM=into_vllm, **launch.constants)
+        if self.direct and self.config.direct_launch and all(
+                hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
+            launch.compiled[into_vllm] = RawLaunch(kernel.run, kernel.function, kernel.packed_metadata,
+                                                   (*launch.strides, *launch.constexpr_values(into_vllm)), kernel)
+
+
+def unhooked(hook: Any) -> bool:
+    """No launch hook: None, or Triton's empty ``HookChain`` (the default of Triton 3.6 and later: never None)."""
+    return hook is None or not getattr(hook, "calls", True)
 
 
 def _torch_copy(layers: list[tuple[torch.Tensor, torch.Tensor]], pool: torch.Tensor, pool_ids: Sequence[int] | np.ndarray,

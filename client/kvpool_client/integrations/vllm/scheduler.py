@@ -198,7 +198,7 @@ class KVPoolScheduler(StepCall):
         # This step's prompt blocks: appended by the next step's call, copied before its loads.
         self._saves = self._prompt_saves(scheduler_output) if self._blocks_of is not None else []
         self._step += 1
-        return meta
+        return meta.with_pairs()
 
     def _pending(self) -> bool:
         """Work for a call: stores, saves, seals and frees waiting, or a prompt seal due (SEAL_WITHIN_STEPS)."""

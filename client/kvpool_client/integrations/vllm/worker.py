@@ -23,13 +23,14 @@ import time
 from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpool_client import KVPoolClient
 
 from .block_copy import BlockCopier
 from .link import LINK_ERRORS, pool_id
-from .metadata import BlockCopy, KVPoolConnectorMetadata, KVPoolWorkerMetadata
+from .metadata import BlockCopy, KVPoolConnectorMetadata, KVPoolWorkerMetadata, pairs_of
 from .settings import ConnectorSettings, LayoutMismatchError, ModelLayout
 
 logger = logging.getLogger("kvpool_client.integrations.vllm")
@@ -158,61 +159,60 @@ class KVPoolWorker:
         """Before the forward pass: the step's stores, then its loads. The stores copy KV an earlier step
         computed (the scheduler appends a step's prompt blocks in the next step's one kvpool call), so they go
         first: vLLM may have given a preempted request's block to a request whose load, or this step's forward
-        pass, writes it -- and nothing else writes vLLM's KV between two forward passes."""
-        self._store(meta)
-        loads = [load for load in (meta.loads if meta else ()) if load.pool_blocks]
-        if not loads:
+        pass, writes it -- and nothing else writes vLLM's KV between two forward passes. Each direction's copy is
+        launched first, from the step's id arrays (``load_pairs``, ``store_pairs``: the scheduler's), the
+        bookkeeping after it."""
+        if meta is None:
             return
-        assert meta is not None
-        if not self._usable(meta):
-            self._failed(loads)
+        if meta.stores or meta.saves:
+            self._store(meta)
+        if not meta.loads:
             return
         try:
-            self._copy(loads, into_vllm=True)
+            pairs = meta.load_pairs if meta.load_pairs is not None else pairs_of(meta.loads)
+            if not pairs.shape[1]:
+                return
+            if not self._usable(meta):
+                self._failed(meta.loads)
+                return
+            self._copy(pairs, into_vllm=True)
         except Exception:  # noqa: BLE001  (any failure of a copy is a recompute, never a wrong token)
             self._log.warning("load", "KVPoolConnector: a load from kvpool failed; vLLM recomputes it", exc_info=True)
-            self._failed(loads)
+            self._failed(meta.loads)
             return
-        self.blocks_loaded += sum(len(load.pool_blocks) for load in loads)
+        self.blocks_loaded += pairs.shape[1]
 
     def _failed(self, loads: list[BlockCopy]) -> None:
         for load in loads:
             self._load_errors.update(load.vllm_blocks)
 
-    def _store(self, meta: KVPoolConnectorMetadata | None) -> None:
+    def _store(self, meta: KVPoolConnectorMetadata) -> None:
         """The step's stores (finished requests: each answered in ``finished_sending``) and saves (running
         requests' prompt blocks, computed by an earlier step's forward pass), in one copy."""
-        stores = list(meta.stores if meta else ())
-        self._finished_stores.update(store.req_id for store in stores)
-        stores = [store for store in stores + list(meta.saves if meta else ()) if store.pool_blocks]
-        if not stores:
-            return
-        assert meta is not None
         try:
-            if not self._usable(meta):
-                raise ConnectionError("kvpool's pool is not the scheduler's or its server is gone")
-            self._copy(stores, into_vllm=False)
-            if self._pool_tensor is not None and self._pool_tensor.is_cuda:
-                torch.cuda.current_stream().synchronize()  # in the pool before finished_sending lets it seal
+            pairs = meta.store_pairs if meta.store_pairs is not None else pairs_of([*meta.stores, *meta.saves])
+            if pairs.shape[1]:
+                if not self._usable(meta):
+                    raise ConnectionError("kvpool's pool is not the scheduler's or its server is gone")
+                self._copy(pairs, into_vllm=False)
+                if self._pool_tensor is not None and self._pool_tensor.is_cuda:
+                    torch.cuda.current_stream().synchronize()  # in the pool before finished_sending lets it seal
         except Exception as error:  # noqa: BLE001  (a store that fails is a later miss: never sealed)
             self._log.warning("store", "KVPoolConnector: a store into kvpool failed (%s: %s)", type(error).__name__,
                               error)
-            self._failed_stores.update(store.req_id for store in stores)
+            self._failed_stores.update(s.req_id for s in chain(meta.stores, meta.saves) if s.pool_blocks)
+            self._finished_stores.update(store.req_id for store in meta.stores)
             return
-        self.blocks_stored += sum(len(store.pool_blocks) for store in stores)
+        self._finished_stores.update(store.req_id for store in meta.stores)
+        self.blocks_stored += pairs.shape[1]
 
-    def _copy(self, copies: list[BlockCopy], *, into_vllm: bool) -> None:
+    def _copy(self, pairs: np.ndarray, *, into_vllm: bool) -> None:
         assert self._pool_tensor is not None and self._copier is not None
         if into_vllm:
             fault = os.environ.get(FAULT_FILE_ENV)
             if fault and os.path.exists(fault):
                 raise RuntimeError(f"a load failure injected by the test ({FAULT_FILE_ENV})")
-        if len(copies) == 1:  # the common case: the tuples as they came
-            pool_ids, vllm_ids = copies[0].pool_blocks, copies[0].vllm_blocks
-        else:
-            pool_ids = tuple(chain.from_iterable(c.pool_blocks for c in copies))
-            vllm_ids = tuple(chain.from_iterable(c.vllm_blocks for c in copies))
-        self._copier.copy(self._pool_tensor, pool_ids, vllm_ids, into_vllm=into_vllm)
+        self._copier.copy_pairs(self._pool_tensor, pairs, into_vllm=into_vllm)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done, self._finished_stores = self._finished_stores, set()

@@ -1,0 +1,140 @@
+/* kvpool._block_hash: the loops of kvpool.block_hash (chain_hashes, hash_many) over OpenSSL's SHA-256, the GIL
+ * released while a long run hashes. The encoding is defined once, in block_hash.py's docstring; this file only
+ * concatenates the pieces that module hands it, in the order it names:
+ *
+ *     digest = sha256( prefix || parent || header || block_tokens )
+ *
+ *   chain(prefix, parent, data, block_bytes, header_public, num_public, header) -> list[bytes]
+ *       the digests of data's whole blocks of block_bytes each, chained from parent: block i's parent is block
+ *       i - 1's digest; the first num_public blocks with header_public, the rest with header
+ *   many(prefix, parents, headers, blocks) -> list[bytes]
+ *       one digest for each (parent, header, block) of three equally long lists of bytes
+ *
+ * The bytes hashed are the same as block_hash.py's loops hash (tests/common/test_block_hash_native.py compares
+ * both on random input); block_hash.py uses this module when it is built, its own loops otherwise.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <openssl/sha.h>
+#include <string.h>
+
+#define DIGEST 32
+#define RELEASE_GIL_BYTES 8192 /* below this (~20 us of hashing), releasing the GIL costs more than it frees */
+
+/* SHA256_Init/Update/Final: OpenSSL 3 marks them deprecated in favour of EVP, whose per-digest provider lookups
+ * cost more than a 130-byte block's hashing; they remain part of its API. */
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+static void digest4(const unsigned char *a, size_t na, const unsigned char *b, size_t nb,
+                    const unsigned char *c, size_t nc, const unsigned char *d, size_t nd, unsigned char *out) {
+    SHA256_CTX ctx;
+    SHA256_Init(&ctx);
+    SHA256_Update(&ctx, a, na);
+    SHA256_Update(&ctx, b, nb);
+    SHA256_Update(&ctx, c, nc);
+    SHA256_Update(&ctx, d, nd);
+    SHA256_Final(out, &ctx);
+}
+
+static PyObject *digests_to_list(const unsigned char *out, Py_ssize_t n) {
+    PyObject *list = PyList_New(n);
+    if (list == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyBytes_FromStringAndSize((const char *)out + i * DIGEST, DIGEST);
+        if (item == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+static PyObject *chain(PyObject *self, PyObject *args) {
+    Py_buffer prefix, parent, data, hpub, head;
+    Py_ssize_t block_bytes, num_public;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*ny*ny*", &prefix, &parent, &data, &block_bytes, &hpub, &num_public, &head))
+        return NULL;
+    if (parent.len != DIGEST || block_bytes <= 0 || num_public < 0) {
+        PyErr_SetString(PyExc_ValueError, "chain: parent must be 32 bytes, block_bytes > 0, num_public >= 0");
+        goto done;
+    }
+    Py_ssize_t n = data.len / block_bytes;
+    unsigned char *out = PyMem_Malloc(n ? (size_t)n * DIGEST : 1);
+    if (out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const unsigned char *p = prefix.buf, *tokens = data.buf;
+    int release = data.len >= RELEASE_GIL_BYTES;
+    PyThreadState *state = release ? PyEval_SaveThread() : NULL;
+    const unsigned char *prev = parent.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_buffer *h = i < num_public ? &hpub : &head;
+        digest4(p, prefix.len, prev, DIGEST, h->buf, h->len, tokens + i * block_bytes, block_bytes, out + i * DIGEST);
+        prev = out + i * DIGEST;
+    }
+    if (release) PyEval_RestoreThread(state);
+    result = digests_to_list(out, n);
+    PyMem_Free(out);
+done:
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&hpub);
+    PyBuffer_Release(&head);
+    return result;
+}
+
+static PyObject *many(PyObject *self, PyObject *args) {
+    Py_buffer prefix;
+    PyObject *parents, *headers, *blocks, *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*OOO", &prefix, &parents, &headers, &blocks)) return NULL;
+    PyObject *ps = PySequence_Fast(parents, "many: parents must be a sequence");
+    PyObject *hs = ps ? PySequence_Fast(headers, "many: headers must be a sequence") : NULL;
+    PyObject *bs = hs ? PySequence_Fast(blocks, "many: blocks must be a sequence") : NULL;
+    if (bs == NULL) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ps);
+    if (PySequence_Fast_GET_SIZE(hs) != n || PySequence_Fast_GET_SIZE(bs) != n) {
+        PyErr_SetString(PyExc_ValueError, "many: parents, headers and blocks must be equally long");
+        goto done;
+    }
+    result = PyList_New(n);
+    if (result == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PySequence_Fast_GET_ITEM(ps, i), *h = PySequence_Fast_GET_ITEM(hs, i);
+        PyObject *b = PySequence_Fast_GET_ITEM(bs, i);
+        if (!PyBytes_Check(p) || !PyBytes_Check(h) || !PyBytes_Check(b)) {
+            PyErr_SetString(PyExc_TypeError, "many: every parent, header and block must be bytes");
+            Py_CLEAR(result);
+            goto done;
+        }
+        unsigned char out[DIGEST];
+        digest4(prefix.buf, prefix.len, (const unsigned char *)PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p),
+                (const unsigned char *)PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h),
+                (const unsigned char *)PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b), out);
+        PyObject *item = PyBytes_FromStringAndSize((const char *)out, DIGEST);
+        if (item == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, item);
+    }
+done:
+    Py_XDECREF(ps);
+    Py_XDECREF(hs);
+    Py_XDECREF(bs);
+    PyBuffer_Release(&prefix);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"chain", chain, METH_VARARGS, "chain(prefix, parent, data, block_bytes, header_public, num_public, header)"},
+    {"many", many, METH_VARARGS, "many(prefix, parents, headers, blocks)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_hash", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__block_hash(void) { return PyModule_Create(&module); }

@@ -1,0 +1,6 @@
+# The C loops of kvpool.block_hash (_block_hash.c): chain_loop and many_loop's signatures.
+from collections.abc import Sequence
+
+def chain(prefix: bytes, parent: bytes, data: bytes, block_bytes: int, header_public: bytes, num_public: int,
+          header: bytes, /) -> list[bytes]: ...
+def many(prefix: bytes, parents: Sequence[bytes], headers: Sequence[bytes], blocks: Sequence[bytes], /) -> list[bytes]: ...
