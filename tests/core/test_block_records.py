@@ -1,5 +1,6 @@
-"""BlockRecords (core/block_records.py): read and written as a dict of CachedBlock; ``pop_hash`` and ``copy_from``
-(the host tier's write-back: a slot takes a pool block's record as it is) keep its invariant."""
+"""BlockRecords (core/block_records.py): read and written as a dict of CachedBlock; ``pop_hash``, ``pop_records``
+(an eviction's) and ``copy_from`` (the host tier's write-back: a slot takes a pool block's record as it is) keep its
+invariant."""
 
 from __future__ import annotations
 
@@ -31,3 +32,16 @@ def test_pop_hash_and_copy_from_read_and_write_as_the_mapping_does() -> None:
         tier.copy_from(-1, pool, 3)
     assert list(tier) == [0]
     tier.check_invariants()
+
+
+def test_pop_records_takes_the_records_in_order_or_nothing() -> None:
+    records = BlockRecords(6)
+    for i in (4, 1, 5, 2):
+        records[i] = entry(i)
+    with pytest.raises(KeyError):
+        records.pop_records([5, 3])  # 3 is not held: nothing taken
+    assert list(records) == [4, 1, 5, 2]
+    taken = records.pop_records([5, 4])
+    assert [CachedBlock(*r) for r in taken] == [entry(5), entry(4)] and all(r.__class__ is tuple for r in taken)
+    assert list(records) == [1, 2] and records.records[5] is None and records.records[4] is None
+    records.check_invariants()

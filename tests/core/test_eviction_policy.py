@@ -68,7 +68,7 @@ def test_lrfu_remembers_an_evicted_blocks_count_by_hash_within_its_ghost_limit()
     first_rank = policy.rank[0]
     assert policy.victims(evictable, 1) == [0]
     del evictable[0]
-    policy.evicted([0], [entries[0]])
+    policy.evicted([0], [entries[0].block_hash])
     assert list(policy.ghost) == [entry(7).block_hash]
     assert policy.stamp[0] == -1 and not policy.known[0]
     entries[2] = entry(7)  # the same content recomputed into block 2: its count resumes

@@ -82,6 +82,19 @@ class BlockRecords(Mapping[int, CachedBlock]):
         record, self.records[key] = self.records[key], None
         return record[0]
 
+    def pop_records(self, keys: list[int]) -> list[Any]:
+        """The records (plain tuples of a CachedBlock's fields, not CachedBlocks) of ``keys`` -- distinct, every one
+        held -- in order, and none of them held any more: an eviction's, which reads the hashes (``[0]``) and makes
+        CachedBlocks only where a keeper takes them."""
+        order, records = self.order, self.records
+        taken = list(map(records.__getitem__, keys))
+        if None in taken:  # before anything changes: a key not held
+            raise KeyError(keys[taken.index(None)])
+        for key in keys:
+            del order[key]
+            records[key] = None
+        return taken
+
     def copy_from(self, key: int, other: Mapping[int, CachedBlock], other_key: int) -> None:
         """``self[key] = other[other_key]``; when ``other`` is a BlockRecords too, its record itself (a tuple:
         shared, never copied or made a CachedBlock)."""

@@ -38,8 +38,8 @@ class EvictionPolicy(Protocol):
     def victims(self, evictable: OrderedDict[int, None], num: int) -> list[int]:
         """``num`` (<= len(evictable)) distinct evictable blocks to evict, the first to go first."""
 
-    def evicted(self, block_ids: list[int], entries: list[CachedBlock]) -> None:
-        """``block_ids`` (with the ``entries`` they held) left the cache."""
+    def evicted(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        """``block_ids`` (with the ``hashes`` of what they held) left the cache."""
 
     def check_invariants(self, evictable: OrderedDict[int, None]) -> None:
         """Raises InvariantViolationError where the policy's own invariants (its class docstring) do not hold."""
@@ -59,7 +59,7 @@ class LruEviction:
     def victims(self, evictable: OrderedDict[int, None], num: int) -> list[int]:
         return list(islice(evictable, num))  # oldest first
 
-    def evicted(self, block_ids: list[int], entries: list[CachedBlock]) -> None:
+    def evicted(self, block_ids: list[int], hashes: list[bytes]) -> None:
         pass
 
     def check_invariants(self, evictable: OrderedDict[int, None]) -> None:

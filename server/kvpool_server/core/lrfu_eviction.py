@@ -166,16 +166,16 @@ class LrfuEviction:
             self.stamp[np.array(out, dtype=np.int64)] = -1
         return out
 
-    def evicted(self, block_ids: list[int], entries: list[CachedBlock]) -> None:
+    def evicted(self, block_ids: list[int], hashes: list[bytes]) -> None:
         ghost = self.ghost
         if len(block_ids) <= SMALL:
             rank, known = self.rank, self.known
-            for block_id, entry in zip(block_ids, entries):
-                ghost[entry.block_hash] = rank.item(block_id)
+            for block_id, block_hash in zip(block_ids, hashes):
+                ghost[block_hash] = rank.item(block_id)
                 known[block_id] = False
         else:
             ids = np.array(block_ids, dtype=np.int64)
-            ghost.update(zip(map(_hash_of, entries), self.rank[ids].tolist()))  # victims are parked: ``known``
+            ghost.update(zip(hashes, self.rank[ids].tolist()))  # victims are parked: ``known``
             self.known[ids] = False
         if len(ghost) > self.ghost_limit:  # the oldest go (a dict keeps insertion order)
             self.ghost = dict(islice(ghost.items(), len(ghost) - self.ghost_keep, None))

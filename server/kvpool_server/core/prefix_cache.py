@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from kvpool_server.core.types import EvictedBlocks
 
 __all__ = ["CachedBlock", "PrefixCache"]
 
-_BLOCK_HASH, _SALT = attrgetter("block_hash"), attrgetter("salt")
+_BLOCK_HASH, _SALT, _FIRST = attrgetter("block_hash"), attrgetter("salt"), itemgetter(0)
 
 
 class PrefixCache:
@@ -191,19 +192,19 @@ class PrefixCache:
         With ``keep_evictions``, they and their content are recorded for the call's plan (a keeper stores them
         before anyone writes into the returned blocks, and reports the hashes it does not keep); else their hashes
         are reported removed."""
-        evictable, by_block, block_of_hash = self.evictable, self.entries, self.block_of_hash
+        evictable, block_of_hash = self.evictable, self.block_of_hash
         block_ids = self.policy.victims(evictable, num)
         for block_id in block_ids:
             del evictable[block_id]
-        spilled = [by_block.pop(block_id) for block_id in block_ids]
-        self.policy.evicted(block_ids, spilled)
-        hashes = [entry.block_hash for entry in spilled]
+        records = self.entries.pop_records(block_ids)  # plain tuples: a CachedBlock made only for a keeper
+        hashes = list(map(_FIRST, records))  # each record's block_hash
+        self.policy.evicted(block_ids, hashes)
         for block_hash_i in hashes:
             del block_of_hash[block_hash_i]
         evicted = np.array(block_ids, dtype=np.int32)
         if self.keeps_evictions:
             self.evicted_ids.extend(block_ids)
-            self.evicted_entries.extend(spilled)
+            self.evicted_entries.extend(map(tuple.__new__, repeat(CachedBlock), records))
         elif self.events is not None and hashes:
             self.events.append(BlockRemoved(tuple(hashes)))
         self.is_cached[evicted] = False

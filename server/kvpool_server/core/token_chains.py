@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain as chained
 from itertools import repeat
 
 import numpy as np
 
 from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded, hash_many
-from kvpool_server.core.chain import NO_PENDING, Chain, SharedPending
+from kvpool_server.core.chain import NO_PENDING, Chain, PendingBlocks, SharedPending
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
@@ -133,10 +134,10 @@ class TokenChains:
                 self._hash_filled(filled)
             return public
         sizes = np.broadcast_to(counts, rows.shape)
-        ends = np.cumsum(sizes).tolist()
-        for i, (row, is_tracked) in enumerate(zip(rows.tolist(), tracked.tolist())):
-            if is_tracked:
-                self._extend(row, token_ids[ends[i] - sizes.item(i) : ends[i]])
+        ends = np.cumsum(sizes)
+        if not all_tracked:
+            rows, sizes, ends = rows[tracked], sizes[tracked], ends[tracked]
+        self._extend(rows, sizes, ends, token_ids)
         return public
 
     def _seal(self, row_array: np.ndarray, table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
@@ -159,6 +160,9 @@ class TokenChains:
             self.has_pending[row_array] = False
             for k in cache.insert_many(block_ids, entries):
                 public.append((rows[k], block_ids[k]))
+            return
+        if SharedPending not in {p.__class__ for p in pendings}:  # no fork shares them (a prefill's seal)
+            self._seal_own(row_array, chains, pendings, table, cache, public)
             return
         block_ids = []
         entries = []
@@ -185,22 +189,53 @@ class TokenChains:
             for k in cache.insert_many(block_ids, entries):
                 public.append((owners[k], block_ids[k]))
 
-    def _extend(self, row: int, token_ids: np.ndarray) -> None:
-        """Add ``token_ids`` to the (sealed: nothing pending) chain of ``row``: its new full blocks become a new
-        ``pending``, the rest its partial tokens."""
-        bs, fill = self.block_size, self.fill.item(row)
-        if fill + token_ids.size < bs:
-            self.partial[row, fill : fill + token_ids.size] = token_ids
-            self.fill[row] = fill + token_ids.size
-            return
-        tokens = np.concatenate([self.partial[row, :fill], token_ids]) if fill else token_ids
-        num_full = tokens.size // bs
-        chain, full = self.chains[row], tokens[: num_full * bs].astype(U32, copy=False).tobytes()
-        known = self.prompts.take(row, chain.num_sealed, chain.sealed_hash, full) if self.prompts.entries else []
-        self._hash_blocks(row, chain, full, known)
-        rest = tokens[num_full * bs :]
-        self.partial[row, : rest.size] = rest
-        self.fill[row] = rest.size
+    def _seal_own(self, row_array: np.ndarray, chains: list[Chain], pendings: list[PendingBlocks], table: np.ndarray,
+                  cache: PrefixCache, public: list[tuple[int, int]]) -> None:
+        """``_seal`` of rows whose pending blocks are their own (no ``SharedPending``; a prefill's seal: a prompt's
+        blocks each): every row's pending blocks gathered from the table in one index (the row repeated, its logical
+        blocks from ``num_sealed`` on), the entries in one list, one ``insert_many``."""
+        counts = np.fromiter(map(len, pendings), dtype=np.intp, count=len(pendings))
+        firsts = np.fromiter([chain.num_sealed for chain in chains], dtype=np.intp, count=len(chains))
+        owners = np.repeat(row_array, counts)
+        ends = np.cumsum(counts)
+        columns = np.arange(owners.size) + np.repeat(firsts - (ends - counts), counts)  # num_sealed, num_sealed + 1, ..
+        block_ids = table[owners, columns].tolist()
+        for chain, pending in zip(chains, pendings):
+            chain.num_sealed += len(pending)
+            chain.sealed_hash = pending[-1][0]  # its block_hash
+            chain.pending = NO_PENDING
+        self.has_pending[row_array] = False
+        for k in cache.insert_many(block_ids, list(chained.from_iterable(pendings))):
+            public.append((owners.item(k), block_ids[k]))
+
+    def _extend(self, rows: np.ndarray, sizes: np.ndarray, ends: np.ndarray, token_ids: np.ndarray) -> None:
+        """Add to the (sealed: nothing pending) chain of each of ``rows`` (distinct, tracked) its ``sizes`` tokens,
+        those of ``token_ids`` that end at ``ends``: a row's new full blocks become its new ``pending``
+        (``_hash_blocks``, row by row: their bytes one slice of the append's), the rest its partial tokens (written
+        for all rows in one scatter)."""
+        bs = self.block_size
+        fills = self.fill.take(rows)
+        totals = fills + sizes
+        rests = totals % bs
+        filling = totals >= bs
+        if np.count_nonzero(filling):
+            data, prompts, chains = token_ids.astype(U32, copy=False).tobytes(), self.prompts, self.chains
+            starts = ends - sizes
+            for row, fill, start, stop in zip(rows[filling].tolist(), fills[filling].tolist(),
+                                              starts[filling].tolist(), (ends - rests)[filling].tolist()):
+                full = data[start * 4 : stop * 4]  # the new full blocks' tokens, after the row's partial ones
+                if fill:
+                    full = self.partial[row, :fill].astype(U32, copy=False).tobytes() + full
+                chain = chains[row]
+                known = prompts.take(row, chain.num_sealed, chain.sealed_hash, full) if prompts.entries else []
+                self._hash_blocks(row, chain, full, known)
+        lengths = np.where(filling, rests, sizes)  # the tokens each row's partial block takes
+        num = int(lengths.sum())
+        if num:  # a row that filled a block keeps its last ``rests`` tokens from offset 0; another adds at ``fill``
+            offsets = np.arange(num) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            self.partial[np.repeat(rows, lengths), np.repeat(np.where(filling, 0, fills), lengths) + offsets] = \
+                token_ids[np.repeat(ends - lengths, lengths) + offsets]
+        self.fill[rows] = rests
 
     def _hash_filled(self, rows: np.ndarray) -> None:
         """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0, nothing
