@@ -20,6 +20,11 @@ The bounds are computed on the device from ``spans.cu_k`` (the CUDA graph of a p
 each prompt's lengths); ``n`` and the bucket's largest context are the plan's static sizes. ``S`` is chosen so the
 two calls have at most two programs a multiprocessor, each piece at least ``MIN_PIECE_KEYS`` keys, at most
 ``MAX_PIECES`` (``pieces_for``). ``KVPOOL_ENGINE_SPLIT_KV=0`` turns it off (the benchmarks' same-run comparison).
+
+Where Triton runs (CUDA, fp16 / bf16, a power-of-two head size), the pieces and the own keys are not the two flash
+calls but one launch of ``split_kv_triton`` (the query heads of a KV head together: each tile of keys read once
+for the group), merged the same way; the flash calls are its fallback (``KVPOOL_ENGINE_SPLIT_KV=flash`` forces
+them; a Triton that fails to compile it falls back for good on that device).
 """
 
 from __future__ import annotations
