@@ -33,7 +33,10 @@ except ImportError:  # CPU-only installs: split_kv's flash path or the math path
     triton = None
 
 LOG2E = 1.0 / math.log(2.0)
-CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}  # H200: bench_split_kv.py
+# H200, 256 new tokens over 4,352 keys, with the merge, in a CUDA graph (bench_split_kv.py --variants): this config
+# 58.2 us with 4 pieces, 54.3 with 2; 128 x 128 tiles, 2 stages 60.3 / 56.1; 64 x 64 tiles, 4 warps 54.7 / 50.8
+# (not the default yet: its engine tests and TTFT not run); 128 x 64, 4 warps 92.7 / 87.4. The flash split: 102.3.
+CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 if triton is not None:
 
