@@ -46,6 +46,8 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--context", type=int, default=4352)
     parser.add_argument("--bucket", type=int, default=8192)
+    parser.add_argument("--variants", action="store_true",
+                        help="also the other kernels (bench_split_kv_variants.py): Triton, cuDNN, FlexAttention")
     args = parser.parse_args()
     import torch  # noqa: PLC0415
 
@@ -74,6 +76,10 @@ def main() -> int:
                 split_kv._flash(q, k, v, p.cu_q[:2], p.cu_own, n, n, True, scale)))
             print(f"  {pieces:2d} pieces: {t * 1e3:7.1f} us ({one / t:.2f}x), of which the two flash calls and the "
                   f"repeat {flash_only * 1e3:6.1f} us{'  <- chosen' if pieces == chosen else ''}")
+    if args.variants:
+        from bench_split_kv_variants import variants  # noqa: PLC0415
+
+        variants(torch, mean_ms, q, k, v, n, m, args.bucket, scale)
     blocks = torch.zeros(600, 32, 2, 16, 8, 128, device=dev, dtype=torch.float16)
     try:
         import kvpool_client.kernels.torch_ops  # noqa: F401, PLC0415  (registers kvpool::read_layer)

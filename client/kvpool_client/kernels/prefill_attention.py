@@ -11,7 +11,8 @@ per prefill), then
   (``aten::_flash_attention_forward``, the kernel behind SDPA's flash backend, given the cumulative lengths):
   causal aligned to the bottom right (query i of a span of n over a context of m sees keys 0 .. m - n + i), KV
   heads shared by ``group`` query heads inside the kernel (no repeat), no score matrix in memory; a single span of
-  few new tokens over a long context is split over its keys instead (``split_kv``: two calls and a merge);
+  few new tokens over a long context is split over its keys instead (``split_kv``: one Triton launch, or two
+  flash calls, and a merge);
 - elsewhere (the CPU, float32, a build without flash), per span: the KV heads repeated ``group`` times and SDPA
   with the boolean causal mask offset to the new tokens' positions (PyTorch's math path).
 

@@ -20,23 +20,32 @@ The bounds are computed on the device from ``spans.cu_k`` (the CUDA graph of a p
 each prompt's lengths); ``n`` and the bucket's largest context are the plan's static sizes. ``S`` is chosen so the
 two calls have at most two programs a multiprocessor, each piece at least ``MIN_PIECE_KEYS`` keys, at most
 ``MAX_PIECES`` (``pieces_for``). ``KVPOOL_ENGINE_SPLIT_KV=0`` turns it off (the benchmarks' same-run comparison).
+
+Where Triton runs (CUDA, fp16 / bf16, a power-of-two head size), the pieces and the own keys are not the two flash
+calls but one launch of ``split_kv_triton`` (the query heads of a KV head together: each tile of keys read once
+for the group), merged the same way; the flash calls are its fallback (``KVPOOL_ENGINE_SPLIT_KV=flash`` forces
+them; a Triton that fails to compile it falls back for good on that device).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
 
+from kvpool_client.kernels import split_kv_triton
+
 MIN_PIECE_KEYS = 512
 MAX_PIECES = 16
 QUERY_BLOCK = 128  # the queries a flash program takes (FlashAttention 2, head size <= 128 on sm80/sm90)
 PROGRAMS_PER_SM = 2
 ENV = "KVPOOL_ENGINE_SPLIT_KV"
+_triton_broken: set[str] = set()  # devices where split_kv_triton raised once
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class SplitPlan:
     cu_k: torch.Tensor
     cu_own: torch.Tensor
     max_piece: int
+    kernel: str = "flash"
 
 
 @lru_cache(maxsize=8)
@@ -70,20 +80,23 @@ def pieces_for(n: int, max_k: int, num_heads: int, sms: int) -> int:
 def split_plan(spans: Any, num_heads: int, device: torch.device) -> SplitPlan | None:
     """The plan for ``spans`` (``prefill_attention.PrefillSpans``): one span only, on CUDA, when more than one
     piece pays; else None."""
-    if len(spans.spans) != 1 or device.type != "cuda" or os.environ.get(ENV, "1") == "0":
+    choice = os.environ.get(ENV, "1")
+    if len(spans.spans) != 1 or device.type != "cuda" or choice == "0":
         return None
     pieces = pieces_for(spans.max_q, spans.max_k, num_heads, _multiprocessors(device))
-    return make_plan(spans.cu_k, spans.max_q, spans.max_k, pieces) if pieces >= 2 else None
+    kernel = "triton" if split_kv_triton.triton is not None and choice != "flash" else "flash"
+    return make_plan(spans.cu_k, spans.max_q, spans.max_k, pieces, kernel) if pieces >= 2 else None
 
 
-def make_plan(cu_k: torch.Tensor, n: int, max_k: int, pieces: int) -> SplitPlan:
-    """The plan of one span of ``n`` queries over ``cu_k[1]`` keys (at most ``max_k``) in ``pieces`` pieces."""
+def make_plan(cu_k: torch.Tensor, n: int, max_k: int, pieces: int, kernel: str = "flash") -> SplitPlan:
+    """The plan of one span of ``n`` queries over ``cu_k[1]`` keys (at most ``max_k``) in ``pieces`` pieces, run by
+    ``kernel`` ("flash": two varlen flash calls; "triton": ``split_kv_triton``'s one launch)."""
     cu_k = cu_k.to(torch.int32)
     p = cu_k[1:2] - n  # the keys before every query: on the device (a graph's spans carry each prompt's there)
     steps = torch.arange(pieces + 1, dtype=torch.int32, device=cu_k.device)
     bounds = torch.div(p * steps, pieces, rounding_mode="floor").to(torch.int32)
     return SplitPlan(pieces, n, steps * n, bounds, torch.cat([p, cu_k[1:2]]).to(torch.int32),
-                     math.ceil((max_k - n) / pieces) + 1)
+                     math.ceil((max_k - n) / pieces) + 1, kernel)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
@@ -107,8 +120,15 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Spl
                     scale: float) -> torch.Tensor:
     """The causal attention of one span's ``q`` [n, Hq, D] over ``k``/``v`` [m, Hkv, D] (bottom-right aligned),
     as ``plan`` splits it."""
-    n, heads, _ = q.shape
+    n, heads, dim = q.shape
     s = plan.pieces
+    if plan.kernel == "triton" and split_kv_triton.supported(q, k) and str(q.device) not in _triton_broken:
+        try:
+            out, lse = split_kv_triton.pieces_attention(q, k, v, plan.cu_own, s, scale)
+            return merge(out[:s].view(s * n, heads, dim), out[s], lse)
+        except Exception as exc:  # noqa: BLE001  (a Triton build that cannot compile it: the flash calls from now on)
+            _triton_broken.add(str(q.device))
+            warnings.warn(f"split_kv_triton failed ({exc!r:.200}); the flash split from now on", stacklevel=2)
     o_pieces, lse_pieces = _flash(q.repeat(s, 1, 1), k, v, plan.cu_q, plan.cu_k, n, plan.max_piece, False, scale)
     o_own, lse_own = _flash(q, k, v, plan.cu_q[:2], plan.cu_own, n, n, True, scale)
     lse = torch.cat([_lse_by_piece(lse_pieces, heads, s, n), _lse_by_piece(lse_own, heads, 1, n)], dim=1)
