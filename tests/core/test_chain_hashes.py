@@ -90,3 +90,19 @@ def test_bad_arguments_raise_the_same_errors(loop: str) -> None:
         many(b"", [bytes(32)], [b"", b""], [b"x"])  # lists of different lengths
     with pytest.raises(TypeError):
         many(b"", [bytes(32)], [b""], ["not bytes"])
+
+
+@needs_native
+def test_chain_hashes_and_hash_many_alike_on_either_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an install without the C module computes (block_hash's dispatch to the Python loops) is what one with
+    it computes: a prompt of public, tenant and partial blocks; a decode step's blocks of several chains."""
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 2**32, 16 * 40 + 5, dtype=np.uint64).astype(np.uint32)
+    parents = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(9)]
+    headers = [block_header(b"t", b"lora", 16)] * 9
+    blocks = [rng.integers(0, 2**32, 16, dtype=np.uint64).astype(np.uint32).tobytes() for _ in range(9)]
+    with_c = (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_many(parents, headers, blocks))
+    monkeypatch.setattr(reference, "_chain", reference.chain_loop)
+    monkeypatch.setattr(reference, "_many", reference.many_loop)
+    assert (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_many(parents, headers, blocks)) == with_c
+    assert len(with_c[0]) == 40
