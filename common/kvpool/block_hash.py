@@ -17,7 +17,7 @@ blocks after it continue the same chain (parent = the last public hash) with the
 The loops of ``chain_hashes`` and ``hash_many`` run in ``kvpool._block_hash`` (C over OpenSSL's SHA-256, the GIL
 released while a long prompt hashes) where the install built it, and in Python otherwise, or when
 ``KVPOOL_NATIVE_HASH=0``; both hash the bytes this module assembles (the extension only concatenates the pieces it
-is given), and tests/common/test_block_hash_native.py compares them. ``NATIVE`` says which runs.
+is given), and tests/core/test_chain_hashes.py compares them. ``NATIVE`` says which runs.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ whatever, write only the scratch slot and are never read. Only the flash path is
 ``cu_k`` on the device; the math path reads them on the host).
 
 Bounds: at most ``len(token buckets) x len(context buckets)`` graphs (16..1024 tokens: 7; 256..max_context: one per
-power of two up to CONTEXT_FINE_FROM, eight per power of two above it), sharing one memory pool whose size is that of the largest bucket's forward; a bucket whose capture
-fails is run eagerly from then on.
+power of two up to CONTEXT_FINE_FROM, eight per power of two above it), sharing one memory pool whose size is that
+of the largest bucket's forward; a bucket whose capture fails is run eagerly from then on.
 """
 
 from __future__ import annotations
