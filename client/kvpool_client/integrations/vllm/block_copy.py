@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool_client.integrations.vllm.block_pairs import check_pairs, pair_ids
 from kvpool_client.integrations.vllm.copy_config import CopyConfig, IdStages, KernelLaunch, RawLaunch
 
 try:
@@ -116,33 +117,6 @@ def common_alignment(offsets: list[int], element_size: int) -> int:
     while align > 1 and any(o % align for o in offsets):
         align //= 2
     return align
-
-
-def pair_ids(pool_ids: Sequence[int] | np.ndarray, vllm_ids: Sequence[int] | np.ndarray, pool_blocks: int,
-             vllm_blocks: int) -> np.ndarray:
-    """The copy's pairs as one int64 array [2, n] (row 0 the pool's ids, row 1 vLLM's), each checked against its
-    side's block count (``ValueError`` names the side)."""
-    pairs = np.array((pool_ids, vllm_ids), dtype=np.int64) if len(pool_ids) == len(vllm_ids) else None
-    if pairs is None or pairs.ndim != 2:
-        raise ValueError("a copy pairs a different number of pool and vLLM blocks")
-    if pairs.shape[1]:
-        low, high = pairs.min(axis=1), pairs.max(axis=1)
-        for row, (name, limit) in enumerate((("pool", pool_blocks), ("vLLM", vllm_blocks))):
-            if low[row] < 0 or high[row] >= limit:
-                raise ValueError(f"a copy names a {name} block outside 0..{limit - 1}")
-    return pairs
-
-
-def check_pairs(pairs: np.ndarray, pool_blocks: int, vllm_blocks: int) -> None:
-    """``pair_ids``'s checks of an int64 array [2, n] made already (``metadata.pairs_of``): one pass over it (a
-    negative id, read as unsigned, is above every bound)."""
-    if not isinstance(pairs, np.ndarray) or pairs.dtype != np.int64 or pairs.ndim != 2 or pairs.shape[0] != 2:
-        raise ValueError("a copy's pairs are not an int64 array [2, n]")
-    if pairs.shape[1]:
-        high = pairs.view(np.uint64).max(axis=1)
-        if high[0] >= pool_blocks or high[1] >= vllm_blocks:
-            pair_ids(pairs[0], pairs[1], pool_blocks, vllm_blocks)  # the error that names the side
-            raise AssertionError("unreachable: pair_ids accepted ids check_pairs refused")
 
 
 class BlockCopier:
