@@ -35,6 +35,7 @@ def profiled(run: Callable[[], Any], name: str) -> Any:
         return run()
     finally:
         profile.disable()
+        os.makedirs(OUT, exist_ok=True)
         profile.dump_stats(os.path.join(OUT, name))
 
 
