@@ -1,0 +1,178 @@
+"""CachedRecords: what each cached pool block's hash was computed from, by block id -- its token ids in one
+``[num_blocks, block_size]`` array, the rest in a plain tuple -- held where the cyclic garbage collector never
+walks it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, ValuesView
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.kv_event_types import CachedBlock
+
+_as_cached_block = tuple.__new__  # (CachedBlock, fields): a CachedBlock of its fields, no argument parsing
+
+
+class CachedRecords(Mapping[int, CachedBlock]):
+    """A mapping of the pool's block ids ``[0, capacity)`` to ``CachedBlock``, read and written as a dict of them
+    is (in the order the ids were first stored), whose records cost one plain tuple a block and the garbage
+    collector nothing (docs/architecture.md, "The garbage collector").
+
+    A record is ``records[block_id] = (block_hash, parent_hash, salt, extra)``, a plain tuple of bytes (the
+    collector untracks it at the first young collection it survives), and its token ids row ``block_id`` of
+    ``tokens``: uint32 ``[capacity, block_size]``, capacity x block_size x 4 bytes (4 MiB at 65,536 blocks of 16),
+    allocated once, with the first record stored (the width of its token ids: the pool's block size; a record of
+    another width is refused). A block's tokens are written once per sealing, as one scatter for a batch
+    (``add_new``): no NumPy array, bytes object or CachedBlock a block. ``records`` is one list of ``capacity``
+    entries made with the container (``gc_policy.apply`` freezes it with the start-up heap); ``order``, ids to None,
+    keeps insertion order, membership and the count: a dict of ints, which the collector never tracks.
+
+    A read makes a CachedBlock (``[]``, ``get``, ``pop``, ``values``, a Mapping's ``items``) whose token ids are its
+    own copy: the row is rewritten when the block is cached again, and a reader (the host tier, an eviction's plan)
+    may keep it. ``hash_of`` reads one field without making one.
+
+    Invariant (``check_invariants``): ``order`` holds exactly the ids whose ``records`` entry is not None.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity: int = capacity
+        self.records: list[Any] = [None] * capacity  # (block_hash, parent_hash, salt, extra), or None
+        self.order: dict[int, None] = {}
+        self.tokens: np.ndarray = np.zeros((capacity, 0), dtype=np.uint32)  # [capacity, block_size] once used
+
+    def _tokens_of_width(self, width: int) -> np.ndarray:
+        """``tokens``, allocated for ``width`` token ids a block at the first store; ValueError for another."""
+        tokens = self.tokens
+        if tokens.shape[1] != width:
+            if tokens.shape[1] or width <= 0:
+                raise ValueError(f"a cached block holds {tokens.shape[1]} token ids, not {width}")
+            tokens = self.tokens = np.zeros((self.capacity, width), dtype=np.uint32)
+        return tokens
+
+    def check_tokens(self, tokens: np.ndarray, num: int) -> np.ndarray:
+        """``tokens`` is the token ids of ``num`` blocks (``[num, block_size]``), else ValueError; returns the store."""
+        if tokens.ndim != 2 or tokens.shape[0] != num:
+            raise ValueError(f"token ids of shape {tokens.shape} for {num} blocks")
+        return self._tokens_of_width(tokens.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __bool__(self) -> bool:
+        return bool(self.order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def _block(self, key: int) -> CachedBlock:
+        h, parent, salt, extra = self.records[key]
+        return CachedBlock(h, parent, self.tokens[key].copy(), salt, extra)
+
+    def __getitem__(self, key: int) -> CachedBlock:
+        if key not in self.order:
+            raise KeyError(key)
+        return self._block(key)
+
+    def get(self, key: int, default: CachedBlock | None = None) -> CachedBlock | None:  # type: ignore[override]
+        return self._block(key) if key in self.order else default
+
+    def hash_of(self, key: int) -> bytes:
+        """``self[key].block_hash``, without making the CachedBlock."""
+        if key not in self.order:
+            raise KeyError(key)
+        return self.records[key][0]
+
+    def __setitem__(self, key: int, entry: CachedBlock) -> None:
+        if not 0 <= key < self.capacity:
+            raise KeyError(key)
+        tokens = self._tokens_of_width(entry.token_ids.size)
+        tokens[key] = entry.token_ids
+        self.records[key] = (entry.block_hash, entry.parent_hash, entry.salt, entry.extra)
+        self.order[key] = None
+
+    def add_new(self, block_ids: list[int], fields: Iterable[tuple[bytes, bytes, bytes, bytes]],
+                tokens: np.ndarray, index: list[int] | np.ndarray | None = None) -> bool:
+        """Store the records of ``block_ids`` -- ``fields``: each one's (hash, parent, salt, extra); ``tokens``:
+        uint32 [len(block_ids), block_size], theirs in order -- when they are distinct and none is held (a
+        sealing's blocks, all new: a decode step's), in one scatter of the tokens (at ``index``: ``block_ids`` as
+        an array, when the caller has one); else store nothing and return False."""
+        order, store = self.order, self.check_tokens(tokens, len(block_ids))
+        num = len(order)
+        if not order.keys().isdisjoint(block_ids):
+            return False
+        order.update(dict.fromkeys(block_ids))
+        if len(order) - num != len(block_ids):  # a block repeated: undone
+            for block_id in block_ids:
+                order.pop(block_id, None)
+            return False
+        records = self.records
+        for block_id, record in zip(block_ids, fields):
+            records[block_id] = record
+        store[block_ids if index is None else index] = tokens
+        return True
+
+    def pop(self, key: int) -> CachedBlock:
+        entry = self[key]  # KeyError when not held
+        del self.order[key]
+        self.records[key] = None
+        return entry
+
+    def __delitem__(self, key: int) -> None:
+        self.pop(key)
+
+    def pop_hash(self, key: int) -> bytes:
+        """``self.pop(key).block_hash``, without making the CachedBlock."""
+        del self.order[key]  # KeyError when not held
+        record, self.records[key] = self.records[key], None
+        return record[0]
+
+    def pop_records(self, keys: list[int]) -> list[Any]:
+        """The records (the plain tuples, no token ids) of ``keys`` -- distinct, every one held -- in order, and none
+        of them held any more: an eviction's, which reads the hashes (``[0]``) and makes CachedBlocks (``blocks``,
+        before the rows are written again) only where a keeper takes them."""
+        order, records = self.order, self.records
+        taken = list(map(records.__getitem__, keys))
+        if None in taken:  # before anything changes: a key not held
+            raise KeyError(keys[taken.index(None)])
+        for key in keys:
+            del order[key]
+            records[key] = None
+        return taken
+
+    def blocks(self, keys: list[int], records: list[Any]) -> list[CachedBlock]:
+        """The CachedBlocks of ``records`` (``pop_records`` of ``keys``, their rows not written since): the token
+        ids of all of them one copy (each a row of it)."""
+        if not keys:
+            return []
+        return [CachedBlock(h, parent, tokens, salt, extra)
+                for (h, parent, salt, extra), tokens in zip(records, self.tokens[keys])]
+
+    def values(self) -> ValuesView[CachedBlock]:
+        return _Values(self)
+
+    def check_invariants(self) -> None:
+        if set(self.order) != {i for i, record in enumerate(self.records) if record is not None}:
+            raise InvariantViolationError("CachedRecords: the ids in order are not exactly those holding a record")
+
+
+class _Values(ValuesView[CachedBlock]):
+    """``CachedRecords.values()``: the records made CachedBlocks, the token ids of all of them one gather (a
+    snapshot reads every cached block), not one ``[]`` each."""
+
+    _mapping: CachedRecords
+
+    def __iter__(self) -> Iterator[CachedBlock]:
+        records = self._mapping
+        keys = list(records.order)
+        if not keys:
+            return iter(())
+        rows = records.tokens[keys]
+        fields = map(records.records.__getitem__, keys)
+        return map(_as_cached_block, repeat(CachedBlock),
+                   ((h, parent, tokens, salt, extra) for (h, parent, salt, extra), tokens in zip(fields, rows)))
