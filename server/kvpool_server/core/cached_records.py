@@ -25,22 +25,26 @@ class CachedRecords(Mapping[int, CachedBlock]):
     collector untracks it at the first young collection it survives), and its token ids row ``block_id`` of
     ``tokens``: uint32 ``[capacity, block_size]``, capacity x block_size x 4 bytes (4 MiB at 65,536 blocks of 16),
     allocated once, with the first record stored (the width of its token ids: the pool's block size; a record of
-    another width is refused). A block's tokens are written once per sealing, as one scatter for a batch
-    (``add_new``): no NumPy array, bytes object or CachedBlock a block. ``records`` is one list of ``capacity``
-    entries made with the container (``gc_policy.apply`` freezes it with the start-up heap); ``order``, ids to None,
-    keeps insertion order, membership and the count: a dict of ints, which the collector never tracks.
+    another width is refused). ``serial[block_id]`` (int64, 8 bytes a block) numbers the records in the order
+    they were stored, 0 where none is: the order of iteration. A sealing's blocks are stored as one scatter of
+    their tokens and one of their serials (``add_new``): no NumPy array, bytes object, CachedBlock or dict entry a
+    block. ``records`` is one list of ``capacity`` entries made with the container (``gc_policy.apply`` freezes it
+    with the start-up heap).
 
     A read makes a CachedBlock (``[]``, ``get``, ``pop``, ``values``, a Mapping's ``items``) whose token ids are its
     own copy: the row is rewritten when the block is cached again, and a reader (the host tier, an eviction's plan)
     may keep it. ``hash_of`` reads one field without making one.
 
-    Invariant (``check_invariants``): ``order`` holds exactly the ids whose ``records`` entry is not None.
+    Invariant (``check_invariants``): ``serial`` is positive exactly at the ids whose ``records`` entry is not
+    None, there distinct and below ``next_serial``, and ``num`` counts them.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity: int = capacity
         self.records: list[Any] = [None] * capacity  # (block_hash, parent_hash, salt, extra), or None
-        self.order: dict[int, None] = {}
+        self.serial: np.ndarray = np.zeros(capacity, dtype=np.int64)  # the order stored; 0: no record
+        self.next_serial: int = 1
+        self.num: int = 0
         self.tokens: np.ndarray = np.zeros((capacity, 0), dtype=np.uint32)  # [capacity, block_size] once used
 
     def _tokens_of_width(self, width: int) -> np.ndarray:
@@ -58,91 +62,125 @@ class CachedRecords(Mapping[int, CachedBlock]):
             raise ValueError(f"token ids of shape {tokens.shape} for {num} blocks")
         return self._tokens_of_width(tokens.shape[1])
 
+    def _record(self, key: object) -> Any:
+        """The record of ``key``, or None (no record, or not a block id)."""
+        if key.__class__ is not int:
+            if not isinstance(key, (int, np.integer)) or isinstance(key, bool):
+                return None
+            key = int(key)
+        return self.records[key] if 0 <= key < self.capacity else None
+
     def __len__(self) -> int:
-        return len(self.order)
+        return self.num
 
     def __bool__(self) -> bool:
-        return bool(self.order)
+        return self.num > 0
 
     def __contains__(self, key: object) -> bool:
-        return key in self.order
+        return self._record(key) is not None
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order)
+        return iter(self.ordered())
 
-    def _block(self, key: int) -> CachedBlock:
-        h, parent, salt, extra = self.records[key]
+    def ordered(self) -> list[int]:
+        """The ids holding a record, in the order stored."""
+        held = np.flatnonzero(self.serial)
+        return held[np.argsort(self.serial[held], kind="stable")].tolist()
+
+    def _block(self, key: int, record: Any) -> CachedBlock:
+        h, parent, salt, extra = record
         return CachedBlock(h, parent, self.tokens[key].copy(), salt, extra)
 
     def __getitem__(self, key: int) -> CachedBlock:
-        if key not in self.order:
+        record = self._record(key)
+        if record is None:
             raise KeyError(key)
-        return self._block(key)
+        return self._block(key, record)
 
     def get(self, key: int, default: CachedBlock | None = None) -> CachedBlock | None:  # type: ignore[override]
-        return self._block(key) if key in self.order else default
+        record = self._record(key)
+        return default if record is None else self._block(key, record)
 
     def hash_of(self, key: int) -> bytes:
         """``self[key].block_hash``, without making the CachedBlock."""
-        if key not in self.order:
+        record = self._record(key)
+        if record is None:
             raise KeyError(key)
-        return self.records[key][0]
+        return record[0]
 
     def __setitem__(self, key: int, entry: CachedBlock) -> None:
-        if not 0 <= key < self.capacity:
+        if key.__class__ is not int and not isinstance(key, (int, np.integer)) or not 0 <= key < self.capacity:
             raise KeyError(key)
         tokens = self._tokens_of_width(entry.token_ids.size)
         tokens[key] = entry.token_ids
+        if self.records[key] is None:  # a new id goes last; a record replaced keeps its place (as a dict's)
+            self.serial[key] = self.next_serial
+            self.next_serial += 1
+            self.num += 1
         self.records[key] = (entry.block_hash, entry.parent_hash, entry.salt, entry.extra)
-        self.order[key] = None
 
     def add_new(self, block_ids: list[int], fields: Iterable[tuple[bytes, bytes, bytes, bytes]],
                 tokens: np.ndarray, index: list[int] | np.ndarray | None = None) -> bool:
         """Store the records of ``block_ids`` -- ``fields``: each one's (hash, parent, salt, extra); ``tokens``:
         uint32 [len(block_ids), block_size], theirs in order -- when they are distinct and none is held (a
-        sealing's blocks, all new: a decode step's), in one scatter of the tokens (at ``index``: ``block_ids`` as
-        an array, when the caller has one); else store nothing and return False."""
-        order, store = self.order, self.check_tokens(tokens, len(block_ids))
-        num = len(order)
-        if not order.keys().isdisjoint(block_ids):
+        sealing's blocks, all new: a decode step's), in one scatter of the tokens and one of the serials (at
+        ``index``: ``block_ids`` as an array, when the caller has one); else store nothing and return False."""
+        store = self.check_tokens(tokens, len(block_ids))
+        num = len(block_ids)
+        if not num:
+            return True
+        at = block_ids if index is None else index  # block ids in [0, capacity): the pool's (a table's entries)
+        serial, records = self.serial, self.records
+        if num <= 64:  # a few blocks (a decode step's of a few rows): Python's checks cost less than NumPy's
+            if any(map(records.__getitem__, block_ids)) or len(set(block_ids)) != num:  # one held, or repeated
+                return False
+            serial[at] = np.arange(self.next_serial, self.next_serial + num, dtype=np.int64)
+        elif serial[at].any():  # one of them held
             return False
-        order.update(dict.fromkeys(block_ids))
-        if len(order) - num != len(block_ids):  # a block repeated: undone
-            for block_id in block_ids:
-                order.pop(block_id, None)
-            return False
-        records = self.records
+        else:  # the serials written, then read back: a block repeated (the last write won) is undone
+            serials = np.arange(self.next_serial, self.next_serial + num, dtype=np.int64)
+            serial[at] = serials
+            if not np.array_equal(serial[at], serials):
+                serial[at] = 0
+                return False
+        self.next_serial += num
+        self.num += num
         for block_id, record in zip(block_ids, fields):
             records[block_id] = record
-        store[block_ids if index is None else index] = tokens
+        store[at] = tokens
         return True
 
     def pop(self, key: int) -> CachedBlock:
         entry = self[key]  # KeyError when not held
-        del self.order[key]
-        self.records[key] = None
+        self._forget(key)
         return entry
 
     def __delitem__(self, key: int) -> None:
         self.pop(key)
 
+    def _forget(self, key: int) -> None:
+        self.records[key] = None
+        self.serial[key] = 0
+        self.num -= 1
+
     def pop_hash(self, key: int) -> bytes:
         """``self.pop(key).block_hash``, without making the CachedBlock."""
-        del self.order[key]  # KeyError when not held
-        record, self.records[key] = self.records[key], None
-        return record[0]
+        h = self.hash_of(key)  # KeyError when not held
+        self._forget(key)
+        return h
 
     def pop_records(self, keys: list[int]) -> list[Any]:
         """The records (the plain tuples, no token ids) of ``keys`` -- distinct, every one held -- in order, and none
         of them held any more: an eviction's, which reads the hashes (``[0]``) and makes CachedBlocks (``blocks``,
         before the rows are written again) only where a keeper takes them."""
-        order, records = self.order, self.records
-        taken = list(map(records.__getitem__, keys))
+        records = self.records
+        taken = list(map(records.__getitem__, keys))  # block ids in [0, capacity): the policy's victims
         if None in taken:  # before anything changes: a key not held
             raise KeyError(keys[taken.index(None)])
         for key in keys:
-            del order[key]
             records[key] = None
+        self.serial[keys] = 0
+        self.num -= len(keys)
         return taken
 
     def blocks(self, keys: list[int], records: list[Any]) -> list[CachedBlock]:
@@ -157,8 +195,11 @@ class CachedRecords(Mapping[int, CachedBlock]):
         return _Values(self)
 
     def check_invariants(self) -> None:
-        if set(self.order) != {i for i, record in enumerate(self.records) if record is not None}:
-            raise InvariantViolationError("CachedRecords: the ids in order are not exactly those holding a record")
+        held = [i for i, record in enumerate(self.records) if record is not None]
+        serials = self.serial[held]
+        if set(np.flatnonzero(self.serial).tolist()) != set(held) or len(held) != self.num or \
+                len(set(serials.tolist())) != len(held) or (held and serials.max() >= self.next_serial):
+            raise InvariantViolationError("CachedRecords: the serials, the records and the count disagree")
 
 
 class _Values(ValuesView[CachedBlock]):
@@ -169,7 +210,7 @@ class _Values(ValuesView[CachedBlock]):
 
     def __iter__(self) -> Iterator[CachedBlock]:
         records = self._mapping
-        keys = list(records.order)
+        keys = records.ordered()
         if not keys:
             return iter(())
         rows = records.tokens[keys]

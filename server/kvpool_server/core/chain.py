@@ -19,7 +19,8 @@ class PendingRun(NamedTuple):
     bytes object: a prompt's blocks, or a decode step's filled blocks of every row), the first one's ``parent``
     (the chain's ``sealed_hash`` when hashed), the chain's ``salt`` and ``extra`` key, and how many of the leading
     ones are public (``num_public``: hashed with PUBLIC_SALT). One tuple per run, whatever its length: no
-    ``CachedBlock`` per block until one is read.
+    ``CachedBlock`` per block until one is read. A run but a ``FilledBlock`` owns its ``tokens`` whole (``at``
+    0, one row a block).
 
     Read as a sequence of ``CachedBlock`` (``len``, iteration, ``block``): what each block's hash was computed
     from, made on read. A plain tuple while one chain holds it; a fork makes it ``SharedPending``, which its

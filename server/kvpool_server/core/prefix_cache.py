@@ -123,36 +123,40 @@ class PrefixCache:
         indexes, the records (the token ids one scatter), the arrays and the events updated once for the batch;
         no CachedBlock made but for the events. ``tokens``: uint32 [len(block_ids), block_size], not written
         after (the events may keep rows of it). Returns the positions of the public entries inserted."""
-        block_of_hash, index = self.block_of_hash, block_ids  # index: NumPy's (an array indexes faster than a list)
-        block_ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids
-        self.entries.check_tokens(tokens, len(block_ids))  # ValueError before anything changes
+        block_of_hash = self.block_of_hash
+        index: list[int] | np.ndarray  # the ids for NumPy (an array indexes faster than a list), ``ids`` for Python
+        if isinstance(block_ids, np.ndarray):
+            index, ids = block_ids.astype(np.intp, copy=False), block_ids.tolist()
+        else:
+            index = ids = block_ids
+        self.entries.check_tokens(tokens, len(ids))  # ValueError before anything changes
         num_hashes = len(block_of_hash)
         if block_of_hash.keys().isdisjoint(hashes):
             # the pairs' hashes new to the cache (a decode step's seal): each structure updated in one call -- unless
             # two pairs repeat a hash or a block is cached (or repeated), which the loop below answers, undone
-            block_of_hash.update(zip(hashes, block_ids))
+            block_of_hash.update(zip(hashes, ids))
             if len(block_of_hash) - num_hashes == len(hashes) and self.entries.add_new(
-                    block_ids, zip(hashes, parents, salts, extras), tokens, index):
+                    ids, zip(hashes, parents, salts, extras), tokens, index):
                 return self._stored_new(index, hashes, parents, tokens, salts, extras)
             for h in hashes:
                 block_of_hash.pop(h, None)
-        cached, seen = self.entries.order, set()
+        cached, seen = self.entries.records, set()
         taken: list[int] = []  # the positions inserted
-        for k, (block_id, h) in enumerate(zip(block_ids, hashes)):
-            if h in block_of_hash or block_id in cached or block_id in seen:
+        for k, (block_id, h) in enumerate(zip(ids, hashes)):
+            if h in block_of_hash or cached[block_id] is not None or block_id in seen:
                 continue
             block_of_hash[h] = block_id
             seen.add(block_id)
             taken.append(k)
         if not taken:
             return []
-        if len(taken) < len(block_ids):
-            pick = [*map(block_ids.__getitem__, taken)], [*map(hashes.__getitem__, taken)], \
+        if len(taken) < len(ids):
+            pick = [*map(ids.__getitem__, taken)], [*map(hashes.__getitem__, taken)], \
                 [*map(parents.__getitem__, taken)], [*map(salts.__getitem__, taken)], [*map(extras.__getitem__, taken)]
-            block_ids, hashes, parents, salts, extras = pick
+            ids, hashes, parents, salts, extras = pick
             tokens = tokens[taken]
-        self.entries.add_new(block_ids, zip(hashes, parents, salts, extras), tokens)  # all distinct and new
-        return [taken[k] for k in self._stored_new(block_ids, hashes, parents, tokens, salts, extras)]
+        self.entries.add_new(ids, zip(hashes, parents, salts, extras), tokens)  # all distinct and new
+        return [taken[k] for k in self._stored_new(ids, hashes, parents, tokens, salts, extras)]
 
     def _stored_new(self, block_ids: list[int] | np.ndarray, hashes: list[bytes], parents: list[bytes], tokens: np.ndarray,
                     salts: list[bytes], extras: list[bytes]) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import chain as chained
-from itertools import repeat
+from itertools import accumulate, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -16,7 +16,7 @@ from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
 
 U32 = np.dtype("<u4")
-_HASHES, _PENDING = attrgetter("hashes"), attrgetter("pending")
+_HASHES, _PENDING, _TOKENS = attrgetter("hashes"), attrgetter("pending"), attrgetter("tokens")
 _PARENT, _SALT, _EXTRA, _NUM_PUBLIC = attrgetter("parent"), attrgetter("salt"), attrgetter("extra"), attrgetter("num_public")
 
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
@@ -85,6 +85,11 @@ class TokenChains:
                                  num_public=num_public, header=block_header(salt, extra, bs),
                                  public_header=block_header(PUBLIC_SALT, extra, bs) if num_public else b"")
         self.tracked[row] = True
+
+    def track(self, rows: list[int]) -> None:
+        """Mark ``rows`` tracked, their chains set already (``PrefixReuse.start_many``: sealed, nothing pending)."""
+        self._reserve(max(rows) + 1)
+        self.tracked[rows] = True
 
     def drop(self, rows: list[int]) -> None:
         if self.chains:
@@ -213,14 +218,14 @@ class TokenChains:
         owners = np.repeat(row_array, counts)
         ends = np.cumsum(counts)
         columns = np.arange(owners.size) + np.repeat(firsts - (ends - counts), counts)  # num_sealed, num_sealed + 1, ..
-        block_ids = table[owners, columns].tolist()
+        block_ids = table[owners, columns]
         for chain, hashes in zip(chains, hash_runs):
             chain.num_sealed += len(hashes)
             chain.sealed_hash = hashes[-1]
             chain.pending = NO_PENDING
         self.has_pending[row_array] = False
         for k in cache.insert_blocks(block_ids, *_columns(pendings, hash_runs)):
-            public.append((owners.item(k), block_ids[k]))
+            public.append((owners.item(k), block_ids.item(k)))
 
     def _extend(self, rows: np.ndarray, sizes: np.ndarray, ends: np.ndarray, token_ids: np.ndarray) -> None:
         """Add to the (sealed: nothing pending) chain of each of ``rows`` (distinct, tracked) its ``sizes`` tokens,
@@ -332,6 +337,9 @@ class TokenChains:
             if isinstance(run, FilledBlock) and (run.at != row or len(run.hashes) != 1 or
                                                  not np.array_equal(run.tokens[row], self.pending_tokens[row])):
                 raise InvariantViolationError(f"row {row}'s filled block is not its pending_tokens row")
+            if isinstance(run, PendingRun) and not isinstance(run, FilledBlock) and (
+                    run.at != 0 or run.tokens.shape[0] != len(run.hashes)):
+                raise InvariantViolationError(f"row {row}'s pending run does not own exactly its token rows")
             parent = chain.sealed_hash
             blocks = [run.block(k) for k in range(len(run.hashes))] if isinstance(run, PendingRun) else []
             for k, entry in enumerate(blocks):
@@ -350,18 +358,27 @@ class TokenChains:
 def _columns(runs: list[PendingRun], hash_runs: list[Sequence[bytes]]
              ) -> tuple[list[bytes], list[bytes], np.ndarray, list[bytes], list[bytes]]:
     """The blocks of ``runs`` (``hash_runs``: their hashes) as ``PrefixCache.insert_blocks``'s columns: hashes,
-    parents, token ids (one array), salts, extra keys; a run's part of each made in one step."""
+    parents, token ids (one array, a copy unless one run's own), salts, extra keys; each made in a few calls
+    over the runs, not the blocks (a prefill's seal: a few thousand blocks of a few hundred runs)."""
     hashes = list(chained.from_iterable(hash_runs))
-    parents: list[bytes] = []
-    salts: list[bytes] = []
-    extras: list[bytes] = []
-    pieces = []
-    for run, run_hashes in zip(runs, hash_runs):
-        num, at, tokens = len(run_hashes), run.at, run.tokens
-        parents.append(run.parent)
-        parents += run_hashes[:-1]
-        salts += [PUBLIC_SALT] * run.num_public + [run.salt] * (num - run.num_public)
-        extras += [run.extra] * num
-        pieces.append(tokens if at == 0 and tokens.shape[0] == num else tokens[at : at + num])
-    own = len(pieces) == 1 and runs[0].__class__ is not FilledBlock  # else a copy: pending_tokens rows are rewritten
-    return hashes, parents, pieces[0] if own else np.concatenate(pieces), salts, extras
+    counts = list(map(len, hash_runs))
+    parents = [b"", *hashes[:-1]]  # a block's parent is the block before it, but for each run's first
+    for first, parent in zip(accumulate(counts, initial=0), map(_PARENT, runs)):
+        parents[first] = parent
+    run_salts, run_extras = list(map(_SALT, runs)), list(map(_EXTRA, runs))
+    if any(map(_NUM_PUBLIC, runs)):
+        salts = list(chained.from_iterable([[PUBLIC_SALT] * run.num_public + [run.salt] * (num - run.num_public)
+                                            for run, num in zip(runs, counts)]))
+    elif run_salts.count(run_salts[0]) == len(runs):  # one tenant's
+        salts = [run_salts[0]] * len(hashes)
+    else:
+        salts = list(chained.from_iterable(map(repeat, run_salts, counts)))
+    if run_extras.count(run_extras[0]) == len(runs):
+        extras = [run_extras[0]] * len(hashes)
+    else:
+        extras = list(chained.from_iterable(map(repeat, run_extras, counts)))
+    if FilledBlock in {run.__class__ for run in runs}:  # a pending_tokens row each (rewritten later: copied)
+        pieces = [run.tokens[run.at : run.at + 1] if run.__class__ is FilledBlock else run.tokens for run in runs]
+        return hashes, parents, np.concatenate(pieces), salts, extras
+    tokens = runs[0].tokens if len(runs) == 1 else np.concatenate(list(map(_TOKENS, runs)))  # whole: own runs
+    return hashes, parents, tokens, salts, extras
