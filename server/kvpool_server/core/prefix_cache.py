@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from itertools import repeat
 from operator import itemgetter
 
@@ -115,8 +116,8 @@ class PrefixCache:
                                   np.stack([e.token_ids for e in entries]), [e.salt for e in entries],
                                   [e.extra for e in entries])
 
-    def insert_blocks(self, block_ids: list[int] | np.ndarray, hashes: list[bytes], parents: list[bytes],
-                      tokens: np.ndarray, salts: list[bytes], extras: list[bytes]) -> list[int]:
+    def insert_blocks(self, block_ids: list[int] | np.ndarray, hashes: list[bytes], parents: Sequence[bytes],
+                      tokens: np.ndarray, salts: Sequence[bytes], extras: Sequence[bytes]) -> list[int]:
         """``insert`` of each block ``block_ids[k]`` with the entry (``hashes[k]``, ``parents[k]``, ``tokens[k]``,
         ``salts[k]``, ``extras[k]``), in order, with the same answers -- a hash or a block already cached, by the
         cache or by an earlier pair, is left as it is -- in one pass (a decode step seals hundreds): the two
@@ -158,8 +159,8 @@ class PrefixCache:
         self.entries.add_new(ids, zip(hashes, parents, salts, extras), tokens)  # all distinct and new
         return [taken[k] for k in self._stored_new(ids, hashes, parents, tokens, salts, extras)]
 
-    def _stored_new(self, block_ids: list[int] | np.ndarray, hashes: list[bytes], parents: list[bytes], tokens: np.ndarray,
-                    salts: list[bytes], extras: list[bytes]) -> list[int]:
+    def _stored_new(self, block_ids: list[int] | np.ndarray, hashes: list[bytes], parents: Sequence[bytes],
+                    tokens: np.ndarray, salts: Sequence[bytes], extras: Sequence[bytes]) -> list[int]:
         """The rest of ``insert_blocks`` when every pair is new and the indexes and records hold them already: the
         arrays, the events. Returns the positions of the public entries."""
         self.is_cached[block_ids] = True

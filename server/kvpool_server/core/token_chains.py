@@ -18,6 +18,8 @@ from kvpool_server.core.prompt_hashes import PromptHashes
 U32 = np.dtype("<u4")
 _HASHES, _PENDING, _TOKENS = attrgetter("hashes"), attrgetter("pending"), attrgetter("tokens")
 _PARENT, _SALT, _EXTRA, _NUM_PUBLIC = attrgetter("parent"), attrgetter("salt"), attrgetter("extra"), attrgetter("num_public")
+_FILLED_FIELDS = attrgetter("hashes", "parent", "salt", "extra", "num_public")
+_SEALED_HASH, _HEADER = attrgetter("sealed_hash"), attrgetter("header")
 
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
 
@@ -168,18 +170,17 @@ class TokenChains:
         pendings: list[PendingRun] = list(map(_PENDING, chains))
         classes = {p.__class__ for p in pendings}
         if classes == {FilledBlock}:  # the decode step's: each row's one block, its token ids its pending_tokens row
-            hashes = [h for h, in map(_HASHES, pendings)]
-            salts = list(map(_SALT, pendings))
-            if any(map(_NUM_PUBLIC, pendings)):
-                salts = [PUBLIC_SALT if p.num_public else p.salt for p in pendings]
+            ones, parents, salts, extras, publics = zip(*map(_FILLED_FIELDS, pendings))  # ones: (hash,) each
+            hashes = [h for h, in ones]
+            if any(publics):
+                salts = tuple([PUBLIC_SALT if p.num_public else p.salt for p in pendings])
             block_ids = table[row_array, [chain.num_sealed for chain in chains]]
             for chain, h in zip(chains, hashes):
                 chain.num_sealed += 1
                 chain.sealed_hash = h
                 chain.pending = NO_PENDING
             self.has_pending[row_array] = False
-            inserted = cache.insert_blocks(block_ids, hashes, list(map(_PARENT, pendings)),
-                                           self.pending_tokens[row_array], salts, list(map(_EXTRA, pendings)))
+            inserted = cache.insert_blocks(block_ids, hashes, parents, self.pending_tokens[row_array], salts, extras)
             if inserted:
                 public += [(rows[k], block_ids.item(k)) for k in inserted]
             return
@@ -268,17 +269,18 @@ class TokenChains:
         self.pending_tokens[rows] = filled
         data = filled.astype(U32, copy=False).tobytes()
         blocks = [data[at : at + row_bytes] for at in range(0, len(data), row_bytes)]
-        chains = list(map(self.chains.__getitem__, rows.tolist()))
-        parents = [chain.sealed_hash for chain in chains]
+        row_list = rows.tolist()
+        chains = list(map(self.chains.__getitem__, row_list))
+        parents = list(map(_SEALED_HASH, chains))
         publics: Sequence[int] | repeat[int]
-        if any([chain.num_sealed < chain.num_public for chain in chains]):  # a public prefix's last block
+        if any(map(_NUM_PUBLIC, chains)) and any([c.num_sealed < c.num_public for c in chains]):  # a public block
             headers = [chain.header_of(chain.num_sealed) for chain in chains]
             publics = [int(c.num_sealed < c.num_public) for c in chains]
         else:
-            headers = [chain.header for chain in chains]
+            headers = list(map(_HEADER, chains))
             publics = repeat(0)
-        fields = zip(zip(hash_many(parents, headers, blocks)), repeat(self.pending_tokens), rows.tolist(), parents,
-                     [chain.salt for chain in chains], [chain.extra for chain in chains], publics)
+        fields = zip(zip(hash_many(parents, headers, blocks)), repeat(self.pending_tokens), row_list, parents,
+                     map(_SALT, chains), map(_EXTRA, chains), publics)
         for chain, run in zip(chains, map(tuple.__new__, repeat(FilledBlock), fields)):
             chain.pending = run
         self.has_pending[rows] = True
