@@ -1,10 +1,13 @@
 """Chain: one tracked row's hashes (how many of its blocks are sealed, the last one's hash, those pending), the
-record ``TokenChains`` keeps per row."""
+record ``TokenChains`` keeps per row; its pending blocks, one ``PendingRun``, and their columns for a seal."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, repeat
+from itertools import chain as chained
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,6 +53,9 @@ class PendingRun(NamedTuple):
         state = getattr(self, "__dict__", None)  # SharedPending's ``sealed``
         return (tuple.__new__, (self.__class__, tuple(tuple.__iter__(self))), *((state,) if state else ()))
 
+
+_PARENT, _SALT, _EXTRA = attrgetter("parent"), attrgetter("salt"), attrgetter("extra")
+_NUM_PUBLIC, _TOKENS = attrgetter("num_public"), attrgetter("tokens")
 
 # A chain's pending blocks: a run, or none.
 PendingBlocks = PendingRun | tuple[()]
@@ -112,3 +118,32 @@ class Chain:
     def header_of(self, block_index: int) -> bytes:
         """The ``block_header`` of logical block ``block_index`` (its salt: ``salt_of``)."""
         return self.public_header if block_index < self.num_public else self.header
+
+
+def run_columns(runs: list[PendingRun], hash_runs: list[Sequence[bytes]]
+                ) -> tuple[list[bytes], list[bytes], np.ndarray, list[bytes], list[bytes]]:
+    """The blocks of ``runs`` (``hash_runs``: their hashes) as ``PrefixCache.insert_blocks``'s columns: hashes,
+    parents, token ids (one array, a copy unless one run's own), salts, extra keys; each made in a few calls
+    over the runs, not the blocks (a prefill's seal: a few thousand blocks of a few hundred runs)."""
+    hashes = list(chained.from_iterable(hash_runs))
+    counts = list(map(len, hash_runs))
+    parents = [b"", *hashes[:-1]]  # a block's parent is the block before it, but for each run's first
+    for first, parent in zip(accumulate(counts, initial=0), map(_PARENT, runs)):
+        parents[first] = parent
+    run_salts, run_extras = list(map(_SALT, runs)), list(map(_EXTRA, runs))
+    if any(map(_NUM_PUBLIC, runs)):
+        salts = list(chained.from_iterable([[PUBLIC_SALT] * run.num_public + [run.salt] * (num - run.num_public)
+                                            for run, num in zip(runs, counts)]))
+    elif run_salts.count(run_salts[0]) == len(runs):  # one tenant's
+        salts = [run_salts[0]] * len(hashes)
+    else:
+        salts = list(chained.from_iterable(map(repeat, run_salts, counts)))
+    if run_extras.count(run_extras[0]) == len(runs):
+        extras = [run_extras[0]] * len(hashes)
+    else:
+        extras = list(chained.from_iterable(map(repeat, run_extras, counts)))
+    if FilledBlock in {run.__class__ for run in runs}:  # a pending_tokens row each (rewritten later: copied)
+        pieces = [run.tokens[run.at : run.at + 1] if run.__class__ is FilledBlock else run.tokens for run in runs]
+        return hashes, parents, np.concatenate(pieces), salts, extras
+    tokens = runs[0].tokens if len(runs) == 1 else np.concatenate(list(map(_TOKENS, runs)))  # whole: own runs
+    return hashes, parents, tokens, salts, extras

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import chain as chained
-from itertools import accumulate, repeat
+from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
 
 from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, chain_encoded, hash_encoded, hash_many
-from kvpool_server.core.chain import NO_PENDING, Chain, FilledBlock, PendingRun, SharedPending
+from kvpool_server.core.chain import NO_PENDING, Chain, FilledBlock, PendingRun, SharedPending, run_columns
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
 
 U32 = np.dtype("<u4")
-_HASHES, _PENDING, _TOKENS = attrgetter("hashes"), attrgetter("pending"), attrgetter("tokens")
+_HASHES, _PENDING = attrgetter("hashes"), attrgetter("pending")
 _PARENT, _SALT, _EXTRA, _NUM_PUBLIC = attrgetter("parent"), attrgetter("salt"), attrgetter("extra"), attrgetter("num_public")
 _FILLED_FIELDS = attrgetter("hashes", "parent", "salt", "extra", "num_public")
 _SEALED_HASH, _HEADER = attrgetter("sealed_hash"), attrgetter("header")
@@ -160,9 +159,9 @@ class TokenChains:
         """Insert the pending full blocks of ``row_array`` (each has some) in the cache, in order (one
         ``PrefixCache.insert_blocks`` for them all, by columns: hashes, parents, token ids, salts, extra keys);
         append (row, block) to ``public`` for each public one inserted (the ledger starts counting its references
-        per tenant). When every row has one block pending of its own (a decode step's seal), the columns are a
-        ``map`` each over the runs -- their token ids one gather when one step hashed them all -- and only the
-        chains' fields set row by row."""
+        per tenant). When every row has one block pending of its own (a decode step's seal: ``FilledBlock``s), the
+        columns are one pass over the runs' fields and their token ids one gather of ``pending_tokens``; only the
+        chains' fields are set row by row."""
         if not row_array.size:
             return
         rows = row_array.tolist()
@@ -205,7 +204,7 @@ class TokenChains:
             chain.pending = NO_PENDING
         self.has_pending[rows] = False
         if runs:
-            for k in cache.insert_blocks(shared_ids, *_columns(runs, list(map(_HASHES, runs)))):
+            for k in cache.insert_blocks(shared_ids, *run_columns(runs, list(map(_HASHES, runs)))):
                 public.append((owners[k], shared_ids[k]))
 
     def _seal_own(self, row_array: np.ndarray, chains: list[Chain], pendings: list[PendingRun],
@@ -213,7 +212,7 @@ class TokenChains:
                   public: list[tuple[int, int]]) -> None:
         """``_seal`` of rows whose pending blocks are their own (no ``SharedPending``; a prefill's seal: a prompt's
         blocks each): every row's pending blocks gathered from the table in one index (the row repeated, its logical
-        blocks from ``num_sealed`` on), the columns made run by run (``_columns``), one ``insert_blocks``."""
+        blocks from ``num_sealed`` on), the columns made run by run (``run_columns``), one ``insert_blocks``."""
         counts = np.fromiter(map(len, hash_runs), dtype=np.intp, count=len(hash_runs))
         firsts = np.fromiter([chain.num_sealed for chain in chains], dtype=np.intp, count=len(chains))
         owners = np.repeat(row_array, counts)
@@ -225,7 +224,7 @@ class TokenChains:
             chain.sealed_hash = hashes[-1]
             chain.pending = NO_PENDING
         self.has_pending[row_array] = False
-        for k in cache.insert_blocks(block_ids, *_columns(pendings, hash_runs)):
+        for k in cache.insert_blocks(block_ids, *run_columns(pendings, hash_runs)):
             public.append((owners.item(k), block_ids.item(k)))
 
     def _extend(self, rows: np.ndarray, sizes: np.ndarray, ends: np.ndarray, token_ids: np.ndarray) -> None:
@@ -356,31 +355,3 @@ class TokenChains:
                     chain.num_public and chain.public_header != block_header(PUBLIC_SALT, chain.extra, bs)):
                 raise InvariantViolationError(f"row {row}'s block headers disagree with its salt and extra key")
 
-
-def _columns(runs: list[PendingRun], hash_runs: list[Sequence[bytes]]
-             ) -> tuple[list[bytes], list[bytes], np.ndarray, list[bytes], list[bytes]]:
-    """The blocks of ``runs`` (``hash_runs``: their hashes) as ``PrefixCache.insert_blocks``'s columns: hashes,
-    parents, token ids (one array, a copy unless one run's own), salts, extra keys; each made in a few calls
-    over the runs, not the blocks (a prefill's seal: a few thousand blocks of a few hundred runs)."""
-    hashes = list(chained.from_iterable(hash_runs))
-    counts = list(map(len, hash_runs))
-    parents = [b"", *hashes[:-1]]  # a block's parent is the block before it, but for each run's first
-    for first, parent in zip(accumulate(counts, initial=0), map(_PARENT, runs)):
-        parents[first] = parent
-    run_salts, run_extras = list(map(_SALT, runs)), list(map(_EXTRA, runs))
-    if any(map(_NUM_PUBLIC, runs)):
-        salts = list(chained.from_iterable([[PUBLIC_SALT] * run.num_public + [run.salt] * (num - run.num_public)
-                                            for run, num in zip(runs, counts)]))
-    elif run_salts.count(run_salts[0]) == len(runs):  # one tenant's
-        salts = [run_salts[0]] * len(hashes)
-    else:
-        salts = list(chained.from_iterable(map(repeat, run_salts, counts)))
-    if run_extras.count(run_extras[0]) == len(runs):
-        extras = [run_extras[0]] * len(hashes)
-    else:
-        extras = list(chained.from_iterable(map(repeat, run_extras, counts)))
-    if FilledBlock in {run.__class__ for run in runs}:  # a pending_tokens row each (rewritten later: copied)
-        pieces = [run.tokens[run.at : run.at + 1] if run.__class__ is FilledBlock else run.tokens for run in runs]
-        return hashes, parents, np.concatenate(pieces), salts, extras
-    tokens = runs[0].tokens if len(runs) == 1 else np.concatenate(list(map(_TOKENS, runs)))  # whole: own runs
-    return hashes, parents, tokens, salts, extras
