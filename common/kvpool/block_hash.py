@@ -87,7 +87,13 @@ def chain_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: b
 
     ``block_hash`` per block, unrolled (a register hashes its whole prompt): the token ids made bytes once, each
     block a slice of them, each of the (at most two) headers encoded once."""
-    data = np.asarray(token_ids, dtype="<u4").tobytes()
+    return chain_encoded(np.asarray(token_ids, dtype="<u4").tobytes(), block_size, salt, parent_hash, extra,
+                         num_public)
+
+
+def chain_encoded(data: bytes, block_size: int, salt: bytes = b"", parent_hash: bytes = NONE_HASH, extra: bytes = b"",
+                  num_public: int = 0) -> list[bytes]:
+    """``chain_hashes`` given the token ids as u32le bytes (``data``; a partial tail is not hashed)."""
     return _chain(DOMAIN, parent_hash, data, block_size * 4, block_header(PUBLIC_SALT, extra, block_size),
                   num_public, block_header(salt, extra, block_size))
 

@@ -31,8 +31,9 @@ def make(keep: bool, tenancy: bool = False) -> KVCacheManager:
 
 def test_the_prefill_reuses_the_registers_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = token_chains.hash_encoded
-    monkeypatch.setattr(token_chains, "hash_encoded", lambda *a: calls.append(1) or real(*a))
+    real = token_chains.chain_encoded  # a prefill's blocks not kept are hashed there: one call, a block each counted
+    monkeypatch.setattr(token_chains, "chain_encoded",
+                        lambda data, bs, *a: calls.extend([1] * (len(data) // (4 * bs))) or real(data, bs, *a))
     manager, reference = make(True), make(False)
     prompt = list(range(1, 19))  # 4 full blocks and 2 tokens
     for m in (manager, reference):
@@ -50,8 +51,9 @@ def test_the_prefill_reuses_the_registers_hashes(monkeypatch: pytest.MonkeyPatch
 def test_a_prefill_in_chunks_reuses_every_hash(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 6 tokens (block size 4: they end mid-block) take the kept hashes a few blocks at a time."""
     calls = []
-    real = token_chains.hash_encoded
-    monkeypatch.setattr(token_chains, "hash_encoded", lambda *a: calls.append(1) or real(*a))
+    real = token_chains.chain_encoded  # a prefill's blocks not kept are hashed there: one call, a block each counted
+    monkeypatch.setattr(token_chains, "chain_encoded",
+                        lambda data, bs, *a: calls.extend([1] * (len(data) // (4 * bs))) or real(data, bs, *a))
     manager, reference = make(True), make(False)
     prompt = list(range(1, 27))  # 6 full blocks and 2 tokens
     for m in (manager, reference):

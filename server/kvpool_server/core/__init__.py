@@ -40,6 +40,7 @@ not here (``kvpool_server.offload``, above the core): the core names what it evi
        lrfu_eviction.py    LrfuEviction: decayed reuse counts, rank buckets, a bounded ghost of evicted counts
        block_hash.py       chain hashes of token blocks (sha256; defined in common/kvpool/block_hash.py)
        block_records.py    BlockRecords: block id -> CachedBlock, held where the garbage collector never walks
+       cached_records.py   CachedRecords: the prefix cache's, its token ids one [num_blocks, block_size] array
        event_records.py    an event batch packed into plain tuples (nothing for the collector to walk) and back
     0  types.py            AppendPlan (EvictedBlocks), PoolStats, UNLIMITED (results, immutable)
        pool_figures.py     POOL_FIGURES: each pool figure declared once (PoolStats / proto / client name, metric)

@@ -10,6 +10,7 @@ from kvpool.block_hash import (
     PUBLIC_SALT,
     block_hash,
     block_header,
+    chain_encoded,
     chain_hashes,
     hash_encoded,
     hash_many,
@@ -17,4 +18,4 @@ from kvpool.block_hash import (
 )
 
 __all__ = ["DOMAIN", "HEADER_CACHE_SIZE", "MAX_EXTRA_KEY_BYTES", "NATIVE", "NONE_HASH", "PUBLIC_SALT", "block_hash",
-           "block_header", "chain_hashes", "hash_encoded", "hash_many", "salt_of"]
+           "block_header", "chain_encoded", "chain_hashes", "hash_encoded", "hash_many", "salt_of"]

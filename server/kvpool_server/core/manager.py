@@ -171,6 +171,10 @@ class KVCacheManager:
             named = [self.tenant_ids.add(tenant, row, seq_id) for row, seq_id in zip(rows, chosen)]
         self.members.own(internal, session_id)
         self.tenants.add_rows(row_array, tenant)
+        if public_prefix_lens is None and cache_extra_keys is None and prompt_hashes is None:
+            if prompt_token_ids is not None:  # a burst of plain prompts: their lookups in one pass
+                self.prefix.start_many(rows, tenant, prompts)
+            return named if scoped else internal
         for i, prompt in enumerate(prompts if prompt_token_ids is not None or cache_extra_keys is not None else ()):
             if prompt is not None:
                 self.prefix.start(rows[i], tenant, prompt, 0 if public_prefix_lens is None else public_prefix_lens[i],

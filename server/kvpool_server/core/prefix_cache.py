@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
 import numpy as np
 
 from kvpool_server.core.block_hash import PUBLIC_SALT, block_hash
-from kvpool_server.core.block_records import BlockRecords
+from kvpool_server.core.cached_records import CachedRecords
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.eviction_policy import EvictionPolicy, LruEviction
 from kvpool_server.core.kv_event_types import BlockRemoved, BlockStored, CachedBlock
@@ -17,7 +18,7 @@ from kvpool_server.core.types import EvictedBlocks
 
 __all__ = ["CachedBlock", "PrefixCache"]
 
-_BLOCK_HASH, _SALT, _FIRST = attrgetter("block_hash"), attrgetter("salt"), itemgetter(0)
+_FIRST = itemgetter(0)
 
 
 class PrefixCache:
@@ -37,10 +38,10 @@ class PrefixCache:
     ::
 
         block_of_hash {h0: 7, h1: 3, h2: 9}     evictable (LRU, oldest first): [9, 3]      ref_count: 7 -> 2
-        entries[3] = (h1, parent h0, tokens, salt)                                                   3, 9 -> 0
+        entries[3] = (h1, parent h0, salt, extra) + tokens row 3                                     3, 9 -> 0
 
     Invariants (``check_invariants``, with the allocator's ref counts):
-      - ``block_of_hash`` and ``entries`` (a ``BlockRecords``: its own invariant) are the same relation read both ways, and ``is_cached`` marks exactly
+      - ``block_of_hash`` and ``entries`` (a ``CachedRecords``: its own invariant) are the same relation read both ways, and ``is_cached`` marks exactly
         the blocks in ``entries``;
       - ``is_public`` marks exactly the cached blocks whose salt is ``PUBLIC_SALT`` (a public prefix's blocks, the
         only ones rows of several tenants may hold: ``TenantLedger``), and ``num_public`` counts them;
@@ -53,8 +54,8 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         self.block_of_hash: dict[bytes, int] = {}
-        # block_id -> what its hash was computed from; out of the garbage collector's walks (block_records.py)
-        self.entries: BlockRecords = BlockRecords(num_blocks)
+        # block_id -> what its hash was computed from; out of the garbage collector's walks (cached_records.py)
+        self.entries: CachedRecords = CachedRecords(num_blocks)
         self.is_cached: np.ndarray = np.zeros(num_blocks, dtype=bool)
         self.is_public: np.ndarray = np.zeros(num_blocks, dtype=bool)  # cached with PUBLIC_SALT
         self.num_public: int = 0
@@ -96,8 +97,8 @@ class PrefixCache:
         block) or a block already cached is left as it is: returns False."""
         if entry.block_hash in self.block_of_hash or self.is_cached[block_id]:
             return False
+        self.entries[block_id] = entry  # first: ValueError (nothing changed) for token ids of another width
         self.block_of_hash[entry.block_hash] = block_id
-        self.entries[block_id] = entry
         self.is_cached[block_id] = True
         if entry.salt == PUBLIC_SALT:
             self.is_public[block_id] = True
@@ -107,62 +108,68 @@ class PrefixCache:
         return True
 
     def insert_many(self, block_ids: list[int], entries: list[CachedBlock]) -> list[int]:
-        """``insert`` of each (block, entry) pair in order, with the same answers -- a hash or a block already
-        cached, by the cache or by an earlier pair, is left as it is -- in one pass (a decode step seals hundreds):
-        the arrays and the events are updated once for the batch. Returns the positions of the public entries
-        inserted."""
-        block_of_hash, by_block, records = self.block_of_hash, self.entries.order, self.entries.records
-        hashes = list(map(_BLOCK_HASH, entries))
-        num_hashes, num_blocks = len(block_of_hash), len(by_block)
-        if block_of_hash.keys().isdisjoint(hashes) and by_block.keys().isdisjoint(block_ids):
-            # the pairs' hashes and blocks new to the cache (a decode step's seal): each structure updated in one call
-            # -- unless two pairs repeat a hash or a block, which the loop below answers, the updates undone
-            block_of_hash.update(zip(hashes, block_ids))
-            by_block.update(dict.fromkeys(block_ids))
-            if len(block_of_hash) - num_hashes != len(hashes) or len(by_block) - num_blocks != len(block_ids):
-                for h in hashes:
-                    block_of_hash.pop(h, None)
-                for block_id in block_ids:
-                    by_block.pop(block_id, None)
-            else:
-                return self._stored_new(block_ids, entries)
-        new_blocks: list[int] = []
-        stored: list[CachedBlock] = []
-        public: list[int] = []
-        for k, (block_id, entry) in enumerate(zip(block_ids, entries)):
-            block_hash_k = entry.block_hash
-            if block_hash_k in block_of_hash or block_id in by_block:  # ``by_block``: exactly ``is_cached``
-                continue
-            block_of_hash[block_hash_k] = block_id
-            by_block[block_id] = None  # ``self.entries[block_id] = entry``, inlined
-            records[block_id] = tuple(entry)
-            new_blocks.append(block_id)
-            stored.append(entry)
-            if entry.salt == PUBLIC_SALT:
-                public.append(k)
-        if new_blocks:
-            self.is_cached[new_blocks] = True
-            if public:
-                self.is_public[[block_ids[k] for k in public]] = True
-                self.num_public += len(public)
-            if self.events is not None:
-                self.events.extend(stored)  # made BlockStored runs when the batch is published
-        return public
+        """``insert`` of each (block, entry) pair in order, with the same answers (``insert_blocks`` of their
+        fields). Returns the positions of the public entries inserted."""
+        if not entries:
+            return []
+        return self.insert_blocks(block_ids, [e.block_hash for e in entries], [e.parent_hash for e in entries],
+                                  np.stack([e.token_ids for e in entries]), [e.salt for e in entries],
+                                  [e.extra for e in entries])
 
-    def _stored_new(self, block_ids: list[int], entries: list[CachedBlock]) -> list[int]:
-        """The rest of ``insert_many`` when every pair is new and the two indexes hold them already: the records, the
+    def insert_blocks(self, block_ids: list[int] | np.ndarray, hashes: list[bytes], parents: Sequence[bytes],
+                      tokens: np.ndarray, salts: Sequence[bytes], extras: Sequence[bytes]) -> list[int]:
+        """``insert`` of each block ``block_ids[k]`` with the entry (``hashes[k]``, ``parents[k]``, ``tokens[k]``,
+        ``salts[k]``, ``extras[k]``), in order, with the same answers -- a hash or a block already cached, by the
+        cache or by an earlier pair, is left as it is -- in one pass (a decode step seals hundreds): the two
+        indexes, the records (the token ids one scatter), the arrays and the events updated once for the batch;
+        no CachedBlock made but for the events. ``tokens``: uint32 [len(block_ids), block_size], not written
+        after (the events may keep rows of it). Returns the positions of the public entries inserted."""
+        block_of_hash = self.block_of_hash
+        index: list[int] | np.ndarray  # the ids for NumPy (an array indexes faster than a list), ``ids`` for Python
+        if isinstance(block_ids, np.ndarray):
+            index, ids = block_ids.astype(np.intp, copy=False), block_ids.tolist()
+        else:
+            index = ids = block_ids
+        self.entries.check_tokens(tokens, len(ids))  # ValueError before anything changes
+        num_hashes = len(block_of_hash)
+        if block_of_hash.keys().isdisjoint(hashes):
+            # the pairs' hashes new to the cache (a decode step's seal): each structure updated in one call -- unless
+            # two pairs repeat a hash or a block is cached (or repeated), which the loop below answers, undone
+            block_of_hash.update(zip(hashes, ids))
+            if len(block_of_hash) - num_hashes == len(hashes) and self.entries.add_new(
+                    ids, zip(hashes, parents, salts, extras), tokens, index):
+                return self._stored_new(index, hashes, parents, tokens, salts, extras)
+            for h in hashes:
+                block_of_hash.pop(h, None)
+        cached, seen = self.entries.records, set()
+        taken: list[int] = []  # the positions inserted
+        for k, (block_id, h) in enumerate(zip(ids, hashes)):
+            if h in block_of_hash or cached[block_id] is not None or block_id in seen:
+                continue
+            block_of_hash[h] = block_id
+            seen.add(block_id)
+            taken.append(k)
+        if not taken:
+            return []
+        if len(taken) < len(ids):
+            pick = [*map(ids.__getitem__, taken)], [*map(hashes.__getitem__, taken)], \
+                [*map(parents.__getitem__, taken)], [*map(salts.__getitem__, taken)], [*map(extras.__getitem__, taken)]
+            ids, hashes, parents, salts, extras = pick
+            tokens = tokens[taken]
+        self.entries.add_new(ids, zip(hashes, parents, salts, extras), tokens)  # all distinct and new
+        return [taken[k] for k in self._stored_new(ids, hashes, parents, tokens, salts, extras)]
+
+    def _stored_new(self, block_ids: list[int] | np.ndarray, hashes: list[bytes], parents: Sequence[bytes],
+                    tokens: np.ndarray, salts: Sequence[bytes], extras: Sequence[bytes]) -> list[int]:
+        """The rest of ``insert_blocks`` when every pair is new and the indexes and records hold them already: the
         arrays, the events. Returns the positions of the public entries."""
-        records = self.entries.records
-        for block_id, record in zip(block_ids, map(tuple, entries)):
-            records[block_id] = record
         self.is_cached[block_ids] = True
-        salts = list(map(_SALT, entries))
         public = [k for k, salt in enumerate(salts) if salt == PUBLIC_SALT] if PUBLIC_SALT in salts else []
         if public:
-            self.is_public[[block_ids[k] for k in public]] = True
+            self.is_public[np.asarray(block_ids)[public]] = True
             self.num_public += len(public)
-        if self.events is not None:
-            self.events.extend(entries)
+        if self.events is not None:  # the entries stored, made BlockStored runs when the batch is published
+            self.events.extend(map(tuple.__new__, repeat(CachedBlock), zip(hashes, parents, tokens, salts, extras)))
         return public
 
     def match(self, hashes: list[bytes]) -> list[int]:
@@ -196,7 +203,7 @@ class PrefixCache:
         block_ids = self.policy.victims(evictable, num)
         for block_id in block_ids:
             del evictable[block_id]
-        records = self.entries.pop_records(block_ids)  # plain tuples: a CachedBlock made only for a keeper
+        records = self.entries.pop_records(block_ids)  # plain tuples: CachedBlocks made only for a keeper
         hashes = list(map(_FIRST, records))  # each record's block_hash
         self.policy.evicted(block_ids, hashes)
         for block_hash_i in hashes:
@@ -204,7 +211,7 @@ class PrefixCache:
         evicted = np.array(block_ids, dtype=np.int32)
         if self.keeps_evictions:
             self.evicted_ids.extend(block_ids)
-            self.evicted_entries.extend(map(tuple.__new__, repeat(CachedBlock), records))
+            self.evicted_entries.extend(self.entries.blocks(block_ids, records))
         elif self.events is not None and hashes:
             self.events.append(BlockRemoved(tuple(hashes)))
         self.is_cached[evicted] = False

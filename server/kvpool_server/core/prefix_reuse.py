@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, chain_hashes
+from kvpool_server.core.block_hash import NONE_HASH, block_header, chain_encoded, chain_hashes
 from kvpool_server.core.block_tables import BlockTables
 from kvpool_server.core.call_args import check_register_args
+from kvpool_server.core.chain import NO_PENDING, Chain
 from kvpool_server.core.prompt_hashes import PromptBlocks
 from kvpool_server.core.tenants import DEFAULT_TENANT, TenantLedger
 from kvpool_server.core.token_chains import TokenChains
@@ -80,6 +81,43 @@ class PrefixReuse:
                                                        prompt[num * bs : num_full * bs].tobytes()))
         self.query_tokens += int(prompt.size)
         self.hit_tokens += tables.num_tokens.item(row)
+
+    def start_many(self, rows: list[int], tenant: int, prompts: Sequence[np.ndarray | None]) -> None:
+        """``start(rows[i], tenant, prompts[i], 0, b"")`` of each prompt that is not None, in order -- a burst's
+        prompts with no public prefix, extra key or precomputed hashes, tenancy off (else ``start`` each) -- with
+        the salt's header made once, each prompt hashed in one ``chain_encoded`` over its bytes (made once: its
+        kept blocks are a slice of them), its chain made in place and the rows tracked in one scatter."""
+        if self.tenancy:
+            for row, prompt in zip(rows, prompts):
+                if prompt is not None:
+                    self.start(row, tenant, prompt, 0, b"")
+            return
+        tables, chains, bs = self.tables, self.chains, self.tables.block_size
+        salt, block_of_hash = self.tenants.names[tenant].encode(), tables.allocator.cache.block_of_hash
+        header, keep, by_row, block_bytes = block_header(salt, b"", bs), chains.prompts.keep, chains.chains, bs * 4
+        started, query, hit = [], 0, 0
+        for row, prompt in zip(rows, prompts):
+            if prompt is None:
+                continue
+            data = prompt.tobytes()  # uint32 (``prompt_of``), as its hashes read it
+            hashes = chain_encoded(data, bs, salt)
+            num_full, size = len(hashes), prompt.size
+            num = 0
+            if hashes and size > bs and hashes[0] in block_of_hash:  # a cached run (else none: distinct prompts)
+                matched = self.tables.allocator.cache.match(hashes[: (size - 1) // bs])
+                tables.adopt(row, np.array(matched, dtype=np.int32))
+                num = len(matched)
+            by_row[row] = Chain(salt, num, hashes[num - 1] if num else NONE_HASH, NO_PENDING, b"", 0, header, b"")
+            started.append(row)
+            if num < num_full:
+                keep(row, PromptBlocks(num, hashes[num - 1] if num else NONE_HASH, hashes[num:],
+                                       data[num * block_bytes : num_full * block_bytes]))
+            query += size
+            hit += num * bs
+        if started:
+            chains.track(started)
+        self.query_tokens += query
+        self.hit_tokens += hit
 
     def prompt_hashes(self, tenant: int | None, prompt_token_ids: Sequence[int] | np.ndarray,
                       public_prefix_len: int = 0, cache_extra_key: bytes = b"") -> list[bytes]:

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import chain as chained
 from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, hash_encoded, hash_many
-from kvpool_server.core.chain import NO_PENDING, Chain, PendingBlocks, SharedPending
+from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, chain_encoded, hash_encoded, hash_many
+from kvpool_server.core.chain import NO_PENDING, Chain, FilledBlock, PendingRun, SharedPending, run_columns
 from kvpool_server.core.errors import InvariantViolationError
-from kvpool_server.core.prefix_cache import CachedBlock, PrefixCache
+from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
 
 U32 = np.dtype("<u4")
+_HASHES, _PENDING = attrgetter("hashes"), attrgetter("pending")
+_PARENT, _SALT, _EXTRA, _NUM_PUBLIC = attrgetter("parent"), attrgetter("salt"), attrgetter("extra"), attrgetter("num_public")
+_FILLED_FIELDS = attrgetter("hashes", "parent", "salt", "extra", "num_public")
+_SEALED_HASH, _HEADER = attrgetter("sealed_hash"), attrgetter("header")
 
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
 
@@ -34,8 +38,11 @@ class TokenChains:
 
     Arrays, so that a decode step (one token for each of many rows) is a few NumPy calls: ``partial[row, :fill[row]]``
     holds the row's partial tokens (uint32; ``partial`` has at most max_rows x block_size x 4 bytes: 256 KiB at 4,096
-    rows of 16, grown by doubling as higher rows are tracked), and ``has_pending`` marks the rows whose chain has
-    pending blocks. The step writes every row's token with one fancy-indexed assignment; only the rows that have
+    rows of 16, grown by doubling as higher rows are tracked), ``pending_tokens[row]`` the token ids of the block a
+    decode step filled while it is pending (a ``FilledBlock``; the same size as ``partial``, grown with it), and
+    ``has_pending`` marks the rows whose chain has pending blocks. A chain's pending blocks are one ``PendingRun``
+    (chain.py) -- hashes and one token array, no object a block -- and a seal hands the cache their columns
+    (``PrefixCache.insert_blocks``). The step writes every row's token with one fancy-indexed assignment; only the rows that have
     pending blocks to seal, or whose block it filled (1 in 16 on average), go through Python -- hashing is per
     block -- each part of the work done for all of them at once where it can be (``_hash_filled``, ``_seal``), the
     chains' own fields set row by row. An append of several tokens to a row goes through Python too (a prompt: its
@@ -45,7 +52,9 @@ class TokenChains:
     n tokens has hashed ``n // block_size`` blocks (``num_hashes``) and holds ``fill[row] == n % block_size`` partial
     tokens; ``has_pending[row]`` is whether its chain has pending blocks; an untracked row has ``fill`` 0 and
     ``has_pending`` false; a chain's pending entries chain from its ``sealed_hash``, each the hash of its block_size
-    token ids with its block's salt and the chain's extra key; a chain's ``header`` (and
+    token ids with its block's salt and the chain's extra key, their token rows inside their run's uint32
+    ``[*, block_size]`` array and its ``num_public`` the number of them below the chain's public prefix (a
+    ``FilledBlock``'s row is its chain's row of ``pending_tokens``); a chain's ``header`` (and
     ``public_header``, with a public prefix) is the ``block_header`` of its salt (PUBLIC_SALT) and extra key.
     """
 
@@ -57,6 +66,7 @@ class TokenChains:
         rows = min(INITIAL_ROWS, max_rows)
         self.partial: np.ndarray = np.zeros((rows, block_size), dtype=np.uint32)
         self.fill: np.ndarray = np.zeros(rows, dtype=np.intp)
+        self.pending_tokens: np.ndarray = np.zeros((rows, block_size), dtype=np.uint32)  # FilledBlock's rows
         self.chains: dict[int, Chain] = {}
         self.prompts: PromptHashes = PromptHashes(block_size)  # a register's hashes of its prompt, for its prefill
 
@@ -77,6 +87,11 @@ class TokenChains:
                                  public_header=block_header(PUBLIC_SALT, extra, bs) if num_public else b"")
         self.tracked[row] = True
 
+    def track(self, rows: list[int]) -> None:
+        """Mark ``rows`` tracked, their chains set already (``PrefixReuse.start_many``: sealed, nothing pending)."""
+        self._reserve(max(rows) + 1)
+        self.tracked[rows] = True
+
     def drop(self, rows: list[int]) -> None:
         if self.chains:
             pop = self.chains.pop
@@ -90,7 +105,7 @@ class TokenChains:
         chain = self.chains.get(parent_row)
         if chain is not None:
             if chain.pending and chain.pending.__class__ is not SharedPending:
-                chain.pending = SharedPending(chain.pending)
+                chain.pending = SharedPending.of(chain.pending)
             self._reserve(max(child_rows) + 1)
             self.chains.update({row: chain.copy() for row in child_rows})
             self.tracked[child_rows] = True
@@ -142,71 +157,75 @@ class TokenChains:
 
     def _seal(self, row_array: np.ndarray, table: np.ndarray, cache: PrefixCache, public: list[tuple[int, int]]) -> None:
         """Insert the pending full blocks of ``row_array`` (each has some) in the cache, in order (one
-        ``PrefixCache.insert_many`` for them all); append (row, block) to ``public`` for each public one inserted
-        (the ledger starts counting its references per tenant). When every row has one block pending of its own (a
-        decode step's seal), the rows' blocks are gathered in one index and only the chains' fields set row by row."""
+        ``PrefixCache.insert_blocks`` for them all, by columns: hashes, parents, token ids, salts, extra keys);
+        append (row, block) to ``public`` for each public one inserted (the ledger starts counting its references
+        per tenant). When every row has one block pending of its own (a decode step's seal: ``FilledBlock``s), the
+        columns are one pass over the runs' fields and their token ids one gather of ``pending_tokens``; only the
+        chains' fields are set row by row."""
         if not row_array.size:
             return
         rows = row_array.tolist()
         chains = list(map(self.chains.__getitem__, rows))
-        pendings = [chain.pending for chain in chains]
-        if set(map(len, pendings)) == {1} and {p.__class__ for p in pendings} == {tuple}:  # the decode step's
-            entries = [p[0] for p in pendings]
-            block_ids = table[row_array, [chain.num_sealed for chain in chains]].tolist()
-            for chain, entry in zip(chains, entries):
+        pendings: list[PendingRun] = list(map(_PENDING, chains))
+        classes = {p.__class__ for p in pendings}
+        if classes == {FilledBlock}:  # the decode step's: each row's one block, its token ids its pending_tokens row
+            ones, parents, salts, extras, publics = zip(*map(_FILLED_FIELDS, pendings))  # ones: (hash,) each
+            hashes = [h for h, in ones]
+            if any(publics):
+                salts = tuple([PUBLIC_SALT if p.num_public else p.salt for p in pendings])
+            block_ids = table[row_array, [chain.num_sealed for chain in chains]]
+            for chain, h in zip(chains, hashes):
                 chain.num_sealed += 1
-                chain.sealed_hash = entry[0]  # its block_hash
+                chain.sealed_hash = h
                 chain.pending = NO_PENDING
             self.has_pending[row_array] = False
-            for k in cache.insert_many(block_ids, entries):
-                public.append((rows[k], block_ids[k]))
+            inserted = cache.insert_blocks(block_ids, hashes, parents, self.pending_tokens[row_array], salts, extras)
+            if inserted:
+                public += [(rows[k], block_ids.item(k)) for k in inserted]
             return
-        if SharedPending not in {p.__class__ for p in pendings}:  # no fork shares them (a prefill's seal)
-            self._seal_own(row_array, chains, pendings, table, cache, public)
+        hash_runs = list(map(_HASHES, pendings))
+        if SharedPending not in classes:  # no fork shares them (a prefill's seal)
+            self._seal_own(row_array, chains, pendings, hash_runs, table, cache, public)
             return
-        block_ids = []
-        entries = []
-        owners: list[int] = []  # the row of each of ``entries``
+        shared_ids: list[int] = []
+        runs: list[PendingRun] = []
+        owners: list[int] = []  # the row of each block of ``runs``
         for row, chain in zip(rows, chains):
-            new = todo = chain.pending
-            if isinstance(new, SharedPending):
-                if new.sealed:  # a sharer (fork parent or child) sealed the same blocks already
-                    todo = NO_PENDING
-                new.sealed = True
-            if len(todo) == 1:  # the decode step's
-                block_ids.append(table.item(row, chain.num_sealed))
-                entries.append(todo[0])
-                owners.append(row)
-            elif todo:
-                block_ids += table[row, chain.num_sealed : chain.num_sealed + len(todo)].tolist()
-                entries += todo
-                owners += [row] * len(todo)
-            chain.num_sealed += len(new)
-            chain.sealed_hash = new[-1].block_hash
+            new: PendingRun = chain.pending  # type: ignore[assignment]
+            num = len(new.hashes)
+            if not isinstance(new, SharedPending) or not new.sealed:  # else a sharer sealed the same blocks already
+                if isinstance(new, SharedPending):
+                    new.sealed = True
+                shared_ids += table[row, chain.num_sealed : chain.num_sealed + num].tolist()
+                runs.append(new)
+                owners += [row] * num
+            chain.num_sealed += num
+            chain.sealed_hash = new.hashes[-1]
             chain.pending = NO_PENDING
         self.has_pending[rows] = False
-        if entries:
-            for k in cache.insert_many(block_ids, entries):
-                public.append((owners[k], block_ids[k]))
+        if runs:
+            for k in cache.insert_blocks(shared_ids, *run_columns(runs, list(map(_HASHES, runs)))):
+                public.append((owners[k], shared_ids[k]))
 
-    def _seal_own(self, row_array: np.ndarray, chains: list[Chain], pendings: list[PendingBlocks], table: np.ndarray,
-                  cache: PrefixCache, public: list[tuple[int, int]]) -> None:
+    def _seal_own(self, row_array: np.ndarray, chains: list[Chain], pendings: list[PendingRun],
+                  hash_runs: list[Sequence[bytes]], table: np.ndarray, cache: PrefixCache,
+                  public: list[tuple[int, int]]) -> None:
         """``_seal`` of rows whose pending blocks are their own (no ``SharedPending``; a prefill's seal: a prompt's
         blocks each): every row's pending blocks gathered from the table in one index (the row repeated, its logical
-        blocks from ``num_sealed`` on), the entries in one list, one ``insert_many``."""
-        counts = np.fromiter(map(len, pendings), dtype=np.intp, count=len(pendings))
+        blocks from ``num_sealed`` on), the columns made run by run (``run_columns``), one ``insert_blocks``."""
+        counts = np.fromiter(map(len, hash_runs), dtype=np.intp, count=len(hash_runs))
         firsts = np.fromiter([chain.num_sealed for chain in chains], dtype=np.intp, count=len(chains))
         owners = np.repeat(row_array, counts)
         ends = np.cumsum(counts)
         columns = np.arange(owners.size) + np.repeat(firsts - (ends - counts), counts)  # num_sealed, num_sealed + 1, ..
-        block_ids = table[owners, columns].tolist()
-        for chain, pending in zip(chains, pendings):
-            chain.num_sealed += len(pending)
-            chain.sealed_hash = pending[-1][0]  # its block_hash
+        block_ids = table[owners, columns]
+        for chain, hashes in zip(chains, hash_runs):
+            chain.num_sealed += len(hashes)
+            chain.sealed_hash = hashes[-1]
             chain.pending = NO_PENDING
         self.has_pending[row_array] = False
-        for k in cache.insert_many(block_ids, list(chained.from_iterable(pendings))):
-            public.append((owners.item(k), block_ids[k]))
+        for k in cache.insert_blocks(block_ids, *run_columns(pendings, hash_runs)):
+            public.append((owners.item(k), block_ids.item(k)))
 
     def _extend(self, rows: np.ndarray, sizes: np.ndarray, ends: np.ndarray, token_ids: np.ndarray) -> None:
         """Add to the (sealed: nothing pending) chain of each of ``rows`` (distinct, tracked) its ``sizes`` tokens,
@@ -240,46 +259,47 @@ class TokenChains:
     def _hash_filled(self, rows: np.ndarray) -> None:
         """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0, nothing
         pending: the step sealed it first): one block each, every step of the work done for all rows at once (one
-        gather of their bytes, one ``hash_many``, each a ``map``), only the chains' own fields set row by row. Each
-        block's token array is read-only over its own bytes object (which the hash read): it keeps nothing else
-        alive."""
-        row_bytes = self.block_size * 4
-        data = self.partial.take(rows, axis=0).astype(U32, copy=False).tobytes()
+        gather of their bytes, one ``hash_many``, each a ``map``), only the chains' own fields set row by row. The
+        rows' runs share one token array, read-only over the gather's bytes (``PendingRun``: row k of it is row k's
+        block): one object a row, its run."""
+        bs = self.block_size
+        row_bytes = bs * 4
+        filled = self.partial.take(rows, axis=0)
+        self.pending_tokens[rows] = filled
+        data = filled.astype(U32, copy=False).tobytes()
         blocks = [data[at : at + row_bytes] for at in range(0, len(data), row_bytes)]
-        chains = list(map(self.chains.__getitem__, rows.tolist()))
-        parents = [chain.sealed_hash for chain in chains]
-        if any([chain.num_sealed < chain.num_public for chain in chains]):  # a public prefix's last block
+        row_list = rows.tolist()
+        chains = list(map(self.chains.__getitem__, row_list))
+        parents = list(map(_SEALED_HASH, chains))
+        publics: Sequence[int] | repeat[int]
+        if any(map(_NUM_PUBLIC, chains)) and any([c.num_sealed < c.num_public for c in chains]):  # a public block
             headers = [chain.header_of(chain.num_sealed) for chain in chains]
-            salts = [PUBLIC_SALT if c.num_sealed < c.num_public else c.salt for c in chains]
+            publics = [int(c.num_sealed < c.num_public) for c in chains]
         else:
-            headers = [chain.header for chain in chains]
-            salts = [chain.salt for chain in chains]
-        fields = zip(hash_many(parents, headers, blocks), parents, map(np.frombuffer, blocks, repeat(U32)), salts,
-                     [chain.extra for chain in chains])
-        for chain, entry in zip(chains, map(tuple.__new__, repeat(CachedBlock), fields)):
-            chain.pending = (entry,)
+            headers = list(map(_HEADER, chains))
+            publics = repeat(0)
+        fields = zip(zip(hash_many(parents, headers, blocks)), repeat(self.pending_tokens), row_list, parents,
+                     map(_SALT, chains), map(_EXTRA, chains), publics)
+        for chain, run in zip(chains, map(tuple.__new__, repeat(FilledBlock), fields)):
+            chain.pending = run
         self.has_pending[rows] = True
 
     def _hash_blocks(self, row: int, chain: Chain, data: bytes, known: Sequence[bytes] = ()) -> None:
         """Hash new full blocks (``data``: their token ids, u32le, block after block) of the sealed chain of ``row``:
-        they become its ``pending``. ``known``: the hashes of the first blocks, computed by the row's register
-        (PromptHashes). As ``_hash_filled`` does, each part of the work is done for all the blocks at once (the
-        entries made by ``map``) and only the hashes not known are computed block by block (each one's parent is
-        the one before); each block's token array is read-only over its own bytes object (a view would keep alive
-        the whole prompt)."""
-        row_bytes, first = self.block_size * 4, chain.num_sealed
-        num = len(data) // row_bytes
-        chunks = [data[at : at + row_bytes] for at in range(0, len(data), row_bytes)]
+        they become its ``pending``, one ``PendingRun`` (their token ids one read-only array over ``data``, which
+        the caller made for this row alone: it keeps nothing else alive). ``known``: the hashes of the first
+        blocks, computed by the row's register (PromptHashes); the others are hashed in one ``chain_encoded``."""
+        bs, first = self.block_size, chain.num_sealed
+        num = len(data) // (bs * 4)
         hashes = list(known[:num])
-        parent = hashes[-1] if hashes else chain.sealed_hash  # NONE_HASH for block 0
-        for k in range(len(hashes), num):
-            parent = hash_encoded(parent, chain.header_of(first + k), chunks[k])
-            hashes.append(parent)
-        num_public = min(num, max(0, chain.num_public - first))
-        salts = [PUBLIC_SALT] * num_public + [chain.salt] * (num - num_public)
-        fields = zip(hashes, [chain.sealed_hash, *hashes[:-1]], map(np.frombuffer, chunks, repeat(U32)), salts,
-                     repeat(chain.extra))
-        chain.pending = tuple(map(tuple.__new__, repeat(CachedBlock), fields))
+        if len(hashes) < num:
+            k = len(hashes)
+            hashes += chain_encoded(data[k * bs * 4 :] if k else data, bs, chain.salt,
+                                    hashes[-1] if hashes else chain.sealed_hash, chain.extra,
+                                    max(0, chain.num_public - first - k))
+        chain.pending = tuple.__new__(PendingRun, (hashes, np.frombuffer(data, dtype=U32).reshape(num, bs), 0,
+                                                   chain.sealed_hash, chain.salt, chain.extra,
+                                                   min(num, max(0, chain.num_public - first))))
         self.has_pending[row] = True
 
     def _reserve(self, num_rows: int) -> None:
@@ -291,8 +311,9 @@ class TokenChains:
             new *= 2
         new = min(new, self.max_rows)
         partial, fill = np.zeros((new, self.block_size), dtype=np.uint32), np.zeros(new, dtype=np.intp)
-        partial[:old], fill[:old] = self.partial, self.fill
-        self.partial, self.fill = partial, fill
+        pending_tokens = np.zeros((new, self.block_size), dtype=np.uint32)
+        partial[:old], fill[:old], pending_tokens[:old] = self.partial, self.fill, self.pending_tokens
+        self.partial, self.fill, self.pending_tokens = partial, fill, pending_tokens
 
     def check_invariants(self, num_tokens: np.ndarray, live_rows: np.ndarray) -> None:
         """The class docstring's invariants, given the tables' token counts and the rows in use."""
@@ -309,8 +330,20 @@ class TokenChains:
                 raise InvariantViolationError(f"row {row}'s token chain disagrees with its {n} tokens")
             if self.has_pending.item(row) != bool(chain.pending):
                 raise InvariantViolationError(f"row {row}'s has_pending disagrees with its chain")
+            run = chain.pending
+            if isinstance(run, PendingRun) and not (run.tokens.dtype == U32 and run.tokens.ndim == 2 and run.tokens.shape[1] == bs and
+                            0 <= run.at <= run.tokens.shape[0] - len(run) and
+                            run.num_public == min(len(run), max(0, chain.num_public - chain.num_sealed))):
+                raise InvariantViolationError(f"row {row}'s pending run's token rows or public count are off")
+            if isinstance(run, FilledBlock) and (run.at != row or len(run.hashes) != 1 or
+                                                 not np.array_equal(run.tokens[row], self.pending_tokens[row])):
+                raise InvariantViolationError(f"row {row}'s filled block is not its pending_tokens row")
+            if isinstance(run, PendingRun) and not isinstance(run, FilledBlock) and (
+                    run.at != 0 or run.tokens.shape[0] != len(run.hashes)):
+                raise InvariantViolationError(f"row {row}'s pending run does not own exactly its token rows")
             parent = chain.sealed_hash
-            for k, entry in enumerate(chain.pending):
+            blocks = [run.block(k) for k in range(len(run.hashes))] if isinstance(run, PendingRun) else []
+            for k, entry in enumerate(blocks):
                 i = chain.num_sealed + k
                 salt = PUBLIC_SALT if i < chain.num_public else chain.salt
                 if entry.parent_hash != parent or entry.salt != salt or entry.extra != chain.extra or \
@@ -321,3 +354,4 @@ class TokenChains:
             if chain.header != block_header(chain.salt, chain.extra, bs) or (
                     chain.num_public and chain.public_header != block_header(PUBLIC_SALT, chain.extra, bs)):
                 raise InvariantViolationError(f"row {row}'s block headers disagree with its salt and extra key")
+

@@ -1,0 +1,73 @@
+"""A chain's pending blocks kept compact (core/chain.py ``PendingRun``): read as CachedBlocks, a decode step's
+filled block a row of ``TokenChains.pending_tokens`` (``FilledBlock``) that survives the rows growing and a fork,
+and sealed with the token ids it was hashed from."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool_server.core import KVCacheManager
+from kvpool_server.core.block_hash import chain_hashes
+from kvpool_server.core.chain import FilledBlock, PendingRun, SharedPending
+
+BS = 4
+
+
+def cached_tokens(manager: KVCacheManager) -> dict[bytes, list[int]]:
+    return {e.block_hash: e.token_ids.tolist() for e in manager.allocator.cache.entries.values()}
+
+
+def test_a_prompts_blocks_are_one_run_read_as_cached_blocks() -> None:
+    manager = KVCacheManager(num_blocks=32, block_size=BS)
+    seq = manager.register(prompt_token_ids=list(range(10)))
+    manager.append(seq, 10, token_ids=list(range(10)))
+    run = manager.chains.chains[manager.index.row(seq)].pending
+    assert isinstance(run, PendingRun) and not isinstance(run, FilledBlock) and len(run) == 2
+    blocks = list(run)
+    assert [b.block_hash for b in blocks] == chain_hashes(list(range(8)), BS)
+    assert [b.token_ids.tolist() for b in blocks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert blocks[1].parent_hash == blocks[0].block_hash and blocks[0].parent_hash == bytes(32)
+    manager.check_invariants()
+
+
+def test_a_filled_block_keeps_its_tokens_as_rows_grow_and_through_a_fork() -> None:
+    manager = KVCacheManager(num_blocks=256, block_size=BS, max_num_seqs=512)
+    seqs = [manager.register(prompt_token_ids=[]) for _ in range(3)]
+    manager.append(seqs, 1, token_ids=[1, 2, 3])
+    for step in range(1, BS):
+        manager.append(seqs, 1, token_ids=[10 * step + k for k in range(3)])  # fills every row's block 0
+    rows = [manager.index.row(s) for s in seqs]
+    runs = [manager.chains.chains[row].pending for row in rows]
+    assert all(isinstance(r, FilledBlock) and r.at == row for r, row in zip(runs, rows))
+    expected = [[1, 10, 20, 30], [2, 11, 21, 31], [3, 12, 22, 32]]
+    more = [manager.register(prompt_token_ids=[5]) for _ in range(100)]  # rows past the first 64: the arrays grow
+    assert manager.chains.pending_tokens.shape[0] > 64
+    assert [list(r)[0].token_ids.tolist() for r in runs] == expected
+    manager.check_invariants()
+    child = manager.fork(seqs[0], 1)[0]
+    shared = manager.chains.chains[rows[0]].pending
+    assert isinstance(shared, SharedPending) and shared is manager.chains.chains[manager.index.row(child)].pending
+    for step in range(BS):  # the parent seals block 0 and fills block 1: its pending_tokens row is written again
+        manager.append(seqs[0], 1, token_ids=[100 + step])
+    assert manager.chains.pending_tokens[rows[0]].tolist() == [100, 101, 102, 103]
+    assert list(shared)[0].token_ids.tolist() == expected[0]  # the child's: its own copy
+    manager.check_invariants()
+    manager.append(child, 1, token_ids=[7])  # seals nothing more (the parent did); then everyone else's
+    manager.append(seqs, 1, token_ids=[6, 8, 9])  # the parent's block 1 too
+    tokens = cached_tokens(manager)
+    assert sorted(tokens.values()) == sorted(expected + [[100, 101, 102, 103]])
+    manager.free([*seqs, child, *more])
+    manager.check_invariants()
+
+
+def test_a_seal_of_filled_blocks_from_different_steps_and_rows_inserts_each_ones_tokens() -> None:
+    manager = KVCacheManager(num_blocks=64, block_size=BS)
+    a, b = manager.register(prompt_token_ids=[]), manager.register(prompt_token_ids=[])
+    manager.append(a, 3, token_ids=[1, 2, 3])
+    manager.append([a, b], 1, token_ids=[4, 50])  # fills a's block 0
+    manager.append(b, 3, token_ids=[51, 52, 53])  # fills b's block 0 (its own step)
+    assert isinstance(manager.chains.chains[manager.index.row(a)].pending, FilledBlock)
+    manager.append([b, a], 1, token_ids=[9, 9])  # one seal of both, each from its own step
+    assert sorted(cached_tokens(manager).values()) == [[1, 2, 3, 4], [50, 51, 52, 53]]
+    assert manager.allocator.cache.entries.tokens.dtype == np.uint32
+    manager.check_invariants()
