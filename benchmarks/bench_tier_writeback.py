@@ -11,8 +11,10 @@ of ``--decode-seqs`` sequences, one token each), a churned prompt (RegisterSeque
 prefill, one decode token, Free: the pool evicts all the time), and ``--steps`` write-back steps
 (``TierCopies.writeback_step``, what the write-back thread loops on). Each part's CPU (``time.thread_time``) is
 recorded, and of each lock hold: the write-back step's hold (settle the completed chunks, plan the next), the
-step's whole CPU (the hold, the chunk's events and its copy), and the decode step's own hold, with the tier and
-without it. p50 / p99 of each, over ``--rounds`` rounds.
+step's whole CPU (the hold, the chunk's events and its copy), its CPU up to its copy's start (``TierPool._start``:
+the stretch a serving call that waited for the lock then waits for the GIL, the copy's calls being the first to
+release it), and the decode step's own hold, with the tier and without it. p50 / p99 of each, over ``--rounds``
+rounds.
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ def run(layout: KVLayout, backend: str, with_tier: bool, args: argparse.Namespac
         assert tier.memory.wait_ready(600)
         tier.stop()  # this thread runs its steps (offload on eviction stays off, as with the thread)
     cpu: dict[str, list[float]] = {"write-back step": [], "decode step": []}
+    to_copy: list[float] = []  # when this write-back step's copy started (TierPool._start)
+    stretch: list[float] = []  # each write-back step's CPU up to its copy's start
+    if tier is not None:
+        start_copy = tier.memory._start
+
+        def timed_start(pairs: np.ndarray) -> object:
+            to_copy.append(time.thread_time())
+            return start_copy(pairs)
+
+        tier.memory._start = timed_start  # type: ignore[method-assign]
     try:
         ids = []
         for _ in range(args.decode_seqs):
@@ -86,15 +98,19 @@ def run(layout: KVLayout, backend: str, with_tier: bool, args: argparse.Namespac
             churn_prompt(svc, scope, n, pb * bs + 1)
             for _ in range(args.steps if tier is not None else 0):
                 lock.part, t0 = "write-back step", time.thread_time()
+                to_copy.clear()
                 moved = tier.writeback_step(lock, config.host_tier_writeback_blocks)  # type: ignore[union-attr]
                 if moved:
                     cpu["write-back step"].append(time.thread_time() - t0)
+                if to_copy:
+                    stretch.append(to_copy[0] - t0)
         if tier is not None:
             t = tier.tier
             print(f"  blocks written back {t.num_written_back}, overtaken {t.num_torn}, not kept {t.num_unkept}")
     finally:
         svc.guard.pool.close()
-    return {**{f"{k} (whole)": v for k, v in cpu.items()}, **{f"{k} (lock hold)": v for k, v in lock.holds.items()}}
+    return {**{f"{k} (whole)": v for k, v in cpu.items()}, "write-back step (to its copy)": stretch,
+            **{f"{k} (lock hold)": v for k, v in lock.holds.items()}}
 
 
 def main() -> None:
@@ -111,7 +127,7 @@ def main() -> None:
         for name, values in run(layout, args.backend, with_tier, args).items():
             if values and name != "churn (lock hold)":
                 v = np.array(values) * 1e6
-                print(f"  {name:<28} n {len(v):>5}   p50 {np.percentile(v, 50):7.1f}   p99 {np.percentile(v, 99):7.1f}"
+                print(f"  {name:<29} n {len(v):>5}   p50 {np.percentile(v, 50):7.1f}   p99 {np.percentile(v, 99):7.1f}"
                       f"   mean {v.mean():7.1f}")
 
 

@@ -26,7 +26,7 @@ Write-back (``start_writeback``, ``--host-tier-writeback-blocks``): a background
 evictable blocks next in line into the tier ahead of need, at most that many blocks in flight, in chunks of at most
 ``WRITEBACK_CHUNK_BLOCKS`` (``writeback_step``): one short hold of the lock settles the chunks whose copy completed
 (oldest first, stopping at the first in flight) and plans the next chunk (``writeback.plan``); with the lock
-released it builds the chunk's events and queues its copy, or waits for the oldest copy. An allocation then evicts
+released it queues the chunk's copy and then builds its events, or waits for the oldest copy. An allocation then evicts
 blocks whose content the tier already holds, and its call copies nothing. With the write-back on, an eviction the
 write-back did not reach first is dropped from the tier (``HostTier.offload_on_evict`` off: a later miss) rather
 than copied under the lock, and an eviction of a block whose write-back is in flight (queued or not yet) tears that
@@ -85,8 +85,8 @@ class TierCopies:
         self.tier: HostTier = tier
         self.cache = tier.cache  # the pool's prefix cache (its evictable LRU, for the write-back)
         self.memory = memory
-        # In flight, oldest first: (ticket, pairs[, its slots' BlockStored events built ahead]); appended by the
-        # write-back's thread (``_queue``), settled from the front under the lock (``finish_writebacks``).
+        # In flight, oldest first: (ticket, pairs[, its slots' BlockStored events and hashes, read ahead]); appended
+        # by the write-back's thread (``_queue``), settled from the front under the lock (``finish_writebacks``).
         self.writebacks: list[tuple] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -218,7 +218,7 @@ class TierCopies:
         """The write-back thread's step. Under ``lock``, one short hold: settle the write-backs that completed and,
         while fewer than ``max_blocks`` blocks are in flight, plan a chunk of at most ``WRITEBACK_CHUNK_BLOCKS``
         (scanning at most ``8 * max_blocks`` of the LRU). Outside it: queue the chunk's copy (its events built
-        there too), or else wait for the oldest copy in flight. Returns the blocks planned or settled (0: idle, or the
+        after it), or else wait for the oldest copy in flight. Returns the blocks planned or settled (0: idle, or the
         copy could not start)."""
         with lock:
             settled = self.finish_writebacks(wait=False)
@@ -241,10 +241,12 @@ class TierCopies:
         """Queue the write-back copy of planned ``pairs`` (under the guard's lock when ``lock`` is None, else with
         it released: then an eviction of one of its blocks tears the slot, as before the copy is queued) and add
         it to ``writebacks`` (appended last: only the write-back's thread appends; settles take from the front,
-        under the lock). Its slots' BlockStored events are built here, for the commit to append. Returns its ticket;
-        None: the copy could not start, the slots are aborted (under ``lock``)."""
+        under the lock). Its slots' BlockStored events are built here and their hashes read, for the commit --
+        after the copy is queued: the copy's calls release the GIL, and a serving call waiting on the lock this
+        thread has just released gets it at the first of them rather than after this Python (the events and
+        hashes of the slots, pending until the chunk settles, do not change meanwhile). Returns its ticket; None:
+        the copy could not start, the slots are aborted (under ``lock``)."""
         tier = self.tier
-        stored = None if tier.cache.events is None else host_stored_runs([tier.entries[s] for s in pairs[:, 1].tolist()])
         try:
             ticket = self.memory.start_offload(pairs)
         except Exception as exc:  # closed, or the copy could not be queued
@@ -257,7 +259,10 @@ class TierCopies:
                 with lock:
                     writeback.finish(tier, pairs, ok=False)
             return None
-        self.writebacks.append((ticket, pairs, stored))
+        slots = pairs[:, 1].tolist()
+        hashes = list(map(tier.entries.hash_of, slots))  # for the commit (read here, off the lock)
+        stored = None if tier.cache.events is None else host_stored_runs([tier.entries[s] for s in slots])
+        self.writebacks.append((ticket, pairs, stored, hashes))
         return ticket
 
     def settle(self) -> None:
@@ -287,7 +292,7 @@ class TierCopies:
                 failures_log.warning_of("write-back", "host tier: a write-back of %d blocks failed: they are not kept",
                                      len(pairs))
                 self.num_failed_writebacks += 1
-            writeback.finish(self.tier, pairs, ok, entry[2] if len(entry) > 2 else None)
+            writeback.finish(self.tier, pairs, ok, *entry[2:4])
             del writebacks[0]
             settled += len(pairs)
         return settled

@@ -31,15 +31,16 @@ def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: Mapping[int
     ``inflight`` says a copy reads them, so that an eviction of one makes the driver wait for it
     (``StorePlan.wait``) or tears its slot before anything writes into it. Returns the pairs (pool block, host slot)
     to copy, in eviction order; ``finish`` settles them."""
-    pairs: list[tuple[int, int]] = []
+    pairs: list[int] = []  # flat: block, slot, block, slot, ... (one array made of it at the end)
     dropped: list[bytes] = []
     inflight, slot_of_hash, pending, tier_entries = tier.inflight, tier.slot_of_hash, tier.pending_hashes, tier.entries
     free = tier.free
     hash_of = getattr(entries, "hash_of", None) or (lambda block_id: entries[block_id].block_hash)  # BlockRecords'
     start, blocks = tier.scan_from(evictable)
     scanned, mark = 0, tier.scan_mark  # the run of blocks held or planned from ``start`` on
+    wanted = 2 * max_blocks
     for block_id in islice(blocks, max(0, (8 * max_blocks if max_scan is None else max_scan) - start)):
-        if len(pairs) == max_blocks:
+        if len(pairs) == wanted:
             break
         h = hash_of(block_id)
         if not (block_id in inflight or h in slot_of_hash or h in pending):
@@ -49,7 +50,7 @@ def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: Mapping[int
             tier_entries.copy_from(slot, entries, block_id)
             pending[h] = slot
             inflight[block_id] = slot
-            pairs.append((block_id, slot))
+            pairs += block_id, slot
         scanned, mark = scanned + 1, block_id
     if tier.scan_skip == start:  # no drop of a pool-held hash meanwhile (``take_slot``): the hint holds
         tier.scan_skip, tier.scan_mark = start + scanned, mark
@@ -58,22 +59,25 @@ def plan(tier: HostTier, evictable: OrderedDict[int, None], entries: Mapping[int
     return np.array(pairs, dtype=np.int32).reshape(-1, 2)
 
 
-def finish(tier: HostTier, pairs: np.ndarray, ok: bool, stored: list[BlockStored] | None = None) -> None:
+def finish(tier: HostTier, pairs: np.ndarray, ok: bool, stored: list[BlockStored] | None = None,
+           hashes: list[bytes] | None = None) -> None:
     """The write-back of ``pairs`` completed (``ok``: its slots are committed) or failed (aborted).
-    ``stored``: the slots' BlockStored events built ahead (``host_stored_runs`` of their entries), if any."""
-    slots: list[int] = []
-    torn: list[int] = []
-    inflight, torn_slots = tier.inflight, tier.torn
-    for block_id, slot in pairs.tolist():
+    ``stored``: the slots' BlockStored events built ahead (``host_stored_runs`` of their entries), if any;
+    ``hashes``: their hashes, read ahead (``HostTier.commit``)."""
+    inflight, torn_slots, torn = tier.inflight, tier.torn, []
+    for block_id in pairs[:, 0].tolist():
         del inflight[block_id]
-        (torn if slot in torn_slots else slots).append(slot)
+    slots = pairs[:, 1].tolist()
+    if torn_slots and not torn_slots.isdisjoint(slots):
+        torn = [slot for slot in slots if slot in torn_slots]
+        slots = [slot for slot in slots if slot not in torn_slots]
     if torn:
         torn_slots.difference_update(torn)
         tier.num_torn += len(torn)
         tier.abort(torn, failed=False)  # their block was evicted while the copy read it: the bytes may be torn
-        stored = None  # the events built ahead name the torn blocks too: the commit builds its own
+        stored = hashes = None  # the events built ahead name the torn blocks too: the commit builds its own
     if ok:
-        tier.commit(slots, stored)
+        tier.commit(slots, stored, hashes)
         tier.num_written_back += len(slots)
     else:
         tier.abort(slots)
