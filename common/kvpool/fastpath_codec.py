@@ -68,7 +68,9 @@ def write_request(views: fp.Views, op: int, request_id: int, generation: int, *,
     if n_ids:
         area[at:at + 8 * n_ids].view(np.uint64)[:] = ids
     at += 8 * n_ids
-    if n_counts:
+    if n_counts == 1 and counts.dtype == np.uint32:  # one count for all (the decode step's): packed
+        _U32.pack_into(area.data, at, int(counts[0]))
+    elif n_counts:
         area[at:at + 4 * n_counts].view(np.uint32)[:] = counts
     at += (4 * n_counts + 7) & ~7
     if n_tokens:
@@ -76,8 +78,11 @@ def write_request(views: fp.Views, op: int, request_id: int, generation: int, *,
     at += (4 * n_tokens + 7) & ~7
     if extra:
         area[at:at + len(extra)] = np.frombuffer(extra, np.uint8)
-    _REQUEST_WORDS.pack_into(views.req_words, 0, op, _word(request_id), generation, n_ids, n_counts, n_tokens,
-                             _word(arg0), arg1, len(extra))
+    words = (op, _word(request_id), generation, n_ids, n_counts, n_tokens, _word(arg0), arg1, len(extra))
+    try:
+        _REQUEST_WORDS.pack_into(views.req_words, 0, *words)
+    except struct.error:  # not all int64s (a float, a value past int64): NumPy's conversion (and error), as before
+        views.req[:fp.REQ_SEQ] = words
 
 
 def register_many_arrays(prompts: list[np.ndarray], keys: list[bytes],
@@ -255,6 +260,8 @@ def read_append_reply(views: fp.Views) -> tuple[np.ndarray, np.ndarray, np.ndarr
     at = fp.HEADER_BYTES
     slots = area[at:at + 8 * n_slots].view(np.int64).copy()
     at += 8 * n_slots
+    if n_new <= 0 and n_copies <= 0:  # the usual decode step: no block allocated, nothing copied
+        return slots, np.empty(0, np.int64), np.empty((0, 2), np.int64)
     new = area[at:at + 4 * n_new].view(np.int32).astype(np.int64)
     at += (4 * n_new + 7) & ~7
     copies = area[at:at + 8 * n_copies].view(np.int32).astype(np.int64).reshape(-1, 2)
