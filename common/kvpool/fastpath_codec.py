@@ -140,14 +140,14 @@ def request_arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.n
     area = views.area_bytes
     n_ids, n_counts, n_tokens, extra = (header[fp.REQ_N_IDS], header[fp.REQ_N_COUNTS], header[fp.REQ_N_TOKENS],
                                         header[fp.REQ_EXTRA_LEN])
-    if not (0 <= n_ids <= area and 0 <= n_counts <= area and 0 <= n_tokens <= area and 0 <= extra <= area) or \
-            fp.request_bytes(n_ids, n_counts, n_tokens, extra) > area:
-        raise RecordTooBig(f"fast path: a request of {n_ids} ids, {n_counts} counts, {n_tokens} tokens and "
-                           f"{extra} key bytes does not fit the {area}-byte request area")
     counts_at = 8 * n_ids  # offsets in the copy, which starts after the header
     tokens_at = counts_at + ((4 * n_counts + 7) & ~7)
     extra_at = tokens_at + ((4 * n_tokens + 7) & ~7)
     end = extra_at + extra
+    if not (0 <= n_ids <= area and 0 <= n_counts <= area and 0 <= n_tokens <= area and 0 <= extra <= area) or \
+            fp.HEADER_BYTES + extra_at + ((extra + 7) & ~7) > area:  # fp.request_bytes, inline
+        raise RecordTooBig(f"fast path: a request of {n_ids} ids, {n_counts} counts, {n_tokens} tokens and "
+                           f"{extra} key bytes does not fit the {area}-byte request area")
     data = views.req_area[fp.HEADER_BYTES:fp.HEADER_BYTES + end].copy()  # 8-aligned: each array's view is too
     ids = data[:counts_at].view(np.uint64)
     if n_counts == 1:  # one count for all (the decode step's): read as an int, not through a uint32 view
