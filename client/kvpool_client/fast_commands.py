@@ -167,13 +167,19 @@ class FastPathCommands(KVPoolCommands):
         if args is not None and (tokens is not None or token_ids is None):
             n_tokens = 0 if tokens is None else tokens.size
             need = (len(args[0]), args[3].size, n_tokens, 0, fp.append_reply_bound(len(args[0]), args[4], 1))
-            channel = yield from self._fast_channel_plan(method, timeout, need)
+            channel = self._usable_channel(method, need)  # the decode loop's case: no generator to go through
+            if channel is None:
+                channel = yield from self._fast_channel_plan(method, timeout, need)
         if channel is None or args is None:
             return (yield from super().append.__wrapped__(  # type: ignore[attr-defined]
                 self, seq_ids, num_tokens, token_ids=token_ids, timeout=timeout))
         ids, id_array, counts, counts_field, _ = args
         write = channel_ops.append_writer(channel.generation, id_array, counts_field, tokens, NO_REQUEST_ID)
-        return (yield from self._exchange(channel, write, channel_ops.append_reader(ids, counts), method, timeout))
+        sent_at = time.monotonic()  # ``_exchange``'s, inline: the decode step's call
+        answer = yield Exchange(channel, write, channel_ops.append_reader(ids, counts), method,
+                                self.timeout if timeout is None else timeout)
+        self._session.acked(sent_at)  # the server renewed the lease after sent_at
+        return answer
 
     @command
     def fork(self, parent_seq_id: int, num_children: int = 0, child_seq_ids: Sequence[int] = (), *,
@@ -253,6 +259,18 @@ class FastPathCommands(KVPoolCommands):
                 self._fast_off = True
             channel = None if self._fast_off else self._fast_channel
         if channel is not None and need is not None and not channel.fits(*need):
+            return None
+        return channel
+
+    def _usable_channel(self, method: str, need: tuple[int, int, int, int, int]) -> FastChannel | None:
+        """The open channel when ``_fast_channel_plan`` would answer it without a step (its session open and live,
+        the channel usable, the record fitting), after the same checks; None: ask ``_fast_channel_plan``."""
+        channel, state = self._fast_channel, self._session
+        if channel is None or self._fast_off or need[4] > self._fast_reply_limit or not state.enabled or \
+                state.session_id is None:
+            return None
+        state.check_live(method)  # raises what ended the session, as ``_session_fields`` does
+        if channel.broken is not None or channel.fenced or not channel.fits(*need):
             return None
         return channel
 

@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 import grpc
-import numpy as np
 
 from kvpool import fastpath as fp
 from kvpool import fastpath_codec as codec
@@ -113,7 +112,7 @@ class FastChannel:
     def fenced(self) -> bool:
         """The server closed the channel (its session ended, or it stops)."""
         views = self.views
-        return views is None or bool(views.ctl[fp.CTL_FENCED])
+        return views is None or bool(views.ctl_words[fp.CTL_FENCED])
 
     # ---------------------------------------------------------------- one exchange
     def fits(self, n_ids: int, n_counts: int, n_tokens: int, extra: int = 0, reply: int = 0) -> bool:
@@ -140,7 +139,7 @@ class FastChannel:
         seq = self.seq + 1
         write(views)
         codec.publish_request(views, seq)
-        ctl = views.ctl
+        ctl = views.ctl_words  # the control words as Python ints (a memoryview: ~30 ns a look)
         self.seq = seq
         memory_barrier()
         if ctl[fp.CTL_SERVER_PARKED]:
@@ -158,7 +157,7 @@ class FastChannel:
         if self.broken is not None or self.views is None:
             error = self.broken or UnavailableError("the fast-path channel is closed")
             raise type(error)(error.details, code=error.code, method=method)
-        fenced = int(self.views.ctl[fp.CTL_FENCED])
+        fenced = self.views.ctl_words[fp.CTL_FENCED]
         if fenced:
             self._break(self._fence_error(fenced), method)
         return self.views
@@ -183,7 +182,7 @@ class FastChannel:
             self._break(ServerGoneError("the fast-path socket is closed: the server is gone"), method)
 
     def _wait(self, views: fp.Views, seq: int, method: str, timeout: float) -> None:
-        ctl = views.ctl
+        ctl = views.ctl_words  # the control words as Python ints (a memoryview: ~30 ns a look)
         if self._spin(ctl, seq):
             return
         deadline = time.monotonic() + timeout
@@ -198,7 +197,7 @@ class FastChannel:
         finally:
             ctl[fp.CTL_CLIENT_PARKED] = 0
 
-    def _spin(self, ctl: np.ndarray, seq: int) -> bool:
+    def _spin(self, ctl: memoryview, seq: int) -> bool:
         """Look for the reply for SPIN_S, yielding the CPU at each look (another process that shares this core --
         a second frontend, the server itself -- runs instead of waiting for our spin to end)."""
         perf, yield_cpu = time.perf_counter, os.sched_yield
@@ -209,7 +208,7 @@ class FastChannel:
             yield_cpu()
         return True
 
-    def _check_parked(self, ctl: np.ndarray, deadline: float, timeout: float, method: str) -> float:
+    def _check_parked(self, ctl: memoryview, deadline: float, timeout: float, method: str) -> float:
         """While parked: raise for a fence or a passed deadline; else the seconds left."""
         fenced = int(ctl[fp.CTL_FENCED])
         if fenced:
@@ -220,7 +219,7 @@ class FastChannel:
                 f"no fast-path reply within {timeout:g} s", code=grpc.StatusCode.DEADLINE_EXCEEDED), method)
         return remaining
 
-    def _drain(self, ctl: np.ndarray, seq: int, method: str) -> None:
+    def _drain(self, ctl: memoryview, seq: int, method: str) -> None:
         """Read the wake bytes; EOF without the reply: the server closed the channel, or died."""
         try:
             data = self.sock.recv(4096)
@@ -234,7 +233,7 @@ class FastChannel:
                 "the server closed the fast-path socket without an answer: it is gone"), method)
 
     async def _wait_async(self, views: fp.Views, seq: int, method: str, timeout: float) -> None:
-        ctl = views.ctl
+        ctl = views.ctl_words  # the control words as Python ints (a memoryview: ~30 ns a look)
         if self._spin(ctl, seq):  # at most SPIN_S of the event loop: the reply usually comes within it
             return
         loop = asyncio.get_running_loop()

@@ -17,6 +17,7 @@ trusts nothing it reads, so ``request_arrays`` copies the arrays out of the segm
 
 from __future__ import annotations
 
+import struct
 import threading
 from typing import Any
 
@@ -26,6 +27,13 @@ from kvpool import fastpath as fp
 
 WRAP = 1 << 64  # a uint64 field is written as the int64 word with the same bits
 _barrier = threading.Lock()
+# Header words packed in one call (native int64, as NumPy's ``int64`` views read them): a request's words from
+# REQ_OP to REQ_EXTRA_LEN; a reply's REP_CODE..REP_MSG_LEN and REP_N_SLOTS..REP_N_CHILDREN; a seq word
+_REQUEST_WORDS = struct.Struct(f"{fp.REQ_SEQ}q")
+_STATUS_WORDS = struct.Struct("3q")  # REP_CODE, REP_REASON, REP_MSG_LEN
+_COUNT_WORDS = struct.Struct("4q")  # REP_N_SLOTS, REP_N_NEW, REP_N_COPIES, REP_N_CHILDREN
+_WORD = struct.Struct("q")
+_U32 = struct.Struct("I")
 
 
 class RecordTooBig(ValueError):
@@ -52,7 +60,7 @@ def write_request(views: fp.Views, op: int, request_id: int, generation: int, *,
                   tokens: Any = None, extra: bytes = b"", arg0: int = 0, arg1: int = 0) -> None:
     """Write a request record's arrays and header (not yet published): ``ids`` uint64, ``counts`` and ``tokens``
     uint32, ``extra`` bytes, each array on an 8-byte boundary after the header."""
-    area, req = views.req_area, views.req
+    area = views.req_area
     n_ids = 0 if ids is None else ids.size
     n_counts = 0 if counts is None else counts.size
     n_tokens = 0 if tokens is None else tokens.size
@@ -60,15 +68,21 @@ def write_request(views: fp.Views, op: int, request_id: int, generation: int, *,
     if n_ids:
         area[at:at + 8 * n_ids].view(np.uint64)[:] = ids
     at += 8 * n_ids
-    if n_counts:
+    if n_counts == 1 and counts.dtype == np.uint32:  # one count for all (the decode step's): packed
+        _U32.pack_into(area.data, at, int(counts[0]))
+    elif n_counts:
         area[at:at + 4 * n_counts].view(np.uint32)[:] = counts
-    at += fp.align8(4 * n_counts)
+    at += (4 * n_counts + 7) & ~7
     if n_tokens:
         area[at:at + 4 * n_tokens].view(np.uint32)[:] = tokens
-    at += fp.align8(4 * n_tokens)
+    at += (4 * n_tokens + 7) & ~7
     if extra:
         area[at:at + len(extra)] = np.frombuffer(extra, np.uint8)
-    req[:fp.REQ_SEQ] = (op, _word(request_id), generation, n_ids, n_counts, n_tokens, _word(arg0), arg1, len(extra))
+    words = (op, _word(request_id), generation, n_ids, n_counts, n_tokens, _word(arg0), arg1, len(extra))
+    try:
+        _REQUEST_WORDS.pack_into(views.req_words, 0, *words)
+    except struct.error:  # not all int64s (a float, a value past int64): NumPy's conversion (and error), as before
+        views.req[:fp.REQ_SEQ] = words
 
 
 def register_many_arrays(prompts: list[np.ndarray], keys: list[bytes],
@@ -108,7 +122,7 @@ def split_register_many(ids: np.ndarray, counts: np.ndarray, tokens: np.ndarray,
 
 def publish_request(views: fp.Views, seq: int) -> None:
     """Publish the written request as ``seq``: its seq word, then (after the barrier) ``CTL_REQ_SEQ``."""
-    views.req[fp.REQ_SEQ] = seq
+    views.req_words[fp.REQ_SEQ] = seq
     memory_barrier()  # the record's stores before the seq's (x86 keeps them in order anyway; ARM does not)
     views.ctl[fp.CTL_REQ_SEQ] = seq
 
@@ -121,40 +135,45 @@ def request_header(views: fp.Views) -> list[int]:
 
 def request_arrays(views: fp.Views, header: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
     """The request's arrays (ids uint64, counts int64, tokens uint32, extra bytes), their counts checked against the
-    area (``RecordTooBig``) and copied out of it."""
+    area (``RecordTooBig``) and copied out of it: one copy of the record's bytes, the arrays views of that copy
+    (never of the segment)."""
     area = views.area_bytes
     n_ids, n_counts, n_tokens, extra = (header[fp.REQ_N_IDS], header[fp.REQ_N_COUNTS], header[fp.REQ_N_TOKENS],
                                         header[fp.REQ_EXTRA_LEN])
+    counts_at = 8 * n_ids  # offsets in the copy, which starts after the header
+    tokens_at = counts_at + ((4 * n_counts + 7) & ~7)
+    extra_at = tokens_at + ((4 * n_tokens + 7) & ~7)
+    end = extra_at + extra
     if not (0 <= n_ids <= area and 0 <= n_counts <= area and 0 <= n_tokens <= area and 0 <= extra <= area) or \
-            fp.request_bytes(n_ids, n_counts, n_tokens, extra) > area:
+            fp.HEADER_BYTES + extra_at + ((extra + 7) & ~7) > area:  # fp.request_bytes, inline
         raise RecordTooBig(f"fast path: a request of {n_ids} ids, {n_counts} counts, {n_tokens} tokens and "
                            f"{extra} key bytes does not fit the {area}-byte request area")
-    buf = views.req_area
-    at = fp.HEADER_BYTES
-    ids = buf[at:at + 8 * n_ids].view(np.uint64).copy()
-    at += 8 * n_ids
-    counts = buf[at:at + 4 * n_counts].view(np.uint32).astype(np.int64)
-    at += fp.align8(4 * n_counts)
-    tokens = buf[at:at + 4 * n_tokens].view(np.uint32).copy()
-    at += fp.align8(4 * n_tokens)
-    return ids, counts, tokens, buf[at:at + extra].tobytes()
+    data = views.req_area[fp.HEADER_BYTES:fp.HEADER_BYTES + end].copy()  # 8-aligned: each array's view is too
+    ids = data[:counts_at].view(np.uint64)
+    if n_counts == 1:  # one count for all (the decode step's): read as an int, not through a uint32 view
+        counts = np.array(_U32.unpack_from(data.data, counts_at), dtype=np.int64)
+    else:
+        counts = data[counts_at:counts_at + 4 * n_counts].view(np.uint32).astype(np.int64)
+    tokens = data[tokens_at:tokens_at + 4 * n_tokens].view(np.uint32) if n_tokens else np.empty(0, np.uint32)
+    return ids, counts, tokens, data[extra_at:end].tobytes() if extra else b""
 
 
 # ---------------------------------------------------------------- replies: the server writes
 def write_append_reply(views: fp.Views, slots: np.ndarray, new: np.ndarray, copies: np.ndarray) -> None:
     """An OK append reply: slots int64, new block ids int32, copies int32 [c, 2]. The caller has checked that it
     fits (``fp.reply_bytes``)."""
-    rep, area = views.rep, views.rep_area
-    rep[fp.REP_CODE:fp.REP_MSG_LEN + 1] = 0  # code, reason, message length
+    area, words = views.rep_area, views.rep_words
+    n_slots, n_new, n_copies = slots.size, new.size, copies.shape[0]
+    _STATUS_WORDS.pack_into(words, 8 * fp.REP_CODE, 0, 0, 0)  # code, reason, message length
     at = fp.HEADER_BYTES
-    area[at:at + 8 * slots.size].view(np.int64)[:] = slots
-    at += 8 * slots.size
-    if new.size:
-        area[at:at + 4 * new.size].view(np.int32)[:] = new
-        at += fp.align8(4 * new.size)
-    if copies.shape[0]:
-        area[at:at + 8 * copies.shape[0]].view(np.int32)[:] = copies.reshape(-1)
-    rep[fp.REP_N_SLOTS:fp.REP_N_CHILDREN + 1] = (slots.size, new.size, copies.shape[0], 0)
+    area[at:at + 8 * n_slots].view(np.int64)[:] = slots
+    at += 8 * n_slots
+    if n_new:
+        area[at:at + 4 * n_new].view(np.int32)[:] = new
+        at += (4 * n_new + 7) & ~7
+    if n_copies:
+        area[at:at + 8 * n_copies].view(np.int32)[:] = copies.reshape(-1)
+    _COUNT_WORDS.pack_into(words, 8 * fp.REP_N_SLOTS, n_slots, n_new, n_copies, 0)
 
 
 def write_children_reply(views: fp.Views, children: np.ndarray) -> None:
@@ -216,7 +235,7 @@ def write_error_reply(views: fp.Views, code: int, reason: str, message: str) -> 
 
 def publish_reply(views: fp.Views, seq: int) -> None:
     """Publish the written reply as ``seq``: its seq word, then (after the barrier) ``CTL_REP_SEQ``."""
-    views.rep[fp.REP_SEQ] = seq
+    _WORD.pack_into(views.rep_words, 8 * fp.REP_SEQ, seq)
     memory_barrier()  # the reply's stores before the seq's (x86 keeps them in order anyway; ARM does not)
     views.ctl[fp.CTL_REP_SEQ] = seq  # published: the whole reply is written
 
@@ -225,24 +244,26 @@ def publish_reply(views: fp.Views, seq: int) -> None:
 def reply_error(views: fp.Views) -> tuple[int, int, str] | None:
     """The published reply's error -- (code, reason index, message) -- or None when it is OK."""
     memory_barrier()  # the reply's loads after the seq's
-    rep = views.rep
-    code = int(rep[fp.REP_CODE])
+    words = views.rep_words
+    code = words[fp.REP_CODE]
     if not code:
         return None
-    n = min(max(int(rep[fp.REP_MSG_LEN]), 0), fp.MAX_MESSAGE_BYTES)
-    return code, int(rep[fp.REP_REASON]), views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + n].tobytes().decode(
+    n = min(max(words[fp.REP_MSG_LEN], 0), fp.MAX_MESSAGE_BYTES)
+    return code, words[fp.REP_REASON], views.rep_area[fp.HEADER_BYTES:fp.HEADER_BYTES + n].tobytes().decode(
         "utf-8", "replace")
 
 
 def read_append_reply(views: fp.Views) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """An OK append reply's slots, new block ids and copies [c, 2], each int64 and a copy."""
-    rep, area = views.rep, views.rep_area
-    n_slots, n_new, n_copies = rep[fp.REP_N_SLOTS:fp.REP_N_COPIES + 1].tolist()
+    area, words = views.rep_area, views.rep_words
+    n_slots, n_new, n_copies = words[fp.REP_N_SLOTS], words[fp.REP_N_NEW], words[fp.REP_N_COPIES]
     at = fp.HEADER_BYTES
     slots = area[at:at + 8 * n_slots].view(np.int64).copy()
     at += 8 * n_slots
+    if n_new <= 0 and n_copies <= 0:  # the usual decode step: no block allocated, nothing copied
+        return slots, np.empty(0, np.int64), np.empty((0, 2), np.int64)
     new = area[at:at + 4 * n_new].view(np.int32).astype(np.int64)
-    at += fp.align8(4 * n_new)
+    at += (4 * n_new + 7) & ~7
     copies = area[at:at + 8 * n_copies].view(np.int32).astype(np.int64).reshape(-1, 2)
     return slots, new, copies
 

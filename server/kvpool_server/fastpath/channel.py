@@ -16,8 +16,26 @@ from kvpool import fastpath as fp
 from kvpool.fastpath_codec import memory_barrier as memory_barrier  # the codec's, re-exported for the thread
 from kvpool_server.service.auth import Identity
 from kvpool_server.service.errors import SharedMemoryFullError
+from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
 from kvpool_server.shm_segments import CHANNEL_KIND, ShmFullError, create_segment, segment_name, unlink_segment
 
+
+class ChannelHeaders:
+    """A record's headers: the channel's authorization (checked again at every record: a token revoked by SIGHUP
+    is refused at the next one) and no gRPC reply limit (records.py checks the reply area's bound); one per
+    channel, made once."""
+
+    __slots__ = ("authorization",)
+
+    def __init__(self, authorization: str | None) -> None:
+        self.authorization = authorization
+
+    def get(self, key: str) -> str | None:
+        if key == "authorization":
+            return self.authorization
+        if key == RECEIVE_LIMIT_KEY:
+            return "-1"
+        return None
 
 
 class Channel:
@@ -28,6 +46,7 @@ class Channel:
         self.area_bytes = area_bytes
         self.tenant = caller.tenant_id
         self.authorization = authorization  # the header OpenFastPath carried: every record is authenticated again
+        self.headers = ChannelHeaders(authorization)  # what each record's call scope reads it from
         self.generation = generation
         self.token = token
         try:  # every page reserved: a client's or our first touch of one is never SIGBUS
@@ -66,7 +85,7 @@ class Channel:
 
     def wake_client(self) -> None:
         """A byte on the socket, only when the client has parked (it spins first)."""
-        if self.sock is not None and self.views is not None and self.views.ctl[fp.CTL_CLIENT_PARKED]:
+        if self.sock is not None and self.views is not None and self.views.ctl_words[fp.CTL_CLIENT_PARKED]:
             try:
                 self.sock.send(b"w", socket.MSG_DONTWAIT)
             except OSError:

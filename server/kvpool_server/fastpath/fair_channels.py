@@ -114,7 +114,8 @@ class FairChannels:
             if prepared.seq == seq:
                 return not prepared.done
             self._drop(channel)
-        op, n_tokens = int(views.req[fp.REQ_OP]), int(views.req[fp.REQ_N_TOKENS])
+        words = views.req_words
+        op, n_tokens = words[fp.REQ_OP], words[fp.REQ_N_TOKENS]
         if not (op == fp.OP_REGISTER and self.hasher.is_long(n_tokens) or
                 op in (fp.OP_REGISTER_MANY, fp.OP_STEP) and self.hasher.is_long_batch(n_tokens)):
             return False

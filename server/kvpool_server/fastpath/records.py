@@ -34,30 +34,13 @@ from kvpool_server.service.errors import Code, ServerShuttingDownError, Status
 from kvpool_server.service.freeing import may_chunk
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.fastpath import register_many, step
+from kvpool_server.fastpath.channel import ChannelHeaders as ChannelHeaders  # a record's headers, per channel
 from kvpool_server.service.register_batch import RegisteredPrompt
 from kvpool_server.service import answers
 from kvpool_server.service.answers import Pending
-from kvpool_server.service.reply_limits import RECEIVE_LIMIT_KEY
 from kvpool_server.service.scope import Call, CallScope
 
 U64 = (1 << 64) - 1
-
-
-class ChannelHeaders:
-    """A record's headers: the channel's authorization (checked again at every record: a token revoked by SIGHUP
-    is refused at the next one) and no gRPC reply limit (the reply area's bound is checked here)."""
-
-    __slots__ = ("authorization",)
-
-    def __init__(self, authorization: str | None) -> None:
-        self.authorization = authorization
-
-    def get(self, key: str) -> str | None:
-        if key == "authorization":
-            return self.authorization
-        if key == RECEIVE_LIMIT_KEY:
-            return "-1"
-        return None
 
 
 class Deferred:
@@ -165,12 +148,17 @@ def _invocation(service: KVPoolService, call: Any, views: fp.Views, header: list
     request_id = header[fp.REQ_REQUEST_ID] & U64
     arg0, arg1 = header[fp.REQ_ARG0] & U64, header[fp.REQ_ARG1]
     if op == fp.OP_APPEND:
-        n = ids.size
-        total = n if not counts.size else int(counts[0]) * n if counts.size == 1 else int(counts.sum())
-        if counts.size in (0, 1, n) and fp.append_reply_bound(n, total, service.guard.manager.block_size) > views.area_bytes:
+        n, n_counts = ids.size, counts.size
+        count_arg: Any = counts
+        if n_counts == 1:  # one count for all (the decode step): a Python int, as gRPC's single num_tokens
+            one = int(counts[0])
+            total, count_arg = one * n, [one]
+        else:
+            total = n if not n_counts else int(counts.sum())
+        if (n_counts <= 1 or n_counts == n) and \
+                fp.append_reply_bound(n, total, service.guard.manager.block_size) > views.area_bytes:
             raise InvalidArgumentError(f"fast path: the reply of an append of {total} tokens to {n} sequences may "
                                        f"not fit the {views.area_bytes}-byte reply area: send it over gRPC")
-        count_arg: Any = [int(counts[0])] if counts.size == 1 else counts
         return lambda: service.append(call, cast(Any, ids), count_arg, cast(Any, tokens), session_id,
                                       request_id), False
     if op == fp.OP_REGISTER:
@@ -206,17 +194,17 @@ def _same(answer: Any) -> Any:
 def write_answer(views: fp.Views, seq: int, op: int, answer: Any, block_size: int) -> None:
     """An OK reply. Its size is checked before anything is written: a reply that would not fit raises (a bug of
     ours: the bounds checked before the call should have refused it) and leaves the area as it was."""
-    if op == fp.OP_REGISTER_MANY:
-        register_many.write_reply(views, block_size, answer)
-    elif op == fp.OP_STEP:
-        step.write_reply(views, answer)
-    elif op == fp.OP_APPEND:
+    if op == fp.OP_APPEND:  # the decode step's: first
         slots, new, copies = answer.slot_mapping, answer.new_block_ids, answer.copies
-        needed = fp.reply_bytes(0, slots.size, new.size, copies.shape[0], 0)
+        needed = fp.HEADER_BYTES + 8 * slots.size + ((4 * new.size + 7) & ~7) + 8 * copies.shape[0]  # reply_bytes
         if needed > views.area_bytes:
             raise AssertionError(f"kvpool bug: an append's reply of {needed} bytes passed its bound "
                                  f"(area {views.area_bytes})")
         codec.write_append_reply(views, slots, new, copies)
+    elif op == fp.OP_REGISTER_MANY:
+        register_many.write_reply(views, block_size, answer)
+    elif op == fp.OP_STEP:
+        step.write_reply(views, answer)
     elif op == fp.OP_FORK:
         children = np.asarray(answer, dtype=np.uint64)
         if fp.reply_bytes(0, 0, 0, 0, children.size) > views.area_bytes:

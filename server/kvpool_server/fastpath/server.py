@@ -45,7 +45,7 @@ from kvpool_server.core.errors import FailedPreconditionError
 from kvpool_server.fastpath.channel import Channel, memory_barrier, new_name
 from kvpool_server.fastpath.fair_channels import FairChannels
 from kvpool_server.fastpath.handshake import Handshake, Handshakes, is_local_peer, new_token
-from kvpool_server.fastpath.records import ChannelHeaders, serve_record, write_bug
+from kvpool_server.fastpath.records import serve_record, write_bug
 from kvpool_server.fastpath.registry import ChannelRegistry
 from kvpool_server.service.kvpool import KVPoolService
 from kvpool_server.service.scope import Call, CallScope
@@ -196,7 +196,7 @@ class FastPathServer:
                     self._answer_deferred(channel, views)
                     served = True
                 continue
-            seq = int(views.ctl[fp.CTL_REQ_SEQ])
+            seq = views.ctl_words[fp.CTL_REQ_SEQ]  # a Python int (a memoryview's word: every channel, every look)
             if seq == channel.last_seq:
                 continue
             if seq != channel.last_seq + 1:  # only the client writes it, so it broke the protocol
@@ -209,8 +209,8 @@ class FastPathServer:
                 continue
             started = time.perf_counter()
             try:
-                deferred = serve_record(self.service, self.scope, views, ChannelHeaders(channel.authorization),
-                                        channel.session_id, channel.generation, seq, self.fair.take(channel))
+                deferred = serve_record(self.service, self.scope, views, channel.headers, channel.session_id,
+                                        channel.generation, seq, self.fair.take(channel))
             except Exception as exc:  # a bug of ours, maybe after the record was applied: answered, never again
                 logger.exception("fast path: record %d of session %d failed", seq, channel.session_id)
                 self._answer_bug(channel, views, seq, exc)

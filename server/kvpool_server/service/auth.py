@@ -47,6 +47,7 @@ __all__ = ["ADMIN_RPCS", "ANONYMOUS", "ROLES", "Authenticator", "Identity", "Ten
            "TokensFileError", "check_may_share_prefixes", "hash_token", "load_tokens_file"]
 logger = logging.getLogger(__name__)
 ADMIN_RPCS = frozenset({"ListSessions", "ListSequences", "CheckInvariants", "Drain", "SubscribeEvents"})
+MAX_DIGESTS = 4096  # known tokens' headers whose digest is kept (``Authenticator.identify``)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class Authenticator:
         self.num_blocks = num_blocks
         self.identities: dict[str, Identity] = {}
         self.policies: dict[str, TenantPolicy] = {}
+        # header -> its token's digest, for headers whose token was known when first seen: a fast-path channel's
+        # every record (and a stream's every message) carries the same header, and its sha256 is a pure function
+        # of it -- the digest is still looked up in ``identities`` at every call, so a revoked token is refused at
+        # its next one. Unknown tokens are never kept (no one fills it by guessing); at most MAX_DIGESTS entries.
+        self._digests: dict[str, str] = {}
         self.load()
 
     def load(self) -> None:
@@ -127,8 +133,15 @@ class Authenticator:
         if header is None:
             raise UnauthenticatedError(f"{rpc}: no 'authorization: Bearer <token>' metadata (this server has "
                                        "--auth-tokens)")
-        scheme, _, token = header.partition(" ")
-        identity = self.identities.get(hash_token(token.strip())) if scheme.lower() == "bearer" else None
+        digest = self._digests.get(header)
+        if digest is None:
+            scheme, _, token = header.partition(" ")
+            digest = hash_token(token.strip()) if scheme.lower() == "bearer" else ""
+            if digest in self.identities:
+                if len(self._digests) >= MAX_DIGESTS:
+                    self._digests.clear()
+                self._digests[header] = digest
+        identity = self.identities.get(digest)
         if identity is None:
             raise UnauthenticatedError(f"{rpc}: unknown or revoked token")
         if rpc in ADMIN_RPCS and not identity.is_admin:
