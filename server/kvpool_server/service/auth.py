@@ -105,6 +105,7 @@ class Authenticator:
                              parsed.tenants[tenant].share_prefixes)
             for digest, (tenant, role) in parsed.tokens.items()
         }
+        self._digests = {}  # a reload forgets every kept header: a revoked token's is not held on to
 
     def reload(self) -> bool:
         """SIGHUP: re-read the file. True once applied; False (the old tokens and limits kept, the reason logged)
