@@ -52,8 +52,13 @@ def test_a_session_closes_with_its_client_and_is_listed_while_open(server):
         seq = client.register()
         client.append(seq, 40)
         (child,) = client.fork(seq, 1)
-        sessions = {s.session_id: s for s in other.list_sessions()}
-        mine = sessions[client.session_id]
+
+        def listed():
+            return {s.session_id: s for s in other.list_sessions()}[client.session_id]
+
+        # the KeepAlive stream opens in the background: over the fast path the three calls can come before it
+        wait_for(lambda: listed().keep_alive_open, timeout=10)
+        mine = listed()
         assert (mine.num_sequences, mine.num_blocks, mine.keep_alive_open) == (2, 3, True)
         assert mine.lease_remaining_ms > 0 and mine.client_name
         assert {s.seq_id for s in other.list_sequences(client.session_id)} == {seq, child}
