@@ -8,7 +8,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, chain_encoded, hash_encoded, hash_many
+from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, chain_encoded, hash_encoded, hash_rows
 from kvpool_server.core.chain import NO_PENDING, Chain, FilledBlock, PendingRun, SharedPending, run_columns
 from kvpool_server.core.errors import InvariantViolationError
 from kvpool_server.core.prefix_cache import PrefixCache
@@ -259,15 +259,11 @@ class TokenChains:
     def _hash_filled(self, rows: np.ndarray) -> None:
         """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0, nothing
         pending: the step sealed it first): one block each, every step of the work done for all rows at once (one
-        gather of their bytes, one ``hash_many``, each a ``map``), only the chains' own fields set row by row. The
+        gather of their tokens, one ``hash_rows`` over it, each a ``map``), only the chains' own fields set row by row. The
         rows' runs share one token array, read-only over the gather's bytes (``PendingRun``: row k of it is row k's
         block): one object a row, its run."""
-        bs = self.block_size
-        row_bytes = bs * 4
         filled = self.partial.take(rows, axis=0)
         self.pending_tokens[rows] = filled
-        data = filled.astype(U32, copy=False).tobytes()
-        blocks = [data[at : at + row_bytes] for at in range(0, len(data), row_bytes)]
         row_list = rows.tolist()
         chains = list(map(self.chains.__getitem__, row_list))
         parents = list(map(_SEALED_HASH, chains))
@@ -278,7 +274,7 @@ class TokenChains:
         else:
             headers = list(map(_HEADER, chains))
             publics = repeat(0)
-        fields = zip(zip(hash_many(parents, headers, blocks)), repeat(self.pending_tokens), row_list, parents,
+        fields = zip(zip(hash_rows(parents, headers, filled)), repeat(self.pending_tokens), row_list, parents,
                      map(_SALT, chains), map(_EXTRA, chains), publics)
         for chain, run in zip(chains, map(tuple.__new__, repeat(FilledBlock), fields)):
             chain.pending = run
