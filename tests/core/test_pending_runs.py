@@ -5,10 +5,12 @@ and sealed with the token ids it was hashed from."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from kvpool_server.core import KVCacheManager
+from kvpool_server.core import KVCacheManager, filled_blocks, token_chains
 from kvpool_server.core.block_hash import chain_hashes
-from kvpool_server.core.chain import FilledBlock, PendingRun, SharedPending
+from kvpool_server.core.chain import Chain, FilledBlock, PendingRun, SharedPending
+from kvpool_server.core.filled_blocks import FilledBatch, SealColumns
 
 BS = 4
 
@@ -71,3 +73,45 @@ def test_a_seal_of_filled_blocks_from_different_steps_and_rows_inserts_each_ones
     assert sorted(cached_tokens(manager).values()) == [[1, 2, 3, 4], [50, 51, 52, 53]]
     assert manager.allocator.cache.entries.tokens.dtype == np.uint32
     manager.check_invariants()
+
+
+def test_a_seal_reads_the_filling_steps_batch_only_when_its_rows_and_runs_are_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TokenChains.filled`` (filled_blocks.py ``FilledBatch``): the next step sealing the same rows in the same
+    order takes the columns the filling step made; another order, a row sealed or refilled in between, or a fork
+    misses it -- and every way inserts each block with its own hash, parent and token ids."""
+    from_batch: list[bool] = []
+
+    def seal_columns(batch: FilledBatch | None, rows: np.ndarray, chains: list[Chain]) -> SealColumns | None:
+        columns = filled_blocks.seal_columns(batch, rows, chains)
+        from_batch.append(columns is not None and batch is not None and columns[0] is batch.hashes)
+        return columns
+
+    monkeypatch.setattr(token_chains, "seal_columns", seal_columns)
+
+    def run(order: str) -> dict[bytes, list[int]]:
+        manager = KVCacheManager(num_blocks=64, block_size=BS)
+        seqs = [manager.register(prompt_token_ids=[]) for _ in range(3)]
+        for step in range(BS):
+            manager.append(seqs, 1, token_ids=[10 * step + k for k in range(3)])  # fills every row's block 0
+        chains = manager.chains
+        assert chains.filled is not None and chains.filled.rows.tolist() == [manager.index.row(s) for s in seqs]
+        if order == "reversed":
+            seqs = seqs[::-1]
+        elif order == "one sealed first":
+            manager.append(seqs[1], 1, token_ids=[99])
+        elif order == "one refilled":
+            manager.append(seqs[1], BS, token_ids=[99, 98, 97, 96])  # seals block 0, hashes block 1 (its own run)
+        elif order == "forked":
+            manager.fork(seqs[0], 1)
+        from_batch.clear()
+        manager.append(seqs, 1, token_ids=[7, 8, 9])
+        assert from_batch == [order == "same"], order
+        manager.check_invariants()
+        return cached_tokens(manager)
+
+    expected = run("same")
+    assert sorted(expected.values()) == [[0, 10, 20, 30], [1, 11, 21, 31], [2, 12, 22, 32]]
+    assert run("reversed") == run("one sealed first") == run("forked") == expected
+    refilled = run("one refilled")
+    assert refilled.items() >= expected.items() and len(refilled) == 4

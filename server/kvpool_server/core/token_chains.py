@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, chain_encoded, hash_encoded, hash_rows
+from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, chain_encoded, hash_encoded
 from kvpool_server.core.chain import NO_PENDING, Chain, FilledBlock, PendingRun, SharedPending, run_columns
 from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.filled_blocks import FilledBatch, hash_filled, seal_columns
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
 
 U32 = np.dtype("<u4")
 _HASHES, _PENDING = attrgetter("hashes"), attrgetter("pending")
-_PARENT, _SALT, _EXTRA, _NUM_PUBLIC = attrgetter("parent"), attrgetter("salt"), attrgetter("extra"), attrgetter("num_public")
-_FILLED_FIELDS = attrgetter("hashes", "parent", "salt", "extra", "num_public")
-_SEALED_HASH, _HEADER = attrgetter("sealed_hash"), attrgetter("header")
 
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
 
@@ -69,6 +66,7 @@ class TokenChains:
         self.pending_tokens: np.ndarray = np.zeros((rows, block_size), dtype=np.uint32)  # FilledBlock's rows
         self.chains: dict[int, Chain] = {}
         self.prompts: PromptHashes = PromptHashes(block_size)  # a register's hashes of its prompt, for its prefill
+        self.filled: FilledBatch | None = None  # the last decode step's filled blocks, for their seal (a memo)
 
     @property
     def num_tracked(self) -> int:
@@ -160,29 +158,29 @@ class TokenChains:
         ``PrefixCache.insert_blocks`` for them all, by columns: hashes, parents, token ids, salts, extra keys);
         append (row, block) to ``public`` for each public one inserted (the ledger starts counting its references
         per tenant). When every row has one block pending of its own (a decode step's seal: ``FilledBlock``s), the
-        columns are one pass over the runs' fields and their token ids one gather of ``pending_tokens``; only the
-        chains' fields are set row by row."""
+        columns are those the step that filled them made (``seal_columns``: its ``FilledBatch``, or one pass over
+        the runs' fields) and their token ids one gather of ``pending_tokens``; only the chains' fields are set row
+        by row."""
         if not row_array.size:
             return
         rows = row_array.tolist()
         chains = list(map(self.chains.__getitem__, rows))
-        pendings: list[PendingRun] = list(map(_PENDING, chains))
-        classes = {p.__class__ for p in pendings}
-        if classes == {FilledBlock}:  # the decode step's: each row's one block, its token ids its pending_tokens row
-            ones, parents, salts, extras, publics = zip(*map(_FILLED_FIELDS, pendings))  # ones: (hash,) each
-            hashes = [h for h, in ones]
-            if any(publics):
-                salts = tuple([PUBLIC_SALT if p.num_public else p.salt for p in pendings])
+        columns = seal_columns(self.filled, row_array, chains)  # the decode step's: each row's one FilledBlock
+        if columns is not None:
+            self.filled = None
+            hashes = columns[0]
             block_ids = table[row_array, [chain.num_sealed for chain in chains]]
             for chain, h in zip(chains, hashes):
                 chain.num_sealed += 1
                 chain.sealed_hash = h
                 chain.pending = NO_PENDING
             self.has_pending[row_array] = False
-            inserted = cache.insert_blocks(block_ids, hashes, parents, self.pending_tokens[row_array], salts, extras)
+            inserted = cache.insert_blocks(block_ids, hashes, columns[1], self.pending_tokens[row_array], *columns[2:])
             if inserted:
                 public += [(rows[k], block_ids.item(k)) for k in inserted]
             return
+        pendings: list[PendingRun] = list(map(_PENDING, chains))
+        classes = {p.__class__ for p in pendings}
         hash_runs = list(map(_HASHES, pendings))
         if SharedPending not in classes:  # no fork shares them (a prefill's seal)
             self._seal_own(row_array, chains, pendings, hash_runs, table, cache, public)
@@ -258,26 +256,12 @@ class TokenChains:
 
     def _hash_filled(self, rows: np.ndarray) -> None:
         """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0, nothing
-        pending: the step sealed it first): one block each, every step of the work done for all rows at once (one
-        gather of their tokens, one ``hash_rows`` over it, each a ``map``), only the chains' own fields set row by row. The
-        rows' runs share one token array, read-only over the gather's bytes (``PendingRun``: row k of it is row k's
-        block): one object a row, its run."""
+        pending: the step sealed it first): one block each, their token ids gathered into ``pending_tokens`` at once,
+        hashed in one ``hash_rows`` (``filled_blocks.hash_filled``: one ``FilledBlock`` a row); the step's batch kept
+        (``filled``) for the seal of the same rows by their next step."""
         filled = self.partial.take(rows, axis=0)
         self.pending_tokens[rows] = filled
-        row_list = rows.tolist()
-        chains = list(map(self.chains.__getitem__, row_list))
-        parents = list(map(_SEALED_HASH, chains))
-        publics: Sequence[int] | repeat[int]
-        if any(map(_NUM_PUBLIC, chains)) and any([c.num_sealed < c.num_public for c in chains]):  # a public block
-            headers = [chain.header_of(chain.num_sealed) for chain in chains]
-            publics = [int(c.num_sealed < c.num_public) for c in chains]
-        else:
-            headers = list(map(_HEADER, chains))
-            publics = repeat(0)
-        fields = zip(zip(hash_rows(parents, headers, filled)), repeat(self.pending_tokens), row_list, parents,
-                     map(_SALT, chains), map(_EXTRA, chains), publics)
-        for chain, run in zip(chains, map(tuple.__new__, repeat(FilledBlock), fields)):
-            chain.pending = run
+        self.filled = hash_filled(list(map(self.chains.__getitem__, rows.tolist())), rows, filled, self.pending_tokens)
         self.has_pending[rows] = True
 
     def _hash_blocks(self, row: int, chain: Chain, data: bytes, known: Sequence[bytes] = ()) -> None:
