@@ -115,3 +115,20 @@ def test_a_seal_reads_the_filling_steps_batch_only_when_its_rows_and_runs_are_th
     assert run("reversed") == run("one sealed first") == run("forked") == expected
     refilled = run("one refilled")
     assert refilled.items() >= expected.items() and len(refilled) == 4
+
+
+def test_decode_steps_over_a_public_prefix_and_past_it_hash_each_block_with_its_salt() -> None:
+    """The same rows filling block after block one token a step (``hash_filled`` reusing the batch before's salts
+    and headers only once no block of it is public): the public prefix's blocks with PUBLIC_SALT, the rest with the
+    tenant's, every one in the cache as ``chain_hashes`` of the tokens says."""
+    manager = KVCacheManager(num_blocks=64, block_size=BS)
+    prompts = [[100 * k + i for i in range(2 * BS)] for k in range(3)]
+    seqs = [manager.register(prompt_token_ids=p, public_prefix_len=2 * BS) for p in prompts]
+    tokens = [[*p, *range(50 * k, 50 * k + 2 * BS + 1)] for k, p in enumerate(prompts)]
+    for step in range(4 * BS + 1):  # the prompt's two public blocks, then two more, then one to seal them
+        manager.append(seqs, 1, token_ids=[t[step] for t in tokens])
+        manager.check_invariants()
+    cached = manager.allocator.cache.block_of_hash
+    for t in tokens:
+        hashes = chain_hashes(t, BS, num_public=2)
+        assert len(hashes) == 4 and all(h in cached for h in hashes)

@@ -24,8 +24,10 @@ class FilledBatch(NamedTuple):
     """What ``hash_filled`` made for one decode step's ``rows`` (an int array, in the step's order): each row's
     ``FilledBlock`` (``runs``, which became the rows' chains' ``pending``) and the seal's columns of them --
     their ``hashes``, ``parents``, ``salts`` (PUBLIC_SALT for a public block) and ``extras`` -- made once, so that the
-    next step's seal of the same rows reads no block (``seal_columns``). A memo of the last step only
-    (``TokenChains.filled``): a row sealed, dropped or filled since makes it miss, never answer wrong."""
+    next step's seal of the same rows reads no block (``seal_columns``); and the rows' ``chains`` with their
+    ``headers`` (None when a block was public), so that the next filling of the same chains reads only their sealed
+    hashes (``hash_filled``). A memo of the last step only (``TokenChains.filled``): a row sealed, dropped, forked
+    or filled since makes it miss, never answer wrong."""
 
     rows: np.ndarray
     runs: list[FilledBlock]
@@ -33,28 +35,38 @@ class FilledBatch(NamedTuple):
     parents: list[bytes]
     salts: list[bytes]
     extras: list[bytes]
+    chains: list[Chain]
+    headers: list[bytes] | None
 
 
-def hash_filled(chains: list[Chain], rows: np.ndarray, filled: np.ndarray, pending_tokens: np.ndarray) -> FilledBatch:
+def hash_filled(chains: list[Chain], rows: np.ndarray, filled: np.ndarray, pending_tokens: np.ndarray,
+                last: FilledBatch | None) -> FilledBatch:
     """Hash the blocks of the (sealed: nothing pending) ``chains`` of ``rows`` that the decode step just filled
     (``filled``: their token ids, one row each, written to ``pending_tokens`` already): one ``hash_rows``, each field
-    a ``map``, one ``FilledBlock`` a chain made its ``pending``. Returns the batch."""
+    a ``map``, one ``FilledBlock`` a chain made its ``pending``. Returns the batch. The salts, extra keys and headers
+    are ``last``'s (the batch before) when it filled the same chains, in the same order, none of its blocks public
+    (a chain's salt, extra key and headers never change; its blocks past the public prefix stay past it)."""
     parents = list(map(_SEALED_HASH, chains))
-    salts, extras = list(map(_SALT, chains)), list(map(_EXTRA, chains))
-    publics: Sequence[int] | repeat[int]
-    if any(map(_NUM_PUBLIC, chains)) and any([c.num_sealed < c.num_public for c in chains]):  # a public block
-        headers = [chain.header_of(chain.num_sealed) for chain in chains]
-        publics = [int(c.num_sealed < c.num_public) for c in chains]
-        seal_salts = [PUBLIC_SALT if public else salt for public, salt in zip(publics, salts)]
+    publics: Sequence[int] | repeat[int] = repeat(0)
+    if last is not None and last.headers is not None and len(last.chains) == len(chains) and \
+            all(map(is_, chains, last.chains)):
+        salts, extras, headers, seal_salts = last.salts, last.extras, last.headers, last.salts
+        kept: list[bytes] | None = headers
     else:
-        headers = list(map(_HEADER, chains))
-        publics, seal_salts = repeat(0), salts
+        salts, extras = list(map(_SALT, chains)), list(map(_EXTRA, chains))
+        if any(map(_NUM_PUBLIC, chains)) and any([c.num_sealed < c.num_public for c in chains]):  # a public block
+            headers, kept = [chain.header_of(chain.num_sealed) for chain in chains], None
+            publics = [int(c.num_sealed < c.num_public) for c in chains]
+            seal_salts = [PUBLIC_SALT if public else salt for public, salt in zip(publics, salts)]
+        else:
+            headers = kept = list(map(_HEADER, chains))
+            seal_salts = salts
     hashes = hash_rows(parents, headers, filled)
     fields = zip(zip(hashes), repeat(pending_tokens), rows.tolist(), parents, salts, extras, publics)
     runs = list(map(tuple.__new__, repeat(FilledBlock), fields))
     for chain, run in zip(chains, runs):
         chain.pending = run
-    return FilledBatch(rows, runs, hashes, parents, seal_salts, extras)
+    return FilledBatch(rows, runs, hashes, parents, seal_salts, extras, chains, kept)
 
 
 def seal_columns(batch: FilledBatch | None, rows: np.ndarray, chains: list[Chain]) -> SealColumns | None:

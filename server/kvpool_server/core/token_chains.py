@@ -47,7 +47,7 @@ class TokenChains:
 
     Invariants (``check_invariants``): ``tracked`` marks exactly the rows of ``chains``, all live; a tracked row with
     n tokens has hashed ``n // block_size`` blocks (``num_hashes``) and holds ``fill[row] == n % block_size`` partial
-    tokens; ``has_pending[row]`` is whether its chain has pending blocks; an untracked row has ``fill`` 0 and
+    tokens; ``has_pending[row]`` is whether its chain has pending blocks (``num_pending`` counts them); an untracked row has ``fill`` 0 and
     ``has_pending`` false; a chain's pending entries chain from its ``sealed_hash``, each the hash of its block_size
     token ids with its block's salt and the chain's extra key, their token rows inside their run's uint32
     ``[*, block_size]`` array and its ``num_public`` the number of them below the chain's public prefix (a
@@ -60,6 +60,7 @@ class TokenChains:
         self.max_rows: int = max_rows
         self.tracked: np.ndarray = np.zeros(max_rows, dtype=bool)
         self.has_pending: np.ndarray = np.zeros(max_rows, dtype=bool)
+        self.num_pending: int = 0  # rows marked in has_pending: 0 in most decode steps, which then read none
         rows = min(INITIAL_ROWS, max_rows)
         self.partial: np.ndarray = np.zeros((rows, block_size), dtype=np.uint32)
         self.fill: np.ndarray = np.zeros(rows, dtype=np.intp)
@@ -95,6 +96,7 @@ class TokenChains:
             pop = self.chains.pop
             dropped = [row for row in rows if pop(row, None) is not None]
             if dropped:  # one scatter per array (a free of hundreds of rows)
+                self.num_pending -= np.count_nonzero(self.has_pending[dropped])
                 self.tracked[dropped] = self.has_pending[dropped] = False
                 self.fill[dropped] = 0
             self.prompts.forget(rows)
@@ -107,7 +109,9 @@ class TokenChains:
             self._reserve(max(child_rows) + 1)
             self.chains.update({row: chain.copy() for row in child_rows})
             self.tracked[child_rows] = True
+            self.num_pending -= np.count_nonzero(self.has_pending[child_rows])
             self.has_pending[child_rows] = self.has_pending[parent_row]
+            self.num_pending += len(child_rows) if self.has_pending.item(parent_row) else 0
             self.partial[child_rows] = self.partial[parent_row]
             self.fill[child_rows] = self.fill[parent_row]
 
@@ -131,8 +135,8 @@ class TokenChains:
             for row in rows[starting].tolist():
                 self.start(row, salt_of_row(row), [])
             tracked |= starting
-        pending = self.has_pending.take(rows)
-        if np.count_nonzero(pending):  # untracked rows have none; most decode steps seal nothing
+        pending = self.has_pending.take(rows) if self.num_pending else None
+        if pending is not None and np.count_nonzero(pending):  # untracked rows have none; most steps seal nothing
             self._seal(rows[pending], table, cache, public)
         if token_ids.size == rows.size:  # one token per row (every count is >= 1): the decode step
             if not all_tracked:
@@ -167,7 +171,6 @@ class TokenChains:
         chains = list(map(self.chains.__getitem__, rows))
         columns = seal_columns(self.filled, row_array, chains)  # the decode step's: each row's one FilledBlock
         if columns is not None:
-            self.filled = None
             hashes = columns[0]
             block_ids = table[row_array, [chain.num_sealed for chain in chains]]
             for chain, h in zip(chains, hashes):
@@ -175,6 +178,7 @@ class TokenChains:
                 chain.sealed_hash = h
                 chain.pending = NO_PENDING
             self.has_pending[row_array] = False
+            self.num_pending -= row_array.size
             inserted = cache.insert_blocks(block_ids, hashes, columns[1], self.pending_tokens[row_array], *columns[2:])
             if inserted:
                 public += [(rows[k], block_ids.item(k)) for k in inserted]
@@ -201,6 +205,7 @@ class TokenChains:
             chain.sealed_hash = new.hashes[-1]
             chain.pending = NO_PENDING
         self.has_pending[rows] = False
+        self.num_pending -= len(rows)
         if runs:
             for k in cache.insert_blocks(shared_ids, *run_columns(runs, list(map(_HASHES, runs)))):
                 public.append((owners[k], shared_ids[k]))
@@ -222,6 +227,7 @@ class TokenChains:
             chain.sealed_hash = hashes[-1]
             chain.pending = NO_PENDING
         self.has_pending[row_array] = False
+        self.num_pending -= row_array.size
         for k in cache.insert_blocks(block_ids, *run_columns(pendings, hash_runs)):
             public.append((owners.item(k), block_ids.item(k)))
 
@@ -261,8 +267,10 @@ class TokenChains:
         (``filled``) for the seal of the same rows by their next step."""
         filled = self.partial.take(rows, axis=0)
         self.pending_tokens[rows] = filled
-        self.filled = hash_filled(list(map(self.chains.__getitem__, rows.tolist())), rows, filled, self.pending_tokens)
+        self.filled = hash_filled(list(map(self.chains.__getitem__, rows.tolist())), rows, filled, self.pending_tokens,
+                                  self.filled)
         self.has_pending[rows] = True
+        self.num_pending += rows.size
 
     def _hash_blocks(self, row: int, chain: Chain, data: bytes, known: Sequence[bytes] = ()) -> None:
         """Hash new full blocks (``data``: their token ids, u32le, block after block) of the sealed chain of ``row``:
@@ -281,6 +289,7 @@ class TokenChains:
                                                    chain.sealed_hash, chain.salt, chain.extra,
                                                    min(num, max(0, chain.num_public - first))))
         self.has_pending[row] = True
+        self.num_pending += 1
 
     def _reserve(self, num_rows: int) -> None:
         """Make ``partial`` and ``fill`` hold ``num_rows`` rows at least: double them (max_rows at most)."""
@@ -334,4 +343,5 @@ class TokenChains:
             if chain.header != block_header(chain.salt, chain.extra, bs) or (
                     chain.num_public and chain.public_header != block_header(PUBLIC_SALT, chain.extra, bs)):
                 raise InvariantViolationError(f"row {row}'s block headers disagree with its salt and extra key")
-
+        if np.count_nonzero(self.has_pending) != self.num_pending:
+            raise InvariantViolationError("TokenChains.num_pending does not count the rows marked in has_pending")
