@@ -13,7 +13,7 @@
  *       many's digests, block i being bytes [i * block_bytes, (i + 1) * block_bytes) of data (any contiguous
  *       buffer of exactly len(parents) blocks): no bytes object a block
  *
- * The bytes hashed are the same as block_hash.py's loops hash (tests/common/test_block_hash_native.py compares
+ * The bytes hashed are the same as block_hash.py's loops hash (tests/core/test_chain_hashes.py compares
  * both on random input); block_hash.py uses this module when it is built, its own loops otherwise.
  */
 #define PY_SSIZE_T_CLEAN

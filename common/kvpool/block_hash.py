@@ -14,8 +14,8 @@ A public prefix (RegisterSequenceRequest.public_prefix_len) hashes its first ful
 one byte 0xFF, which occurs in no UTF-8 string: no tenant's salt can equal it, not even tenant 0's empty one. The
 blocks after it continue the same chain (parent = the last public hash) with the tenant's salt.
 
-The loops of ``chain_hashes``, ``hash_many`` and ``hash_rows`` run in ``kvpool._block_hash`` (C over OpenSSL's SHA-256, the GIL
-released while a long prompt hashes) where the install built it, and in Python otherwise, or when
+The loops of ``chain_hashes``, ``hash_many`` and ``hash_rows`` run in ``kvpool._block_hash`` (C over OpenSSL's
+SHA-256, the GIL released while a long prompt hashes) where the install built it, and in Python otherwise, or when
 ``KVPOOL_NATIVE_HASH=0``; both hash the bytes this module assembles (the extension only concatenates the pieces it
 is given), and tests/core/test_chain_hashes.py compares them. ``NATIVE`` says which runs.
 """

@@ -132,3 +132,21 @@ def test_decode_steps_over_a_public_prefix_and_past_it_hash_each_block_with_its_
     for t in tokens:
         hashes = chain_hashes(t, BS, num_public=2)
         assert len(hashes) == 4 and all(h in cached for h in hashes)
+
+
+def test_the_decode_steps_batch_copies_into_a_check_snapshot() -> None:
+    """CheckInvariants copies the manager's state into a snapshot made at start-up, field by field
+    (service/invariant_checks.py): a ``FilledBatch`` kept by the last decode step goes with it, and the copy checks."""
+    import copy
+
+    from kvpool_server.service.invariant_checks import copy_state
+
+    manager = KVCacheManager(num_blocks=64, block_size=BS)
+    snapshot = copy.deepcopy(manager)
+    seqs = [manager.register(prompt_token_ids=[]) for _ in range(3)]
+    for step in range(2 * BS + 1):  # two batches: the second fills the same chains, the seal between them
+        manager.append(seqs, 1, token_ids=[10 * step + k for k in range(3)])
+        copy_state(manager, snapshot)
+        snapshot.check_invariants()
+    assert isinstance(snapshot.chains.filled, FilledBatch) and snapshot.chains.filled is not manager.chains.filled
+    assert snapshot.chains.filled.hashes == manager.chains.filled.hashes

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_
-from typing import NamedTuple
 
 import numpy as np
 
@@ -20,14 +20,16 @@ _FILLED_FIELDS = attrgetter("hashes", "parent", "salt", "extra", "num_public")
 SealColumns = tuple[list[bytes], Sequence[bytes], Sequence[bytes], Sequence[bytes]]
 
 
-class FilledBatch(NamedTuple):
+@dataclass(eq=False)
+class FilledBatch:
     """What ``hash_filled`` made for one decode step's ``rows`` (an int array, in the step's order): each row's
     ``FilledBlock`` (``runs``, which became the rows' chains' ``pending``) and the seal's columns of them --
     their ``hashes``, ``parents``, ``salts`` (PUBLIC_SALT for a public block) and ``extras`` -- made once, so that the
     next step's seal of the same rows reads no block (``seal_columns``); and the rows' ``chains`` with their
     ``headers`` (None when a block was public), so that the next filling of the same chains reads only their sealed
     hashes (``hash_filled``). A memo of the last step only (``TokenChains.filled``): a row sealed, dropped, forked
-    or filled since makes it miss, never answer wrong."""
+    or filled since makes it miss, never answer wrong. A plain object (a ``__dict__``): CheckInvariants' snapshot
+    copies the core's objects field by field (service/invariant_checks.py ``copy_state``)."""
 
     rows: np.ndarray
     runs: list[FilledBlock]

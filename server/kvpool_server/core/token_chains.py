@@ -47,10 +47,10 @@ class TokenChains:
 
     Invariants (``check_invariants``): ``tracked`` marks exactly the rows of ``chains``, all live; a tracked row with
     n tokens has hashed ``n // block_size`` blocks (``num_hashes``) and holds ``fill[row] == n % block_size`` partial
-    tokens; ``has_pending[row]`` is whether its chain has pending blocks (``num_pending`` counts them); an untracked row has ``fill`` 0 and
-    ``has_pending`` false; a chain's pending entries chain from its ``sealed_hash``, each the hash of its block_size
-    token ids with its block's salt and the chain's extra key, their token rows inside their run's uint32
-    ``[*, block_size]`` array and its ``num_public`` the number of them below the chain's public prefix (a
+    tokens; ``has_pending[row]`` is whether its chain has pending blocks (``num_pending`` counts them); an untracked
+    row has ``fill`` 0 and ``has_pending`` false; a chain's pending entries chain from its ``sealed_hash``, each the
+    hash of its block_size token ids with its block's salt and the chain's extra key, their token rows inside their
+    run's uint32 ``[*, block_size]`` array and its ``num_public`` the number of them below the chain's public prefix (a
     ``FilledBlock``'s row is its chain's row of ``pending_tokens``); a chain's ``header`` (and
     ``public_header``, with a public prefix) is the ``block_header`` of its salt (PUBLIC_SALT) and extra key.
     """
