@@ -140,7 +140,10 @@ def many_flat_loop(prefix: bytes, parents: Sequence[bytes], headers: Sequence[by
                    block_bytes: int) -> list[bytes]:
     """``kvpool._block_hash.many_flat`` in Python: ``many_loop`` with block i bytes [i * block_bytes, (i + 1) *
     block_bytes) of ``data`` (exactly len(parents) blocks)."""
-    flat = memoryview(data).cast("B").tobytes()
+    view = memoryview(data)
+    if not view.c_contiguous:  # as the C side's buffer request refuses it
+        raise BufferError("many_flat: data must be one contiguous buffer")
+    flat = view.tobytes()
     if len(parents) != len(headers) or block_bytes <= 0 or len(flat) != len(parents) * block_bytes:
         raise ValueError("many_flat: parents and headers equally long, block_bytes > 0, data len(parents) blocks")
     if not all(isinstance(p, bytes) and isinstance(h, bytes) for p, h in zip(parents, headers)):

@@ -127,6 +127,8 @@ def test_bad_arguments_raise_the_same_errors(loop: str) -> None:
         many_flat(b"", ["not bytes"], [b""], b"xxxx", 4)
     with pytest.raises(TypeError):
         many_flat(b"", [bytes(32)], [b""], "not a buffer", 4)
+    with pytest.raises((BufferError, ValueError)):  # the buffer request's refusal, NumPy's or memoryview's
+        many_flat(b"", [bytes(32)], [b""], memoryview(bytes(8))[::2], 4)
 
 
 @needs_native
