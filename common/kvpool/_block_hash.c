@@ -9,8 +9,11 @@
  *       i - 1's digest; the first num_public blocks with header_public, the rest with header
  *   many(prefix, parents, headers, blocks) -> list[bytes]
  *       one digest for each (parent, header, block) of three equally long lists of bytes
+ *   many_flat(prefix, parents, headers, data, block_bytes) -> list[bytes]
+ *       many's digests, block i being bytes [i * block_bytes, (i + 1) * block_bytes) of data (any contiguous
+ *       buffer of exactly len(parents) blocks): no bytes object a block
  *
- * The bytes hashed are the same as block_hash.py's loops hash (tests/common/test_block_hash_native.py compares
+ * The bytes hashed are the same as block_hash.py's loops hash (tests/core/test_chain_hashes.py compares
  * both on random input); block_hash.py uses this module when it is built, its own loops otherwise.
  */
 #define PY_SSIZE_T_CLEAN
@@ -129,9 +132,52 @@ done:
     return result;
 }
 
+static PyObject *many_flat(PyObject *self, PyObject *args) {
+    Py_buffer prefix, data;
+    Py_ssize_t block_bytes;
+    PyObject *parents, *headers, *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*OOy*n", &prefix, &parents, &headers, &data, &block_bytes)) return NULL;
+    PyObject *ps = PySequence_Fast(parents, "many_flat: parents must be a sequence");
+    PyObject *hs = ps ? PySequence_Fast(headers, "many_flat: headers must be a sequence") : NULL;
+    if (hs == NULL) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ps);
+    if (PySequence_Fast_GET_SIZE(hs) != n || block_bytes <= 0 || data.len != n * block_bytes) {
+        PyErr_SetString(PyExc_ValueError,
+                        "many_flat: parents and headers equally long, block_bytes > 0, data len(parents) blocks");
+        goto done;
+    }
+    result = PyList_New(n);
+    if (result == NULL) goto done;
+    const unsigned char *tokens = data.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PySequence_Fast_GET_ITEM(ps, i), *h = PySequence_Fast_GET_ITEM(hs, i);
+        if (!PyBytes_Check(p) || !PyBytes_Check(h)) {
+            PyErr_SetString(PyExc_TypeError, "many_flat: every parent and header must be bytes");
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyObject *item = PyBytes_FromStringAndSize(NULL, DIGEST);
+        if (item == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        digest4(prefix.buf, prefix.len, (const unsigned char *)PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p),
+                (const unsigned char *)PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h), tokens + i * block_bytes,
+                block_bytes, (unsigned char *)PyBytes_AS_STRING(item));
+        PyList_SET_ITEM(result, i, item);
+    }
+done:
+    Py_XDECREF(ps);
+    Py_XDECREF(hs);
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&data);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "chain(prefix, parent, data, block_bytes, header_public, num_public, header)"},
     {"many", many, METH_VARARGS, "many(prefix, parents, headers, blocks)"},
+    {"many_flat", many_flat, METH_VARARGS, "many_flat(prefix, parents, headers, data, block_bytes)"},
     {NULL, NULL, 0, NULL},
 };
 

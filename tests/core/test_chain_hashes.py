@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool import block_hash as reference
-from kvpool_server.core.block_hash import NONE_HASH, block_hash, block_header, chain_hashes, hash_many, salt_of
+from kvpool_server.core.block_hash import (NONE_HASH, block_hash, block_header, chain_hashes, hash_many, hash_rows,
+                                           salt_of)
 
 try:
     from kvpool import _block_hash as native
@@ -51,6 +52,8 @@ def test_hash_many_is_block_hash_of_each(blocks: list[tuple[bytes, bytes, bytes,
     got = hash_many([p for p, _, _, _ in blocks], [block_header(s, e, 4) for _, s, e, _ in blocks],
                     [t.tobytes() for t in tokens])
     assert got == [block_hash(p, t, s, e) for (p, s, e, _), t in zip(blocks, tokens)]
+    rows = np.array([t for _, _, _, t in blocks], dtype=np.uint32).reshape(len(blocks), 4)
+    assert hash_rows([p for p, _, _, _ in blocks], [block_header(s, e, 4) for _, s, e, _ in blocks], rows) == got
 
 
 
@@ -77,6 +80,33 @@ def test_native_many_is_the_python_loop(triples: list[tuple[bytes, bytes, bytes]
 
 
 @needs_native
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(st.binary(max_size=40), st.binary(max_size=20)), max_size=20),
+       block_bytes=st.integers(-2, 24), extra_bytes=st.integers(-3, 3), as_array=st.booleans(),
+       prefix=st.sampled_from([reference.DOMAIN, b""]), seed=st.integers(0, 2**32 - 1))
+def test_native_many_flat_is_the_python_loop(pairs: list[tuple[bytes, bytes]], block_bytes: int, extra_bytes: int,
+                                             as_array: bool, prefix: bytes, seed: int) -> None:
+    """``many_flat`` (the decode step's blocks as one buffer): the same digests as the Python loop, each that of
+    ``many`` over the buffer's slices -- and the same refusal (ValueError) for a buffer of the wrong length or blocks
+    of no bytes."""
+    parents, headers = [p for p, _ in pairs], [h for _, h in pairs]
+    size = max(0, len(pairs) * block_bytes + extra_bytes)
+    data: bytes | np.ndarray = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    if as_array:
+        data = np.frombuffer(data, dtype=np.uint8).copy()
+    args = (prefix, parents, headers, data, block_bytes)
+    if block_bytes <= 0 or size != len(pairs) * block_bytes:
+        for loop in (native.many_flat, reference.many_flat_loop):
+            with pytest.raises(ValueError):
+                loop(*args)
+        return
+    flat = bytes(data)
+    expected = reference.many_loop(prefix, parents, headers,
+                                   [flat[at : at + block_bytes] for at in range(0, size, block_bytes)])
+    assert native.many_flat(*args) == reference.many_flat_loop(*args) == expected
+
+
+@needs_native
 @pytest.mark.parametrize("loop", ["native", "python"])
 def test_bad_arguments_raise_the_same_errors(loop: str) -> None:
     """Both loops refuse what the other refuses, with the same exception type (the callers never pass it: the
@@ -90,6 +120,15 @@ def test_bad_arguments_raise_the_same_errors(loop: str) -> None:
         many(b"", [bytes(32)], [b"", b""], [b"x"])  # lists of different lengths
     with pytest.raises(TypeError):
         many(b"", [bytes(32)], [b""], ["not bytes"])
+    many_flat = native.many_flat if loop == "native" else reference.many_flat_loop
+    with pytest.raises(ValueError):
+        many_flat(b"", [bytes(32)], [b"", b""], b"xxxx", 4)  # parents and headers of different lengths
+    with pytest.raises(TypeError):
+        many_flat(b"", ["not bytes"], [b""], b"xxxx", 4)
+    with pytest.raises(TypeError):
+        many_flat(b"", [bytes(32)], [b""], "not a buffer", 4)
+    with pytest.raises((BufferError, ValueError)):  # the buffer request's refusal, NumPy's or memoryview's
+        many_flat(b"", [bytes(32)], [b""], memoryview(bytes(8))[::2], 4)
 
 
 @needs_native
@@ -101,8 +140,13 @@ def test_chain_hashes_and_hash_many_alike_on_either_loop(monkeypatch: pytest.Mon
     parents = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(9)]
     headers = [block_header(b"t", b"lora", 16)] * 9
     blocks = [rng.integers(0, 2**32, 16, dtype=np.uint64).astype(np.uint32).tobytes() for _ in range(9)]
-    with_c = (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_many(parents, headers, blocks))
+    rows = np.frombuffer(b"".join(blocks), dtype=np.uint32).reshape(9, 16)
+    with_c = (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_many(parents, headers, blocks),
+              hash_rows(parents, headers, rows))
     monkeypatch.setattr(reference, "_chain", reference.chain_loop)
     monkeypatch.setattr(reference, "_many", reference.many_loop)
-    assert (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_many(parents, headers, blocks)) == with_c
+    monkeypatch.setattr(reference, "_many_flat", reference.many_flat_loop)
+    assert (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_many(parents, headers, blocks),
+            hash_rows(parents, headers, rows)) == with_c
+    assert with_c[2] == with_c[1]
     assert len(with_c[0]) == 40

@@ -5,10 +5,12 @@ and sealed with the token ids it was hashed from."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from kvpool_server.core import KVCacheManager
+from kvpool_server.core import KVCacheManager, filled_blocks, token_chains
 from kvpool_server.core.block_hash import chain_hashes
-from kvpool_server.core.chain import FilledBlock, PendingRun, SharedPending
+from kvpool_server.core.chain import Chain, FilledBlock, PendingRun, SharedPending
+from kvpool_server.core.filled_blocks import FilledBatch, SealColumns
 
 BS = 4
 
@@ -71,3 +73,80 @@ def test_a_seal_of_filled_blocks_from_different_steps_and_rows_inserts_each_ones
     assert sorted(cached_tokens(manager).values()) == [[1, 2, 3, 4], [50, 51, 52, 53]]
     assert manager.allocator.cache.entries.tokens.dtype == np.uint32
     manager.check_invariants()
+
+
+def test_a_seal_reads_the_filling_steps_batch_only_when_its_rows_and_runs_are_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TokenChains.filled`` (filled_blocks.py ``FilledBatch``): the next step sealing the same rows in the same
+    order takes the columns the filling step made; another order, a row sealed or refilled in between, or a fork
+    misses it -- and every way inserts each block with its own hash, parent and token ids."""
+    from_batch: list[bool] = []
+
+    def seal_columns(batch: FilledBatch | None, rows: np.ndarray, chains: list[Chain]) -> SealColumns | None:
+        columns = filled_blocks.seal_columns(batch, rows, chains)
+        from_batch.append(columns is not None and batch is not None and columns[0] is batch.hashes)
+        return columns
+
+    monkeypatch.setattr(token_chains, "seal_columns", seal_columns)
+
+    def run(order: str) -> dict[bytes, list[int]]:
+        manager = KVCacheManager(num_blocks=64, block_size=BS)
+        seqs = [manager.register(prompt_token_ids=[]) for _ in range(3)]
+        for step in range(BS):
+            manager.append(seqs, 1, token_ids=[10 * step + k for k in range(3)])  # fills every row's block 0
+        chains = manager.chains
+        assert chains.filled is not None and chains.filled.rows.tolist() == [manager.index.row(s) for s in seqs]
+        if order == "reversed":
+            seqs = seqs[::-1]
+        elif order == "one sealed first":
+            manager.append(seqs[1], 1, token_ids=[99])
+        elif order == "one refilled":
+            manager.append(seqs[1], BS, token_ids=[99, 98, 97, 96])  # seals block 0, hashes block 1 (its own run)
+        elif order == "forked":
+            manager.fork(seqs[0], 1)
+        from_batch.clear()
+        manager.append(seqs, 1, token_ids=[7, 8, 9])
+        assert from_batch == [order == "same"], order
+        manager.check_invariants()
+        return cached_tokens(manager)
+
+    expected = run("same")
+    assert sorted(expected.values()) == [[0, 10, 20, 30], [1, 11, 21, 31], [2, 12, 22, 32]]
+    assert run("reversed") == run("one sealed first") == run("forked") == expected
+    refilled = run("one refilled")
+    assert refilled.items() >= expected.items() and len(refilled) == 4
+
+
+def test_decode_steps_over_a_public_prefix_and_past_it_hash_each_block_with_its_salt() -> None:
+    """The same rows filling block after block one token a step (``hash_filled`` reusing the batch before's salts
+    and headers only once no block of it is public): the public prefix's blocks with PUBLIC_SALT, the rest with the
+    tenant's, every one in the cache as ``chain_hashes`` of the tokens says."""
+    manager = KVCacheManager(num_blocks=64, block_size=BS)
+    prompts = [[100 * k + i for i in range(2 * BS)] for k in range(3)]
+    seqs = [manager.register(prompt_token_ids=p, public_prefix_len=2 * BS) for p in prompts]
+    tokens = [[*p, *range(50 * k, 50 * k + 2 * BS + 1)] for k, p in enumerate(prompts)]
+    for step in range(4 * BS + 1):  # the prompt's two public blocks, then two more, then one to seal them
+        manager.append(seqs, 1, token_ids=[t[step] for t in tokens])
+        manager.check_invariants()
+    cached = manager.allocator.cache.block_of_hash
+    for t in tokens:
+        hashes = chain_hashes(t, BS, num_public=2)
+        assert len(hashes) == 4 and all(h in cached for h in hashes)
+
+
+def test_the_decode_steps_batch_copies_into_a_check_snapshot() -> None:
+    """CheckInvariants copies the manager's state into a snapshot made at start-up, field by field
+    (service/invariant_checks.py): a ``FilledBatch`` kept by the last decode step goes with it, and the copy checks."""
+    import copy
+
+    from kvpool_server.service.invariant_checks import copy_state
+
+    manager = KVCacheManager(num_blocks=64, block_size=BS)
+    snapshot = copy.deepcopy(manager)
+    seqs = [manager.register(prompt_token_ids=[]) for _ in range(3)]
+    for step in range(2 * BS + 1):  # two batches: the second fills the same chains, the seal between them
+        manager.append(seqs, 1, token_ids=[10 * step + k for k in range(3)])
+        copy_state(manager, snapshot)
+        snapshot.check_invariants()
+    assert isinstance(snapshot.chains.filled, FilledBatch) and snapshot.chains.filled is not manager.chains.filled
+    assert snapshot.chains.filled.hashes == manager.chains.filled.hashes

@@ -147,7 +147,8 @@ def test_a_decode_step_mixing_tracked_untracked_and_new_rows_tracks_the_new_ones
     manager.check_invariants()
 
 
-@pytest.mark.parametrize("corrupt", ["fill", "untracked fill", "has_pending", "untracked pending", "header"])
+@pytest.mark.parametrize("corrupt", ["fill", "untracked fill", "has_pending", "untracked pending", "header",
+                                     "num_pending"])
 def test_check_invariants_catches_a_corrupted_decode_state(corrupt: str) -> None:
     manager = KVCacheManager(num_blocks=64, block_size=BS)
     seq, other = manager.register(prompt_token_ids=[1, 2]), manager.register()
@@ -163,6 +164,8 @@ def test_check_invariants_catches_a_corrupted_decode_state(corrupt: str) -> None
         chains.has_pending[row] = False
     elif corrupt == "untracked pending":
         chains.has_pending[free_row] = True
+    elif corrupt == "num_pending":
+        chains.num_pending += 1
     else:
         chains.chains[row].header = b""
     with pytest.raises(InvariantViolationError):

@@ -23,6 +23,8 @@ not here (``kvpool_server.offload``, above the core): the core names what it evi
        tenants.py          TenantLedger: tenant of each row, blocks held, quotas -> budgets, public-block references
        token_chains.py     TokenChains: tracked rows' token ids and hashes; sealing (-> prefix_cache.insert)
        chain.py            Chain: one tracked row's hashes, sealed and pending (read by token_chains)
+       filled_blocks.py    FilledBatch: a decode step's filled blocks hashed at once, their seal's columns (read by
+                           token_chains)
        kv_events.py        KVEventLog: the cache's pending events -> numbered batches, bounded in bytes
                            (-> event_records: buffered packed)
     4  seq_index.py        SequenceIndex: seq_id -> row, scalar and vectorised

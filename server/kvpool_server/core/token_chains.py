@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
 
-from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, chain_encoded, hash_encoded, hash_many
+from kvpool_server.core.block_hash import NONE_HASH, PUBLIC_SALT, block_header, chain_encoded, hash_encoded
 from kvpool_server.core.chain import NO_PENDING, Chain, FilledBlock, PendingRun, SharedPending, run_columns
 from kvpool_server.core.errors import InvariantViolationError
+from kvpool_server.core.filled_blocks import FilledBatch, hash_filled, seal_columns
 from kvpool_server.core.prefix_cache import PrefixCache
 from kvpool_server.core.prompt_hashes import PromptHashes
 
 U32 = np.dtype("<u4")
 _HASHES, _PENDING = attrgetter("hashes"), attrgetter("pending")
-_PARENT, _SALT, _EXTRA, _NUM_PUBLIC = attrgetter("parent"), attrgetter("salt"), attrgetter("extra"), attrgetter("num_public")
-_FILLED_FIELDS = attrgetter("hashes", "parent", "salt", "extra", "num_public")
-_SEALED_HASH, _HEADER = attrgetter("sealed_hash"), attrgetter("header")
 
 INITIAL_ROWS = 64  # rows of ``partial`` at first; doubled as higher rows are tracked, up to max_rows
 
@@ -50,10 +47,10 @@ class TokenChains:
 
     Invariants (``check_invariants``): ``tracked`` marks exactly the rows of ``chains``, all live; a tracked row with
     n tokens has hashed ``n // block_size`` blocks (``num_hashes``) and holds ``fill[row] == n % block_size`` partial
-    tokens; ``has_pending[row]`` is whether its chain has pending blocks; an untracked row has ``fill`` 0 and
-    ``has_pending`` false; a chain's pending entries chain from its ``sealed_hash``, each the hash of its block_size
-    token ids with its block's salt and the chain's extra key, their token rows inside their run's uint32
-    ``[*, block_size]`` array and its ``num_public`` the number of them below the chain's public prefix (a
+    tokens; ``has_pending[row]`` is whether its chain has pending blocks (``num_pending`` counts them); an untracked
+    row has ``fill`` 0 and ``has_pending`` false; a chain's pending entries chain from its ``sealed_hash``, each the
+    hash of its block_size token ids with its block's salt and the chain's extra key, their token rows inside their
+    run's uint32 ``[*, block_size]`` array and its ``num_public`` the number of them below the chain's public prefix (a
     ``FilledBlock``'s row is its chain's row of ``pending_tokens``); a chain's ``header`` (and
     ``public_header``, with a public prefix) is the ``block_header`` of its salt (PUBLIC_SALT) and extra key.
     """
@@ -63,12 +60,14 @@ class TokenChains:
         self.max_rows: int = max_rows
         self.tracked: np.ndarray = np.zeros(max_rows, dtype=bool)
         self.has_pending: np.ndarray = np.zeros(max_rows, dtype=bool)
+        self.num_pending: int = 0  # rows marked in has_pending: 0 in most decode steps, which then read none
         rows = min(INITIAL_ROWS, max_rows)
         self.partial: np.ndarray = np.zeros((rows, block_size), dtype=np.uint32)
         self.fill: np.ndarray = np.zeros(rows, dtype=np.intp)
         self.pending_tokens: np.ndarray = np.zeros((rows, block_size), dtype=np.uint32)  # FilledBlock's rows
         self.chains: dict[int, Chain] = {}
         self.prompts: PromptHashes = PromptHashes(block_size)  # a register's hashes of its prompt, for its prefill
+        self.filled: FilledBatch | None = None  # the last decode step's filled blocks, for their seal (a memo)
 
     @property
     def num_tracked(self) -> int:
@@ -97,6 +96,7 @@ class TokenChains:
             pop = self.chains.pop
             dropped = [row for row in rows if pop(row, None) is not None]
             if dropped:  # one scatter per array (a free of hundreds of rows)
+                self.num_pending -= np.count_nonzero(self.has_pending[dropped])
                 self.tracked[dropped] = self.has_pending[dropped] = False
                 self.fill[dropped] = 0
             self.prompts.forget(rows)
@@ -109,7 +109,9 @@ class TokenChains:
             self._reserve(max(child_rows) + 1)
             self.chains.update({row: chain.copy() for row in child_rows})
             self.tracked[child_rows] = True
+            self.num_pending -= np.count_nonzero(self.has_pending[child_rows])
             self.has_pending[child_rows] = self.has_pending[parent_row]
+            self.num_pending += len(child_rows) if self.has_pending.item(parent_row) else 0
             self.partial[child_rows] = self.partial[parent_row]
             self.fill[child_rows] = self.fill[parent_row]
 
@@ -133,8 +135,8 @@ class TokenChains:
             for row in rows[starting].tolist():
                 self.start(row, salt_of_row(row), [])
             tracked |= starting
-        pending = self.has_pending.take(rows)
-        if np.count_nonzero(pending):  # untracked rows have none; most decode steps seal nothing
+        pending = self.has_pending.take(rows) if self.num_pending else None
+        if pending is not None and np.count_nonzero(pending):  # untracked rows have none; most steps seal nothing
             self._seal(rows[pending], table, cache, public)
         if token_ids.size == rows.size:  # one token per row (every count is >= 1): the decode step
             if not all_tracked:
@@ -160,29 +162,29 @@ class TokenChains:
         ``PrefixCache.insert_blocks`` for them all, by columns: hashes, parents, token ids, salts, extra keys);
         append (row, block) to ``public`` for each public one inserted (the ledger starts counting its references
         per tenant). When every row has one block pending of its own (a decode step's seal: ``FilledBlock``s), the
-        columns are one pass over the runs' fields and their token ids one gather of ``pending_tokens``; only the
-        chains' fields are set row by row."""
+        columns are those the step that filled them made (``seal_columns``: its ``FilledBatch``, or one pass over
+        the runs' fields) and their token ids one gather of ``pending_tokens``; only the chains' fields are set row
+        by row."""
         if not row_array.size:
             return
         rows = row_array.tolist()
         chains = list(map(self.chains.__getitem__, rows))
-        pendings: list[PendingRun] = list(map(_PENDING, chains))
-        classes = {p.__class__ for p in pendings}
-        if classes == {FilledBlock}:  # the decode step's: each row's one block, its token ids its pending_tokens row
-            ones, parents, salts, extras, publics = zip(*map(_FILLED_FIELDS, pendings))  # ones: (hash,) each
-            hashes = [h for h, in ones]
-            if any(publics):
-                salts = tuple([PUBLIC_SALT if p.num_public else p.salt for p in pendings])
+        columns = seal_columns(self.filled, row_array, chains)  # the decode step's: each row's one FilledBlock
+        if columns is not None:
+            hashes = columns[0]
             block_ids = table[row_array, [chain.num_sealed for chain in chains]]
             for chain, h in zip(chains, hashes):
                 chain.num_sealed += 1
                 chain.sealed_hash = h
                 chain.pending = NO_PENDING
             self.has_pending[row_array] = False
-            inserted = cache.insert_blocks(block_ids, hashes, parents, self.pending_tokens[row_array], salts, extras)
+            self.num_pending -= row_array.size
+            inserted = cache.insert_blocks(block_ids, hashes, columns[1], self.pending_tokens[row_array], *columns[2:])
             if inserted:
                 public += [(rows[k], block_ids.item(k)) for k in inserted]
             return
+        pendings: list[PendingRun] = list(map(_PENDING, chains))
+        classes = {p.__class__ for p in pendings}
         hash_runs = list(map(_HASHES, pendings))
         if SharedPending not in classes:  # no fork shares them (a prefill's seal)
             self._seal_own(row_array, chains, pendings, hash_runs, table, cache, public)
@@ -203,6 +205,7 @@ class TokenChains:
             chain.sealed_hash = new.hashes[-1]
             chain.pending = NO_PENDING
         self.has_pending[rows] = False
+        self.num_pending -= len(rows)
         if runs:
             for k in cache.insert_blocks(shared_ids, *run_columns(runs, list(map(_HASHES, runs)))):
                 public.append((owners[k], shared_ids[k]))
@@ -224,6 +227,7 @@ class TokenChains:
             chain.sealed_hash = hashes[-1]
             chain.pending = NO_PENDING
         self.has_pending[row_array] = False
+        self.num_pending -= row_array.size
         for k in cache.insert_blocks(block_ids, *run_columns(pendings, hash_runs)):
             public.append((owners.item(k), block_ids.item(k)))
 
@@ -258,31 +262,15 @@ class TokenChains:
 
     def _hash_filled(self, rows: np.ndarray) -> None:
         """``_hash_blocks`` for ``rows`` whose partial block the decode step just filled (``fill`` already 0, nothing
-        pending: the step sealed it first): one block each, every step of the work done for all rows at once (one
-        gather of their bytes, one ``hash_many``, each a ``map``), only the chains' own fields set row by row. The
-        rows' runs share one token array, read-only over the gather's bytes (``PendingRun``: row k of it is row k's
-        block): one object a row, its run."""
-        bs = self.block_size
-        row_bytes = bs * 4
+        pending: the step sealed it first): one block each, their token ids gathered into ``pending_tokens`` at once,
+        hashed in one ``hash_rows`` (``filled_blocks.hash_filled``: one ``FilledBlock`` a row); the step's batch kept
+        (``filled``) for the seal of the same rows by their next step."""
         filled = self.partial.take(rows, axis=0)
         self.pending_tokens[rows] = filled
-        data = filled.astype(U32, copy=False).tobytes()
-        blocks = [data[at : at + row_bytes] for at in range(0, len(data), row_bytes)]
-        row_list = rows.tolist()
-        chains = list(map(self.chains.__getitem__, row_list))
-        parents = list(map(_SEALED_HASH, chains))
-        publics: Sequence[int] | repeat[int]
-        if any(map(_NUM_PUBLIC, chains)) and any([c.num_sealed < c.num_public for c in chains]):  # a public block
-            headers = [chain.header_of(chain.num_sealed) for chain in chains]
-            publics = [int(c.num_sealed < c.num_public) for c in chains]
-        else:
-            headers = list(map(_HEADER, chains))
-            publics = repeat(0)
-        fields = zip(zip(hash_many(parents, headers, blocks)), repeat(self.pending_tokens), row_list, parents,
-                     map(_SALT, chains), map(_EXTRA, chains), publics)
-        for chain, run in zip(chains, map(tuple.__new__, repeat(FilledBlock), fields)):
-            chain.pending = run
+        self.filled = hash_filled(list(map(self.chains.__getitem__, rows.tolist())), rows, filled, self.pending_tokens,
+                                  self.filled)
         self.has_pending[rows] = True
+        self.num_pending += rows.size
 
     def _hash_blocks(self, row: int, chain: Chain, data: bytes, known: Sequence[bytes] = ()) -> None:
         """Hash new full blocks (``data``: their token ids, u32le, block after block) of the sealed chain of ``row``:
@@ -301,6 +289,7 @@ class TokenChains:
                                                    chain.sealed_hash, chain.salt, chain.extra,
                                                    min(num, max(0, chain.num_public - first))))
         self.has_pending[row] = True
+        self.num_pending += 1
 
     def _reserve(self, num_rows: int) -> None:
         """Make ``partial`` and ``fill`` hold ``num_rows`` rows at least: double them (max_rows at most)."""
@@ -354,4 +343,5 @@ class TokenChains:
             if chain.header != block_header(chain.salt, chain.extra, bs) or (
                     chain.num_public and chain.public_header != block_header(PUBLIC_SALT, chain.extra, bs)):
                 raise InvariantViolationError(f"row {row}'s block headers disagree with its salt and extra key")
-
+        if np.count_nonzero(self.has_pending) != self.num_pending:
+            raise InvariantViolationError("TokenChains.num_pending does not count the rows marked in has_pending")
