@@ -141,7 +141,7 @@ static PyObject *many_flat(PyObject *self, PyObject *args) {
     PyObject *hs = ps ? PySequence_Fast(headers, "many_flat: headers must be a sequence") : NULL;
     if (hs == NULL) goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(ps);
-    if (PySequence_Fast_GET_SIZE(hs) != n || block_bytes <= 0 || data.len != n * block_bytes) {
+    if (PySequence_Fast_GET_SIZE(hs) != n || block_bytes <= 0 || data.len % block_bytes || data.len / block_bytes != n) {
         PyErr_SetString(PyExc_ValueError,
                         "many_flat: parents and headers equally long, block_bytes > 0, data len(parents) blocks");
         goto done;
