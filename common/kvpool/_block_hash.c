@@ -1,4 +1,4 @@
-/* kvpool._block_hash: the loops of kvpool.block_hash (chain_hashes, hash_many) over OpenSSL's SHA-256, the GIL
+/* kvpool._block_hash: the loops of kvpool.block_hash (chain_hashes, hash_rows) over OpenSSL's SHA-256, the GIL
  * released while a long run hashes. The encoding is defined once, in block_hash.py's docstring; this file only
  * concatenates the pieces that module hands it, in the order it names:
  *
@@ -7,11 +7,10 @@
  *   chain(prefix, parent, data, block_bytes, header_public, num_public, header) -> list[bytes]
  *       the digests of data's whole blocks of block_bytes each, chained from parent: block i's parent is block
  *       i - 1's digest; the first num_public blocks with header_public, the rest with header
- *   many(prefix, parents, headers, blocks) -> list[bytes]
- *       one digest for each (parent, header, block) of three equally long lists of bytes
  *   many_flat(prefix, parents, headers, data, block_bytes) -> list[bytes]
- *       many's digests, block i being bytes [i * block_bytes, (i + 1) * block_bytes) of data (any contiguous
- *       buffer of exactly len(parents) blocks): no bytes object a block
+ *       one digest for each (parent, header, block) of two equally long lists of bytes and the blocks of data,
+ *       block i being bytes [i * block_bytes, (i + 1) * block_bytes) of it (any contiguous buffer of exactly
+ *       len(parents) blocks): no bytes object a block
  *
  * The bytes hashed are the same as block_hash.py's loops hash (tests/core/test_chain_hashes.py compares
  * both on random input); block_hash.py uses this module when it is built, its own loops otherwise.
@@ -90,48 +89,6 @@ done:
     return result;
 }
 
-static PyObject *many(PyObject *self, PyObject *args) {
-    Py_buffer prefix;
-    PyObject *parents, *headers, *blocks, *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*OOO", &prefix, &parents, &headers, &blocks)) return NULL;
-    PyObject *ps = PySequence_Fast(parents, "many: parents must be a sequence");
-    PyObject *hs = ps ? PySequence_Fast(headers, "many: headers must be a sequence") : NULL;
-    PyObject *bs = hs ? PySequence_Fast(blocks, "many: blocks must be a sequence") : NULL;
-    if (bs == NULL) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(ps);
-    if (PySequence_Fast_GET_SIZE(hs) != n || PySequence_Fast_GET_SIZE(bs) != n) {
-        PyErr_SetString(PyExc_ValueError, "many: parents, headers and blocks must be equally long");
-        goto done;
-    }
-    result = PyList_New(n);
-    if (result == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *p = PySequence_Fast_GET_ITEM(ps, i), *h = PySequence_Fast_GET_ITEM(hs, i);
-        PyObject *b = PySequence_Fast_GET_ITEM(bs, i);
-        if (!PyBytes_Check(p) || !PyBytes_Check(h) || !PyBytes_Check(b)) {
-            PyErr_SetString(PyExc_TypeError, "many: every parent, header and block must be bytes");
-            Py_CLEAR(result);
-            goto done;
-        }
-        unsigned char out[DIGEST];
-        digest4(prefix.buf, prefix.len, (const unsigned char *)PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p),
-                (const unsigned char *)PyBytes_AS_STRING(h), PyBytes_GET_SIZE(h),
-                (const unsigned char *)PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b), out);
-        PyObject *item = PyBytes_FromStringAndSize((const char *)out, DIGEST);
-        if (item == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, item);
-    }
-done:
-    Py_XDECREF(ps);
-    Py_XDECREF(hs);
-    Py_XDECREF(bs);
-    PyBuffer_Release(&prefix);
-    return result;
-}
-
 static PyObject *many_flat(PyObject *self, PyObject *args) {
     Py_buffer prefix, data;
     Py_ssize_t block_bytes;
@@ -176,7 +133,6 @@ done:
 
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "chain(prefix, parent, data, block_bytes, header_public, num_public, header)"},
-    {"many", many, METH_VARARGS, "many(prefix, parents, headers, blocks)"},
     {"many_flat", many_flat, METH_VARARGS, "many_flat(prefix, parents, headers, data, block_bytes)"},
     {NULL, NULL, 0, NULL},
 };

@@ -14,7 +14,7 @@ A public prefix (RegisterSequenceRequest.public_prefix_len) hashes its first ful
 one byte 0xFF, which occurs in no UTF-8 string: no tenant's salt can equal it, not even tenant 0's empty one. The
 blocks after it continue the same chain (parent = the last public hash) with the tenant's salt.
 
-The loops of ``chain_hashes``, ``hash_many`` and ``hash_rows`` run in ``kvpool._block_hash`` (C over OpenSSL's
+The loops of ``chain_hashes`` and ``hash_rows`` run in ``kvpool._block_hash`` (C over OpenSSL's
 SHA-256, the GIL released while a long prompt hashes) where the install built it, and in Python otherwise, or when
 ``KVPOOL_NATIVE_HASH=0``; both hash the bytes this module assembles (the extension only concatenates the pieces it
 is given), and tests/core/test_chain_hashes.py compares them. ``NATIVE`` says which runs.
@@ -78,14 +78,9 @@ def hash_encoded(parent_hash: bytes, header: bytes, token_bytes: bytes) -> bytes
     return hashlib.sha256(DOMAIN + parent_hash + header + token_bytes).digest()
 
 
-def hash_many(parents: Sequence[bytes], headers: Sequence[bytes], token_bytes: Sequence[bytes]) -> list[bytes]:
-    """``hash_encoded`` of each (parent hash, header, token bytes): many blocks of different chains at once, in one
-    call (``hash_rows``: the same with the blocks' token ids the rows of one array)."""
-    return _many(DOMAIN, parents, headers, token_bytes)
-
-
 def hash_rows(parents: Sequence[bytes], headers: Sequence[bytes], tokens: np.ndarray) -> list[bytes]:
-    """``hash_many`` of blocks given as the rows of one array (``tokens``: [len(parents), block_size] token ids, a
+    """``hash_encoded`` of each (parent hash, header, block): many blocks of different chains at once, in one call,
+    the blocks given as the rows of one array (``tokens``: [len(parents), block_size] token ids, a
     decode step's filled blocks): their u32le bytes one buffer, no bytes object a block."""
     data = np.ascontiguousarray(tokens, dtype="<u4")
     return _many_flat(DOMAIN, parents, headers, data.data, data.shape[1] * 4 if data.ndim == 2 else 0)
@@ -127,19 +122,10 @@ def chain_loop(prefix: bytes, parent: bytes, data: bytes, block_bytes: int, head
     return hashes
 
 
-def many_loop(prefix: bytes, parents: Sequence[bytes], headers: Sequence[bytes],
-              blocks: Sequence[bytes]) -> list[bytes]:
-    """``kvpool._block_hash.many`` in Python: sha256(prefix || parent || header || block) of each triple."""
-    if not len(parents) == len(headers) == len(blocks):
-        raise ValueError("many: parents, headers and blocks must be equally long")
-    sha256 = hashlib.sha256
-    return [sha256(prefix + p + h + t).digest() for p, h, t in zip(parents, headers, blocks)]
-
-
 def many_flat_loop(prefix: bytes, parents: Sequence[bytes], headers: Sequence[bytes], data: Buffer,
                    block_bytes: int) -> list[bytes]:
-    """``kvpool._block_hash.many_flat`` in Python: ``many_loop`` with block i bytes [i * block_bytes, (i + 1) *
-    block_bytes) of ``data`` (exactly len(parents) blocks)."""
+    """``kvpool._block_hash.many_flat`` in Python: sha256(prefix || parent || header || block) of each, block i
+    bytes [i * block_bytes, (i + 1) * block_bytes) of ``data`` (exactly len(parents) blocks)."""
     view = memoryview(data)
     if not view.c_contiguous:  # as the C side's buffer request refuses it
         raise BufferError("many_flat: data must be one contiguous buffer")
@@ -148,11 +134,12 @@ def many_flat_loop(prefix: bytes, parents: Sequence[bytes], headers: Sequence[by
         raise ValueError("many_flat: parents and headers equally long, block_bytes > 0, data len(parents) blocks")
     if not all(isinstance(p, bytes) and isinstance(h, bytes) for p, h in zip(parents, headers)):
         raise TypeError("many_flat: every parent and header must be bytes")
-    return many_loop(prefix, parents, headers, [flat[at : at + block_bytes] for at in range(0, len(flat), block_bytes)])
+    sha256 = hashlib.sha256
+    return [sha256(prefix + p + h + flat[at : at + block_bytes]).digest()
+            for p, h, at in zip(parents, headers, range(0, len(flat), block_bytes))]
 
 
-_chain, _many, _many_flat = (chain_loop, many_loop, many_flat_loop) if _native is None else (
-    _native.chain, _native.many, _native.many_flat)
+_chain, _many_flat = (chain_loop, many_flat_loop) if _native is None else (_native.chain, _native.many_flat)
 
 
 def salt_of(block_index: int, num_public: int, salt: bytes) -> bytes:

@@ -4,13 +4,14 @@ KV events' wire contract)."""
 
 from __future__ import annotations
 
+import hashlib
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool import block_hash as reference
-from kvpool_server.core.block_hash import (NONE_HASH, block_hash, block_header, chain_hashes, hash_many, hash_rows,
+from kvpool_server.core.block_hash import (NONE_HASH, block_hash, block_header, chain_hashes, hash_rows,
                                            salt_of)
 
 try:
@@ -46,14 +47,13 @@ def test_chain_hashes_equal_block_by_block(block_size: int, tokens: list[int], s
 @given(blocks=st.lists(st.tuples(st.sampled_from([NONE_HASH, bytes(range(32))]), st.sampled_from([b"", b"t"]),
                                  st.sampled_from([b"", b"lora-x"]), st.lists(st.integers(0, 2**32 - 1), min_size=4,
                                                                              max_size=4)), max_size=20))
-def test_hash_many_is_block_hash_of_each(blocks: list[tuple[bytes, bytes, bytes, list[int]]]) -> None:
-    """The decode step's hashes, many chains' blocks at once, are each block's own ``block_hash``."""
+def test_hash_rows_is_block_hash_of_each(blocks: list[tuple[bytes, bytes, bytes, list[int]]]) -> None:
+    """The decode step's hashes, many chains' blocks at once (the rows of one array), are each block's own
+    ``block_hash``."""
     tokens = [np.array(t, dtype=np.uint32) for _, _, _, t in blocks]
-    got = hash_many([p for p, _, _, _ in blocks], [block_header(s, e, 4) for _, s, e, _ in blocks],
-                    [t.tobytes() for t in tokens])
-    assert got == [block_hash(p, t, s, e) for (p, s, e, _), t in zip(blocks, tokens)]
     rows = np.array([t for _, _, _, t in blocks], dtype=np.uint32).reshape(len(blocks), 4)
-    assert hash_rows([p for p, _, _, _ in blocks], [block_header(s, e, 4) for _, s, e, _ in blocks], rows) == got
+    assert hash_rows([p for p, _, _, _ in blocks], [block_header(s, e, 4) for _, s, e, _ in blocks], rows) == \
+        [block_hash(p, t, s, e) for (p, s, e, _), t in zip(blocks, tokens)]
 
 
 
@@ -70,24 +70,14 @@ def test_native_chain_is_the_python_loop(block_bytes: int, data: bytes, parent: 
 
 
 @needs_native
-@settings(max_examples=100, deadline=None)
-@given(triples=st.lists(st.tuples(st.binary(max_size=40), st.binary(max_size=20), st.binary(max_size=80)),
-                        max_size=20))
-def test_native_many_is_the_python_loop(triples: list[tuple[bytes, bytes, bytes]]) -> None:
-    parents, headers, blocks = ([t[i] for t in triples] for i in range(3))
-    assert native.many(reference.DOMAIN, parents, headers, blocks) == \
-        reference.many_loop(reference.DOMAIN, parents, headers, blocks)
-
-
-@needs_native
 @settings(max_examples=200, deadline=None)
 @given(pairs=st.lists(st.tuples(st.binary(max_size=40), st.binary(max_size=20)), max_size=20),
        block_bytes=st.integers(-2, 24), extra_bytes=st.integers(-3, 3), as_array=st.booleans(),
        prefix=st.sampled_from([reference.DOMAIN, b""]), seed=st.integers(0, 2**32 - 1))
 def test_native_many_flat_is_the_python_loop(pairs: list[tuple[bytes, bytes]], block_bytes: int, extra_bytes: int,
                                              as_array: bool, prefix: bytes, seed: int) -> None:
-    """``many_flat`` (the decode step's blocks as one buffer): the same digests as the Python loop, each that of
-    ``many`` over the buffer's slices -- and the same refusal (ValueError) for a buffer of the wrong length or blocks
+    """``many_flat`` (the decode step's blocks as one buffer): the same digests as the Python loop, each the sha256 of
+    its prefix, parent, header and slice of the buffer -- and the same refusal (ValueError) for a buffer of the wrong length or blocks
     of no bytes."""
     parents, headers = [p for p, _ in pairs], [h for _, h in pairs]
     size = max(0, len(pairs) * block_bytes + extra_bytes)
@@ -101,8 +91,8 @@ def test_native_many_flat_is_the_python_loop(pairs: list[tuple[bytes, bytes]], b
                 loop(*args)
         return
     flat = bytes(data)
-    expected = reference.many_loop(prefix, parents, headers,
-                                   [flat[at : at + block_bytes] for at in range(0, size, block_bytes)])
+    expected = [hashlib.sha256(prefix + p + h + flat[at : at + block_bytes]).digest()
+                for p, h, at in zip(parents, headers, range(0, size, block_bytes))]
     assert native.many_flat(*args) == reference.many_flat_loop(*args) == expected
 
 
@@ -111,20 +101,18 @@ def test_native_many_flat_is_the_python_loop(pairs: list[tuple[bytes, bytes]], b
 def test_bad_arguments_raise_the_same_errors(loop: str) -> None:
     """Both loops refuse what the other refuses, with the same exception type (the callers never pass it: the
     core hands them its own hashes and bytes)."""
-    chain, many = (native.chain, native.many) if loop == "native" else (reference.chain_loop, reference.many_loop)
+    chain = native.chain if loop == "native" else reference.chain_loop
     with pytest.raises(ValueError):
         chain(b"", bytes(31), b"abcd", 4, b"", 0, b"")  # a parent of 31 bytes
     with pytest.raises(ValueError):
         chain(b"", bytes(32), b"abcd", 0, b"", 0, b"")  # blocks of 0 bytes
-    with pytest.raises(ValueError):
-        many(b"", [bytes(32)], [b"", b""], [b"x"])  # lists of different lengths
-    with pytest.raises(TypeError):
-        many(b"", [bytes(32)], [b""], ["not bytes"])
     many_flat = native.many_flat if loop == "native" else reference.many_flat_loop
     with pytest.raises(ValueError):
         many_flat(b"", [bytes(32)], [b"", b""], b"xxxx", 4)  # parents and headers of different lengths
     with pytest.raises(TypeError):
         many_flat(b"", ["not bytes"], [b""], b"xxxx", 4)
+    with pytest.raises(TypeError):
+        many_flat(b"", [bytes(32)], ["not bytes"], b"xxxx", 4)
     with pytest.raises(TypeError):
         many_flat(b"", [bytes(32)], [b""], "not a buffer", 4)
     with pytest.raises((BufferError, ValueError)):  # the buffer request's refusal, NumPy's or memoryview's
@@ -132,7 +120,7 @@ def test_bad_arguments_raise_the_same_errors(loop: str) -> None:
 
 
 @needs_native
-def test_chain_hashes_and_hash_many_alike_on_either_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chain_hashes_and_hash_rows_alike_on_either_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """What an install without the C module computes (block_hash's dispatch to the Python loops) is what one with
     it computes: a prompt of public, tenant and partial blocks; a decode step's blocks of several chains."""
     rng = np.random.default_rng(7)
@@ -141,12 +129,9 @@ def test_chain_hashes_and_hash_many_alike_on_either_loop(monkeypatch: pytest.Mon
     headers = [block_header(b"t", b"lora", 16)] * 9
     blocks = [rng.integers(0, 2**32, 16, dtype=np.uint64).astype(np.uint32).tobytes() for _ in range(9)]
     rows = np.frombuffer(b"".join(blocks), dtype=np.uint32).reshape(9, 16)
-    with_c = (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_many(parents, headers, blocks),
-              hash_rows(parents, headers, rows))
+    with_c = (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_rows(parents, headers, rows))
     monkeypatch.setattr(reference, "_chain", reference.chain_loop)
-    monkeypatch.setattr(reference, "_many", reference.many_loop)
     monkeypatch.setattr(reference, "_many_flat", reference.many_flat_loop)
-    assert (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_many(parents, headers, blocks),
-            hash_rows(parents, headers, rows)) == with_c
-    assert with_c[2] == with_c[1]
+    assert (chain_hashes(prompt, 16, b"t", NONE_HASH, b"lora", 3), hash_rows(parents, headers, rows)) == with_c
+    assert with_c[1] == [reference.hash_encoded(p, h, b) for p, h, b in zip(parents, headers, blocks)]
     assert len(with_c[0]) == 40

@@ -13,11 +13,10 @@ from kvpool.block_hash import (
     chain_encoded,
     chain_hashes,
     hash_encoded,
-    hash_many,
     hash_rows,
     salt_of,
 )
 
 __all__ = ["DOMAIN", "HEADER_CACHE_SIZE", "MAX_EXTRA_KEY_BYTES", "NATIVE", "NONE_HASH", "PUBLIC_SALT", "block_hash",
-           "block_header", "chain_encoded", "chain_hashes", "hash_encoded", "hash_many",
-           "hash_rows", "salt_of"]
+           "block_header", "chain_encoded", "chain_hashes", "hash_encoded", "hash_rows",
+           "salt_of"]
